@@ -1,0 +1,34 @@
+"""The trainer's side of the rollout pipeline and the shared plumbing.
+
+    import pipeline
+    client = pipeline.connect()
+    batch = client.submit(requests, run="step-42")
+    batch.wait(timeout=600)
+    table = batch.read()
+
+Importing this package never imports torch, transformers or sglang.
+"""
+
+from pipeline.batch import Batch
+from pipeline.client import Client, connect
+from pipeline.errors import (
+    CapabilityError,
+    JobsFailedError,
+    PipelineError,
+    RequestFileError,
+    WaitTimeoutError,
+)
+from pipeline.reader import read_rollouts, rollouts_dataset
+
+__all__ = [
+    "Batch",
+    "CapabilityError",
+    "Client",
+    "JobsFailedError",
+    "PipelineError",
+    "RequestFileError",
+    "WaitTimeoutError",
+    "connect",
+    "read_rollouts",
+    "rollouts_dataset",
+]

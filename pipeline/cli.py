@@ -1,0 +1,142 @@
+"""The `pipeline` command line.
+
+Every command takes `--redis URL` (default `$PIPELINE_REDIS_URL`, else the embedded server).
+Commands that need the GPU side (`worker`, `demo`) are contributed by the `workers` package
+through the `pipeline.commands` entry point group, so `pipeline` never imports `workers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from pipeline.errors import PipelineError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _add_redis(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis", metavar="URL", default=None,
+                        help="Redis URL (default: $PIPELINE_REDIS_URL, else the embedded server)")
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from pipeline.client import connect
+    from pipeline.request_file import read_request_file
+
+    requests = read_request_file(args.file, vocab_size=args.vocab_size)
+    client = connect(args.redis)
+    batch = client.submit(
+        requests,
+        run=args.run,
+        output=args.output,
+        batch_size=args.batch_size,
+        min_weight_version=args.min_weight_version,
+    )
+    plan = batch.plan
+    print(f"run: {plan.run}")
+    print(f"requests: {plan.requests} ({plan.samples} samples) in {len(plan.job_ids)} jobs")
+    print(f"output: {batch.url}")
+    if args.wait:
+        status = batch.wait(timeout=args.timeout, progress=True)
+        print(f"done: {status.counts['finished']} jobs, {batch.committed_rows()} rows")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pipeline.connection import connect_redis
+    from pipeline.status import collect, format_status
+
+    status = collect(connect_redis(args.redis), run=args.run)
+    print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from pipeline.display import format_rows, rows_as_json
+    from pipeline.reader import read_rollouts
+
+    table = read_rollouts(args.url)
+    if args.limit is not None:
+        table = table.slice(0, args.limit)
+    if table.num_rows == 0:
+        print(f"no rows under {args.url}", file=sys.stderr)
+        return EXIT_FAILED
+    print(rows_as_json(table, token_ids=args.token_ids) if args.json
+          else format_rows(table, token_ids=args.token_ids))
+    return 0
+
+
+def _cmd_redis(args: argparse.Namespace) -> int:
+    from pipeline.redis_server import embedded_server
+
+    server = embedded_server()
+    if args.action == "start":
+        print(server.ensure_started())
+    elif args.action == "url":
+        print(server.url if server.is_running() else "not running")
+    elif args.action == "stop":
+        print("stopped" if server.stop() else "not running")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeline", description="Token-exact LLM rollouts over Redis/RQ into Parquet.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="validate a JSONL of requests and enqueue all of it")
+    _add_redis(p)
+    p.add_argument("file")
+    p.add_argument("--run", default=None, help="run name (default: a new timestamped one)")
+    p.add_argument("--output", default=None, help="fsspec URL for shards (default: $PIPELINE_OUTPUT or the state dir)")
+    p.add_argument("--batch-size", type=int, default=64, help="requests per job (default 64)")
+    p.add_argument("--min-weight-version", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
+    p.add_argument("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
+    p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("status", help="queues, workers, weight versions, runs, failures")
+    _add_redis(p)
+    p.add_argument("--run", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("show", help="print the rows of a run directory or shard")
+    p.add_argument("url")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--token-ids", action="store_true", help="render tokens as token_id:<id> (display only)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser("redis", help="the embedded Redis server")
+    p.add_argument("action", choices=["start", "stop", "url"])
+    p.set_defaults(func=_cmd_redis)
+
+    for entry in entry_points(group="pipeline.commands"):
+        register = entry.load()
+        register(sub, _add_redis)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        from pipeline.errors import JobsFailedError, RequestFileError
+
+        return EXIT_USAGE if isinstance(exc, RequestFileError) else (
+            EXIT_FAILED if isinstance(exc, JobsFailedError) else EXIT_USAGE)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

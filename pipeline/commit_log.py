@@ -1,0 +1,60 @@
+"""The per-run commit log: a Redis stream with one entry per shard a worker committed.
+
+Readers dedupe by job id (a retried job rewrites the same shard and appends again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from pipeline import keys
+
+
+@dataclass(frozen=True)
+class Commit:
+    job_id: str
+    batch_id: str
+    url: str
+    rows: int
+    tokens: int
+    weight_version: int
+    entry_id: str = ""
+
+    @classmethod
+    def from_fields(cls, entry_id: str, fields: dict[bytes, bytes]) -> Commit:
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        return cls(
+            job_id=f["job_id"],
+            batch_id=f.get("batch_id", ""),
+            url=f["url"],
+            rows=int(f["rows"]),
+            tokens=int(f["tokens"]),
+            weight_version=int(f["weight_version"]),
+            entry_id=entry_id,
+        )
+
+
+def append(conn: redis.Redis | redis.client.Pipeline, run: str, commit: Commit) -> None:
+    conn.xadd(
+        keys.commit_log(run),
+        {
+            "job_id": commit.job_id,
+            "batch_id": commit.batch_id,
+            "url": commit.url,
+            "rows": commit.rows,
+            "tokens": commit.tokens,
+            "weight_version": commit.weight_version,
+        },
+    )
+
+
+def read_all(conn: redis.Redis, run: str) -> list[Commit]:
+    """Every commit of a run, one per job id (the latest), in commit order."""
+    latest: dict[str, Commit] = {}
+    for entry_id, fields in conn.xrange(keys.commit_log(run)):
+        commit = Commit.from_fields(entry_id.decode(), fields)
+        latest.pop(commit.job_id, None)
+        latest[commit.job_id] = commit
+    return list(latest.values())

@@ -1,0 +1,30 @@
+"""Names of the Redis keys and RQ queues the pipeline uses, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "pipeline"
+QUEUE_NAME = "rollouts"
+
+
+def commit_log(run: str) -> str:
+    """The per-run Redis stream of committed shards."""
+    return f"{PREFIX}:commits:{run}"
+
+
+def batch(batch_id: str) -> str:
+    """A hash describing one submitted batch (run, output, job ids)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def run_batches(run: str) -> str:
+    """The set of batch ids submitted to a run."""
+    return f"{PREFIX}:run:{run}:batches"
+
+
+RUNS = f"{PREFIX}:runs"
+WORKERS = f"{PREFIX}:workers"
+
+
+def worker(worker_id: str) -> str:
+    """A worker's registry entry (a JSON string with a TTL refreshed by its heartbeat)."""
+    return f"{PREFIX}:worker:{worker_id}"

@@ -1,0 +1,64 @@
+"""`pipeline status`: queues, workers, weight versions, runs, shards and failures."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from pipeline import commit_log, keys, registry
+from pipeline.submit import rollout_queue
+
+
+def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
+    queue = rollout_queue(conn)
+    failed = FailedJobRegistry(queue=queue, serializer=JSONSerializer)
+    started = StartedJobRegistry(queue=queue, serializer=JSONSerializer)
+    runs = [run] if run else sorted(m.decode() for m in conn.smembers(keys.RUNS))
+    run_stats = {}
+    for name in runs:
+        commits = commit_log.read_all(conn, name)
+        run_stats[name] = {
+            "shards": len(commits),
+            "rows": sum(c.rows for c in commits),
+            "tokens": sum(c.tokens for c in commits),
+            "weight_versions": sorted({c.weight_version for c in commits}),
+        }
+    now = time.time()
+    return {
+        "queue": {"name": queue.name, "queued": queue.count, "started": started.count,
+                  "failed": failed.count},
+        "workers": [
+            {**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)}
+            for w in registry.live_workers(conn)
+        ],
+        "runs": run_stats,
+        "failed_jobs": failed.get_job_ids()[:20],
+    }
+
+
+def format_status(status: dict[str, Any]) -> str:
+    q = status["queue"]
+    lines = [f"queue {q['name']}: {q['queued']} queued, {q['started']} running, {q['failed']} failed"]
+    workers = status["workers"]
+    lines.append(f"workers: {len(workers)} live")
+    for w in workers:
+        caps = w["capabilities"]
+        lines.append(
+            f"  {w['worker_id']}  {w['state']:<9} engine={w['engine']} weights=v{w['weight_version']}"
+            f" job={w['current_job'] or '-'} heartbeat={w['heartbeat_age_s']}s ago"
+            f" top_logprobs<={caps['max_top_logprobs']} routed_experts={caps['routed_experts']}"
+            + (f" error={w['error']}" if w.get("error") else "")
+        )
+    lines.append(f"runs: {len(status['runs'])}")
+    for name, r in status["runs"].items():
+        lines.append(
+            f"  {name}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
+            f"weights {r['weight_versions']}"
+        )
+    if status["failed_jobs"]:
+        lines.append("failed jobs: " + ", ".join(status["failed_jobs"]))
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""The request line: one rollout request of a JSONL file, validated strictly.
+
+Sampling parameter names are SGLang's. Unknown fields, wrong types and booleans where a
+number belongs are errors, so that a typo never silently does nothing. The stop contract's
+input side lives here: `stop` is a string, a list of strings, or a list of token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+
+# Token ids travel as int32 in job payloads and shards.
+MAX_TOKEN_ID = 2**31 - 1
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+Number = StrictFloat | StrictInt
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class SamplingParams(_Strict):
+    """SGLang's sampling parameters (`sampling/sampling_params.py`), plus `seed`."""
+
+    max_new_tokens: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 128
+    temperature: Annotated[Number, Field(ge=0.0)] = 1.0
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 0.0
+    n: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
+    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    stop: StrictStr | list[StrictStr] | list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    no_stop_trim: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    min_new_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[Number, Field(gt=0.0, le=2.0)] = 1.0
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (all tokens) or a positive number, not 0")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        # Give the precise reason before pydantic's union error, which is hard to read.
+        if value is None or isinstance(value, str):
+            if value == "":
+                raise ValueError("an empty stop string would match everywhere; remove it")
+            return value
+        if isinstance(value, bool):
+            raise ValueError("stop must be a string, a list of strings or a list of token ids, not a bool")
+        if isinstance(value, int | float):
+            raise ValueError(
+                f"stop: {value} is a bare number; for a token-id stop write a list: [{value}]"
+            )
+        if not isinstance(value, list):
+            raise ValueError("stop must be a string, a list of strings or a list of token ids")
+        kinds = set()
+        for element in value:
+            if isinstance(element, bool):
+                raise ValueError("stop lists hold strings or token ids, not bools")
+            if isinstance(element, str):
+                if element == "":
+                    raise ValueError("an empty stop string would match everywhere; remove it")
+                kinds.add("str")
+            elif isinstance(element, int):
+                if element < 0:
+                    raise ValueError(f"token-id stop {element} is negative; token ids are >= 0")
+                kinds.add("int")
+            else:
+                raise ValueError(f"stop list element {element!r} is neither a string nor a token id")
+        if len(kinds) > 1:
+            raise ValueError(
+                "stop mixes strings and token ids; put token ids in stop_token_ids instead"
+            )
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        """SGLang treats temperatures below 1e-6 as greedy decoding."""
+        return self.temperature < 1e-6
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The user's string stops (literal, `"token_id:576"` included)."""
+        if isinstance(self.stop, str):
+            return (self.stop,)
+        if self.stop and isinstance(self.stop[0], str):
+            return tuple(self.stop)  # type: ignore[arg-type]
+        return ()
+
+    @property
+    def user_stop_token_ids(self) -> tuple[int, ...]:
+        """Token-id stops from `stop` and `stop_token_ids`, merged, in order, de-duplicated."""
+        ids: list[int] = []
+        if isinstance(self.stop, list) and self.stop and isinstance(self.stop[0], int):
+            ids.extend(self.stop)  # type: ignore[arg-type]
+        ids.extend(self.stop_token_ids or ())
+        return tuple(dict.fromkeys(ids))
+
+
+class RolloutRequest(_Strict):
+    """One line of a rollouts JSONL file."""
+
+    id: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    input_ids: Annotated[list[TokenId], Field(min_length=1)]
+    sampling_params: SamplingParams = SamplingParams()
+    logprobs: Annotated[StrictInt, Field(ge=0, le=1024)] | None = 0
+    # Only 0 (the prompt token's own logprob): shards have no column for prompt alternatives.
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
+    return_routed_experts: StrictBool = False
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def max_token_id(self) -> int:
+        """The largest token id the request names (prompt and token-id stops)."""
+        return max((*self.input_ids, *self.sampling_params.user_stop_token_ids))

@@ -1,0 +1,37 @@
+"""A worker's registry entry: who it is, what it serves, what it is doing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+WorkerState = Literal["starting", "idle", "busy", "paused", "updating", "failed", "unhealthy"]
+
+
+class Capabilities(BaseModel):
+    """What a worker can serve; submit checks requests against the live workers' entries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_top_logprobs: int = 0
+    prompt_logprobs: bool = True
+    routed_experts: bool = False
+    vocab_size: int | None = None
+
+
+class WorkerInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker_id: str
+    host: str
+    pid: int
+    engine: str
+    model: str
+    weight_version: int = 0
+    state: WorkerState = "starting"
+    current_job: str | None = None
+    error: str | None = None
+    capabilities: Capabilities = Capabilities()
+    started_at: float
+    heartbeat_at: float

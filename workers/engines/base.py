@@ -1,0 +1,72 @@
+"""The engine seam: what every adapter (hf, sglang, sglang-http, sim) takes and returns.
+
+An engine returns raw outputs in SGLang's terms (a finish with a `matched` int or string);
+`workers.contracts` turns them into rows, the same way for every engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from schemas.request import RolloutRequest
+from schemas.worker_info import Capabilities
+
+FinishKind = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a sample ended, as SGLang reports it (`meta_info.finish_reason`)."""
+
+    kind: FinishKind
+    # For kind "stop": the token id (EOS, hidden stop id or user stop id) or the stop string.
+    matched: int | str | None = None
+    message: str | None = None
+
+
+@dataclass
+class SampleOutput:
+    """One sample (one of `n`) as the engine produced it."""
+
+    token_ids: np.ndarray  # int32, verbatim as sampled, stop/EOS token included
+    finish: Finish
+    logprobs: np.ndarray | None = None  # float32, one per token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per position, best first
+    prompt_logprobs: list[float | None] | None = None  # one per prompt token, first None
+    text: str | None = None  # decoded completion (stop string may still be in it)
+    cached_tokens: int = 0
+    routed_experts: np.ndarray | None = None  # [rows, layers, top_k]
+    routed_experts_start: int = 0
+    weight_version: int | None = None
+
+
+@dataclass
+class EngineDescription:
+    """Static facts about a loaded engine, for rows and the worker registry."""
+
+    name: str
+    model: str
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    # Experts per layer for MoE models (sizes the routed-experts column), else None.
+    num_experts: int | None = None
+    has_tokenizer: bool = True
+
+
+class Engine(Protocol):
+    """One loaded inference engine. Loads once, serves many batches."""
+
+    @property
+    def description(self) -> EngineDescription: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        """All samples of every request (outer list parallel to `requests`, inner `n` long)."""
+        ...
+
+    def close(self) -> None: ...

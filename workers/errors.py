@@ -1,0 +1,27 @@
+"""The `workers` package's exception hierarchy."""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base class of every error a worker raises on purpose; the job fails with its message."""
+
+
+class UnsupportedRequestError(WorkerError):
+    """A job asks for something this worker cannot serve (top-k, routed experts, stop strings)."""
+
+
+class ContractViolation(WorkerError):
+    """An engine's output breaks an invariant; it is never written as a row."""
+
+
+class EngineUnavailableError(WorkerError):
+    """The engine cannot be loaded or reached."""
+
+
+class NotAllowedJobError(WorkerError):
+    """A job names a function that is not one of the project's own."""
+
+
+class ShardWriteError(WorkerError):
+    """A shard could not be written; nothing was committed."""

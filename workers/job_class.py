@@ -1,0 +1,24 @@
+"""The job class workers use: it refuses any function that is not one of the project's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq.job import Job
+
+from workers.errors import NotAllowedJobError
+
+ALLOWED_FUNCTIONS = frozenset({"workers.job.run_rollout_batch"})
+
+
+class RolloutJob(Job):
+    """An RQ job that only ever imports and calls allow-listed functions."""
+
+    @property
+    def func(self) -> Any:
+        if self.func_name not in ALLOWED_FUNCTIONS:
+            raise NotAllowedJobError(
+                f"job {self.id} names {self.func_name!r}, which is not a rollout pipeline job "
+                f"function (allowed: {sorted(ALLOWED_FUNCTIONS)}); refused, nothing ran"
+            )
+        return super().func
