@@ -111,7 +111,7 @@ class HFEngine:
         )
         prompt_logprobs = self._prompt_logprobs(request, out.logits[0]) if want_prompt_logprobs else None
         logits = out.logits[:, -1, :].float()
-        past = out.past_key_values
+        past = out.cache
 
         generators = [
             torch.Generator(device=self.device).manual_seed(_sample_seed(params.seed, i)) for i in range(n)
@@ -153,9 +153,9 @@ class HFEngine:
             seen[torch.arange(n), chosen] = True
             if all(f is not None for f in finishes):
                 break
-            out = self.model(input_ids=chosen[:, None], past_key_values=past, use_cache=True)
+            out = self.model(input_ids=chosen[:, None], cache=past, use_cache=True)
             logits = out.logits[:, -1, :].float()
-            past = out.past_key_values
+            past = out.cache
 
         samples = []
         for i in range(n):

@@ -1,0 +1,100 @@
+"""Tiny transformers models built in fixtures: they generate in milliseconds on the CPU.
+
+- `build_random_model`: a random dense Llama with a small byte-level BPE tokenizer.
+- `build_scripted_model`: a Llama whose weights make it follow a fixed token transition
+  table (attention and MLP zeroed, one-hot embeddings, lm_head = transition matrix), so tests
+  can force exact outputs: EOS, token stops, string stops, branching for n > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?:;-"
+EOS = "<eos>"
+
+
+def _char_tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {EOS: 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+
+
+def token_id(char: str) -> int:
+    """The scripted/char tokenizer's id of one character."""
+    return 0 if char == EOS else CHARS.index(char) + 1
+
+
+VOCAB_SIZE = 72  # the characters and EOS (69), padded to an even size for RoPE
+
+
+def _save(model, tokenizer, path: Path, eos_ids: Sequence[int]) -> Path:  # type: ignore[no-untyped-def]
+    from transformers import GenerationConfig
+
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=list(eos_ids), bos_token_id=None, pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def build_random_model(path: Path, *, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    # Wider logits than default init, so sampling is not uniform noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return _save(model, _char_tokenizer(), path, [0])
+
+
+def build_scripted_model(
+    path: Path, transitions: Mapping[str, str | Sequence[str]], *, eos_ids: Sequence[int] = (0,),
+    strength: float = 12.0,
+) -> Path:
+    """Greedy next token of char c is transitions[c] (equal odds when several are given).
+
+    Characters with no entry go to EOS.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    v = VOCAB_SIZE
+    config = LlamaConfig(
+        vocab_size=v, hidden_size=v, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=list(eos_ids), bos_token_id=None, pad_token_id=0,
+        rms_norm_eps=1e-6,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(v))
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        head = torch.zeros(v, v)
+        for source in range(v):
+            if source > len(CHARS):
+                continue
+            char = EOS if source == 0 else CHARS[source - 1]
+            targets = transitions.get(char, EOS)
+            targets = [targets] if isinstance(targets, str) else list(targets)
+            for target in targets:
+                head[token_id(target), source] = strength
+        model.lm_head.weight.copy_(head)
+    return _save(model, _char_tokenizer(), path, eos_ids)
