@@ -1,0 +1,36 @@
+"""The embedded default: a real redis-server on a unix socket under the state directory."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import redis
+
+from pipeline.redis_server import RedisServer
+from tests.conftest import PIPELINE
+
+
+def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "PIPELINE_HOME": str(tmp_path / "home")}
+    env.pop("PIPELINE_REDIS_URL", None)
+    url = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert url == f"unix://{tmp_path / 'home' / 'redis' / 'redis.sock'}"
+    try:
+        client = redis.Redis.from_url(url)
+        client.set("marker", "1")
+        # A second command reuses the same server instead of starting another.
+        again = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
+        assert again.stdout.strip() == url
+        assert client.get("marker") == b"1"
+        status = subprocess.run([*PIPELINE, "status"], env=env, capture_output=True, text=True, check=True)
+        assert "workers: 0 live" in status.stdout
+        # Unix socket only: no TCP port is open.
+        assert client.config_get("port")["port"] == "0"
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+    finally:
+        stopped = subprocess.run([*PIPELINE, "redis", "stop"], env=env, capture_output=True, text=True, check=True)
+    assert stopped.stdout.strip() == "stopped"
+    assert not RedisServer(tmp_path / "home" / "redis").is_running()
