@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from pipeline.errors import PipelineError
+from pipeline.errors import JobsFailedError, PipelineError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -85,7 +85,9 @@ def _cmd_redis(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeline", description="Token-exact LLM rollouts over Redis/RQ into Parquet.")
+    parser = argparse.ArgumentParser(
+        prog="pipeline", description="Token-exact LLM rollouts over Redis/RQ into Parquet."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="validate a JSONL of requests and enqueue all of it")
@@ -128,12 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except JobsFailedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        from pipeline.errors import JobsFailedError, RequestFileError
-
-        return EXIT_USAGE if isinstance(exc, RequestFileError) else (
-            EXIT_FAILED if isinstance(exc, JobsFailedError) else EXIT_USAGE)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

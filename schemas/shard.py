@@ -48,8 +48,9 @@ ROW_FIELDS: list[pa.Field] = [
 ]
 
 
-def shard_schema(routed_experts_type: pa.DataType = pa.uint16()) -> pa.Schema:
-    """The shard schema with file metadata; routed experts in the given unsigned type."""
+def shard_schema(routed_experts_type: pa.DataType | None = None) -> pa.Schema:
+    """The shard schema with file metadata; routed experts in the given unsigned type (uint16)."""
+    routed_experts_type = routed_experts_type or pa.uint16()
     fields = [
         pa.field("routed_experts", pa.list_(routed_experts_type)) if f.name == "routed_experts" else f
         for f in ROW_FIELDS

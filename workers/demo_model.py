@@ -22,7 +22,10 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def cache_dir() -> Path:
     explicit = os.environ.get("PIPELINE_MODEL_CACHE")
-    base = Path(explicit) if explicit else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollout-pipeline" / "models"
+    if explicit:
+        base = Path(explicit)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollout-pipeline" / "models"
     return base / "smollm2-135m-instruct"
 
 

@@ -51,4 +51,4 @@ def write_shard(table: pa.Table, output: str, run: str, job_id: str) -> str:
             fs.pipe_file(path, data)
     except OSError as exc:
         raise ShardWriteError(f"could not write shard {url}: {exc}") from exc
-    return fs.unstrip_protocol(path)
+    return url

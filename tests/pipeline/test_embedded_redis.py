@@ -16,7 +16,8 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
 
     env = {**os.environ, "PIPELINE_HOME": str(tmp_path / "home")}
     env.pop("PIPELINE_REDIS_URL", None)
-    url = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    started = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
+    url = started.stdout.strip()
     assert url == f"unix://{tmp_path / 'home' / 'redis' / 'redis.sock'}"
     try:
         client = redis.Redis.from_url(url)

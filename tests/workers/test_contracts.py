@@ -156,7 +156,8 @@ def test_token_id_beyond_vocabulary_is_rejected_when_known() -> None:
     import json
 
     lines = [json.dumps({"id": "a", "input_ids": [1], "sampling_params": {"stop": [70]}})]
-    with pytest.raises(RequestFileError, match=r"f.jsonl:1: input_ids: token id 70 is outside the model's vocabulary of 64"):
+    expected = r"f\.jsonl:1: input_ids: token id 70 is outside the model's vocabulary of 64"
+    with pytest.raises(RequestFileError, match=expected):
         parse_lines(lines, path="f.jsonl", vocab_size=64)
 
 

@@ -1,0 +1,375 @@
+"""Shard rows to training tensors: a vectorized collate and a group-aware IterableDataset.
+
+This is the only module of `pipeline` that imports torch; `import pipeline` never does.
+
+Every sequence is the prompt followed by the completion. Per position `t` of a sequence:
+
+- `input_ids[t]`: the token (prompt, then completion, verbatim as sampled);
+- `loss_mask[t]`: 1 where `input_ids[t]` is a completion token, else 0;
+- `old_logprobs[t]`: the engine's logprob of `input_ids[t]` where it is a completion token
+  (0 elsewhere, and 0 for rows stored without logprobs). A causal LM predicts token `t` from
+  position `t - 1`, so compare `logits[:, :-1]` with `input_ids[:, 1:]`, `loss_mask[:, 1:]`
+  and `old_logprobs[:, 1:]`.
+
+Layouts: `padded` gives `[B, T]` tensors, right-padded with `pad_id`, plus `attention_mask`;
+`packed` concatenates the sequences into `[1, N]` tensors with `position_ids` restarting at
+every sequence and `cu_seqlens` (`[B + 1]`, int32, flash-attention varlen style) and
+`max_seqlen`. Both carry `weight_version` and `group_index` (`[B]`, the request group of each
+sequence within the batch, for GRPO advantages).
+
+Tensors are built from Arrow's list offsets and values with numpy (boolean-mask scatters), never
+with a Python loop over tokens, and handed to torch without a copy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import redis
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from pipeline.errors import PipelineError
+from pipeline.reader import rollouts_dataset
+
+Layout = Literal["padded", "packed"]
+TableLike = pa.Table | pa.RecordBatch
+
+# The columns the collate reads; `request_id` only for grouping.
+TENSOR_COLUMNS = ["prompt_token_ids", "completion_token_ids", "completion_logprobs", "weight_version"]
+GROUP_COLUMN = "request_id"
+
+__all__ = [
+    "TENSOR_COLUMNS",
+    "RolloutBatches",
+    "collate_rollouts",
+    "group_boundaries",
+    "group_rows",
+    "pack_groups",
+]
+
+
+@dataclass(frozen=True)
+class _ListParts:
+    """A list column as flat values, per-row lengths, and which rows are non-null."""
+
+    values: np.ndarray
+    lengths: np.ndarray  # int64
+    valid: np.ndarray | None  # bool per row, None when no row is null
+
+
+def _list_parts(column: pa.Array | pa.ChunkedArray) -> _ListParts:
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    values: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    valids: list[np.ndarray] = []
+    any_null = False
+    for chunk in chunks:
+        chunk_lengths = np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False)
+        if chunk.null_count:
+            any_null = True
+            valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+            chunk_lengths = np.where(valid, chunk_lengths, 0)
+        else:
+            valid = np.ones(len(chunk), dtype=bool)
+        flat = chunk.flatten()
+        values.append(flat.to_numpy(zero_copy_only=flat.null_count == 0))
+        lengths.append(chunk_lengths)
+        valids.append(valid)
+    if not chunks:
+        return _ListParts(np.empty(0), np.empty(0, np.int64), None)
+    if len(chunks) == 1:
+        return _ListParts(values[0], lengths[0], valids[0] if any_null else None)
+    return _ListParts(
+        np.concatenate(values), np.concatenate(lengths), np.concatenate(valids) if any_null else None
+    )
+
+
+def _column(rows: TableLike, name: str) -> pa.Array | pa.ChunkedArray:
+    if name not in rows.schema.names:
+        raise PipelineError(
+            f"collate needs column {name!r}; read the shards with columns including {TENSOR_COLUMNS}"
+        )
+    return rows.column(name)
+
+
+def _int_column(rows: TableLike, name: str) -> np.ndarray:
+    column = _column(rows, name)
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def _logprob_rows(
+    logprobs: _ListParts, completion_lengths: np.ndarray
+) -> np.ndarray:
+    """Which rows carry logprobs; checks the one-logprob-per-completion-token invariant."""
+    has = np.ones(len(completion_lengths), bool) if logprobs.valid is None else logprobs.valid
+    bad = np.flatnonzero(has & (logprobs.lengths != completion_lengths))
+    if bad.size:
+        row = int(bad[0])
+        raise PipelineError(
+            f"row {row}: {int(logprobs.lengths[row])} completion logprobs for "
+            f"{int(completion_lengths[row])} completion tokens; the shard breaks the logprob contract"
+        )
+    return has
+
+
+def collate_rollouts(
+    rows: TableLike,
+    *,
+    layout: Layout = "padded",
+    pad_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+    group_index: np.ndarray | None = None,
+) -> dict[str, torch.Tensor | int]:
+    """Training tensors from shard rows (a Table or RecordBatch with `TENSOR_COLUMNS`).
+
+    `group_index` (`[B]`) is passed through as a tensor; without it every row is its own group.
+    """
+    prompts = _list_parts(_column(rows, "prompt_token_ids"))
+    completions = _list_parts(_column(rows, "completion_token_ids"))
+    logprobs = _list_parts(_column(rows, "completion_logprobs"))
+    weight_version = _int_column(rows, "weight_version")
+    p, c = prompts.lengths, completions.lengths
+    has_lp = _logprob_rows(logprobs, c)
+    lp_values = logprobs.values.astype(np.float32, copy=False)
+    lengths = p + c
+    n_rows = len(lengths)
+    groups = np.arange(n_rows, dtype=np.int64) if group_index is None else group_index
+
+    if layout == "padded":
+        width = int(lengths.max()) if n_rows else 0
+        if pad_to_multiple_of:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        positions = np.arange(width)
+        attention = positions < lengths[:, None]
+        prompt_mask = positions < p[:, None]
+        completion_mask = attention & ~prompt_mask
+        input_ids = np.full((n_rows, width), pad_id, dtype=np.int64)
+        input_ids[prompt_mask] = prompts.values
+        input_ids[completion_mask] = completions.values
+        old_logprobs = np.zeros((n_rows, width), dtype=np.float32)
+        if has_lp.all():
+            old_logprobs[completion_mask] = lp_values
+        else:
+            old_logprobs[completion_mask & has_lp[:, None]] = lp_values
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention.view(np.uint8)).to(torch.long),
+            "loss_mask": torch.from_numpy(completion_mask.view(np.uint8)).to(torch.long),
+            "old_logprobs": torch.from_numpy(old_logprobs),
+            "weight_version": torch.from_numpy(weight_version),
+            "group_index": torch.from_numpy(np.ascontiguousarray(groups, dtype=np.int64)),
+        }
+    if layout == "packed":
+        cu_seqlens = np.zeros(n_rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu_seqlens[1:])
+        total = int(cu_seqlens[-1])
+        position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
+        completion_mask = position_ids >= np.repeat(p, lengths)
+        input_ids = np.empty(total, dtype=np.int64)
+        input_ids[~completion_mask] = prompts.values
+        input_ids[completion_mask] = completions.values
+        old_logprobs = np.zeros(total, dtype=np.float32)
+        if has_lp.all():
+            old_logprobs[completion_mask] = lp_values
+        else:
+            old_logprobs[completion_mask & np.repeat(has_lp, lengths)] = lp_values
+        return {
+            "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
+            "position_ids": torch.from_numpy(position_ids).unsqueeze(0),
+            "loss_mask": torch.from_numpy(completion_mask.view(np.uint8)).to(torch.long).unsqueeze(0),
+            "old_logprobs": torch.from_numpy(old_logprobs).unsqueeze(0),
+            "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
+            "max_seqlen": int(lengths.max()) if n_rows else 0,
+            "weight_version": torch.from_numpy(weight_version),
+            "group_index": torch.from_numpy(np.ascontiguousarray(groups, dtype=np.int64)),
+        }
+    raise PipelineError(f"layout must be 'padded' or 'packed', not {layout!r}")
+
+
+def group_rows(table: pa.Table, column: str = GROUP_COLUMN) -> tuple[pa.Table, np.ndarray]:
+    """The table with each request's rows made adjacent (groups in order of first appearance,
+    rows in their order within a group), and the group code of every row."""
+    ids = table.column(column)
+    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    codes = ids.dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    if codes.size and np.count_nonzero(codes[1:] != codes[:-1]) + 1 != int(codes.max()) + 1:
+        order = np.argsort(codes, kind="stable")
+        return table.take(pa.array(order)), codes[order]
+    return table, codes
+
+
+def group_boundaries(codes: np.ndarray) -> np.ndarray:
+    """Start offsets of each run of equal codes, plus the total length at the end."""
+    if not codes.size:
+        return np.zeros(1, dtype=np.int64)
+    starts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
+    return np.concatenate([[0], starts, [codes.size]]).astype(np.int64)
+
+
+def pack_groups(group_sizes: Sequence[int] | np.ndarray, batch_size: int, carried: int = 0) -> list[int]:
+    """Greedy cut points (group counts per batch) keeping whole groups, at most `batch_size` rows
+    per batch unless one group alone is larger; the first batch already holds `carried` rows."""
+    counts: list[int] = []
+    rows, groups = carried, 0
+    for size in group_sizes:
+        if rows + size > batch_size and rows > 0:
+            counts.append(groups)
+            rows, groups = 0, 0
+        rows += int(size)
+        groups += 1
+    counts.append(groups)
+    return counts
+
+
+class RolloutBatches(IterableDataset):
+    """Training batches over a run's shards, group-aware: every sample of a request is in the
+    same batch. Use with `DataLoader(dataset, batch_size=None)`; DataLoader workers split the
+    shards between them.
+
+    A request's samples are in one shard (a job carries whole requests), so groups are formed
+    per shard; batches fill with whole groups, across shards, up to `batch_size` rows.
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[str] | pads.Dataset,
+        *,
+        run: str | None = None,
+        conn: redis.Redis | None = None,
+        batch_size: int = 64,
+        layout: Layout = "padded",
+        pad_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+        filter: pads.Expression | None = None,
+        extra_columns: Sequence[str] = (),
+        group_by_request: bool = True,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        use_threads: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise PipelineError(f"batch_size must be at least 1, not {batch_size}")
+        self.dataset = (
+            source if isinstance(source, pads.Dataset) else rollouts_dataset(source, run, conn=conn)
+        )
+        self.batch_size = batch_size
+        self.layout: Layout = layout
+        self.pad_id = pad_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.filter = filter
+        self.extra_columns = list(extra_columns)
+        self.group_by_request = group_by_request
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.use_threads = use_threads
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle differently in the next pass (with `shuffle=True`)."""
+        self.epoch = epoch
+
+    def _columns(self) -> list[str]:
+        wanted = [*TENSOR_COLUMNS, *self.extra_columns]
+        if self.group_by_request:
+            wanted.append(GROUP_COLUMN)
+        return list(dict.fromkeys(wanted))
+
+    def _fragments(self) -> list[pads.Fragment]:
+        fragments = list(self.dataset.get_fragments())
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(fragments)
+        info = get_worker_info()
+        if info is not None:
+            fragments = fragments[info.id :: info.num_workers]
+        return fragments
+
+    def _shard_tables(self) -> Iterator[tuple[pa.Table, np.ndarray]]:
+        """Each shard's rows, groups adjacent (shuffled if asked), with per-row group codes."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        for fragment in self._fragments():
+            table = fragment.to_table(
+                schema=self.dataset.schema, columns=self._columns(), filter=self.filter,
+                use_threads=self.use_threads,
+            )
+            if not table.num_rows:
+                continue
+            if not self.group_by_request:
+                codes = np.arange(table.num_rows, dtype=np.int64)
+                if self.shuffle:
+                    order = rng.permutation(table.num_rows)
+                    table = table.take(pa.array(order))
+                yield table, codes
+                continue
+            table, codes = group_rows(table)
+            if self.shuffle:
+                bounds = group_boundaries(codes)
+                sizes = np.diff(bounds)
+                perm = rng.permutation(sizes.size)
+                new_sizes = sizes[perm]
+                new_starts = np.repeat(bounds[:-1][perm], new_sizes)
+                offsets = np.arange(codes.size) - np.repeat(np.cumsum(new_sizes) - new_sizes, new_sizes)
+                order = new_starts + offsets
+                table, codes = table.take(pa.array(order)), codes[order]
+            yield table, codes
+
+    def _emit(self, parts: list[tuple[pa.Table, np.ndarray]]) -> dict[str, Any]:
+        table = pa.concat_tables([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
+        indices: list[np.ndarray] = []
+        offset = 0
+        for _, codes in parts:  # groups numbered 0..G-1 across the parts of this batch
+            index = group_boundaries_to_index(codes) + offset
+            indices.append(index)
+            offset = int(index[-1]) + 1 if index.size else offset
+        group_index = np.concatenate(indices)
+        batch: dict[str, Any] = dict(
+            collate_rollouts(
+                table, layout=self.layout, pad_id=self.pad_id,
+                pad_to_multiple_of=self.pad_to_multiple_of, group_index=group_index,
+            )
+        )
+        for name in self.extra_columns:
+            batch[name] = table.column(name).to_pylist()
+        return batch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        pending: list[tuple[pa.Table, np.ndarray]] = []
+        pending_rows = 0
+        for table, codes in self._shard_tables():
+            bounds = group_boundaries(codes)
+            cuts = pack_groups(np.diff(bounds), self.batch_size, carried=pending_rows)
+            group_at = 0
+            for batch_no, n_groups in enumerate(cuts):
+                lo, hi = int(bounds[group_at]), int(bounds[group_at + n_groups])
+                group_at += n_groups
+                if hi > lo:
+                    pending.append((table.slice(lo, hi - lo), codes[lo:hi]))
+                    pending_rows += hi - lo
+                if batch_no < len(cuts) - 1:  # this batch is closed by the next group
+                    yield self._emit(pending)
+                    pending, pending_rows = [], 0
+            if pending_rows >= self.batch_size:
+                yield self._emit(pending)
+                pending, pending_rows = [], 0
+        if pending and (pending_rows >= self.batch_size or not self.drop_last):
+            yield self._emit(pending)
+
+
+def group_boundaries_to_index(codes: np.ndarray) -> np.ndarray:
+    """Per-row group numbers 0..G-1 for rows whose groups are adjacent runs of equal codes."""
+    if not codes.size:
+        return np.zeros(0, dtype=np.int64)
+    change = np.zeros(codes.size, dtype=np.int64)
+    change[1:] = codes[1:] != codes[:-1]
+    return np.cumsum(change)
