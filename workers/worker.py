@@ -110,7 +110,7 @@ class RolloutWorker(SimpleWorker):
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # The heartbeat thread refreshes every interval: a dead worker's job is noticed quickly
         # instead of after the job timeout as in SimpleWorker.
-        return int(self.heartbeat_interval_s * 3) + 5
+        return max(2, int(self.heartbeat_interval_s * 3) + 1)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         execution = self.prepare_execution(job)
