@@ -24,7 +24,8 @@ _INT32_LE = np.dtype("<i4")
 def pack_token_ids(sequences: Sequence[Sequence[int]]) -> tuple[str, list[int]]:
     """Concatenate token id sequences into base64 int32 plus their lengths."""
     lengths = [len(seq) for seq in sequences]
-    flat = np.fromiter((t for seq in sequences for t in seq), dtype=_INT32_LE, count=sum(lengths))
+    arrays = [np.asarray(seq, dtype=_INT32_LE) for seq in sequences]
+    flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=_INT32_LE)
     return base64.b64encode(flat.tobytes()).decode("ascii"), lengths
 
 
