@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+from pipeline.control import WeightPushError
 from pipeline.errors import JobsFailedError, PipelineError
 
 EXIT_FAILED = 1
@@ -71,6 +72,34 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pause(args: argparse.Namespace) -> int:
+    from pipeline.client import connect
+
+    state = connect(args.redis).pause()
+    print(f"paused (generation {state.generation})")
+    return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from pipeline.client import connect
+
+    state = connect(args.redis).resume()
+    print(f"resumed (generation {state.generation})")
+    return 0
+
+
+def _cmd_weights_push(args: argparse.Namespace) -> int:
+    from pipeline.client import connect
+
+    result = connect(args.redis).push_weights(args.path, version=args.version, timeout=args.timeout,
+                                              force=args.force)
+    print(f"weights v{result.version} from {result.path}: {len(result.acks)} worker(s) acknowledged "
+          f"in {result.seconds:.2f} s")
+    for ack in result.acks:
+        print(f"  {ack.worker}: ok ({ack.seconds:.2f} s)")
+    return 0
+
+
 def _cmd_redis(args: argparse.Namespace) -> int:
     from pipeline.redis_server import embedded_server
 
@@ -115,6 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(func=_cmd_show)
 
+    p = sub.add_parser("pause", help="workers finish the batch in hand and take no new job")
+    _add_redis(p)
+    p.set_defaults(func=_cmd_pause)
+
+    p = sub.add_parser("resume", help="workers take jobs again")
+    _add_redis(p)
+    p.set_defaults(func=_cmd_resume)
+
+    p = sub.add_parser("weights", help="weight versions served by the workers")
+    weights = p.add_subparsers(dest="weights_command", required=True)
+    p = weights.add_parser("push", help="make every worker load new weights; wait for all acknowledgements")
+    _add_redis(p)
+    p.add_argument("path", help="checkpoint directory, as the workers see it")
+    p.add_argument("--version", type=int, required=True, help="the new weight version (newer than the current)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for acknowledgements (default 600)")
+    p.add_argument("--force", action="store_true", help="allow a version not newer than the current one")
+    p.set_defaults(func=_cmd_weights_push)
+
     p = sub.add_parser("redis", help="the embedded Redis server")
     p.add_argument("action", choices=["start", "stop", "url"])
     p.set_defaults(func=_cmd_redis)
@@ -130,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except JobsFailedError as exc:
+    except (JobsFailedError, WeightPushError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except PipelineError as exc:

@@ -1,4 +1,4 @@
-"""The trainer's Python API: connect, submit, wait, read."""
+"""The trainer's Python API: connect, submit, wait, read; pause, resume, push weights."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from pipeline import registry
+from pipeline import control, registry
 from pipeline.batch import Batch
 from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
+from pipeline.follow import DEFAULT_BLOCK_MS, Follower, follow
 from pipeline.request_file import read_request_file, validation_errors
 from pipeline.submit import DEFAULT_BATCH_SIZE, submit_requests
+from schemas.control import DesiredState
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
 
@@ -66,6 +68,47 @@ class Client:
 
     def workers(self) -> list[WorkerInfo]:
         return registry.live_workers(self.conn)
+
+    def pause(self) -> DesiredState:
+        """Workers finish the batch in hand and take no new job until `resume()`."""
+        return control.pause(self.conn)
+
+    def resume(self) -> DesiredState:
+        return control.resume(self.conn)
+
+    def control_state(self) -> DesiredState:
+        return control.read_state(self.conn)
+
+    def push_weights(
+        self,
+        path: str,
+        *,
+        version: int,
+        timeout: float | None = control.DEFAULT_PUSH_TIMEOUT_S,
+        force: bool = False,
+    ) -> control.PushResult:
+        """Every worker loads `path` as `version` between batches; returns when all live workers acked.
+
+        Raises `WeightVersionError` for a version not newer than the current one (unless
+        `force`) and `WeightPushError` naming the workers that failed or timed out.
+        """
+        return control.push_weights(self.conn, path, version, timeout=timeout, force=force)
+
+    def follow(
+        self,
+        run: str,
+        *,
+        cursor: str | None = None,
+        batch_id: str | None = None,
+        block_ms: int = DEFAULT_BLOCK_MS,
+        timeout: float | None = None,
+        raise_on_failure: bool = True,
+    ) -> Follower:
+        """Shards of `run` as workers commit them, resumable from `cursor` (see `pipeline.follow`)."""
+        return follow(
+            self.conn, run, cursor=cursor, batch_id=batch_id, block_ms=block_ms, timeout=timeout,
+            raise_on_failure=raise_on_failure,
+        )
 
 
 def connect(url: str | None = None) -> Client:

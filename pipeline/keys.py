@@ -28,3 +28,12 @@ WORKERS = f"{PREFIX}:workers"
 def worker(worker_id: str) -> str:
     """A worker's registry entry (a JSON string with a TTL refreshed by its heartbeat)."""
     return f"{PREFIX}:worker:{worker_id}"
+
+
+CONTROL_STATE = f"{PREFIX}:control:state"
+CONTROL_CHANNEL = f"{PREFIX}:control:wake"
+
+
+def weight_acks(version: int) -> str:
+    """A hash of worker id → acknowledgement (JSON) of a push of weight `version`."""
+    return f"{PREFIX}:control:acks:{version}"

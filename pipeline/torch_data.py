@@ -5,13 +5,14 @@ This is the only module of `pipeline` that imports torch; `import pipeline` neve
 Every sequence is the prompt followed by the completion. Per position `t` of a sequence:
 
 - `input_ids[t]`: the token (prompt, then completion, verbatim as sampled);
-- `loss_mask[t]`: 1 where `input_ids[t]` is a completion token, else 0;
+- `loss_mask[t]` (bool): True where `input_ids[t]` is a completion token;
 - `old_logprobs[t]`: the engine's logprob of `input_ids[t]` where it is a completion token
   (0 elsewhere, and 0 for rows stored without logprobs). A causal LM predicts token `t` from
   position `t - 1`, so compare `logits[:, :-1]` with `input_ids[:, 1:]`, `loss_mask[:, 1:]`
   and `old_logprobs[:, 1:]`.
 
-Layouts: `padded` gives `[B, T]` tensors, right-padded with `pad_id`, plus `attention_mask`;
+Layouts: `padded` gives `[B, T]` tensors, right-padded with `pad_id`, plus `attention_mask`
+(bool, True on real tokens; Hugging Face models take it as is, `.long()` for others);
 `packed` concatenates the sequences into `[1, N]` tensors with `position_ids` restarting at
 every sequence and `cu_seqlens` (`[B + 1]`, int32, flash-attention varlen style) and
 `max_seqlen`. Both carry `weight_version` and `group_index` (`[B]`, the request group of each
@@ -31,6 +32,8 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import redis
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -57,19 +60,22 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _ListParts:
-    """A list column as flat values, per-row lengths, and which rows are non-null."""
+    """A list column as per-chunk flat values, per-row lengths, and which rows are non-null."""
 
-    values: np.ndarray
-    lengths: np.ndarray  # int64
+    values: list[np.ndarray]  # one flat array per chunk (nulls skipped)
+    row_starts: list[int]  # first row of each chunk
+    lengths: np.ndarray  # int64 per row, 0 for a null row
     valid: np.ndarray | None  # bool per row, None when no row is null
 
 
 def _list_parts(column: pa.Array | pa.ChunkedArray) -> _ListParts:
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     values: list[np.ndarray] = []
+    row_starts: list[int] = []
     lengths: list[np.ndarray] = []
     valids: list[np.ndarray] = []
     any_null = False
+    row = 0
     for chunk in chunks:
         chunk_lengths = np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False)
         if chunk.null_count:
@@ -80,15 +86,32 @@ def _list_parts(column: pa.Array | pa.ChunkedArray) -> _ListParts:
             valid = np.ones(len(chunk), dtype=bool)
         flat = chunk.flatten()
         values.append(flat.to_numpy(zero_copy_only=flat.null_count == 0))
+        row_starts.append(row)
+        row += len(chunk)
         lengths.append(chunk_lengths)
         valids.append(valid)
-    if not chunks:
-        return _ListParts(np.empty(0), np.empty(0, np.int64), None)
     if len(chunks) == 1:
-        return _ListParts(values[0], lengths[0], valids[0] if any_null else None)
+        return _ListParts(values, row_starts, lengths[0], valids[0] if any_null else None)
     return _ListParts(
-        np.concatenate(values), np.concatenate(lengths), np.concatenate(valids) if any_null else None
+        values,
+        row_starts,
+        np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+        np.concatenate(valids) if any_null else None,
     )
+
+
+def _fill(dest: np.ndarray, mask: np.ndarray, parts: _ListParts, row_span: np.ndarray) -> None:
+    """Scatter each chunk's values into `dest[mask]`, chunk by chunk (no concatenation).
+
+    `row_span[r]` is where row `r` starts along the first axis of `dest` and `mask`
+    (the row itself for a padded `[B, T]` layout, its token offset for a packed one).
+    """
+    if not parts.values:
+        return
+    ends = [*parts.row_starts[1:], len(row_span) - 1]
+    for values, first, last in zip(parts.values, parts.row_starts, ends, strict=True):
+        lo, hi = int(row_span[first]), int(row_span[last])
+        dest[lo:hi][mask[lo:hi]] = values
 
 
 def _column(rows: TableLike, name: str) -> pa.Array | pa.ChunkedArray:
@@ -139,10 +162,13 @@ def collate_rollouts(
     weight_version = _int_column(rows, "weight_version")
     p, c = prompts.lengths, completions.lengths
     has_lp = _logprob_rows(logprobs, c)
-    lp_values = logprobs.values.astype(np.float32, copy=False)
     lengths = p + c
     n_rows = len(lengths)
     groups = np.arange(n_rows, dtype=np.int64) if group_index is None else group_index
+    common = {
+        "weight_version": torch.from_numpy(np.array(weight_version, dtype=np.int64)),
+        "group_index": torch.from_numpy(np.array(groups, dtype=np.int64)),
+    }
 
     if layout == "padded":
         width = int(lengths.max()) if n_rows else 0
@@ -151,22 +177,20 @@ def collate_rollouts(
         positions = np.arange(width)
         attention = positions < lengths[:, None]
         prompt_mask = positions < p[:, None]
-        completion_mask = attention & ~prompt_mask
+        completion_mask = attention ^ prompt_mask
+        span = np.arange(n_rows + 1)
         input_ids = np.full((n_rows, width), pad_id, dtype=np.int64)
-        input_ids[prompt_mask] = prompts.values
-        input_ids[completion_mask] = completions.values
+        _fill(input_ids, prompt_mask, prompts, span)
+        _fill(input_ids, completion_mask, completions, span)
         old_logprobs = np.zeros((n_rows, width), dtype=np.float32)
-        if has_lp.all():
-            old_logprobs[completion_mask] = lp_values
-        else:
-            old_logprobs[completion_mask & has_lp[:, None]] = lp_values
+        lp_mask = completion_mask if logprobs.valid is None else completion_mask & has_lp[:, None]
+        _fill(old_logprobs, lp_mask, logprobs, span)
         return {
             "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(attention.view(np.uint8)).to(torch.long),
-            "loss_mask": torch.from_numpy(completion_mask.view(np.uint8)).to(torch.long),
+            "attention_mask": torch.from_numpy(attention),
+            "loss_mask": torch.from_numpy(completion_mask),
             "old_logprobs": torch.from_numpy(old_logprobs),
-            "weight_version": torch.from_numpy(weight_version),
-            "group_index": torch.from_numpy(np.ascontiguousarray(groups, dtype=np.int64)),
+            **common,
         }
     if layout == "packed":
         cu_seqlens = np.zeros(n_rows + 1, dtype=np.int64)
@@ -175,22 +199,22 @@ def collate_rollouts(
         position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
         completion_mask = position_ids >= np.repeat(p, lengths)
         input_ids = np.empty(total, dtype=np.int64)
-        input_ids[~completion_mask] = prompts.values
-        input_ids[completion_mask] = completions.values
+        _fill(input_ids, ~completion_mask, prompts, cu_seqlens)
+        _fill(input_ids, completion_mask, completions, cu_seqlens)
         old_logprobs = np.zeros(total, dtype=np.float32)
-        if has_lp.all():
-            old_logprobs[completion_mask] = lp_values
-        else:
-            old_logprobs[completion_mask & np.repeat(has_lp, lengths)] = lp_values
+        lp_mask = (
+            completion_mask if logprobs.valid is None
+            else completion_mask & np.repeat(has_lp, lengths)
+        )
+        _fill(old_logprobs, lp_mask, logprobs, cu_seqlens)
         return {
             "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
             "position_ids": torch.from_numpy(position_ids).unsqueeze(0),
-            "loss_mask": torch.from_numpy(completion_mask.view(np.uint8)).to(torch.long).unsqueeze(0),
+            "loss_mask": torch.from_numpy(completion_mask).unsqueeze(0),
             "old_logprobs": torch.from_numpy(old_logprobs).unsqueeze(0),
             "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
             "max_seqlen": int(lengths.max()) if n_rows else 0,
-            "weight_version": torch.from_numpy(weight_version),
-            "group_index": torch.from_numpy(np.ascontiguousarray(groups, dtype=np.int64)),
+            **common,
         }
     raise PipelineError(f"layout must be 'padded' or 'packed', not {layout!r}")
 
@@ -295,14 +319,26 @@ class RolloutBatches(IterableDataset):
             fragments = fragments[info.id :: info.num_workers]
         return fragments
 
+    def _read(self, fragment: pads.Fragment) -> pa.Table:
+        """The needed columns of one shard; a plain Parquet read (memory-mapped where local)
+        unless a filter needs the dataset scanner's row-group pruning."""
+        if self.filter is None and isinstance(fragment, pads.ParquetFileFragment):
+            local = isinstance(fragment.filesystem, pafs.LocalFileSystem)
+            parquet = pq.ParquetFile(fragment.path, filesystem=fragment.filesystem, memory_map=local)
+            wanted = self._columns()
+            present = set(parquet.schema_arrow.names)
+            if all(c in present for c in wanted):
+                return parquet.read(columns=wanted, use_threads=self.use_threads)
+        return fragment.to_table(
+            schema=self.dataset.schema, columns=self._columns(), filter=self.filter,
+            use_threads=self.use_threads,
+        )
+
     def _shard_tables(self) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """Each shard's rows, groups adjacent (shuffled if asked), with per-row group codes."""
         rng = np.random.default_rng([self.seed, self.epoch])
         for fragment in self._fragments():
-            table = fragment.to_table(
-                schema=self.dataset.schema, columns=self._columns(), filter=self.filter,
-                use_threads=self.use_threads,
-            )
+            table = self._read(fragment)
             if not table.num_rows:
                 continue
             if not self.group_by_request:

@@ -24,6 +24,8 @@ class FakeEngine:
             has_tokenizer=False,
         )
         self.calls: list[list[str]] = []
+        self.updates: list[tuple[str, int]] = []
+        self.update_delay_s = 0.0
 
     @property
     def description(self) -> EngineDescription:
@@ -50,6 +52,15 @@ class FakeEngine:
                 for i in range(request.sampling_params.n)
             ])
         return outputs
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Record the update; a path containing "bad" fails like a missing checkpoint."""
+        if self.update_delay_s:
+            time.sleep(self.update_delay_s)
+        if "bad" in str(path):
+            raise FileNotFoundError(f"no weights at {path}")
+        self.updates.append((str(path), version))
+        self._weight_version = version
 
     def close(self) -> None:
         pass

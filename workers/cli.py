@@ -20,11 +20,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(os.environ.get("PIPELINE_MAX_TOP_LOGPROBS", "0")),
         help="serve top-k logprobs up to this k (default $PIPELINE_MAX_TOP_LOGPROBS or 0: off)",
     )
+    parser.add_argument(
+        "--url", action="append", default=[], dest="urls",
+        help="SGLang server or router URL for --engine sglang-http (repeat for several)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
-        engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs
+        engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs,
+        urls=tuple(args.urls),
     )
 
 

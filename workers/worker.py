@@ -4,6 +4,11 @@ RQ's forking worker would reload the engine per job, so this builds on `SimpleWo
 never refreshes its heartbeat while a job runs; a heartbeat thread does (`maintain_heartbeats`)
 and also keeps this worker's registry entry fresh, so a long batch is never declared
 abandoned and `pipeline status` always shows the worker.
+
+The control channel (`workers.control`, DESIGN.md "Control channel"): a listener thread
+re-reads the desired state on every wake-up and loads pushed weights while no batch runs
+(the engine lock keeps loads and batches apart); the work loop re-reads it before every job,
+hands a job dequeued while paused back to the front of its queue, and waits until resumed.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from pipeline import control as pipeline_control
 from pipeline import keys, registry
+from schemas.control import DesiredState, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
-from workers import context
+from workers import context, control
 from workers.engines.base import Engine
 from workers.job_class import RolloutJob
 
@@ -47,6 +54,7 @@ class RolloutWorker(SimpleWorker):
         *,
         worker_id: str | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        control_poll_s: float = control.POLL_S,
         **kwargs: Any,
     ) -> None:
         worker_id = worker_id or new_worker_id()
@@ -80,6 +88,16 @@ class RolloutWorker(SimpleWorker):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        # Control channel: the engine lock is held while a batch runs and while weights load.
+        self._engine_lock = threading.RLock()
+        self._desired = DesiredState()
+        self._attempted: tuple[int, str | None] = (engine.weight_version, None)
+        self._last_ack: WeightAck | None = None
+        self._weight_error: str | None = None
+        self._busy = False
+        self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
+        self._changed = threading.Event()
+        self._listener = control.ControlListener(conn, self.sync_control, poll_s=control_poll_s)
 
     # -- registry and heartbeats ----------------------------------------------------------------
 
@@ -88,6 +106,7 @@ class RolloutWorker(SimpleWorker):
             self.info.state = state
             self.info.current_job = current_job
             self.info.weight_version = self.engine.weight_version
+            self.info.error = self._weight_error
         self._publish()
 
     def _publish(self) -> None:
@@ -112,15 +131,109 @@ class RolloutWorker(SimpleWorker):
         # instead of after the job timeout as in SimpleWorker.
         return max(2, int(self.heartbeat_interval_s * 3) + 1)
 
-    def execute_job(self, job: Job, queue: Queue) -> None:
-        execution = self.prepare_execution(job)
-        self._running = (job, execution)
-        self.set_registry_state("busy", job.id)
+    # -- control channel ------------------------------------------------------------------------
+
+    def _resting_state(self) -> WorkerState:
+        if self._desired.paused:
+            return "paused"
+        return "failed" if self._weight_error else "idle"
+
+    def sync_control(self) -> DesiredState:
+        """Re-read the desired state; load pushed weights if they changed; refresh the registry.
+
+        Called by the listener thread on every wake-up and by the work loop before every job;
+        blocks while a batch runs, so weights only ever change between batches.
+        """
         try:
-            self.perform_job(job, queue, execution)
-        finally:
-            self._running = None
-            self.set_registry_state("idle")
+            state = pipeline_control.read_state(self.connection)
+        except redis.RedisError as exc:
+            log.warning("control state unreadable (%s); keeping %s", exc, self._desired)
+            return self._desired
+        with self._engine_lock:
+            self._desired = state
+            target = (state.weight_version, state.weight_path)
+            try:
+                if state.weight_path is not None and target != self._attempted:
+                    self._load_weights(state.weight_path, state.weight_version)
+                elif self._last_ack is not None and self._last_ack.version == state.weight_version:
+                    # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
+                    control.write_ack(self.connection, self._last_ack, only_if_missing=True)
+            except redis.RedisError as exc:
+                log.warning("control acknowledgement failed: %s", exc)
+            if not self._busy:
+                self.set_registry_state(self._resting_state())
+        self._changed.set()
+        return state
+
+    def _load_weights(self, path: str, version: int) -> None:
+        self._attempted = (version, path)
+        self.set_registry_state("updating")
+        log.info("worker %s: loading weights v%d from %s", self.worker_id, version, path)
+        ack = control.load_weights(self.engine, self.worker_id, path, version)
+        if ack.ok:
+            self._weight_error = None
+            log.info("worker %s: serving weights v%d (%.2f s)", self.worker_id, version, ack.seconds)
+        else:
+            self._weight_error = f"loading weights v{version} from {path} failed: {ack.error}"
+            log.error("worker %s: %s; still serving v%d", self.worker_id, self._weight_error,
+                      self.engine.weight_version)
+        self._last_ack = ack
+        control.write_ack(self.connection, ack)
+
+    def _wait_until_resumed(self, burst: bool) -> bool:
+        """Block while paused (False in burst mode: the worker then exits instead)."""
+        while True:
+            self._changed.clear()
+            if not self.sync_control().paused:
+                return True
+            if burst or self._stop_requested:
+                return False
+            self._changed.wait(self._listener.poll_s)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        burst = timeout is None
+        while True:
+            if not self._wait_until_resumed(burst):
+                return None
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            if result is None:
+                return None
+            job, queue = result
+            state = self.sync_control()  # before every job
+            if state.paused:
+                control.hand_back(self.connection, job, queue, at_front=True)
+                log.info("worker %s: paused; job %s handed back", self.worker_id, job.id)
+                continue
+            needed = control.min_weight_version(job)
+            if needed is not None and self.engine.weight_version < needed:
+                control.hand_back(self.connection, job, queue, at_front=False)
+                log.info("worker %s: job %s needs weights v%d, serving v%d (%s); handed back", self.worker_id,
+                         job.id, needed, self.engine.weight_version, self._weight_error or "not pushed yet")
+                if burst:
+                    # Serve what else is queued; stop once the refused jobs are all that is left.
+                    if job.id in self._refused:
+                        return None
+                    self._refused.add(job.id)
+                    continue
+                self._changed.clear()
+                self._changed.wait(self._listener.poll_s)
+                continue
+            return result
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        with self._engine_lock:
+            self._busy = True
+            execution = self.prepare_execution(job)
+            self._running = (job, execution)
+            self.set_registry_state("busy", job.id)
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                self._running = None
+                self._busy = False
+                self.set_registry_state(self._resting_state())
         self.set_state("idle")
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -129,9 +242,11 @@ class RolloutWorker(SimpleWorker):
         context.install(context.WorkerContext(worker_id=self.worker_id, engine=self.engine))
         self.set_registry_state("idle")
         self._thread.start()
+        self._listener.start()
         try:
             return super().work(*args, **kwargs)
         finally:
+            self._listener.stop()
             self._stop.set()
             self._thread.join(timeout=5)
             registry.remove(self.connection, self.worker_id)

@@ -5,13 +5,16 @@ the SGLang adapters talk asyncio. One long-lived loop keeps httpx's connection p
 across batches (a fresh `asyncio.run` per batch would throw it away). If the calling thread is
 interrupted while it waits (KeyboardInterrupt, RQ's job-timeout signal), the coroutine is
 cancelled and given a moment to clean up (abort its requests) before the exception goes on.
+
+`gather_or_cancel` is the batch rule both SGLang adapters follow: all or nothing, and the first
+failure cancels everything still running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -66,3 +69,16 @@ class AsyncBridge:
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+async def gather_or_cancel(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run all concurrently; on the first failure (or cancellation) cancel the rest, let them
+    clean up, and raise it."""
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

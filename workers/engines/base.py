@@ -69,4 +69,11 @@ class Engine(Protocol):
         """All samples of every request (outer list parallel to `requests`, inner `n` long)."""
         ...
 
+    def update_weights(self, path: str, version: int) -> None:
+        """Load new weights from `path` and serve them as `version`, between batches.
+
+        On failure raise and keep serving the previous weights and version.
+        """
+        ...
+
     def close(self) -> None: ...

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from workers.engines.base import Engine
 from workers.errors import EngineUnavailableError
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "sglang", "sglang-http")
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class EngineOptions:
     device: str = "cpu"
     max_top_logprobs: int = 0
     weight_version: int = 0
+    urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or routers
 
 
 def build_engine(options: EngineOptions) -> Engine:
@@ -31,5 +32,21 @@ def build_engine(options: EngineOptions) -> Engine:
             max_top_logprobs=options.max_top_logprobs,
             weight_version=options.weight_version,
             model_name=None if options.model else DEMO_MODEL_NAME,
+        )
+    if options.engine == "sglang-http":
+        from workers.engines.sglang_http import SGLangHTTPEngine
+
+        if not options.urls:
+            raise EngineUnavailableError("--engine sglang-http needs at least one --url http://host:port")
+        return SGLangHTTPEngine(
+            options.urls, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version
+        )
+    if options.engine == "sglang":
+        from workers.engines.sglang_engine import SGLangEngine
+
+        if not options.model:
+            raise EngineUnavailableError("--engine sglang needs --model PATH (a model SGLang can load)")
+        return SGLangEngine(
+            options.model, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version
         )
     raise EngineUnavailableError(f"unknown engine {options.engine!r}; choose one of {', '.join(ENGINES)}")

@@ -91,6 +91,32 @@ class HFEngine:
     def weight_version(self) -> int:
         return self._weight_version
 
+    def update_weights(self, path: str, version: int) -> None:
+        """Reload the model from `path` (same architecture and vocabulary); keep the old one on failure."""
+        torch = self._torch
+        from transformers import AutoModelForCausalLM
+
+        source = Path(path)
+        if not (source / "config.json").exists():
+            raise EngineUnavailableError(f"{source} is not a transformers model directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
+        if int(model.config.vocab_size) != self.vocab_size:
+            raise EngineUnavailableError(
+                f"{source} has vocab size {model.config.vocab_size}, the loaded model {self.vocab_size}"
+            )
+        if self.model is not None:
+            old = {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
+            new = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+            if old != new:
+                differing = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
+                raise EngineUnavailableError(
+                    f"{source} does not match the loaded model's parameters ({len(differing)} differ, "
+                    f"e.g. {differing[0]})"
+                )
+        model.eval()
+        self.model = model
+        self._weight_version = version
+
     def close(self) -> None:
         self.model = None
 

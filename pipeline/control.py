@@ -1,0 +1,149 @@
+"""The control channel, trainer side: pause, resume and acknowledged weight pushes.
+
+The desired state (`schemas.control.DesiredState`) lives in one Redis key, changed only in
+WATCH/MULTI transactions that bump its generation. A PUBLISH on `keys.CONTROL_CHANNEL` only
+wakes workers; they re-read the key, so a missed message changes nothing. Each worker
+acknowledges a weight push in the hash `keys.weight_acks(version)`; `push_weights` returns
+when every live worker has acknowledged, or raises naming who failed or timed out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+from pydantic import ValidationError
+
+from pipeline import keys, registry
+from pipeline.errors import PipelineError
+from schemas.control import DesiredState, WeightAck
+
+DEFAULT_PUSH_TIMEOUT_S = 600.0
+_POLL_S = 0.01
+
+
+class WeightVersionError(PipelineError):
+    """A push named a weight version not newer than the current one (and was not forced)."""
+
+
+class WeightPushError(PipelineError):
+    """Some live workers failed to load the pushed weights or did not acknowledge in time."""
+
+    def __init__(self, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck]) -> None:
+        self.version = version
+        self.failed = failed
+        self.timed_out = timed_out
+        self.acks = acks
+        lines = [f"  {worker}: failed: {reason}" for worker, reason in sorted(failed.items())]
+        lines += [f"  {worker}: no acknowledgement (timed out)" for worker in timed_out]
+        super().__init__(
+            f"weight push of version {version}: {len(failed)} worker(s) failed, "
+            f"{len(timed_out)} timed out:\n" + "\n".join(lines)
+        )
+
+
+@dataclass
+class PushResult:
+    """Every live worker's acknowledgement of one push."""
+
+    version: int
+    path: str
+    generation: int
+    seconds: float
+    acks: list[WeightAck] = field(default_factory=list)
+
+
+def read_state(conn: redis.Redis) -> DesiredState:
+    """The current desired state (the default one if never set)."""
+    raw = conn.get(keys.CONTROL_STATE)
+    return DesiredState() if raw is None else DesiredState.model_validate_json(raw)
+
+
+def _change(
+    conn: redis.Redis,
+    update: Callable[[DesiredState], DesiredState],
+    also: Callable[[redis.client.Pipeline], None] | None = None,
+) -> DesiredState:
+    """Apply `update` atomically (WATCH/MULTI), bump the generation, then wake the workers."""
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(keys.CONTROL_STATE)
+                raw = pipe.get(keys.CONTROL_STATE)
+                current = DesiredState() if raw is None else DesiredState.model_validate_json(raw)
+                changed = update(current)
+                new = changed.model_copy(update={"generation": current.generation + 1})
+                pipe.multi()
+                if also is not None:
+                    also(pipe)
+                pipe.set(keys.CONTROL_STATE, new.model_dump_json())
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue
+    conn.publish(keys.CONTROL_CHANNEL, str(new.generation))
+    return new
+
+
+def pause(conn: redis.Redis) -> DesiredState:
+    """Workers finish the batch in hand and take no new job until `resume`."""
+    return _change(conn, lambda s: s.model_copy(update={"paused": True}))
+
+
+def resume(conn: redis.Redis) -> DesiredState:
+    return _change(conn, lambda s: s.model_copy(update={"paused": False}))
+
+
+def read_acks(conn: redis.Redis, version: int) -> dict[str, WeightAck]:
+    acks: dict[str, WeightAck] = {}
+    for worker, raw in conn.hgetall(keys.weight_acks(version)).items():
+        try:
+            acks[worker.decode()] = WeightAck.model_validate_json(raw)
+        except ValidationError:
+            continue
+    return acks
+
+
+def push_weights(
+    conn: redis.Redis,
+    path: str,
+    version: int,
+    *,
+    timeout: float | None = DEFAULT_PUSH_TIMEOUT_S,
+    force: bool = False,
+) -> PushResult:
+    """Make every worker load `path` as `version` between batches; wait for all live workers' acks.
+
+    Raises `WeightVersionError` if `version` is not newer than the current one (unless
+    `force`), and `WeightPushError` naming the workers that failed or did not answer in time.
+    """
+    if version < 0:
+        raise WeightVersionError(f"weight version must be >= 0, got {version}")
+
+    def update(state: DesiredState) -> DesiredState:
+        if version <= state.weight_version and not force:
+            raise WeightVersionError(
+                f"weight version {version} is not newer than the current version {state.weight_version}; "
+                "push a higher version or pass force"
+            )
+        return state.model_copy(update={"weight_version": version, "weight_path": str(path)})
+
+    started = time.monotonic()
+    # A fresh push collects fresh acknowledgements.
+    state = _change(conn, update, also=lambda pipe: pipe.delete(keys.weight_acks(version)))
+    deadline = None if timeout is None else started + timeout
+    while True:
+        live = [w.worker_id for w in registry.live_workers(conn)]
+        acks = read_acks(conn, version)
+        missing = [w for w in live if w not in acks]
+        if not missing or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(_POLL_S)
+    mine = [acks[w] for w in live if w in acks]
+    failed = {a.worker: a.error or "unknown error" for a in mine if not a.ok}
+    if failed or missing:
+        raise WeightPushError(version, failed, missing, mine)
+    return PushResult(version=version, path=str(path), generation=state.generation,
+                      seconds=time.monotonic() - started, acks=mine)

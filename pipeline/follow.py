@@ -1,0 +1,227 @@
+"""Following a live run: shards as workers commit them, from the run's commit-log stream.
+
+    follower = client.follow(run="step-42", cursor=saved)
+    for shard in follower:
+        train_on(shard.read())
+        save(follower.cursor)          # after the shard is processed: resume from here
+
+The follower blocks on the stream (`XREAD BLOCK`) and ends when every job of the batch (with
+`batch_id`) or of every batch submitted to the run has committed or failed. The cursor is a
+stream entry id; a follower started with a saved cursor first re-reads the job ids committed
+up to it, so a job id is delivered at most once to one consumer (a retried job that commits
+again is skipped), and every commit after the cursor is delivered.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import redis
+from rq.job import Job
+
+from pipeline import keys
+from pipeline.commit_log import Commit
+from pipeline.errors import JobsFailedError, PipelineError, WaitTimeoutError
+from pipeline.reader import read_rollouts
+
+START = "0-0"
+FAILED_STATES = frozenset({"failed", "stopped", "canceled"})
+DEFAULT_BLOCK_MS = 1000
+_READ_COUNT = 256
+_ENTRY_ID = re.compile(r"^\d+-\d+$")
+
+__all__ = ["DEFAULT_BLOCK_MS", "Follower", "Shard", "follow"]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One committed shard, as the commit log recorded it; `cursor` is its stream entry id."""
+
+    job_id: str
+    batch_id: str
+    url: str
+    rows: int
+    tokens: int
+    weight_version: int
+    cursor: str
+
+    @classmethod
+    def from_commit(cls, commit: Commit) -> Shard:
+        return cls(
+            job_id=commit.job_id,
+            batch_id=commit.batch_id,
+            url=commit.url,
+            rows=commit.rows,
+            tokens=commit.tokens,
+            weight_version=commit.weight_version,
+            cursor=commit.entry_id,
+        )
+
+    def read(
+        self, columns: list[str] | None = None, filter: pads.Expression | None = None
+    ) -> pa.Table:
+        """The shard's rows (projected and filtered as asked)."""
+        return read_rollouts(self.url, columns=columns, filter=filter)
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Follower:
+    """An iterator of `Shard`s of one run; `cursor` is the entry id of the last shard returned
+    (or of the last entry passed over), to persist and hand back to resume."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        run: str,
+        *,
+        cursor: str | None = None,
+        batch_id: str | None = None,
+        block_ms: int = DEFAULT_BLOCK_MS,
+        timeout: float | None = None,
+        raise_on_failure: bool = True,
+    ) -> None:
+        if block_ms < 1:
+            raise PipelineError(f"block_ms must be at least 1 (XREAD BLOCK 0 waits forever), not {block_ms}")
+        self.conn = conn
+        self.run = run
+        self.batch_id = batch_id
+        self.block_ms = block_ms
+        self.timeout = timeout
+        self.raise_on_failure = raise_on_failure
+        self.cursor = cursor or START
+        self.failed: dict[str, str] = {}
+        self._stream = keys.commit_log(run)
+        self._seen: set[str] = set()
+        if not _ENTRY_ID.match(self.cursor):
+            raise PipelineError(
+                f"cursor {self.cursor!r} is not a stream entry id (like '1767225600000-0'); "
+                "pass the `cursor` a follower exposed, or none to start from the beginning"
+            )
+        if self.cursor != START:
+            for _, fields in conn.xrange(self._stream, "-", self.cursor):
+                self._seen.add(_decode(fields[b"job_id"]))
+
+    # -- what completes the follow ---------------------------------------------------------
+
+    def _batch_ids(self) -> list[str]:
+        if self.batch_id is not None:
+            return [self.batch_id]
+        return sorted(_decode(b) for b in self.conn.smembers(keys.run_batches(self.run)))
+
+    def expected_jobs(self) -> set[str]:
+        """Every job id of the followed batch (or of every batch submitted to the run)."""
+        batch_ids = self._batch_ids()
+        with self.conn.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hget(keys.batch(batch_id), "job_ids")
+            raw = pipe.execute()
+        jobs: set[str] = set()
+        for batch_id, value in zip(batch_ids, raw, strict=True):
+            if value is None:
+                if self.batch_id is not None:
+                    raise PipelineError(
+                        f"batch {batch_id!r} is unknown to this Redis; check the batch id "
+                        "(`Batch.plan.batch_id`) and the Redis URL"
+                    )
+                continue
+            jobs.update(j for j in _decode(value).split(",") if j)
+        return jobs
+
+    def _failed_jobs(self, pending: set[str]) -> dict[str, str]:
+        ordered = sorted(pending)
+        with self.conn.pipeline(transaction=False) as pipe:
+            for job_id in ordered:
+                pipe.hget(Job.key_for(job_id), "status")
+            raw = pipe.execute()
+        return {j: _decode(s) for j, s in zip(ordered, raw, strict=True) if s and _decode(s) in FAILED_STATES}
+
+    def _complete(self) -> bool:
+        """True when every expected job committed or failed (never with no batch submitted)."""
+        expected = self.expected_jobs()
+        if not expected:
+            return False
+        pending = expected - self._seen
+        if not pending:
+            return True
+        failed = self._failed_jobs(pending)
+        if len(failed) == len(pending):
+            self.failed = {j: f"job {s}" for j, s in failed.items()}
+            return True
+        return False
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def _wanted(self, commit: Commit) -> bool:
+        if self.batch_id is None:
+            return True
+        return commit.batch_id == self.batch_id or commit.job_id.startswith(f"{self.batch_id}-")
+
+    def __iter__(self) -> Iterator[Shard]:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        drained = False  # whether the last XREAD found nothing more to read
+        finishing = False
+        while True:
+            if drained:
+                if finishing:
+                    break
+                if self._complete():
+                    if not self.failed:
+                        break
+                    # One more read for a commit racing its job's failure, then stop.
+                    finishing, drained = True, False
+                    continue
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"following run {self.run}: not complete after {self.timeout}s "
+                    f"({len(self._seen)} job(s) delivered); are workers running? (`pipeline status`)"
+                )
+            block = self.block_ms
+            if deadline is not None:
+                block = max(1, min(block, int((deadline - time.monotonic()) * 1000)))
+            # Drain what is there without blocking; block only once caught up.
+            reply = self.conn.xread(
+                {self._stream: self.cursor}, count=_READ_COUNT, block=block if drained else None
+            )
+            entries = reply[0][1] if reply else []
+            drained = len(entries) < _READ_COUNT
+            for entry_id, fields in entries:
+                commit = Commit.from_fields(_decode(entry_id), fields)
+                self.cursor = commit.entry_id
+                if commit.job_id in self._seen or not self._wanted(commit):
+                    continue
+                self._seen.add(commit.job_id)
+                yield Shard.from_commit(commit)
+        self.failed = {j: r for j, r in self.failed.items() if j not in self._seen}
+        if self.failed and self.raise_on_failure:
+            raise JobsFailedError(self.failed)
+
+
+def follow(
+    conn: redis.Redis,
+    run: str,
+    *,
+    cursor: str | None = None,
+    batch_id: str | None = None,
+    block_ms: int = DEFAULT_BLOCK_MS,
+    timeout: float | None = None,
+    raise_on_failure: bool = True,
+) -> Follower:
+    """A `Follower` over the run's commits after `cursor` (from the start without one).
+
+    It ends when the batch (`batch_id`) or every batch submitted to the run is complete;
+    jobs that failed end it too, raising `JobsFailedError` after the last shard unless
+    `raise_on_failure=False` (then see `Follower.failed`). `timeout` (seconds) bounds the
+    whole follow with `WaitTimeoutError`.
+    """
+    return Follower(
+        conn, run, cursor=cursor, batch_id=batch_id, block_ms=block_ms, timeout=timeout,
+        raise_on_failure=raise_on_failure,
+    )

@@ -1,0 +1,72 @@
+"""The control channel's trainer side on a real Redis: state, generations, refusals, timeouts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+import pipeline
+from pipeline import control, keys, registry
+from schemas.control import DesiredState, WeightAck
+from schemas.worker_info import WorkerInfo
+
+
+def _fake_entry(conn: redis.Redis, worker_id: str) -> None:
+    now = time.time()
+    registry.publish(conn, WorkerInfo(worker_id=worker_id, host="h", pid=1, engine="fake", model="m",
+                                      started_at=now, heartbeat_at=now), ttl_s=30)
+
+
+def test_state_changes_bump_the_generation_and_wake_workers(redis_client: redis.Redis) -> None:
+    client = pipeline.Client(redis_client)
+    assert client.control_state() == DesiredState()
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.CONTROL_CHANNEL)
+    assert client.pause() == DesiredState(generation=1, paused=True)
+    assert client.resume().generation == 2
+    message = None
+    for _ in range(20):
+        message = message or pubsub.get_message(timeout=0.1)
+    assert message is not None and message["channel"] == keys.CONTROL_CHANNEL.encode()
+    assert control.read_state(redis_client) == DesiredState(generation=2, paused=False)
+
+
+def test_push_without_workers_returns_and_older_versions_are_refused(redis_client: redis.Redis) -> None:
+    client = pipeline.Client(redis_client)
+    result = client.push_weights("/ckpt/1", version=1, timeout=1)
+    assert result.acks == [] and result.version == 1
+    assert client.control_state().weight_path == "/ckpt/1"
+    for version in (1, 0):
+        with pytest.raises(control.WeightVersionError, match="not newer than the current version 1"):
+            client.push_weights("/ckpt/x", version=version, timeout=1)
+    assert client.control_state().weight_path == "/ckpt/1"
+    forced = client.push_weights("/ckpt/0", version=0, timeout=1, force=True)
+    assert forced.version == 0 and client.control_state().weight_version == 0
+
+
+def test_push_names_failed_and_silent_workers(redis_client: redis.Redis) -> None:
+    _fake_entry(redis_client, "silent")
+    _fake_entry(redis_client, "broken")
+    _fake_entry(redis_client, "fine")
+    stale = WeightAck(worker="silent", version=3, ok=True, seconds=0.1)
+    redis_client.hset(keys.weight_acks(3), "silent", stale.model_dump_json())  # from an earlier push: cleared
+
+    def answer() -> None:
+        time.sleep(0.2)
+        for ack in (WeightAck(worker="broken", version=3, ok=False, seconds=0.1, error="no such file"),
+                    WeightAck(worker="fine", version=3, ok=True, seconds=0.1)):
+            redis_client.hset(keys.weight_acks(3), ack.worker, ack.model_dump_json())
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(control.WeightPushError) as info:
+        control.push_weights(redis_client, "/ckpt/3", 3, timeout=1.0)
+    thread.join()
+    assert 1.0 <= time.monotonic() - started < 3
+    assert info.value.failed == {"broken": "no such file"}
+    assert info.value.timed_out == ["silent"]
+    assert "broken: failed: no such file" in str(info.value) and "silent: no acknowledgement" in str(info.value)

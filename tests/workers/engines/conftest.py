@@ -1,0 +1,109 @@
+"""Stand-in SGLang servers (`tests.sglang_standin`) as separate processes on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import _free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+ROUTED = "2,2,8"  # layers, top-k, experts of the stand-ins' synthetic routings
+
+
+@dataclass
+class Standin:
+    """One running stand-in server."""
+
+    url: str
+    model_dir: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/_standin/stats", timeout=5).json()
+
+    def faults(self, **faults: Any) -> None:
+        body = {("503" if k == "status_503" else k): v for k, v in faults.items()}
+        httpx.post(f"{self.url}/_standin/faults", json=body, timeout=5).raise_for_status()
+
+    def clear_faults(self) -> None:
+        kinds = ("status_503", "drop", "truncated", "no_meta", "unknown_finish", "short_logprobs")
+        self.faults(**dict.fromkeys(kinds, 0), fault_prefix="", delays={})
+
+
+def launch(model_dir: Path, log: Path, *extra: str) -> Standin:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.sglang_standin", "--model", str(model_dir), "--port", str(port),
+             "--routed-experts", ROUTED, *extra],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    return Standin(f"http://127.0.0.1:{port}", model_dir, process, log)
+
+
+def wait_ready(standin: Standin, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if standin.process.poll() is not None:
+            raise RuntimeError(f"stand-in exited:\n{standin.log.read_text()}")
+        try:
+            if httpx.get(f"{standin.url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"stand-in not ready after {timeout_s}s:\n{standin.log.read_text()}")
+
+
+def stop(standin: Standin) -> None:
+    standin.process.terminate()
+    try:
+        standin.process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        standin.process.kill()
+        standin.process.wait()
+
+
+@pytest.fixture(scope="session")
+def standins(
+    tmp_path_factory: pytest.TempPathFactory, scripted_model_dir: Path, tiny_model_dir: Path
+) -> Iterator[dict[str, Standin]]:
+    """Three stand-ins started together: two on the scripted model, one on the random one."""
+    logs = tmp_path_factory.mktemp("standin-logs")
+    servers = {
+        "scripted": launch(scripted_model_dir, logs / "scripted.log"),
+        "scripted_b": launch(scripted_model_dir, logs / "scripted_b.log"),
+        "tiny": launch(tiny_model_dir, logs / "tiny.log"),
+    }
+    try:
+        for server in servers.values():
+            wait_ready(server)
+        yield servers
+    finally:
+        for server in servers.values():
+            stop(server)
+
+
+@pytest.fixture
+def scripted_server(standins: dict[str, Standin]) -> Iterator[Standin]:
+    server = standins["scripted"]
+    server.clear_faults()
+    yield server
+    server.clear_faults()
+
+
+@pytest.fixture
+def tiny_server(standins: dict[str, Standin]) -> Standin:
+    return standins["tiny"]

@@ -1,0 +1,209 @@
+"""The control channel, worker side: in-process workers with a fake engine for the fine cases,
+real worker processes (hf engine, tiny model) on the real Redis for pushes, pauses and late starts.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+import pipeline
+from pipeline import control, keys, registry
+from tests.conftest import PIPELINE
+from tests.fakes import FakeEngine
+from workers.worker import RolloutWorker
+
+REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+
+
+def _burst(conn: redis.Redis, engine: FakeEngine) -> None:
+    RolloutWorker(conn, engine, control_poll_s=0.2).work(burst=True, with_scheduler=False, logging_level="WARNING")
+
+
+def _queued(conn: redis.Redis) -> list[str]:
+    return Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer).get_job_ids()
+
+
+def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- in-process workers, fake engine ---------------------------------------------------------------
+
+
+def test_paused_burst_worker_takes_nothing(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client)
+    client.pause()
+    batch = client.submit([REQUEST], run="held", output=f"file://{tmp_path}")
+    engine = FakeEngine()
+    _burst(redis_client, engine)
+    assert engine.calls == [] and _queued(redis_client) == batch.job_ids
+    client.resume()
+    _burst(redis_client, engine)
+    assert batch.wait(timeout=5).counts["finished"] == 1
+
+
+def test_min_weight_version_waits_for_the_push_then_runs_on_it(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit([REQUEST], run="mwv", output=f"file://{tmp_path}", min_weight_version=1)
+    engine = FakeEngine()
+    _burst(redis_client, engine)  # v1 not pushed yet: handed back, untouched
+    assert engine.calls == [] and _queued(redis_client) == batch.job_ids
+    client.push_weights("/ckpt/v1", version=1, timeout=5)  # no live worker: returns at once
+    _burst(redis_client, engine)  # loads v1 before its first job
+    assert engine.updates == [("/ckpt/v1", 1)]
+    assert batch.wait(timeout=5).counts["finished"] == 1
+    assert batch.read().column("weight_version").to_pylist() == [1]
+    [ack] = control.read_acks(redis_client, 1).values()
+    assert ack.ok and ack.version == 1
+
+
+def test_failed_load_keeps_old_weights_and_refuses_newer_jobs(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client)
+    client.push_weights("/ckpt/bad", version=1, timeout=5)
+    needs_v1 = client.submit([REQUEST], run="needs", output=f"file://{tmp_path}", min_weight_version=1)
+    any_version = client.submit([REQUEST], run="any", output=f"file://{tmp_path}")
+    engine = FakeEngine()
+    worker = RolloutWorker(redis_client, engine, control_poll_s=0.2)
+    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    [ack] = control.read_acks(redis_client, 1).values()
+    assert not ack.ok and "no weights at /ckpt/bad" in (ack.error or "")
+    assert engine.weight_version == 0 and worker.info.state == "failed"
+    assert "loading weights v1 from /ckpt/bad failed" in (worker.info.error or "")
+    assert any_version.wait(timeout=5).counts["finished"] == 1
+    assert any_version.read().column("weight_version").to_pylist() == [0]
+    assert _queued(redis_client) == needs_v1.job_ids
+
+
+# -- real worker processes, hf engine --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v1_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with every parameter perturbed, saved as a new checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    path = tmp_path_factory.mktemp("tiny-v1")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def start_worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator[Callable[[], subprocess.Popen]]:
+    processes: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        process = subprocess.Popen(
+            [*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING"],
+            env=pipeline_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _live(conn: redis.Redis, count: int, timeout: float = 60) -> list[str]:
+    _until(lambda: len([w for w in registry.live_workers(conn) if w.state != "starting"]) >= count, timeout,
+           f"{count} live workers")
+    return sorted(w.worker_id for w in registry.live_workers(conn))
+
+
+def test_push_pause_resume_and_a_late_worker(
+    redis_client: redis.Redis, start_worker: Callable[[], subprocess.Popen], v1_model_dir: Path, tmp_path: Path,
+) -> None:
+    client = pipeline.Client(redis_client)
+    output = f"file://{tmp_path}"
+    start_worker()
+    [first] = _live(redis_client, 1)
+
+    result = client.push_weights(str(v1_model_dir), version=1, timeout=60)
+    assert [(a.worker, a.version, a.ok) for a in result.acks] == [(first, 1, True)]
+
+    # A worker started after the push comes up at v1 (acknowledged) before its first job.
+    start_worker()
+    workers = _live(redis_client, 2)
+    [late] = [w for w in workers if w != first]
+    _until(lambda: late in control.read_acks(redis_client, 1), 60, "the late worker's ack")
+    assert control.read_acks(redis_client, 1)[late].ok
+    assert {w.worker_id: w.weight_version for w in client.workers()} == {first: 1, late: 1}
+
+    batch = client.submit([{**REQUEST, "id": f"r{i}"} for i in range(4)], run="after", output=output,
+                          batch_size=1)
+    assert batch.wait(timeout=60).counts["finished"] == 4
+    assert set(batch.read().column("weight_version").to_pylist()) == {1}
+
+    # Pause: idle workers (blocked in their dequeue) hand a new job back and wait.
+    client.pause()
+    _until(lambda: {w.state for w in client.workers()} == {"paused"}, 10, "every worker paused")
+    held = client.submit([REQUEST], run="held", output=output)
+    time.sleep(2.5)
+    assert _queued(redis_client) == held.job_ids
+    assert held.status().counts["finished"] == 0
+    assert {w.state for w in client.workers()} == {"paused"}
+    client.resume()
+    assert held.wait(timeout=30).counts["finished"] == 1
+    assert held.read().column("weight_version").to_pylist() == [1]
+
+
+def test_bad_path_is_reported_by_every_worker(
+    redis_client: redis.Redis, start_worker: Callable[[], subprocess.Popen], pipeline_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    client = pipeline.Client(redis_client)
+    start_worker()
+    start_worker()
+    workers = _live(redis_client, 2)
+    missing = tmp_path / "no-such-checkpoint"
+    push = subprocess.run([*PIPELINE, "weights", "push", str(missing), "--version", "1", "--timeout", "60"],
+                          env=pipeline_env, capture_output=True, text=True, timeout=90)
+    assert push.returncode == 1, push.stdout + push.stderr
+    assert "2 worker(s) failed" in push.stderr
+    assert all(f"{w}: failed:" in push.stderr for w in workers)
+    acks = control.read_acks(redis_client, 1)
+    assert sorted(acks) == workers and not any(a.ok for a in acks.values())
+    assert all("no config.json" in (a.error or "") for a in acks.values())
+
+    status = json.loads(subprocess.run([*PIPELINE, "status", "--json"], env=pipeline_env, capture_output=True,
+                                       text=True, check=True).stdout)
+    assert [(w["state"], w["weight_version"]) for w in status["workers"]] == [("failed", 0)] * 2
+    assert all(str(missing) in w["error"] for w in status["workers"])
+
+    # Nobody serves v1; jobs that accept v0 still run on v0.
+    needs_v1 = client.submit([REQUEST], run="needs", output=f"file://{tmp_path}", min_weight_version=1)
+    any_version = client.submit([REQUEST], run="any", output=f"file://{tmp_path}")
+    assert any_version.wait(timeout=30).counts["finished"] == 1
+    assert any_version.read().column("weight_version").to_pylist() == [0]
+    time.sleep(1.0)
+    assert needs_v1.status().counts["finished"] == 0
+
+    # An equal or older version is refused (exit 2) unless forced.
+    refused = subprocess.run([*PIPELINE, "weights", "push", str(missing), "--version", "1"],
+                             env=pipeline_env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not newer than the current version 1" in refused.stderr

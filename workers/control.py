@@ -1,0 +1,137 @@
+"""The control channel, worker side: wake-ups, weight loads with acknowledgements, hand-backs.
+
+`ControlListener` subscribes to the wake-up channel first and only then asks the worker to
+read the desired state; it asks again on every message, after every reconnect and every
+`poll_s` seconds, so a missed message, a Redis restart or a late start all converge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.intermediate_queue import IntermediateQueue
+from rq.job import Job
+
+from pipeline import keys
+from schemas.control import WeightAck
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+
+
+class ControlListener:
+    """A daemon thread calling `on_wake` on subscribe, on every message, on reconnect and periodically."""
+
+    def __init__(self, conn: redis.Redis, on_wake: Callable[[], Any], *, poll_s: float = POLL_S) -> None:
+        self.conn = conn
+        self.on_wake = on_wake
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._pubsub: redis.client.PubSub | None = None
+        self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
+
+    def start(self) -> None:
+        """Subscribe (so no later change is missed), then start the thread, which reads the state first."""
+        try:
+            self._subscribe()
+        except redis.RedisError as exc:
+            log.warning("control channel: subscribe failed (%s); will retry", exc)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._close()
+
+    def _subscribe(self) -> None:
+        self._close()
+        pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.CONTROL_CHANNEL)
+        self._pubsub = pubsub
+
+    def _close(self) -> None:
+        if self._pubsub is not None:
+            with contextlib.suppress(redis.RedisError):
+                self._pubsub.close()
+            self._pubsub = None
+
+    def _wake(self) -> None:
+        try:
+            self.on_wake()
+        except Exception:  # the listener must outlive any one failure
+            log.exception("control channel: handling a wake-up failed")
+
+    def _loop(self) -> None:
+        backoff = 0.1
+        self._wake()
+        while not self._stop.is_set():
+            try:
+                if self._pubsub is None:
+                    self._subscribe()
+                    backoff = 0.1
+                    self._wake()  # reconnected: whatever was published meanwhile is in the state
+                assert self._pubsub is not None
+                self._pubsub.get_message(timeout=self.poll_s)
+                # A message, or poll_s without one: read the state either way.
+                self._wake()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("control channel: %s; reconnecting in %.1f s", exc, backoff)
+                self._close()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+
+def load_weights(engine: Any, worker_id: str, path: str, version: int) -> WeightAck:
+    """Ask the engine to load `path` as `version`; never raises: failures become ok=false acks."""
+    started = time.monotonic()
+    error: str | None = None
+    try:
+        if hasattr(engine, "update_weights"):
+            engine.update_weights(path, version)
+        elif hasattr(engine, "update_weights_from_disk"):
+            engine.update_weights_from_disk(path, version)
+        else:
+            raise NotImplementedError(f"engine {engine.description.name} cannot load new weights")
+        if engine.weight_version != version:
+            raise RuntimeError(f"engine reports weight version {engine.weight_version} after loading {version}")
+    except Exception as exc:  # any load failure is reported; old weights stay
+        error = f"{type(exc).__name__}: {exc}"
+    return WeightAck(worker=worker_id, version=version, ok=error is None,
+                     seconds=float(time.monotonic() - started), error=error)
+
+
+def write_ack(conn: redis.Redis, ack: WeightAck, *, only_if_missing: bool = False) -> None:
+    key = keys.weight_acks(ack.version)
+    if only_if_missing:
+        conn.hsetnx(key, ack.worker, ack.model_dump_json())
+    else:
+        conn.hset(key, ack.worker, ack.model_dump_json())
+
+
+def hand_back(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:
+    """Put a dequeued job back on its queue untouched (it never started)."""
+    with conn.pipeline() as pipe:
+        pipe.lrem(IntermediateQueue(queue.key, conn).key, 1, job.id)
+        if at_front:
+            pipe.lpush(queue.key, job.id)
+        else:
+            pipe.rpush(queue.key, job.id)
+        pipe.execute()
+
+
+def min_weight_version(job: Job) -> int | None:
+    """The job payload's `min_weight_version`, if any (None for anything unreadable)."""
+    try:
+        payload = job.args[0] if job.args else None
+    except Exception:  # an unreadable job fails later, in the job itself
+        return None
+    value = payload.get("min_weight_version") if isinstance(payload, dict) else None
+    return value if isinstance(value, int) else None

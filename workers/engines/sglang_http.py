@@ -1,0 +1,188 @@
+"""The `sglang-http` engine: SGLang servers or routers over native `POST /generate`.
+
+Every request of a batch is sent at once (bounded by `max_in_flight`) so SGLang's continuous
+batching stays full; see `sglang_client` for URL choice, retries and aborts, and
+`sglang_mapping` for the wire format. The lifecycle calls (`update_weights_from_disk`,
+`pause_generation`, `continue_generation`, `flush_cache`, `health`) go to every URL directly,
+since routers need not fan them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from schemas.request import RolloutRequest
+from schemas.worker_info import Capabilities
+from workers.engines.async_bridge import AsyncBridge, gather_or_cancel
+from workers.engines.base import EngineDescription, SampleOutput
+from workers.engines.routed_experts import ExpertsLayout
+from workers.engines.sglang_client import RetryPolicy, SGLangClient, error_message
+from workers.engines.sglang_mapping import GenerateCall, generate_calls, parse_call_results, parse_weight_version
+from workers.errors import EngineUnavailableError
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SGLangHTTPEngine:
+    """One worker's view of one or more SGLang servers (or a router in front of them)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        max_top_logprobs: int = 0,
+        routed_experts: bool = False,
+        experts_layout: ExpertsLayout | None = None,
+        weight_version: int = 0,
+        model_name: str | None = None,
+        vocab_size: int | None = None,
+        has_tokenizer: bool = True,
+        max_in_flight: int = 256,
+        timeout_s: float = 3600.0,
+        connect_timeout_s: float = 10.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._bridge = AsyncBridge(name="sglang-http")
+        self._client = SGLangClient(
+            urls, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            max_in_flight=max_in_flight, retry=retry, transport=transport,
+        )
+        try:
+            infos = self.model_info()
+        except BaseException:
+            self.close()
+            raise
+        first = infos[self.urls[0]]
+        model_path = str(first.get("model_path") or "unknown")
+        versions = {url: info.get("weight_version") for url, info in infos.items()}
+        if len(set(map(str, versions.values()))) > 1:
+            log.warning("SGLang servers report different weight versions: %s", versions)
+        served = parse_weight_version(first.get("weight_version"))
+        self._weight_version = weight_version if served is None else served
+        if routed_experts and experts_layout is None:
+            experts_layout = ExpertsLayout.from_model_config(model_path)
+            if experts_layout is None:
+                self.close()
+                raise EngineUnavailableError(
+                    "routed experts need the expert layout: the model's config.json at "
+                    f"{model_path!r} is not readable here or has no num_experts_per_tok; "
+                    "pass experts_layout (layers, top_k, num_experts)"
+                )
+        self._layout = experts_layout if routed_experts else None
+        self._description = EngineDescription(
+            name="sglang-http",
+            model=model_name or model_path,
+            capabilities=Capabilities(
+                max_top_logprobs=max_top_logprobs,
+                prompt_logprobs=True,
+                routed_experts=routed_experts,
+                vocab_size=vocab_size,
+            ),
+            num_experts=self._layout.num_experts if self._layout else None,
+            has_tokenizer=has_tokenizer,
+        )
+
+    @property
+    def urls(self) -> list[str]:
+        return self._client.pool.urls
+
+    @property
+    def client(self) -> SGLangClient:
+        return self._client
+
+    @property
+    def description(self) -> EngineDescription:
+        return self._description
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
+        # All or nothing: the first bad answer cancels (and aborts) the rest of the batch.
+        answers = self._bridge.run(gather_or_cancel(self._generate(call) for _, call in plan))
+        outputs: list[list[SampleOutput]] = [[] for _ in requests]
+        for (index, _), samples in zip(plan, answers, strict=True):
+            outputs[index].extend(samples)
+        return outputs
+
+    async def _generate(self, call: GenerateCall) -> list[SampleOutput]:
+        _url, body = await self._client.generate(call)
+        return parse_call_results(call, body, layout=self._layout)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _each(self, method: str, path: str, json: dict[str, Any] | None = None,
+              timeout_s: float | None = None) -> dict[str, httpx.Response]:
+        """Call every URL; raise naming each one that failed."""
+        answers = self._bridge.run(self._client.each(method, path, json, timeout_s))
+        failures = []
+        for url, answer in answers.items():
+            if isinstance(answer, Exception):
+                failures.append(
+                    f"{url}: cannot connect ({type(answer).__name__}: {answer}); "
+                    "is the SGLang server running and reachable?"
+                )
+            elif answer.status_code >= 400:
+                failures.append(f"{url}: HTTP {answer.status_code}: {error_message(answer)}")
+        if failures:
+            raise EngineUnavailableError(f"SGLang {method} {path} failed on " + "; ".join(failures))
+        return answers  # type: ignore[return-value]
+
+    def model_info(self) -> dict[str, dict[str, Any]]:
+        """`GET /model_info` of every URL (model_path, weight_version, ...)."""
+        infos = {}
+        for url, response in self._each("GET", "/model_info", timeout_s=30).items():
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                raise EngineUnavailableError(f"{url}/model_info did not answer a JSON object; is it SGLang?")
+            infos[url] = body
+        return infos
+
+    def health(self) -> None:
+        """`GET /health_generate` on every URL (a real one-token generation); raises if any fails."""
+        self._each("GET", "/health_generate", timeout_s=60)
+
+    def update_weights_from_disk(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
+        """Load new weights on every server and tag them `version`; raises naming failed servers."""
+        body = {"model_path": str(path), "weight_version": str(version), "abort_all_requests": abort_all_requests}
+        answers = self._each("POST", "/update_weights_from_disk", body)
+        failures = []
+        for url, response in answers.items():
+            try:
+                answer = response.json()
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict) or answer.get("success") is not True:
+                failures.append(f"{url}: {error_message(response)}")
+        if failures:
+            raise EngineUnavailableError("update_weights_from_disk failed on " + "; ".join(failures))
+        self._weight_version = version
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        self._each("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._each("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._each("POST", "/flush_cache")
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._bridge.run(self._client.aclose())
+        self._bridge.close()
