@@ -58,11 +58,14 @@ def resolve_finish(request: RolloutRequest, finish: Finish) -> StopOutcome:
 
 
 def trim_stop_text(text: str | None, stop_text: str | None, no_stop_trim: bool) -> str | None:
-    """Cut the text before the matched stop string (SGLang's behaviour) unless `no_stop_trim`."""
-    if text is None or stop_text is None or no_stop_trim:
+    """SGLang's `trim_matched_stop` for strings: cut before the matched stop string, or just
+    after it with `no_stop_trim` (text decoded past the stop is never kept)."""
+    if text is None or stop_text is None:
         return text
     cut = text.find(stop_text)
-    return text[:cut] if cut >= 0 else text
+    if cut < 0:
+        return text
+    return text[: cut + len(stop_text)] if no_stop_trim else text[:cut]
 
 
 def check_request_supported(

@@ -9,7 +9,6 @@ prompt; each sample draws from its own generator seeded from (seed, sample index
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,13 +17,8 @@ import numpy as np
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
 from workers.engines.base import EngineDescription, Finish, SampleOutput
+from workers.engines.seeds import sample_seed
 from workers.errors import EngineUnavailableError
-
-
-def _sample_seed(seed: int | None, sample_index: int) -> int:
-    if seed is None:
-        return int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
-    return (seed * 1_000_003 + sample_index) % (2**63 - 1)
 
 
 class HFEngine:
@@ -140,7 +134,7 @@ class HFEngine:
         past = out.cache
 
         generators = [
-            torch.Generator(device=self.device).manual_seed(_sample_seed(params.seed, i)) for i in range(n)
+            torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, i)) for i in range(n)
         ]
         token_stops = frozenset() if params.ignore_eos else self.hidden_stop_ids | set(params.user_stop_token_ids)
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -185,11 +179,14 @@ class HFEngine:
 
         samples = []
         for i in range(n):
-            text = self._decode(tokens[i], params)
+            finish = finishes[i] or Finish("length")
+            # As SGLang's detokenizer: a matched stop token's text is dropped unless no_stop_trim.
+            token_stopped = isinstance(finish.matched, int) and not params.no_stop_trim
+            text = self._decode(tokens[i][:-1] if token_stopped else tokens[i], params)
             samples.append(
                 SampleOutput(
                     token_ids=np.asarray(tokens[i], dtype=np.int32),
-                    finish=finishes[i] or Finish("length"),
+                    finish=finish,
                     logprobs=np.asarray(logprobs[i], dtype=np.float32) if request.logprobs is not None else None,
                     top_logprobs=tops[i] if request.logprobs else None,
                     prompt_logprobs=prompt_logprobs,

@@ -20,8 +20,8 @@ import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
 from workers.engines.base import Finish, SampleOutput
-from workers.engines.hf import _sample_seed
 from workers.engines.routed_experts import ExpertsLayout, decode_routed_experts, expected_rows
+from workers.engines.seeds import sample_seed
 from workers.errors import ContractViolation
 
 
@@ -94,7 +94,7 @@ def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) ->
 
     if params.seed is None or params.n == 1:
         return [call(base, params.n, params.seed, 0)]
-    return [call(f"{base}-s{i}", 1, _sample_seed(params.seed, i), i) for i in range(params.n)]
+    return [call(f"{base}-s{i}", 1, sample_seed(params.seed, i), i) for i in range(params.n)]
 
 
 # -- results -> SampleOutput -------------------------------------------------------------------

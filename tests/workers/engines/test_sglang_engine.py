@@ -12,7 +12,7 @@ import pytest
 
 from schemas.request import RolloutRequest
 from workers.engines.factory import EngineOptions, build_engine
-from workers.engines.hf import _sample_seed
+from workers.engines.seeds import sample_seed
 from workers.engines.sglang_engine import SGLangEngine
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
 
@@ -118,7 +118,7 @@ def test_generate_drives_async_generate_with_the_shared_mapping(fake_sglang: typ
     assert first["sampling_params"]["stop_token_ids"] == [7]
     assert first["sampling_params"]["sampling_seed"] == 4
     assert "return_logprob" not in fake.calls[1] and fake.calls[1]["sampling_params"]["n"] == 2
-    assert [c["sampling_params"]["sampling_seed"] for c in fake.calls[2:]] == [_sample_seed(9, 0), _sample_seed(9, 1)]
+    assert [c["sampling_params"]["sampling_seed"] for c in fake.calls[2:]] == [sample_seed(9, 0), sample_seed(9, 1)]
     [a] = outputs[0]
     assert a.token_ids.tolist() == [10, 0] and a.prompt_logprobs == [None, -1.0, -1.0]
     assert a.logprobs is not None and a.logprobs.tolist() == pytest.approx([-0.1, -0.1])

@@ -12,8 +12,8 @@ import pytest
 
 from schemas.request import RolloutRequest
 from workers.engines.base import Finish
-from workers.engines.hf import _sample_seed
 from workers.engines.routed_experts import ExpertsLayout, decode_routed_experts
+from workers.engines.seeds import sample_seed
 from workers.engines.sglang_mapping import (
     generate_calls,
     parse_call_results,
@@ -104,7 +104,7 @@ def test_n_with_seed_is_one_call_per_sample_with_distinct_seeds() -> None:
     calls = generate_calls(req(sampling_params={"n": 3, "seed": 7}), rid_prefix="r")
     assert [c.payload["sampling_params"]["n"] for c in calls] == [1, 1, 1]
     seeds = [c.payload["sampling_params"]["sampling_seed"] for c in calls]
-    assert seeds == [_sample_seed(7, i) for i in range(3)] and len(set(seeds)) == 3
+    assert seeds == [sample_seed(7, i) for i in range(3)] and len(set(seeds)) == 3
     assert [c.first_sample for c in calls] == [0, 1, 2]
     assert len({c.rid for c in calls}) == 3
 
