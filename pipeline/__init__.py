@@ -18,7 +18,13 @@ from pipeline.errors import (
     RequestFileError,
     WaitTimeoutError,
 )
-from pipeline.reader import read_rollouts, rollouts_dataset
+from pipeline.reader import (
+    finish_reason_in,
+    read_rollouts,
+    request_id_in,
+    rollouts_dataset,
+    weight_version_between,
+)
 
 __all__ = [
     "Batch",
@@ -29,6 +35,9 @@ __all__ = [
     "RequestFileError",
     "WaitTimeoutError",
     "connect",
+    "finish_reason_in",
     "read_rollouts",
+    "request_id_in",
     "rollouts_dataset",
+    "weight_version_between",
 ]

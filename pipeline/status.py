@@ -9,7 +9,7 @@ import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline import commit_log, keys, registry
+from pipeline import commit_log, control, keys, registry
 from pipeline.submit import rollout_queue
 
 
@@ -29,6 +29,7 @@ def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
         }
     now = time.time()
     return {
+        "desired": control.read_state(conn).model_dump(),
         "queue": {"name": queue.name, "queued": queue.count, "started": started.count,
                   "failed": failed.count},
         "workers": [
@@ -42,7 +43,13 @@ def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
 
 def format_status(status: dict[str, Any]) -> str:
     q = status["queue"]
-    lines = [f"queue {q['name']}: {q['queued']} queued, {q['started']} running, {q['failed']} failed"]
+    desired = status["desired"]
+    lines = [
+        f"desired: {'paused' if desired['paused'] else 'running'}, weights v{desired['weight_version']}"
+        + (f" from {desired['weight_path']}" if desired["weight_path"] else "")
+        + f" (generation {desired['generation']})",
+        f"queue {q['name']}: {q['queued']} queued, {q['started']} running, {q['failed']} failed",
+    ]
     workers = status["workers"]
     lines.append(f"workers: {len(workers)} live")
     for w in workers:

@@ -28,6 +28,7 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
         assert client.get("marker") == b"1"
         status = subprocess.run([*PIPELINE, "status"], env=env, capture_output=True, text=True, check=True)
         assert "workers: 0 live" in status.stdout
+        assert "desired: running, weights v0 (generation 0)" in status.stdout
         # Unix socket only: no TCP port is open.
         assert client.config_get("port")["port"] == "0"
         assert client.config_get("appendonly")["appendonly"] == "yes"
