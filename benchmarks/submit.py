@@ -1,7 +1,9 @@
 """Submit throughput: requests/s from a JSONL of 512-token prompts into Redis, validated.
 
-Baseline (same process, same Redis): one RQ `Queue.enqueue` per request with the request
-line as its JSON argument, unvalidated. Prints medians over repeats and the ratio.
+Ours: `read_request_file` (fast numpy parse of the prompt ids, strict pydantic for the rest)
+and `submit_requests` (prompt ids as raw bytes beside each job, one MULTI/EXEC). Baseline (same
+process, same Redis): one RQ `Queue.enqueue` per request with the request line as its JSON
+argument, unvalidated. Prints medians over repeats, the ratio, and Redis memory per token.
 
     .venv/bin/python benchmarks/submit.py [--requests 20000] [--repeats 3]
 """

@@ -25,6 +25,7 @@ from pipeline.reader import (
     rollouts_dataset,
     weight_version_between,
 )
+from pipeline.routed_experts import routed_experts, routed_experts_positions
 
 __all__ = [
     "Batch",
@@ -39,5 +40,7 @@ __all__ = [
     "read_rollouts",
     "request_id_in",
     "rollouts_dataset",
+    "routed_experts",
+    "routed_experts_positions",
     "weight_version_between",
 ]

@@ -29,7 +29,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.client import connect
     from pipeline.request_file import read_request_file
 
-    requests = read_request_file(args.file, vocab_size=args.vocab_size)
+    renderer = None
+    if args.tokenizer:
+        from pipeline.chat import ChatRenderer
+
+        renderer = ChatRenderer(args.tokenizer).render_line
+    requests = read_request_file(args.file, vocab_size=args.vocab_size, renderer=renderer)
     client = connect(args.redis)
     batch = client.submit(
         requests,
@@ -127,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="requests per job (default 64)")
     p.add_argument("--min-weight-version", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
+    p.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="render `messages`/`prompt` lines into token ids with this tokenizer (as SGLang would)")
     p.add_argument("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
     p.add_argument("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
     p.set_defaults(func=_cmd_submit)

@@ -14,6 +14,7 @@ from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower, follow
 from pipeline.request_file import read_request_file, validation_errors
+from pipeline.security import check_output_url
 from pipeline.submit import DEFAULT_BATCH_SIZE, submit_requests
 from schemas.control import DesiredState
 from schemas.request import RolloutRequest
@@ -50,8 +51,19 @@ class Client:
         output: str | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
         min_weight_version: int | None = None,
+        tokenizer: Any = None,
     ) -> Batch:
-        """Validate and enqueue requests (dicts or models); all or nothing."""
+        """Validate and enqueue requests (dicts or models); all or nothing.
+
+        With `tokenizer` (a path, a transformers tokenizer or a `pipeline.chat.ChatRenderer`), dicts
+        carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
+        """
+        if output is not None:
+            check_output_url(output)
+        if tokenizer is not None:
+            from pipeline.chat import render_requests
+
+            requests = render_requests(requests, tokenizer)
         plan = submit_requests(
             self.conn,
             _as_requests(requests),
@@ -62,9 +74,14 @@ class Client:
         )
         return Batch(self.conn, plan)
 
-    def submit_file(self, path: str, **kwargs: Any) -> Batch:
-        """Validate every line of a JSONL file, then enqueue all of it."""
-        return self.submit(read_request_file(path), **kwargs)
+    def submit_file(self, path: str, *, tokenizer: Any = None, **kwargs: Any) -> Batch:
+        """Validate every line of a JSONL file (chat lines rendered with `tokenizer`), then enqueue all of it."""
+        renderer = None
+        if tokenizer is not None:
+            from pipeline.chat import ChatRenderer
+
+            renderer = (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
+        return self.submit(read_request_file(path, renderer=renderer), **kwargs)
 
     def workers(self) -> list[WorkerInfo]:
         return registry.live_workers(self.conn)

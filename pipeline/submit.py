@@ -26,6 +26,9 @@ DEFAULT_BATCH_SIZE = 64
 DEFAULT_JOB_TIMEOUT_S = 6 * 3600
 DEFAULT_RETRIES = 2
 RESULT_TTL_S = 7 * 24 * 3600
+# Prompt ids stored beside their job (`pipeline:prompts:<job id>`) outlive any job that is still
+# queued or retried in this time; a worker that finds them gone fails the job saying so.
+PROMPTS_TTL_S = 30 * 24 * 3600
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -63,8 +66,14 @@ def submit_requests(
     min_weight_version: int | None = None,
     job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     retries: int = DEFAULT_RETRIES,
+    prompts_beside: bool = True,
 ) -> SubmitPlan:
-    """Enqueue all requests as jobs of at most `batch_size`, atomically (all or none)."""
+    """Enqueue all requests as jobs of at most `batch_size`, atomically (all or none).
+
+    With `prompts_beside` (the default) each job's prompt ids go to their own Redis key as raw
+    bytes, written in the same MULTI/EXEC as the jobs, instead of base64 inside the job data
+    (which RQ zlib-compresses, slowly and to little effect).
+    """
     if not requests:
         raise PipelineError("nothing to submit: no requests")
     if batch_size < 1:
@@ -86,18 +95,17 @@ def submit_requests(
     queue = rollout_queue(conn)
     job_datas = []
     job_ids = []
+    prompts: dict[str, bytes] = {}
     for index, start in enumerate(range(0, len(requests), batch_size)):
         chunk = requests[start : start + batch_size]
         job_id = f"{batch_id}-{index:05d}"
-        payload = JobPayload.pack(
-            chunk,
-            run=run,
-            job_id=job_id,
-            batch_id=batch_id,
-            output=output,
-            submitted_at_ms=submitted_at_ms,
-            min_weight_version=min_weight_version,
-        )
+        common = {"run": run, "job_id": job_id, "batch_id": batch_id, "output": output,
+                  "submitted_at_ms": submitted_at_ms, "min_weight_version": min_weight_version}
+        if prompts_beside:
+            key = keys.prompts(job_id)
+            payload, prompts[key] = JobPayload.pack_beside(chunk, prompt_key=key, **common)
+        else:
+            payload = JobPayload.pack(chunk, **common)
         job_ids.append(job_id)
         job_datas.append(
             Queue.prepare_data(
@@ -114,6 +122,8 @@ def submit_requests(
         )
     samples = sum(r.sampling_params.n for r in requests)
     with conn.pipeline(transaction=True) as pipe:
+        for key, value in prompts.items():
+            pipe.set(key, value, ex=PROMPTS_TTL_S)
         queue.enqueue_many(job_datas, pipeline=pipe)
         pipe.hset(
             keys.batch(batch_id),

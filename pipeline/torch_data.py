@@ -18,6 +18,16 @@ every sequence and `cu_seqlens` (`[B + 1]`, int32, flash-attention varlen style)
 `max_seqlen`. Both carry `weight_version` and `group_index` (`[B]`, the request group of each
 sequence within the batch, for GRPO advantages).
 
+Routed experts (`routed_experts=True`, for routing replay): `routed_experts` is `[B, T, layers,
+top_k]` (padded) or `[1, N, layers, top_k]` (packed), aligned to the same token positions as
+`input_ids`: the ids at position `t` are the experts each layer routed token `t` to while the
+rollout engine processed it, i.e. what replaying the forward over `input_ids` must use at `t`.
+`routed_experts_mask` (bool, `[B, T]` or `[1, N]`) is True where ids were captured: positions
+`[start, prompt + completion - 1)`; the last token (never fed to the engine), padding and rows
+stored without routed experts are False and hold 0. The dtype is uint8 when every batch row was
+stored as uint8 (models with at most 256 experts), else int32 (torch has no general uint16);
+`.long()` them for indexing.
+
 Tensors are built from Arrow's list offsets and values with numpy (boolean-mask scatters), never
 with a Python loop over tokens, and handed to torch without a copy.
 """
@@ -31,6 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -40,6 +51,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.errors import PipelineError
 from pipeline.reader import rollouts_dataset
+from pipeline.routed_experts import ROUTED_EXPERTS_COLUMNS
 
 Layout = Literal["padded", "packed"]
 TableLike = pa.Table | pa.RecordBatch
@@ -144,6 +156,48 @@ def _logprob_rows(
     return has
 
 
+def _routed_experts(
+    rows: TableLike, lengths: np.ndarray, mask_of: Any, row_span: np.ndarray, total_shape: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """Routed experts scattered onto the token layout; `mask_of(first, stop)` is the layout's
+    mask of positions `first[r] <= t < stop[r]` of each row `r`."""
+    experts = _list_parts(_column(rows, "routed_experts"))
+    shape_parts = _list_parts(_column(rows, "routed_experts_shape"))
+    start_column = pc.fill_null(_column(rows, "routed_experts_start"), 0)
+    starts = np.asarray(start_column, dtype=np.int64) if len(lengths) else np.zeros(0, np.int64)
+    has = np.ones(len(lengths), bool) if experts.valid is None else experts.valid
+    shapes = np.zeros((len(lengths), 3), dtype=np.int64)
+    if shape_parts.values:
+        flat_shapes = np.concatenate(shape_parts.values).astype(np.int64)
+        if flat_shapes.size != 3 * int(has.sum()):
+            raise PipelineError("routed_experts_shape must be [rows, layers, top_k] on every row with experts")
+        shapes[has] = flat_shapes.reshape(-1, 3)
+    widths = np.unique(shapes[has, 1] * shapes[has, 2])
+    if widths.size > 1:
+        raise PipelineError(f"rows of one batch route different layers x top_k ({sorted(widths.tolist())})")
+    n_routed = np.where(has, shapes[:, 0], 0)
+    starts = np.where(has, starts, 0)
+    bad = np.flatnonzero(has & ((experts.lengths != shapes.prod(axis=1)) | (starts + n_routed > lengths - 1)))
+    if bad.size:
+        r = int(bad[0])
+        raise PipelineError(
+            f"row {r}: routed_experts of shape {shapes[r].tolist()} from position {int(starts[r])} "
+            f"do not fit {int(experts.lengths[r])} ids and {int(lengths[r])} tokens; the shard is inconsistent"
+        )
+    layers_k = (int(shapes[has, 1][0]), int(shapes[has, 2][0])) if widths.size else (0, 0)
+    value_types = {v.dtype for v in experts.values if v.size}
+    dtype = np.uint8 if value_types <= {np.dtype(np.uint8)} else np.int32
+    mask = mask_of(starts, starts + n_routed)
+    dest = np.zeros((*total_shape, layers_k[0] * layers_k[1]), dtype=dtype)
+    width = max(1, layers_k[0] * layers_k[1])
+    parts = _ListParts([v.reshape(-1, width) for v in experts.values], experts.row_starts, n_routed, experts.valid)
+    _fill(dest, mask, parts, row_span)
+    return {
+        "routed_experts": torch.from_numpy(dest.reshape(*total_shape, *layers_k)),
+        "routed_experts_mask": torch.from_numpy(mask),
+    }
+
+
 def collate_rollouts(
     rows: TableLike,
     *,
@@ -151,10 +205,13 @@ def collate_rollouts(
     pad_id: int = 0,
     pad_to_multiple_of: int | None = None,
     group_index: np.ndarray | None = None,
+    routed_experts: bool = False,
 ) -> dict[str, torch.Tensor | int]:
     """Training tensors from shard rows (a Table or RecordBatch with `TENSOR_COLUMNS`).
 
     `group_index` (`[B]`) is passed through as a tensor; without it every row is its own group.
+    `routed_experts=True` adds `routed_experts` and `routed_experts_mask` aligned to the token
+    layout (see the module docstring); the rows then need `ROUTED_EXPERTS_COLUMNS` too.
     """
     prompts = _list_parts(_column(rows, "prompt_token_ids"))
     completions = _list_parts(_column(rows, "completion_token_ids"))
@@ -185,11 +242,19 @@ def collate_rollouts(
         old_logprobs = np.zeros((n_rows, width), dtype=np.float32)
         lp_mask = completion_mask if logprobs.valid is None else completion_mask & has_lp[:, None]
         _fill(old_logprobs, lp_mask, logprobs, span)
+        routed = (
+            _routed_experts(
+                rows, lengths, lambda first, stop: (positions >= first[:, None]) & (positions < stop[:, None]),
+                span, (n_rows, width),
+            )
+            if routed_experts else {}
+        )
         return {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention),
             "loss_mask": torch.from_numpy(completion_mask),
             "old_logprobs": torch.from_numpy(old_logprobs),
+            **routed,
             **common,
         }
     if layout == "packed":
@@ -207,6 +272,17 @@ def collate_rollouts(
             else completion_mask & np.repeat(has_lp, lengths)
         )
         _fill(old_logprobs, lp_mask, logprobs, cu_seqlens)
+        routed = (
+            _routed_experts(
+                rows, lengths,
+                lambda first, stop: (position_ids >= np.repeat(first, lengths))
+                & (position_ids < np.repeat(stop, lengths)),
+                cu_seqlens, (total,),
+            )
+            if routed_experts else {}
+        )
+        if routed:
+            routed = {name: tensor.unsqueeze(0) for name, tensor in routed.items()}
         return {
             "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
             "position_ids": torch.from_numpy(position_ids).unsqueeze(0),
@@ -214,6 +290,7 @@ def collate_rollouts(
             "old_logprobs": torch.from_numpy(old_logprobs).unsqueeze(0),
             "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
             "max_seqlen": int(lengths.max()) if n_rows else 0,
+            **routed,
             **common,
         }
     raise PipelineError(f"layout must be 'padded' or 'packed', not {layout!r}")
@@ -280,6 +357,7 @@ class RolloutBatches(IterableDataset):
         seed: int = 0,
         drop_last: bool = False,
         use_threads: bool = True,
+        routed_experts: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -298,6 +376,7 @@ class RolloutBatches(IterableDataset):
         self.seed = seed
         self.drop_last = drop_last
         self.use_threads = use_threads
+        self.routed_experts = routed_experts
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -306,6 +385,8 @@ class RolloutBatches(IterableDataset):
 
     def _columns(self) -> list[str]:
         wanted = [*TENSOR_COLUMNS, *self.extra_columns]
+        if self.routed_experts:
+            wanted.extend(ROUTED_EXPERTS_COLUMNS)
         if self.group_by_request:
             wanted.append(GROUP_COLUMN)
         return list(dict.fromkeys(wanted))
@@ -361,7 +442,8 @@ class RolloutBatches(IterableDataset):
             yield table, codes
 
     def _emit(self, parts: list[tuple[pa.Table, np.ndarray]]) -> dict[str, Any]:
-        table = pa.concat_tables([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
+        # "permissive": shards of one run may store routed experts as uint8 and as uint16.
+        table = pa.concat_tables([t for t, _ in parts], promote_options="permissive") if len(parts) > 1 else parts[0][0]
         indices: list[np.ndarray] = []
         offset = 0
         for _, codes in parts:  # groups numbered 0..G-1 across the parts of this batch
@@ -373,6 +455,7 @@ class RolloutBatches(IterableDataset):
             collate_rollouts(
                 table, layout=self.layout, pad_id=self.pad_id,
                 pad_to_multiple_of=self.pad_to_multiple_of, group_index=group_index,
+                routed_experts=self.routed_experts,
             )
         )
         for name in self.extra_columns:

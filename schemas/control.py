@@ -1,10 +1,23 @@
-"""The control channel's records: the desired state workers converge to, and their acks."""
+"""The control channel's records: the desired state workers converge to, their acks, and signing.
+
+When a shared secret is configured, every record is stored inside a `Signed` envelope: the
+record's JSON as `body` plus an HMAC-SHA256 over a purpose string and that body. The purpose
+binds a signature to where the record belongs (`desired-state`; `ack:<version>:<worker>`), so
+a signed ack cannot be replayed as another worker's or another version's. Readers holding
+the secret refuse unsigned and forged records with a located `ControlMessageError`.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import hashlib
+import hmac
+import json
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+MAX_RECORD_BYTES = 64 * 1024
+DESIRED_STATE_PURPOSE = "desired-state"
 
 
 class DesiredState(BaseModel):
@@ -16,7 +29,7 @@ class DesiredState(BaseModel):
     paused: StrictBool = False
     weight_version: Annotated[StrictInt, Field(ge=0)] = 0
     # None: the weights the worker was started with.
-    weight_path: StrictStr | None = None
+    weight_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)] | None = None
 
 
 class WeightAck(BaseModel):
@@ -24,8 +37,81 @@ class WeightAck(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
-    worker: Annotated[StrictStr, Field(min_length=1)]
-    version: StrictInt
+    worker: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    version: Annotated[StrictInt, Field(ge=0)]
     ok: StrictBool
-    seconds: StrictFloat
-    error: StrictStr | None = None
+    seconds: Annotated[StrictFloat, Field(ge=0)]
+    error: Annotated[StrictStr, Field(max_length=8192)] | None = None
+
+
+class Signed(BaseModel):
+    """A record's JSON with its HMAC-SHA256 (hex)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    body: StrictStr
+    hmac: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ControlMessageError(ValueError):
+    """A control record that is malformed, unsigned or forged; `location` names the field."""
+
+    def __init__(self, location: str, message: str) -> None:
+        self.location = location
+        self.message = message
+        super().__init__(f"{location}: {message}")
+
+
+def ack_purpose(version: int, worker: str) -> str:
+    return f"ack:{version}:{worker}"
+
+
+def signature(secret: bytes, purpose: str, body: str) -> str:
+    return hmac.new(secret, purpose.encode() + b"\n" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def encode(record: BaseModel, *, secret: bytes | None, purpose: str) -> str:
+    """The stored form of `record`: its JSON, inside a `Signed` envelope when there is a secret."""
+    body = record.model_dump_json()
+    if secret is None:
+        return body
+    return Signed(body=body, hmac=signature(secret, purpose, body)).model_dump_json()
+
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def _location(error: Any, prefix: str = "") -> str:
+    parts = [str(p) for p in error["loc"]]
+    return ".".join([prefix, *parts] if prefix else parts) or "<record>"
+
+
+def _validate(model: type[Record], raw: str, prefix: str) -> Record:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ControlMessageError(_location(first, prefix), first["msg"]) from exc
+
+
+def decode(raw: str | bytes, model: type[Record], *, secret: bytes | None, purpose: str) -> Record:
+    """Validate a stored record; with a secret, only a correctly signed one.
+
+    Without a secret a signed envelope is accepted unverified (this reader cannot check it).
+    """
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ControlMessageError("<record>", f"{len(raw)} bytes, over the limit of {MAX_RECORD_BYTES}")
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise ControlMessageError("<record>", f"not valid JSON ({exc})") from exc
+    is_envelope = isinstance(parsed, dict) and set(parsed) == {"body", "hmac"}
+    if not is_envelope:
+        if secret is not None:
+            raise ControlMessageError("hmac", "unsigned record refused: a control secret is configured")
+        return _validate(model, text, "")
+    envelope = _validate(Signed, text, "")
+    if secret is not None and not hmac.compare_digest(envelope.hmac, signature(secret, purpose, envelope.body)):
+        raise ControlMessageError("hmac", f"signature does not match (forged, or signed for another {purpose!r})")
+    return _validate(model, envelope.body, "body")

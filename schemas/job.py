@@ -2,23 +2,28 @@
 
 Jobs are JSON (RQ's JSON serializer, never pickle). Prompt token ids are packed into one
 base64 string of little-endian int32 (about 5.3 bytes a token, before RQ's zlib) instead of
-a JSON list of decimal numbers.
+a JSON list of decimal numbers; or, on the fast submit path, kept out of the job as raw
+little-endian bytes (uint16 when every id fits, else int32) under a side Redis key named by
+`prompt_key`, written in the same transaction as the job (see `pipeline.submit`).
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from schemas import request as request_schema
 from schemas.request import RolloutRequest
 
 JOB_SCHEMA_VERSION = 1
 
 _INT32_LE = np.dtype("<i4")
+PromptDType = Literal["<i4", "<u2"]
 
 
 def pack_token_ids(sequences: Sequence[Sequence[int]]) -> tuple[str, list[int]]:
@@ -49,7 +54,10 @@ class JobPayload(BaseModel):
     output: Annotated[StrictStr, Field(min_length=1)]
     submitted_at_ms: StrictInt
     min_weight_version: StrictInt | None = None
-    prompt_tokens: StrictStr
+    prompt_tokens: StrictStr = ""
+    # Set instead of prompt_tokens: the Redis key holding the raw ids, and their dtype.
+    prompt_key: StrictStr | None = None
+    prompt_dtype: PromptDType = "<i4"
     prompt_lengths: list[Annotated[StrictInt, Field(ge=1)]]
     # Each request line without its input_ids (those are in prompt_tokens), defaults omitted.
     requests: list[dict[str, Any]]
@@ -79,8 +87,46 @@ class JobPayload(BaseModel):
             requests=[r.model_dump(exclude={"input_ids"}, exclude_defaults=True) for r in requests],
         )
 
-    def unpack(self) -> list[RolloutRequest]:
-        """The requests, re-validated: a worker trusts nothing it reads from Redis."""
+    @classmethod
+    def pack_beside(
+        cls,
+        requests: Sequence[RolloutRequest],
+        *,
+        prompt_key: str,
+        run: str,
+        job_id: str,
+        batch_id: str,
+        output: str,
+        submitted_at_ms: int,
+        min_weight_version: int | None = None,
+    ) -> tuple[JobPayload, bytes]:
+        """The payload without the ids, and the ids as raw bytes to store under `prompt_key`.
+
+        uint16 when every id fits (2 bytes a token), else int32; nothing for RQ to compress.
+        """
+        lengths = [len(r.input_ids) for r in requests]
+        flat = np.fromiter(itertools.chain.from_iterable(r.input_ids for r in requests), dtype=np.int64,
+                           count=sum(lengths))
+        dtype: PromptDType = "<u2" if flat.size == 0 or int(flat.max()) < 2**16 else "<i4"
+        payload = cls(
+            run=run,
+            job_id=job_id,
+            batch_id=batch_id,
+            output=output,
+            submitted_at_ms=submitted_at_ms,
+            min_weight_version=min_weight_version,
+            prompt_key=prompt_key,
+            prompt_dtype=dtype,
+            prompt_lengths=lengths,
+            requests=[r.model_dump(exclude={"input_ids"}, exclude_defaults=True) for r in requests],
+        )
+        return payload, flat.astype(dtype).tobytes()
+
+    def unpack(self, prompt_bytes: bytes | None = None) -> list[RolloutRequest]:
+        """The requests, re-validated: a worker trusts nothing it reads from Redis.
+
+        `prompt_bytes` is the value of `prompt_key` when the ids travel beside the job.
+        """
         if self.schema_version != JOB_SCHEMA_VERSION:
             raise ValueError(
                 f"job schema_version {self.schema_version} is not {JOB_SCHEMA_VERSION}; "
@@ -88,8 +134,31 @@ class JobPayload(BaseModel):
             )
         if len(self.requests) != len(self.prompt_lengths):
             raise ValueError("job payload has a different number of requests and prompts")
-        prompts = unpack_token_ids(self.prompt_tokens, self.prompt_lengths)
-        return [
-            RolloutRequest.model_validate({**fields, "input_ids": ids.tolist()})
-            for fields, ids in zip(self.requests, prompts, strict=True)
-        ]
+        if self.prompt_key is None:
+            prompts = unpack_token_ids(self.prompt_tokens, self.prompt_lengths)
+            return [
+                RolloutRequest.model_validate({**fields, "input_ids": ids.tolist()})
+                for fields, ids in zip(self.requests, prompts, strict=True)
+            ]
+        if prompt_bytes is None:
+            raise ValueError(f"job {self.job_id}: its prompt token ids (Redis key {self.prompt_key}) are missing")
+        dtype = np.dtype(self.prompt_dtype)
+        total = sum(self.prompt_lengths)
+        if len(prompt_bytes) != total * dtype.itemsize:
+            raise ValueError(
+                f"job {self.job_id}: {self.prompt_key} holds {len(prompt_bytes)} bytes, "
+                f"the prompt lengths say {total} ids of {dtype.itemsize} bytes"
+            )
+        flat = np.frombuffer(prompt_bytes, dtype=dtype)
+        if flat.size and int(flat.min()) < 0:
+            raise ValueError(f"job {self.job_id}: a prompt token id is negative")
+        if max(self.prompt_lengths, default=0) > request_schema.MAX_PROMPT_TOKENS:
+            limit = request_schema.MAX_PROMPT_TOKENS
+            raise ValueError(f"job {self.job_id}: a prompt is over the limit of {limit} tokens")
+        offsets = np.cumsum([0, *self.prompt_lengths])
+        out = []
+        for fields, start, end in zip(self.requests, offsets[:-1], offsets[1:], strict=True):
+            # Every field but the ids through the model; the ids were checked above as an array.
+            request = RolloutRequest.model_validate({**fields, "input_ids": [0]})
+            out.append(request.model_copy(update={"input_ids": flat[start:end].tolist()}))
+        return out

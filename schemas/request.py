@@ -3,10 +3,17 @@
 Sampling parameter names are SGLang's. Unknown fields, wrong types and booleans where a
 number belongs are errors, so that a typo never silently does nothing. The stop contract's
 input side lives here: `stop` is a string, a list of strings, or a list of token ids.
+
+Size limits (each overridable by the environment variable named in its error): the prompt
+length, the number and length of stops, the metadata's JSON size, and `MAX_LINE_BYTES` for a
+whole JSONL line (checked by `pipeline.request_file`). `max_new_tokens`, `n` and `logprobs`
+have fixed bounds in the schema.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Annotated, Any
 
 from pydantic import (
@@ -22,6 +29,18 @@ from pydantic import (
 
 # Token ids travel as int32 in job payloads and shards.
 MAX_TOKEN_ID = 2**31 - 1
+
+
+def _limit(env: str, default: int) -> int:
+    value = os.environ.get(env)
+    return int(value) if value else default
+
+
+MAX_LINE_BYTES = _limit("PIPELINE_MAX_LINE_BYTES", 8 * 1024 * 1024)
+MAX_PROMPT_TOKENS = _limit("PIPELINE_MAX_PROMPT_TOKENS", 262_144)
+MAX_STOPS = _limit("PIPELINE_MAX_STOPS", 64)
+MAX_STOP_CHARS = _limit("PIPELINE_MAX_STOP_CHARS", 1024)
+MAX_METADATA_BYTES = _limit("PIPELINE_MAX_METADATA_BYTES", 64 * 1024)
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Number = StrictFloat | StrictInt
@@ -94,6 +113,27 @@ class SamplingParams(_Strict):
             )
         return value
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"{len(stops)} stops, over the limit of {MAX_STOPS} (PIPELINE_MAX_STOPS)")
+        for stop in stops:
+            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"a stop string of {len(stop)} characters, over the limit of {MAX_STOP_CHARS} "
+                    "(PIPELINE_MAX_STOP_CHARS)"
+                )
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_limit(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(value) > MAX_STOPS:
+            raise ValueError(f"{len(value)} stop token ids, over the limit of {MAX_STOPS} (PIPELINE_MAX_STOPS)")
+        return value
+
     @property
     def greedy(self) -> bool:
         """SGLang treats temperatures below 1e-6 as greedy decoding."""
@@ -129,6 +169,31 @@ class RolloutRequest(_Strict):
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
     return_routed_experts: StrictBool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Set by the chat renderer (`pipeline.chat`): the text the ids were rendered from, kept in the row.
+    prompt_text: StrictStr | None = None
+
+    @field_validator("input_ids")
+    @classmethod
+    def _prompt_limit(cls, value: list[int]) -> list[int]:
+        if len(value) > MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"prompt of {len(value)} tokens, over the limit of {MAX_PROMPT_TOKENS} (PIPELINE_MAX_PROMPT_TOKENS)"
+            )
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limit(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode())
+        except ValueError as exc:
+            raise ValueError(f"metadata must be plain JSON ({exc})") from exc
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(
+                f"metadata is {size} bytes of JSON, over the limit of {MAX_METADATA_BYTES} "
+                "(PIPELINE_MAX_METADATA_BYTES)"
+            )
+        return value
 
     def max_token_id(self) -> int:
         """The largest token id the request names (prompt and token-id stops)."""

@@ -45,6 +45,8 @@ ROW_FIELDS: list[pa.Field] = [
     pa.field("started_at", TIMESTAMP, nullable=False),
     pa.field("finished_at", TIMESTAMP, nullable=False),
     pa.field("metadata", pa.string(), nullable=False),
+    # The rendered chat/prompt text for inspection; null for token-id requests.
+    pa.field("prompt_text", pa.string()),
 ]
 
 

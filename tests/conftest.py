@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from pipeline.redis_server import RedisServer
-from tests.models import build_random_model, build_scripted_model
+from tests.models import build_random_model, build_random_moe_model, build_scripted_model
 
 # Scripted transitions shared by the contract tests: a→b→c→d, then d branches to e (→ EOS)
 # or to the x/y loop; "!" loops forever; "h" says "hello world" then EOS.
@@ -74,3 +74,9 @@ def pipeline_env(tmp_path: Path, redis_url: str) -> dict[str, str]:
 
 
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen3-MoE: 2 layers, 8 experts, top-2, vocab 72, char tokenizer, EOS id 0."""
+    return build_random_moe_model(tmp_path_factory.mktemp("tiny-moe"))

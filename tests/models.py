@@ -1,6 +1,7 @@
 """Tiny transformers models built in fixtures: they generate in milliseconds on the CPU.
 
 - `build_random_model`: a random dense Llama with a small byte-level BPE tokenizer.
+- `build_random_moe_model`: a random Qwen3-MoE (8 experts, top-2) with the same tokenizer.
 - `build_scripted_model`: a Llama whose weights make it follow a fixed token transition
   table (attention and MLP zeroed, one-hot embeddings, lm_head = transition matrix), so tests
   can force exact outputs: EOS, token stops, string stops, branching for n > 1.
@@ -58,6 +59,29 @@ def build_random_model(path: Path, *, seed: int = 0) -> Path:
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return _save(model, _char_tokenizer(), path, [0])
+
+
+def build_random_moe_model(
+    path: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2, layers: int = 2, eos_ids: Sequence[int] = (0,),
+) -> Path:
+    """A random Qwen3-MoE (all layers sparse) with the char tokenizer; routers scaled up so the
+    top-k experts are well separated (no near-ties between the KV-cached and full forwards)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=list(eos_ids), bos_token_id=None, pad_token_id=0,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    return _save(model, _char_tokenizer(), path, eos_ids)
 
 
 def build_scripted_model(

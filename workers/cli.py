@@ -24,12 +24,51 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--url", action="append", default=[], dest="urls",
         help="SGLang server or router URL for --engine sglang-http (repeat for several)",
     )
+    sim = parser.add_argument_group("--engine sim (a simulated continuous-batching engine)")
+    sim.add_argument("--sim-capacity", type=int, default=256, help="sequences decoded at once")
+    sim.add_argument("--sim-step-ms", type=float, default=20.0, help="latency of one decode step")
+    sim.add_argument("--sim-step-per-seq-us", type=float, default=0.0, help="added per running sequence")
+    sim.add_argument("--sim-median-tokens", type=float, default=300.0, help="median output length")
+    sim.add_argument("--sim-p99-tokens", type=float, default=4000.0, help="p99 output length (lognormal)")
+    sim.add_argument("--sim-seed", type=int, default=0, help="seed of the tokens and logprobs")
+
+
+def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """How fast dead workers' jobs are found again and a failed engine is re-probed."""
+    from workers.health import PROBE_MAX_S
+    from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S
+    from workers.worker import HEARTBEAT_INTERVAL_S
+
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S, metavar="S",
+        help="seconds between heartbeats; a job is abandoned 3 heartbeats + 1 s after its worker's last "
+             f"(default {HEARTBEAT_INTERVAL_S})",
+    )
+    parser.add_argument(
+        "--maintenance-interval", type=float, default=DEFAULT_MAINTENANCE_INTERVAL_S, metavar="S",
+        help="seconds between scans for abandoned jobs, which are retried or failed "
+             f"(default {DEFAULT_MAINTENANCE_INTERVAL_S})",
+    )
+    parser.add_argument(
+        "--stuck-after", type=float, default=DEFAULT_STUCK_AFTER_S, metavar="S",
+        help="a job dequeued but not started for this long (its worker died) is recovered "
+             f"(default {DEFAULT_STUCK_AFTER_S:g})",
+    )
+    parser.add_argument(
+        "--health-probe-max", type=float, default=PROBE_MAX_S, metavar="S",
+        help=f"longest wait between engine health probes while unhealthy (default {PROBE_MAX_S:g})",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs,
         urls=tuple(args.urls),
+        sim={
+            "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,
+            "step_per_seq_s": args.sim_step_per_seq_us / 1e6, "median_tokens": args.sim_median_tokens,
+            "p99_tokens": args.sim_p99_tokens, "seed": args.sim_seed,
+        } if args.engine == "sim" else {},
     )
 
 
@@ -37,7 +76,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from pipeline.connection import connect_redis
     from workers.engines.factory import build_engine
     from workers.errors import WorkerError
-    from workers.worker import RolloutWorker
+    from workers.resilience import ResilientWorker
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -45,7 +84,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    worker = RolloutWorker(connect_redis(args.redis), engine, worker_id=args.worker_id)
+    worker = ResilientWorker(
+        connect_redis(args.redis), engine, worker_id=args.worker_id,
+        heartbeat_interval_s=args.heartbeat_interval, maintenance_interval_s=args.maintenance_interval,
+        stuck_after_s=args.stuck_after, probe_max_s=args.health_probe_max,
+        max_jobs_in_flight=args.max_jobs_in_flight, feed=not args.no_feed,
+    )
     print(f"worker {worker.worker_id}: engine={engine.description.name} model={engine.description.model}",
           flush=True)
     worker.work(burst=args.burst, logging_level=args.log_level, with_scheduler=False)
@@ -56,7 +100,12 @@ def register_worker(sub: argparse._SubParsersAction, add_redis: Callable[[argpar
     parser = sub.add_parser("worker", help="run a worker process around one engine")
     add_redis(parser)
     add_engine_arguments(parser)
+    add_fault_arguments(parser)
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--max-jobs-in-flight", type=int, default=64,
+                        help="jobs fed to a concurrent engine (sim, sglang-http) at once")
+    parser.add_argument("--no-feed", action="store_true",
+                        help="one job at a time even on a concurrent engine (a barrier at each job's end)")
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=_run_worker)

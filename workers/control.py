@@ -20,6 +20,8 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 
 from pipeline import keys
+from pipeline.control import encode_ack
+from pipeline.security import PolicyError, check_weight_path
 from schemas.control import WeightAck
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,11 @@ def load_weights(engine: Any, worker_id: str, path: str, version: int) -> Weight
     started = time.monotonic()
     error: str | None = None
     try:
+        check_weight_path(path)
+    except PolicyError as exc:
+        log.error("worker %s: refusing to load weights v%d: %s", worker_id, version, exc)
+        return WeightAck(worker=worker_id, version=version, ok=False, seconds=0.0, error=f"refused: {exc}")
+    try:
         if hasattr(engine, "update_weights"):
             engine.update_weights(path, version)
         elif hasattr(engine, "update_weights_from_disk"):
@@ -111,9 +118,9 @@ def load_weights(engine: Any, worker_id: str, path: str, version: int) -> Weight
 def write_ack(conn: redis.Redis, ack: WeightAck, *, only_if_missing: bool = False) -> None:
     key = keys.weight_acks(ack.version)
     if only_if_missing:
-        conn.hsetnx(key, ack.worker, ack.model_dump_json())
+        conn.hsetnx(key, ack.worker, encode_ack(ack))
     else:
-        conn.hset(key, ack.worker, ack.model_dump_json())
+        conn.hset(key, ack.worker, encode_ack(ack))
 
 
 def hand_back(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:

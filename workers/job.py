@@ -1,46 +1,89 @@
-"""The project's job function: run one batch of requests and commit its shard."""
+"""The project's job function: run one batch of requests and commit its shard.
+
+It has two halves so that a worker can keep several jobs in flight on a concurrent engine
+(`workers.feeder`): `prepare_batch` (validate, unpack, capability checks, note the weights)
+and `commit_batch` (rows, shard, commit log). `run_rollout_batch` runs both around a
+synchronous `engine.generate`.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
 from rq import get_current_job
 
-from pipeline import commit_log
+from pipeline import commit_log, keys
 from schemas.job import JobPayload
+from schemas.request import RolloutRequest
 from workers import context
 from workers.contracts import check_request_supported
+from workers.engines.base import Engine, SampleOutput
+from workers.errors import WorkerError
 from workers.rows import RowContext, build_table, utc_from_ms
 from workers.shard_writer import write_shard
 
+PROMPTS_AFTER_SUCCESS_TTL_S = 3600
 
-def run_rollout_batch(payload: dict[str, Any]) -> dict[str, Any]:
-    """Generate every request of the job, write its shard, append the commit; return a summary."""
+
+@dataclass
+class PreparedBatch:
+    """A validated job, ready for the engine."""
+
+    job: JobPayload
+    requests: list[RolloutRequest]
+    engine: Engine
+    worker_id: str
+    weight_version: int
+    started_at: datetime
+
+
+def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> PreparedBatch:
+    """Validate the payload and every request against this worker's engine; note the weights."""
     ctx = context.current()
     job = JobPayload.model_validate(payload)
-    requests = job.unpack()
+    prompt_bytes = None
+    if job.prompt_key is not None:
+        if conn is None:
+            raise WorkerError(f"job {job.job_id}: prompt ids live in Redis but no connection was given")
+        if job.prompt_key != keys.prompts(job.job_id):
+            raise WorkerError(f"job {job.job_id}: prompt key {job.prompt_key!r} is not this job's")
+        prompt_bytes = conn.get(job.prompt_key)
+        if prompt_bytes is None:
+            raise WorkerError(
+                f"job {job.job_id}: its prompt token ids ({job.prompt_key}) are gone from Redis "
+                "(expired or deleted); submit the requests again"
+            )
+    requests = job.unpack(prompt_bytes)
     engine = ctx.engine
     description = engine.description
     for request in requests:
         check_request_supported(request, description.capabilities, has_tokenizer=description.has_tokenizer)
+    return PreparedBatch(job, requests, engine, ctx.worker_id, engine.weight_version, datetime.now(UTC))
 
-    weight_version = engine.weight_version
-    started_at = datetime.now(UTC)
-    outputs = engine.generate(requests)
-    finished_at = datetime.now(UTC)
+
+def commit_batch(
+    batch: PreparedBatch, outputs: list[list[SampleOutput]], conn: redis.Redis | None,
+    finished_at: datetime | None = None,
+) -> dict[str, Any]:
+    """Rows (contracts checked), the shard (atomic), the commit-log entry; return the job's summary."""
+    job = batch.job
+    description = batch.engine.description
+    finished_at = finished_at or datetime.now(UTC)
     table = build_table(
-        requests,
+        batch.requests,
         outputs,
         RowContext(
             run=job.run,
             job_id=job.job_id,
             engine=description.name,
             model=description.model,
-            worker_id=ctx.worker_id,
-            weight_version=weight_version,
+            worker_id=batch.worker_id,
+            weight_version=batch.weight_version,
             submitted_at=utc_from_ms(job.submitted_at_ms),
-            started_at=started_at,
+            started_at=batch.started_at,
             finished_at=finished_at,
             num_experts=description.num_experts,
         ),
@@ -53,10 +96,21 @@ def run_rollout_batch(payload: dict[str, Any]) -> dict[str, Any]:
         url=url,
         rows=table.num_rows,
         tokens=tokens,
-        weight_version=weight_version,
+        weight_version=batch.weight_version,
     )
+    if conn is not None:
+        commit_log.append(conn, job.run, commit)
+        if job.prompt_key is not None:
+            # Done: the ids need only outlive a late duplicate of this job briefly.
+            conn.expire(job.prompt_key, PROMPTS_AFTER_SUCCESS_TTL_S)
+    return {"url": url, "rows": table.num_rows, "tokens": tokens, "weight_version": batch.weight_version,
+            "seconds": (finished_at - batch.started_at).total_seconds()}
+
+
+def run_rollout_batch(payload: dict[str, Any]) -> dict[str, Any]:
+    """Generate every request of the job, write its shard, append the commit; return a summary."""
     rq_job = get_current_job()
-    if rq_job is not None:
-        commit_log.append(rq_job.connection, job.run, commit)
-    return {"url": url, "rows": table.num_rows, "tokens": tokens, "weight_version": weight_version,
-            "seconds": (finished_at - started_at).total_seconds()}
+    conn = rq_job.connection if rq_job is not None else None
+    batch = prepare_batch(payload, conn)
+    outputs = batch.engine.generate(batch.requests)
+    return commit_batch(batch, outputs, conn)

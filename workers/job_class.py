@@ -1,4 +1,5 @@
-"""The job class workers use: it refuses any function that is not one of the project's own."""
+"""The job class workers use: it refuses any function that is not one of the project's own,
+and any output URL outside the deployment's allowed schemes and prefixes (`pipeline.security`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 from rq.job import Job
 
+from pipeline.security import PolicyError, check_output_url
 from workers.errors import NotAllowedJobError
 
 ALLOWED_FUNCTIONS = frozenset({"workers.job.run_rollout_batch"})
@@ -21,4 +23,11 @@ class RolloutJob(Job):
                 f"job {self.id} names {self.func_name!r}, which is not a rollout pipeline job "
                 f"function (allowed: {sorted(ALLOWED_FUNCTIONS)}); refused, nothing ran"
             )
+        payload = self.args[0] if self.args else None
+        output = payload.get("output") if isinstance(payload, dict) else None
+        if isinstance(output, str):
+            try:
+                check_output_url(output)
+            except PolicyError as exc:
+                raise NotAllowedJobError(f"job {self.id}: {exc}; refused, nothing ran") from exc
         return super().func

@@ -40,15 +40,25 @@ def _routed_type(num_experts: int | None) -> pa.DataType:
 def build_table(
     requests: Sequence[RolloutRequest], outputs: Sequence[Sequence[SampleOutput]], ctx: RowContext
 ) -> pa.Table:
-    """One row per sample; raises `ContractViolation` before any row is built if one is bad."""
+    """One row per sample; raises `ContractViolation` before any row is built if one is bad.
+
+    Columnar: the contracts are checked per sample, then each token column is one
+    concatenation and one offsets array, not a Python object per token.
+    """
     if len(outputs) != len(requests):
         raise ContractViolation(f"engine returned {len(outputs)} outputs for {len(requests)} requests")
-    columns: dict[str, list] = {name: [] for name in shard_schema().names}
+    cols: dict[str, list] = {name: [] for name in _PER_ROW}
+    prompts: list[np.ndarray] = []
+    completions: list[np.ndarray] = []
+    logprobs: list[np.ndarray | None] = []
+    routed_rows: list[np.ndarray | None] = []
+    any_top = any_prompt_lp = any_routed = False
     for request, samples in zip(requests, outputs, strict=True):
         params = request.sampling_params
         if len(samples) != params.n:
             raise ContractViolation(f"request {request.id!r}: {len(samples)} samples for n={params.n}")
         metadata = json.dumps(request.metadata, separators=(",", ":"), ensure_ascii=False)
+        prompt = np.asarray(request.input_ids, dtype=np.int32)
         for index, sample in enumerate(samples):
             check_sample(request, sample)
             if sample.weight_version is not None and sample.weight_version != ctx.weight_version:
@@ -58,51 +68,89 @@ def build_table(
                 )
             stop = resolve_finish(request, sample.finish)
             routed = sample.routed_experts if request.return_routed_experts else None
-            row = {
-                "rollout_id": f"{request.id}:{index}",
-                "request_id": request.id,
-                "run": ctx.run,
-                "job_id": ctx.job_id,
-                "sample_index": index,
-                "prompt_token_ids": request.input_ids,
-                "completion_token_ids": np.asarray(sample.token_ids, dtype=np.int32),
-                "completion_logprobs": (
-                    np.asarray(sample.logprobs, dtype=np.float32) if request.logprobs is not None else None
-                ),
-                "completion_top_logprobs": (
-                    [[{"token_id": t, "logprob": lp} for t, lp in pos] for pos in sample.top_logprobs]
-                    if request.logprobs and sample.top_logprobs is not None
-                    else None
-                ),
-                "prompt_logprobs": sample.prompt_logprobs if request.prompt_logprobs is not None else None,
-                "completion_text": trim_stop_text(sample.text, stop.stop_reason_text, params.no_stop_trim),
-                "finish_reason": stop.finish_reason,
-                "stop_reason_text": stop.stop_reason_text,
-                "stop_reason_token": stop.stop_reason_token,
-                "routed_experts": None if routed is None else np.asarray(routed).reshape(-1),
-                "routed_experts_shape": None if routed is None else list(np.asarray(routed).shape),
-                "routed_experts_start": None if routed is None else sample.routed_experts_start,
-                "weight_version": ctx.weight_version,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-                "min_p": params.min_p,
-                "seed": params.seed,
-                "max_new_tokens": params.max_new_tokens,
-                "prompt_tokens": len(request.input_ids),
-                "completion_tokens": len(sample.token_ids),
-                "cached_tokens": sample.cached_tokens,
-                "engine": ctx.engine,
-                "model": ctx.model,
-                "worker_id": ctx.worker_id,
-                "submitted_at": ctx.submitted_at,
-                "started_at": ctx.started_at,
-                "finished_at": ctx.finished_at,
-                "metadata": metadata,
-            }
-            for name, value in row.items():
-                columns[name].append(value)
-    return pa.Table.from_pydict(columns, schema=shard_schema(_routed_type(ctx.num_experts)))
+            tokens = np.asarray(sample.token_ids, dtype=np.int32)
+            prompts.append(prompt)
+            completions.append(tokens)
+            logprobs.append(np.asarray(sample.logprobs, dtype=np.float32) if request.logprobs is not None else None)
+            top = (
+                [[{"token_id": t, "logprob": lp} for t, lp in pos] for pos in sample.top_logprobs]
+                if request.logprobs and sample.top_logprobs is not None
+                else None
+            )
+            prompt_lp = sample.prompt_logprobs if request.prompt_logprobs is not None else None
+            any_top |= top is not None
+            any_prompt_lp |= prompt_lp is not None
+            any_routed |= routed is not None
+            routed_rows.append(None if routed is None else np.asarray(routed))
+            values = (
+                f"{request.id}:{index}", request.id, index, top, prompt_lp,
+                trim_stop_text(sample.text, stop.stop_reason_text, params.no_stop_trim),
+                stop.finish_reason, stop.stop_reason_text, stop.stop_reason_token,
+                None if routed is None else sample.routed_experts_start,
+                params.temperature, params.top_p, params.top_k, params.min_p, params.seed, params.max_new_tokens,
+                len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
+            )
+            for name, value in zip(_PER_ROW, values, strict=True):
+                cols[name].append(value)
+    rows = len(completions)
+    schema = shard_schema(_routed_type(ctx.num_experts))
+    arrays: dict[str, pa.Array] = {
+        "prompt_token_ids": _list_array(prompts, pa.int32()),
+        "completion_token_ids": _list_array(completions, pa.int32()),
+        "completion_logprobs": _list_array(logprobs, pa.float32()),
+    }
+    if not any_top:
+        cols["completion_top_logprobs"] = [None] * rows
+    if not any_prompt_lp:
+        cols["prompt_logprobs"] = [None] * rows
+    if any_routed:
+        arrays["routed_experts"] = pa.array(
+            [None if r is None else r.reshape(-1) for r in routed_rows], type=schema.field("routed_experts").type)
+        arrays["routed_experts_shape"] = pa.array(
+            [None if r is None else list(r.shape) for r in routed_rows], type=pa.list_(pa.int32()))
+    else:
+        arrays["routed_experts"] = pa.nulls(rows, schema.field("routed_experts").type)
+        arrays["routed_experts_shape"] = pa.nulls(rows, pa.list_(pa.int32()))
+    constants = {
+        "run": ctx.run, "job_id": ctx.job_id, "engine": ctx.engine, "model": ctx.model, "worker_id": ctx.worker_id,
+        "weight_version": ctx.weight_version, "submitted_at": ctx.submitted_at, "started_at": ctx.started_at,
+        "finished_at": ctx.finished_at,
+    }
+    columns = []
+    for field in schema:
+        name = field.name
+        if name in arrays:
+            columns.append(arrays[name])
+        elif name in constants:
+            columns.append(pa.repeat(pa.scalar(constants[name], type=field.type), rows))
+        else:
+            columns.append(pa.array(cols[name], type=field.type))
+    table = pa.Table.from_arrays(columns, schema=schema)
+    for field, column in zip(schema, columns, strict=True):
+        if not field.nullable and column.null_count:
+            raise ContractViolation(f"column {field.name} has nulls")
+    return table
+
+
+# Columns built from one Python value per row, in the order `build_table` produces them.
+_PER_ROW = (
+    "rollout_id", "request_id", "sample_index", "completion_top_logprobs", "prompt_logprobs", "completion_text",
+    "finish_reason", "stop_reason_text", "stop_reason_token", "routed_experts_start",
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
+    "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
+)
+
+
+def _list_array(rows: list[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
+    """One list per row from numpy arrays (None: a null row), by a single concatenation."""
+    lengths = np.fromiter((0 if r is None else len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [r for r in rows if r is not None]
+    dtype = value_type.to_pandas_dtype()
+    values = np.concatenate(present).astype(dtype, copy=False) if present else np.empty(0, dtype=dtype)
+    mask = None if len(present) == len(rows) else pa.array([r is None for r in rows], type=pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type), mask=mask)
 
 
 def utc_from_ms(ms: int) -> datetime:

@@ -9,6 +9,12 @@ The control channel (`workers.control`, DESIGN.md "Control channel"): a listener
 re-reads the desired state on every wake-up and loads pushed weights while no batch runs
 (the engine lock keeps loads and batches apart); the work loop re-reads it before every job,
 hands a job dequeued while paused back to the front of its queue, and waits until resumed.
+
+Feeding (`workers.feeder`): with an engine that has the concurrent interface (sim,
+sglang-http) `execute_job` submits the job and returns once the engine has room, so the next
+job's requests reach the engine while this one's last sequences finish; each job still gets
+its own shard, commit, heartbeats and RQ result. A weight load drains every job in flight
+first (`Gate`); a pause stops admissions and lets the jobs in flight finish.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from pipeline import keys, registry
 from schemas.control import DesiredState, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
 from workers import context, control
-from workers.engines.base import Engine
+from workers.engines.base import Engine, is_concurrent
+from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
 from workers.job_class import RolloutJob
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,9 @@ class RolloutWorker(SimpleWorker):
         worker_id: str | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         control_poll_s: float = control.POLL_S,
+        feed: bool = True,
+        max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT,
+        feed_headroom: int | None = None,
         **kwargs: Any,
     ) -> None:
         worker_id = worker_id or new_worker_id()
@@ -84,20 +94,41 @@ class RolloutWorker(SimpleWorker):
             started_at=now,
             heartbeat_at=now,
         )
-        self._running: tuple[Job, Execution] | None = None
+        self._inflight: dict[str, tuple[Job, Execution]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        # Control channel: the engine lock is held while a batch runs and while weights load.
-        self._engine_lock = threading.RLock()
+        # Control channel: the gate keeps weight loads and batches apart (a load drains first);
+        # the control lock serialises control handling between the listener and the work loop.
+        self.gate = Gate()
+        self._control_lock = threading.RLock()
         self._desired = DesiredState()
         self._attempted: tuple[int, str | None] = (engine.weight_version, None)
         self._last_ack: WeightAck | None = None
         self._weight_error: str | None = None
-        self._busy = False
         self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
         self._changed = threading.Event()
         self._listener = control.ControlListener(conn, self.sync_control, poll_s=control_poll_s)
+        self.feeder: Feeder | None = None
+        if feed and is_concurrent(engine):
+            self.feeder = Feeder(self, engine, max_jobs_in_flight=max_jobs_in_flight,  # type: ignore[arg-type]
+                                 headroom=feed_headroom)
+
+    @property
+    def _busy(self) -> bool:
+        return bool(self._inflight)
+
+    def track(self, job: Job, execution: Execution) -> None:
+        """A job is in flight: heartbeats for it, and the registry says busy."""
+        self._inflight[job.id] = (job, execution)
+        self.set_registry_state("busy", next(iter(self._inflight), job.id))
+
+    def untrack(self, job: Job) -> None:
+        self._inflight.pop(job.id, None)
+        if self._inflight:
+            self.set_registry_state("busy", next(iter(self._inflight), None))
+        else:
+            self.set_registry_state(self._resting_state())
 
     # -- registry and heartbeats ----------------------------------------------------------------
 
@@ -119,8 +150,7 @@ class RolloutWorker(SimpleWorker):
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
             self._publish()
-            running = self._running
-            if running is not None:
+            for running in list(self._inflight.values()):
                 try:
                     self.maintain_heartbeats(*running)
                 except redis.RedisError as exc:
@@ -142,19 +172,20 @@ class RolloutWorker(SimpleWorker):
         """Re-read the desired state; load pushed weights if they changed; refresh the registry.
 
         Called by the listener thread on every wake-up and by the work loop before every job;
-        blocks while a batch runs, so weights only ever change between batches.
+        a load first drains every batch in flight, so weights only ever change between batches.
         """
         try:
             state = pipeline_control.read_state(self.connection)
-        except redis.RedisError as exc:
+        except (redis.RedisError, pipeline_control.ControlAuthError) as exc:  # forged/unsigned: refused, logged
             log.warning("control state unreadable (%s); keeping %s", exc, self._desired)
             return self._desired
-        with self._engine_lock:
+        with self._control_lock:
             self._desired = state
             target = (state.weight_version, state.weight_path)
             try:
                 if state.weight_path is not None and target != self._attempted:
-                    self._load_weights(state.weight_path, state.weight_version)
+                    with self.gate.exclusive():
+                        self._load_weights(state.weight_path, state.weight_version)
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
                     control.write_ack(self.connection, self._last_ack, only_if_missing=True)
@@ -193,6 +224,17 @@ class RolloutWorker(SimpleWorker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
+        while True:
+            result = self._dequeue(timeout, max_idle_time)
+            if result is not None or self.feeder is None or not self.feeder.in_flight:
+                return result
+            # Nothing to take now (burst end, pause in burst, idle limit): finish the jobs in
+            # flight, then look again, since a failed one may have been queued for a retry.
+            self.feeder.drain()
+            if self._stop_requested:
+                return None
+
+    def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[Job, Queue] | None:
         burst = timeout is None
         while True:
             if not self._wait_until_resumed(burst):
@@ -223,17 +265,21 @@ class RolloutWorker(SimpleWorker):
             return result
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        with self._engine_lock:
-            self._busy = True
+        feeder = self.feeder
+        if feeder is not None and feeder.accepts(job):
+            feeder.admit(job, queue)
+            feeder.wait_for_room(lambda: self._stop_requested)
+            return
+        self.gate.enter()
+        try:
             execution = self.prepare_execution(job)
-            self._running = (job, execution)
-            self.set_registry_state("busy", job.id)
+            self.track(job, execution)
             try:
                 self.perform_job(job, queue, execution)
             finally:
-                self._running = None
-                self._busy = False
-                self.set_registry_state(self._resting_state())
+                self.untrack(job)
+        finally:
+            self.gate.leave()
         self.set_state("idle")
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -243,9 +289,20 @@ class RolloutWorker(SimpleWorker):
         self.set_registry_state("idle")
         self._thread.start()
         self._listener.start()
+        if self.feeder is not None:
+            self.feeder.start()
         try:
             return super().work(*args, **kwargs)
         finally:
+            if self.feeder is not None:
+                try:
+                    self.feeder.drain()  # warm shutdown: the jobs in flight finish and commit
+                except BaseException:  # a second signal: abort them rather than leave them running
+                    self.feeder.abort_all()
+                    self.feeder.drain(timeout=10)
+                    raise
+                finally:
+                    self.feeder.stop()
             self._listener.stop()
             self._stop.set()
             self._thread.join(timeout=5)

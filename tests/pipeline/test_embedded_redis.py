@@ -18,7 +18,18 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
     env.pop("PIPELINE_REDIS_URL", None)
     started = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
     url = started.stdout.strip()
-    assert url == f"unix://{tmp_path / 'home' / 'redis' / 'redis.sock'}"
+    directory = tmp_path / "home" / "redis"
+    password = (directory / "password").read_text().strip()
+    assert url == f"unix://{directory / 'redis.sock'}?password={password}"
+    # The password is private to its owner, and the server refuses anyone without it.
+    assert (directory / "password").stat().st_mode & 0o777 == 0o600
+    assert (directory / "redis.conf").stat().st_mode & 0o777 == 0o600
+    assert directory.stat().st_mode & 0o777 == 0o700
+    try:
+        redis.Redis(unix_socket_path=str(directory / "redis.sock")).ping()
+        raise AssertionError("the embedded server answered without a password")
+    except redis.AuthenticationError:
+        pass
     try:
         client = redis.Redis.from_url(url)
         client.set("marker", "1")
@@ -32,7 +43,8 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
         # Unix socket only: no TCP port is open.
         assert client.config_get("port")["port"] == "0"
         assert client.config_get("appendonly")["appendonly"] == "yes"
+        assert client.config_get("appendfsync")["appendfsync"] == "always"
     finally:
         stopped = subprocess.run([*PIPELINE, "redis", "stop"], env=env, capture_output=True, text=True, check=True)
     assert stopped.stdout.strip() == "stopped"
-    assert not RedisServer(tmp_path / "home" / "redis").is_running()
+    assert not RedisServer(directory, password=password).is_running()

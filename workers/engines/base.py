@@ -7,6 +7,7 @@ An engine returns raw outputs in SGLang's terms (a finish with a `matched` int o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -77,3 +78,28 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class ConcurrentEngine(Engine, Protocol):
+    """The optional concurrent interface: several batches in flight at once.
+
+    A worker feeds such an engine the next job's requests while the last long sequences of the
+    previous job finish (see `workers.feeder`); engines without it run one `generate` at a time.
+    """
+
+    @property
+    def capacity(self) -> int:
+        """Sequences (samples) the engine decodes at once."""
+        ...
+
+    def load(self) -> int:
+        """Sequences submitted and not yet finished (running and waiting)."""
+        ...
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
+        """Start a batch; the future holds what `generate` would return. Cancelling it aborts the batch."""
+        ...
+
+
+def is_concurrent(engine: object) -> bool:
+    return all(callable(getattr(engine, name, None)) for name in ("submit", "load")) and hasattr(engine, "capacity")

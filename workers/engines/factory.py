@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engines.base import Engine
 from workers.errors import EngineUnavailableError
 
-ENGINES = ("hf", "sglang", "sglang-http")
+ENGINES = ("hf", "sglang", "sglang-http", "sim")
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class EngineOptions:
     max_top_logprobs: int = 0
     weight_version: int = 0
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or routers
+    sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
 
 
 def build_engine(options: EngineOptions) -> Engine:
@@ -33,6 +34,11 @@ def build_engine(options: EngineOptions) -> Engine:
             weight_version=options.weight_version,
             model_name=None if options.model else DEMO_MODEL_NAME,
         )
+    if options.engine == "sim":
+        from workers.engines.sim import SimConfig, SimEngine
+
+        return SimEngine(SimConfig(**{"max_top_logprobs": options.max_top_logprobs,
+                                      "weight_version": options.weight_version, **options.sim}))
     if options.engine == "sglang-http":
         from workers.engines.sglang_http import SGLangHTTPEngine
 

@@ -5,6 +5,11 @@ It decodes token by token with a KV cache, so generation really ends at the firs
 (penalised) logits divided by the temperature, before top-k/top-p/min-p filtering; plain
 log-softmax for greedy requests. The `n` samples of a request run as one batch sharing the
 prompt; each sample draws from its own generator seeded from (seed, sample index).
+
+For mixture-of-experts models it captures routed experts (`return_routed_experts`) with
+forward hooks on the routers (`workers.engines.hf_routing`), in SGLang's layout: start 0,
+one row per position fed through the model — every prompt position and every completion
+position but the last sampled token, which was never fed — so `prompt + completion - 1` rows.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import numpy as np
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
 from workers.engines.base import EngineDescription, Finish, SampleOutput
+from workers.engines.hf_routing import RoutingCapture
 from workers.engines.seeds import sample_seed
-from workers.errors import EngineUnavailableError
+from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 
 class HFEngine:
@@ -49,6 +55,7 @@ class HFEngine:
             self.tokenizer = None
         self.hidden_stop_ids = self._hidden_stop_ids(path, GenerationConfig)
         self.vocab_size = int(self.model.config.vocab_size)
+        self._routing = RoutingCapture.attach(self.model)
         self._weight_version = weight_version
         self._description = EngineDescription(
             name="hf",
@@ -56,9 +63,10 @@ class HFEngine:
             capabilities=Capabilities(
                 max_top_logprobs=max_top_logprobs,
                 prompt_logprobs=True,
-                routed_experts=False,
+                routed_experts=self._routing is not None,
                 vocab_size=self.vocab_size,
             ),
+            num_experts=self._routing.layout.num_experts if self._routing is not None else None,
             has_tokenizer=self.tokenizer is not None,
         )
 
@@ -108,10 +116,23 @@ class HFEngine:
                     f"e.g. {differing[0]})"
                 )
         model.eval()
+        routing = RoutingCapture.attach(model)
+        if (routing is None) != (self._routing is None) or (
+            routing is not None and self._routing is not None and routing.layout != self._routing.layout
+        ):
+            if routing is not None:
+                routing.remove()
+            raise EngineUnavailableError(f"{source} routes experts differently from the loaded model")
+        if self._routing is not None:
+            self._routing.remove()
+        self._routing = routing
         self.model = model
         self._weight_version = version
 
     def close(self) -> None:
+        if self._routing is not None:
+            self._routing.remove()
+            self._routing = None
         self.model = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
@@ -121,6 +142,21 @@ class HFEngine:
     # -- one request, its n samples as one batch -------------------------------------------
 
     def _generate_one(self, request: RolloutRequest) -> list[SampleOutput]:
+        routing = self._routing if request.return_routed_experts else None
+        if request.return_routed_experts and routing is None:
+            raise UnsupportedRequestError(
+                f"request {request.id!r} asks for routed experts; {self._description.model} is not a "
+                "mixture-of-experts model"
+            )
+        if routing is None:
+            return self._decode_request(request, None)
+        routing.start(request.sampling_params.n)
+        try:
+            return self._decode_request(request, routing)
+        finally:
+            routing.stop()
+
+    def _decode_request(self, request: RolloutRequest, routing: RoutingCapture | None) -> list[SampleOutput]:
         torch = self._torch
         params = request.sampling_params
         n = params.n
@@ -132,6 +168,8 @@ class HFEngine:
         prompt_logprobs = self._prompt_logprobs(request, out.logits[0]) if want_prompt_logprobs else None
         logits = out.logits[:, -1, :].float()
         past = out.cache
+        if routing is not None:
+            routing.step()
 
         generators = [
             torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, i)) for i in range(n)
@@ -176,7 +214,15 @@ class HFEngine:
             out = self.model(input_ids=chosen[:, None], cache=past, use_cache=True)
             logits = out.logits[:, -1, :].float()
             past = out.cache
+            if routing is not None:
+                routing.step()
 
+        # Routed experts of the positions each sample fed: prompt, then all its tokens but the last.
+        routed = (
+            routing.finish([len(request.input_ids) + len(tokens[i]) - 1 for i in range(n)])
+            if routing is not None
+            else [None] * n
+        )
         samples = []
         for i in range(n):
             finish = finishes[i] or Finish("length")
@@ -191,6 +237,8 @@ class HFEngine:
                     top_logprobs=tops[i] if request.logprobs else None,
                     prompt_logprobs=prompt_logprobs,
                     text=text,
+                    routed_experts=routed[i],
+                    routed_experts_start=0,
                     weight_version=self._weight_version,
                 )
             )

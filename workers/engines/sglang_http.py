@@ -9,9 +9,12 @@ since routers need not fan them out.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -51,6 +54,8 @@ class SGLangHTTPEngine:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._bridge = AsyncBridge(name="sglang-http")
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         self._client = SGLangClient(
             urls, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             max_in_flight=max_in_flight, retry=retry, transport=transport,
@@ -114,6 +119,39 @@ class SGLangHTTPEngine:
         for (index, _), samples in zip(plan, answers, strict=True):
             outputs[index].extend(samples)
         return outputs
+
+    # -- the concurrent interface (`workers.feeder`): several jobs in flight at once ----------
+
+    @property
+    def capacity(self) -> int:
+        return self._client.max_in_flight
+
+    def load(self) -> int:
+        """Samples submitted and not answered yet."""
+        return self._in_flight
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
+        """`generate` without waiting: the batch runs on the engine loop; cancel the future to abort it."""
+        plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
+        samples = sum(r.sampling_params.n for r in requests)
+
+        async def run() -> list[list[SampleOutput]]:
+            answers = await gather_or_cancel(self._generate(call) for _, call in plan)
+            outputs: list[list[SampleOutput]] = [[] for _ in requests]
+            for (index, _), found in zip(plan, answers, strict=True):
+                outputs[index].extend(found)
+            return outputs
+
+        with self._in_flight_lock:
+            self._in_flight += samples
+        future = asyncio.run_coroutine_threadsafe(run(), self._bridge.loop)
+
+        def done(_: Future) -> None:
+            with self._in_flight_lock:
+                self._in_flight -= samples
+
+        future.add_done_callback(done)
+        return future
 
     async def _generate(self, call: GenerateCall) -> list[SampleOutput]:
         _url, body = await self._client.generate(call)

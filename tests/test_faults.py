@@ -1,0 +1,205 @@
+"""Faults: SIGKILL and SIGTERM mid-batch, an engine that fails, a shard store that fails.
+
+Worker processes are forked (`multiprocessing`) around fake engines on the real test Redis,
+with heartbeats and maintenance on a clock of seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import fsspec
+import pytest
+import redis
+from fsspec.implementations.memory import MemoryFileSystem
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+import pipeline
+from benchmarks.chaos import ChaosEngine
+from pipeline import commit_log, registry
+from pipeline.batch import Batch
+from pipeline.errors import JobsFailedError
+from pipeline.status import collect
+from pipeline.submit import submit_requests
+from schemas.request import RolloutRequest
+from tests.fakes import FakeEngine
+from workers.engines.base import SampleOutput
+from workers.errors import EngineUnavailableError
+from workers.resilience import ResilientWorker
+
+REQUESTS = [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2}) for i in range(3)]
+
+
+class FlakyEngine(ChaosEngine):
+    """Down (generate and health fail) while `flag` exists."""
+
+    def __init__(self, job_s: float, flag: Path) -> None:
+        super().__init__(job_s)
+        self.flag = flag
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        if self.flag.exists():
+            raise EngineUnavailableError("SGLang POST /generate failed on http://gpu:30000: connection refused")
+        return super().generate(requests)
+
+    def health(self) -> None:
+        if self.flag.exists():
+            raise EngineUnavailableError("GET /health_generate: connection refused")
+
+
+def _serve(url: str, job_s: float, flag: str | None) -> None:
+    from pipeline.connection import connect_redis
+
+    engine = FlakyEngine(job_s, Path(flag)) if flag else ChaosEngine(job_s)
+    worker = ResilientWorker(connect_redis(url), engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
+                             stuck_after_s=3, probe_max_s=0.5, control_poll_s=0.5)
+    worker.work(burst=False, with_scheduler=False, logging_level="WARNING")
+
+
+@pytest.fixture
+def spawn(redis_url: str) -> Iterator[Callable[..., mp.process.BaseProcess]]:
+    processes: list[mp.process.BaseProcess] = []
+
+    def start(job_s: float = 0.05, flag: Path | None = None) -> mp.process.BaseProcess:
+        process = mp.get_context("fork").Process(target=_serve, args=(redis_url, job_s, str(flag) if flag else None),
+                                                 daemon=True)
+        process.start()
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        process.join()
+
+
+def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _submit(conn: redis.Redis, tmp_path: Path, *, retries: int = 2, run: str = "faults") -> Batch:
+    plan = submit_requests(conn, REQUESTS, run=run, output=f"file://{tmp_path}", batch_size=10, retries=retries)
+    return Batch(conn, plan)
+
+
+def _job(conn: redis.Redis, batch: Batch) -> Job:
+    return Job.fetch(batch.job_ids[0], connection=conn, serializer=JSONSerializer)
+
+
+def _started(conn: redis.Redis, batch: Batch) -> Callable[[], bool]:
+    return lambda: batch.job_states()[batch.job_ids[0]] == "started"
+
+
+def test_sigkill_mid_batch_reruns_elsewhere_within_seconds(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
+    batch = _submit(redis_client, tmp_path)
+    victim = spawn(job_s=30)
+    _until(_started(redis_client, batch), 20, "the job to start")
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    killed_at = time.monotonic()
+    spawn(job_s=0.05)
+    assert batch.wait(timeout=20).counts["finished"] == 1
+    assert time.monotonic() - killed_at < 10  # heartbeat TTL 2 s + maintenance every 1 s
+    assert _job(redis_client, batch).retries_left == 1  # the abandoned run spent one retry
+    assert batch.read().num_rows == 3
+
+
+def test_abandoned_job_out_of_retries_is_a_visible_failure(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
+    batch = _submit(redis_client, tmp_path, retries=0)
+    victim = spawn(job_s=30)
+    _until(_started(redis_client, batch), 20, "the job to start")
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    spawn()
+    with pytest.raises(JobsFailedError, match="AbandonedJobError"):
+        batch.wait(timeout=20)
+    status = collect(redis_client)
+    assert status["failed_jobs"] == batch.job_ids
+    assert "AbandonedJobError" in status["failure_reasons"][batch.job_ids[0]]
+
+
+def test_first_sigterm_finishes_and_commits_then_exits(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
+    batch = _submit(redis_client, tmp_path)
+    worker = spawn(job_s=2)
+    _until(_started(redis_client, batch), 20, "the job to start")
+    os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    worker.join(timeout=20)
+    assert worker.exitcode is not None
+    assert batch.status().counts["finished"] == 1
+    assert [c.rows for c in commit_log.read_all(redis_client, "faults")] == [3]
+
+
+def test_second_sigterm_hands_the_job_back(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
+    batch = _submit(redis_client, tmp_path)
+    worker = spawn(job_s=30)
+    _until(_started(redis_client, batch), 20, "the job to start")
+    os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    time.sleep(1.3)
+    os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    worker.join(timeout=20)
+    assert worker.exitcode is not None
+    job = _job(redis_client, batch)
+    assert job.get_status() == "queued" and job.retries_left == 2  # handed back, no retry spent
+    assert job.meta["handed_back"] == 1 and "SIGTERM" in job.meta["handed_back_reason"]
+    assert commit_log.read_all(redis_client, "faults") == []
+    spawn()
+    assert batch.wait(timeout=20).counts["finished"] == 1
+
+
+def test_failing_engine_makes_the_worker_unhealthy_until_it_recovers(
+    redis_client: redis.Redis, tmp_path: Path, spawn
+) -> None:
+    flag = tmp_path / "engine-down"
+    flag.touch()
+    spawn(flag=flag)
+    batch = _submit(redis_client, tmp_path / "out")
+
+    def unhealthy() -> bool:
+        return [w.state for w in registry.live_workers(redis_client)] == ["unhealthy"]
+
+    _until(unhealthy, 20, "the worker to mark itself unhealthy")
+    [info] = registry.live_workers(redis_client)
+    assert "connection refused" in (info.error or "")
+    job = _job(redis_client, batch)
+    assert job.get_status() == "queued" and job.retries_left == 2 and job.meta["handed_back"] == 1
+    time.sleep(1.5)  # it stops dequeuing: the job stays queued
+    assert _job(redis_client, batch).get_status() == "queued"
+    flag.unlink()
+    assert batch.wait(timeout=20).counts["finished"] == 1
+    _until(lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"], 10, "recovery")
+
+
+class FailingStore(MemoryFileSystem):
+    """An object store whose every write fails like a 503 from S3."""
+
+    protocol = "failstore"
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: object) -> None:
+        raise OSError("503 Slow Down: the object store refused the put")
+
+
+def test_object_store_failure_fails_the_job_with_the_reason_and_commits_nothing(
+    redis_client: redis.Redis,
+) -> None:
+    fsspec.register_implementation("failstore", FailingStore, clobber=True)
+    client = pipeline.Client(redis_client)
+    plan = submit_requests(redis_client, REQUESTS, run="store", output="failstore://bucket/rollouts", retries=1)
+    batch = Batch(redis_client, plan)
+    engine = FakeEngine()
+    ResilientWorker(redis_client, engine, maintenance_interval_s=1).work(burst=True, with_scheduler=False,
+                                                                         logging_level="ERROR")
+    with pytest.raises(JobsFailedError, match="503 Slow Down"):
+        batch.wait(timeout=5)
+    assert len(engine.calls) == 2  # tried, retried once, then failed
+    assert commit_log.read_all(redis_client, "store") == []
+    assert not FailingStore().exists("/bucket/rollouts/store")
+    assert client.workers() == []

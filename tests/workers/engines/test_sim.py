@@ -1,0 +1,107 @@
+"""The sim engine: deterministic outputs, lognormal lengths, slots, utilisation, cancellation."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import numpy as np
+import pytest
+
+from schemas.request import RolloutRequest
+from workers.engines.base import is_concurrent
+from workers.engines.factory import EngineOptions, build_engine
+from workers.engines.sim import SimConfig, SimEngine, simulate_sample
+from workers.rows import RowContext, build_table
+
+
+def _requests(count: int, max_new_tokens: int = 10_000, **extra: object) -> list[RolloutRequest]:
+    return [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": max_new_tokens},
+                           **extra) for i in range(count)]
+
+
+def test_outputs_are_deterministic_from_the_seed() -> None:
+    [request] = _requests(1, logprobs=0)
+    a = simulate_sample(SimConfig(seed=1), request, 0, 0)
+    b = simulate_sample(SimConfig(seed=1), request, 0, 0)
+    c = simulate_sample(SimConfig(seed=2), request, 0, 0)
+    assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs)
+    assert not np.array_equal(a.token_ids, c.token_ids)
+    assert a.token_ids.dtype == np.int32 and a.logprobs.dtype == np.float32
+    assert len(a.logprobs) == len(a.token_ids) and (a.logprobs <= 0).all()
+
+
+def test_lengths_follow_the_configured_lognormal() -> None:
+    config = SimConfig(median_tokens=300, p99_tokens=4000)
+    lengths = [len(simulate_sample(config, r, 0, 0).token_ids) for r in _requests(3000)]
+    assert 270 < np.median(lengths) < 330
+    assert 3000 < np.percentile(lengths, 99) < 5300
+
+
+def test_finishes_by_length_or_on_a_stop_id() -> None:
+    config = SimConfig(median_tokens=20, p99_tokens=40, eos_token_id=7)
+    short = simulate_sample(config, _requests(1, max_new_tokens=2)[0], 0, 0)
+    assert len(short.token_ids) == 2 and short.finish.kind == "length"
+    request = RolloutRequest(id="s", input_ids=[1], sampling_params={"max_new_tokens": 1000, "stop": [42]})
+    stopped = simulate_sample(config, request, 0, 0)
+    assert stopped.finish.kind == "stop" and stopped.finish.matched == 42 and stopped.token_ids[-1] == 42
+    eos = simulate_sample(config, _requests(1)[0], 0, 0)
+    assert eos.finish.matched == 7 and eos.token_ids[-1] == 7
+
+
+def test_outputs_pass_the_row_contracts() -> None:
+    engine = SimEngine(SimConfig(max_top_logprobs=2, median_tokens=5, p99_tokens=20))
+    requests = [
+        RolloutRequest(id="a", input_ids=[1, 2], sampling_params={"n": 3, "max_new_tokens": 8, "stop": [5]}),
+        RolloutRequest(id="b", input_ids=[3], logprobs=2, prompt_logprobs=0),
+    ]
+    outputs = engine.generate(requests)
+    now = datetime.now(UTC)
+    table = build_table(requests, outputs, RowContext("run", "job", "sim", "m", "w", 0, now, now, now))
+    assert table.num_rows == 4
+    rows = table.to_pylist()
+    assert all(len(r["completion_logprobs"]) == len(r["completion_token_ids"]) for r in rows)
+    assert rows[3]["prompt_logprobs"][0] is None and len(rows[3]["completion_top_logprobs"][0]) == 2
+
+
+def test_slots_fifo_and_utilisation() -> None:
+    engine = SimEngine(SimConfig(capacity=4, step_s=0.001, median_tokens=1000, p99_tokens=1001))
+    try:
+        assert is_concurrent(engine)
+        done: dict[str, float] = {}
+        futures = []
+        for i in range(2):  # 8 sequences of 40 steps on 4 slots: two waves
+            future = engine.submit(_requests(4, max_new_tokens=40))
+            future.add_done_callback(lambda _, i=i: done.setdefault(f"wave{i}", time.monotonic()))
+            futures.append(future)
+        assert engine.load() == 8
+        for future in futures:
+            assert len(future.result(timeout=10)) == 4
+        assert done["wave0"] < done["wave1"]
+        stats = engine.stats()
+        assert stats.busy_slot_steps == pytest.approx(8 * 40, rel=0.01)
+        assert stats.steps >= 78 and stats.utilisation > 0.5
+        assert engine.load() == 0
+    finally:
+        engine.close()
+
+
+def test_cancel_frees_the_slots() -> None:
+    engine = SimEngine(SimConfig(capacity=2, step_s=0.01, median_tokens=1000, p99_tokens=1001))
+    try:
+        future = engine.submit(_requests(3, max_new_tokens=1000))
+        assert future.cancel()
+        time.sleep(0.05)
+        assert engine.load() == 0
+        assert len(engine.submit(_requests(1, max_new_tokens=3)).result(timeout=5)) == 1
+    finally:
+        engine.close()
+
+
+def test_built_from_the_command_line_options() -> None:
+    engine = build_engine(EngineOptions(engine="sim", sim={"capacity": 8, "step_s": 0.0}))
+    assert engine.description.name == "sim" and engine.capacity == 8  # type: ignore[attr-defined]
+    assert len(engine.generate(_requests(2, max_new_tokens=4))) == 2
+    engine.update_weights("/any", 3)
+    assert engine.weight_version == 3
+    engine.close()

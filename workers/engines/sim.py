@@ -1,0 +1,263 @@
+"""The `sim` engine: a simulated continuous-batching engine for benchmarks and scheduling tests.
+
+It has a capacity (sequences decoded at once), a per-step latency model
+(`step_s + step_per_seq_s * running`), output lengths drawn from a lognormal given by its
+median and p99, and deterministic tokens and logprobs from a seed. Sequences wait in FIFO
+order for a free slot, as in SGLang's scheduler. A background thread advances the steps by
+wall-clock time; `stats()` reports utilisation = busy slot-steps / capacity slot-steps, idle
+time included. With zero latency (infinite speed) `submit` answers at once.
+
+It implements the optional concurrent interface (`capacity`, `load()`, `submit()`), so a
+worker keeps several jobs in flight on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.request import RolloutRequest
+from schemas.worker_info import Capabilities
+from workers.engines.base import EngineDescription, Finish, SampleOutput
+
+# The standard normal quantile of 0.99: p99 = median * exp(sigma * Z99).
+Z99 = 2.3263478740408408
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    capacity: int = 256
+    step_s: float = 0.0  # latency of one decode step; 0 with step_per_seq_s 0 is infinite speed
+    step_per_seq_s: float = 0.0  # added per running sequence
+    median_tokens: float = 300.0
+    p99_tokens: float = 4000.0
+    seed: int = 0
+    vocab_size: int = 151_936
+    eos_token_id: int = 0
+    max_top_logprobs: int = 0
+    weight_version: int = 0
+    load_s: float = 0.0  # weight load time
+    tick_s: float = 0.002  # how often the step thread wakes (admission latency)
+
+    @property
+    def sigma(self) -> float:
+        return math.log(self.p99_tokens / self.median_tokens) / Z99 if self.p99_tokens > self.median_tokens else 0.0
+
+    @property
+    def infinite_speed(self) -> bool:
+        return self.step_s <= 0 and self.step_per_seq_s <= 0
+
+
+@dataclass
+class SimStats:
+    steps: float
+    busy_slot_steps: float
+    capacity_slot_steps: float
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy_slot_steps / self.capacity_slot_steps if self.capacity_slot_steps else 0.0
+
+
+class _Batch:
+    """One submit: its outputs are ready up front; the future resolves when its last sequence ends."""
+
+    def __init__(self, outputs: list[list[SampleOutput]], future: Future) -> None:
+        self.outputs = outputs
+        self.future = future
+        self.left = sum(len(samples) for samples in outputs)
+        self.cancelled = False
+
+
+def _sample_seed(config: SimConfig, request: RolloutRequest, index: int) -> list[int]:
+    seed = request.sampling_params.seed
+    key = seed if seed is not None else zlib.crc32(request.id.encode())
+    return [config.seed, key, index]
+
+
+def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weight_version: int) -> SampleOutput:
+    """The deterministic output of sample `index` of `request` (same seed, same tokens)."""
+    params = request.sampling_params
+    rng = np.random.default_rng(_sample_seed(config, request, index))
+    drawn = max(1, math.ceil(config.median_tokens * math.exp(config.sigma * rng.standard_normal())))
+    user_stops = params.user_stop_token_ids
+    stop_id = user_stops[0] if user_stops else config.eos_token_id
+    if params.ignore_eos and not user_stops:
+        drawn = params.max_new_tokens + 1
+    length = min(drawn, params.max_new_tokens)
+    # Zipf-like unigram ids (a rank's id), like real text rather than uniform noise.
+    ids = (rng.zipf(1.2, length) % (config.vocab_size - 1) + 1).astype(np.int32)
+    if length < drawn or length == 0:
+        finish = Finish("length")
+    else:
+        ids[-1] = stop_id
+        finish = Finish("stop", matched=stop_id)
+    logprobs = None
+    tops = None
+    if request.logprobs is not None:
+        logprobs = (-rng.exponential(0.6, length)).astype(np.float32)
+        k = request.logprobs
+        if k:
+            tops = [[(int(t + j) % config.vocab_size, float(lp) - j) for j in range(k)]
+                    for t, lp in zip(ids.tolist(), logprobs.tolist(), strict=True)]
+    prompt_lp = None
+    if request.prompt_logprobs is not None:
+        prompt_lp = [None, *(-rng.exponential(2.0, len(request.input_ids) - 1)).astype(np.float32).tolist()]
+    return SampleOutput(token_ids=ids, finish=finish, logprobs=logprobs, top_logprobs=tops,
+                        prompt_logprobs=prompt_lp, weight_version=weight_version)
+
+
+class SimEngine:
+    """A continuous-batching engine in simulation: slots, steps, a waiting queue."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self._weight_version = self.config.weight_version
+        self._description = EngineDescription(
+            name="sim", model=f"sim-c{self.config.capacity}",
+            capabilities=Capabilities(max_top_logprobs=self.config.max_top_logprobs,
+                                      vocab_size=self.config.vocab_size),
+            has_tokenizer=False,
+        )
+        self._cond = threading.Condition()
+        self._waiting: deque[tuple[int, _Batch]] = deque()  # (length, batch) per sequence
+        self._running: list[tuple[float, int, _Batch]] = []  # heap of (finish step, seq no, batch)
+        self._load = 0
+        self._seq = 0
+        self._step = 0.0
+        self._busy = 0.0
+        self._capacity_steps = 0.0
+        self._closed = False
+        self.submitted_at: list[tuple[float, int]] = []  # (monotonic time, sequences) per submit
+        self._thread: threading.Thread | None = None
+        if not self.config.infinite_speed:
+            self._thread = threading.Thread(target=self._loop, name="sim-engine", daemon=True)
+            self._thread.start()
+
+    # -- Engine protocol --------------------------------------------------------------------
+
+    @property
+    def description(self) -> EngineDescription:
+        return self._description
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
+    def load(self) -> int:
+        """Sequences submitted and not finished (running and waiting)."""
+        return self._load
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        return self.submit(requests).result()
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
+        version = self._weight_version
+        outputs = [[simulate_sample(self.config, r, i, version) for i in range(r.sampling_params.n)]
+                   for r in requests]
+        future: Future[list[list[SampleOutput]]] = Future()  # left pending, so cancel() works
+        batch = _Batch(outputs, future)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the sim engine is closed")
+            self.submitted_at.append((time.monotonic(), batch.left))
+            if self.config.infinite_speed or batch.left == 0:
+                future.set_result(outputs)
+                return future
+            for samples in outputs:
+                for sample in samples:
+                    self._waiting.append((max(1, len(sample.token_ids)), batch))
+            self._load += batch.left
+            self._cond.notify_all()
+        future.add_done_callback(lambda f: self._on_cancel(batch) if f.cancelled() else None)
+        return future
+
+    def update_weights(self, path: str, version: int) -> None:
+        if self.config.load_s:
+            time.sleep(self.config.load_s)
+        self._weight_version = version
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- simulation -------------------------------------------------------------------------
+
+    def stats(self) -> SimStats:
+        with self._cond:
+            return SimStats(self._step, self._busy, self._capacity_steps)
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self._busy = self._capacity_steps = 0.0
+
+    def _on_cancel(self, batch: _Batch) -> None:
+        with self._cond:
+            batch.cancelled = True
+            self._load -= batch.left
+            self._waiting = deque(item for item in self._waiting if item[1] is not batch)
+            self._running = [item for item in self._running if item[2] is not batch]
+            heapq.heapify(self._running)
+
+    def _step_time(self, running: int) -> float:
+        return max(1e-6, self.config.step_s + self.config.step_per_seq_s * running)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.capacity:
+            length, batch = self._waiting.popleft()
+            self._seq += 1
+            heapq.heappush(self._running, (self._step + length, self._seq, batch))
+
+    def _loop(self) -> None:
+        last = time.monotonic()
+        with self._cond:
+            while not self._closed:
+                self._admit()
+                now = time.monotonic()
+                elapsed, last = now - last, now
+                running = len(self._running)
+                steps = elapsed / self._step_time(running)
+                # Advance in spans between finish events, each with its own running count.
+                while steps > 0:
+                    if not self._running:
+                        self._capacity_steps += steps * self.config.capacity
+                        self._step += steps
+                        break
+                    span = min(steps, self._running[0][0] - self._step)
+                    self._busy += span * len(self._running)
+                    self._capacity_steps += span * self.config.capacity
+                    self._step += span
+                    steps -= span
+                    self._finish_due()
+                    self._admit()
+                    if steps > 0:  # rescale what is left to the new running count
+                        steps *= self._step_time(running) / self._step_time(len(self._running))
+                        running = len(self._running)
+                if self._running or self._waiting:
+                    self._cond.wait(self.config.tick_s)
+                else:
+                    self._cond.wait(0.05)
+
+    def _finish_due(self) -> None:
+        while self._running and self._running[0][0] <= self._step + 1e-9:
+            _, _, batch = heapq.heappop(self._running)
+            self._load -= 1
+            batch.left -= 1
+            if batch.left == 0 and not batch.cancelled:
+                batch.future.set_result(batch.outputs)

@@ -1,0 +1,242 @@
+"""Keeping a concurrent engine fed across job boundaries, one shard per job.
+
+RQ's work loop runs one job at a time. With an engine that has the concurrent interface
+(`workers.engines.base.ConcurrentEngine`), the worker's `execute_job` hands each job to the
+`Feeder` instead: it does RQ's start-of-job bookkeeping, validates the payload, submits the
+requests to the engine and returns as soon as the engine has room for more, so the loop
+dequeues the next job while the last long sequences of this one still run. A completion
+thread then finishes each job on its own: rows, shard and commit (`workers.job.commit_batch`),
+and RQ's success or failure handling (retries included) exactly as `perform_job` would.
+
+The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
+finished (drain) and no job starts while one waits or runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue as queue_mod
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.timeouts import JobTimeoutException
+from rq.utils import now
+
+from workers.engines.base import ConcurrentEngine
+from workers.job import PreparedBatch, commit_batch, prepare_batch
+
+if TYPE_CHECKING:
+    from workers.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
+
+JOB_FUNCTION = "workers.job.run_rollout_batch"
+DEFAULT_MAX_JOBS_IN_FLIGHT = 64
+
+
+class Gate:
+    """Jobs in flight against exclusive engine operations (weight loads); exclusive ones win."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs = 0
+        self._exclusive = 0  # waiting for or holding exclusive use
+
+    @property
+    def jobs(self) -> int:
+        return self._jobs
+
+    def enter(self) -> None:
+        """A job starts; blocks while a weight load waits or runs."""
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._jobs += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._jobs -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Drain: wait until no job is in flight, and keep new ones out until done."""
+        with self._cond:
+            self._exclusive += 1
+            while self._jobs:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive -= 1
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._jobs == 0, timeout)
+
+
+@dataclass(eq=False)
+class InFlight:
+    job: Job
+    queue: Queue
+    execution: Execution
+    batch: PreparedBatch | None = None
+    future: Any = None
+    deadline: float = float("inf")
+    timed_out: bool = False
+    samples: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Feeder:
+    """Several jobs in flight on one concurrent engine; RQ bookkeeping per job."""
+
+    def __init__(
+        self, worker: RolloutWorker, engine: ConcurrentEngine, *,
+        max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
+    ) -> None:
+        self.worker = worker
+        self.engine = engine
+        self.max_jobs_in_flight = max(1, max_jobs_in_flight)
+        # Sequences fed beyond the capacity, so a freed slot never waits for a Redis round trip.
+        self.headroom = engine.capacity // 8 if headroom is None else headroom
+        self._done: queue_mod.Queue[InFlight | None] = queue_mod.Queue()
+        self._entries: dict[str, InFlight] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.admitted: list[tuple[float, str]] = []  # (monotonic time, job id), for tests and benchmarks
+
+    @staticmethod
+    def accepts(job: Job) -> bool:
+        """Only the project's job function is split; anything else goes the plain way (and is refused)."""
+        try:
+            return job.func_name == JOB_FUNCTION
+        except Exception:
+            return False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._entries)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._complete_loop, name="feeder-commit", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._done.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def has_room(self) -> bool:
+        return (len(self._entries) < self.max_jobs_in_flight
+                and self.engine.load() < self.engine.capacity + self.headroom)
+
+    def wait_for_room(self, stop: Callable[[], bool]) -> None:
+        """Return once the engine can take more (or a stop is requested)."""
+        with self._cond:
+            while not self.has_room() and not stop():
+                self._cond.wait(0.005)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job in flight has finished (shard committed or failed)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._entries, timeout)
+
+    def abort_all(self) -> None:
+        """Cold shutdown: cancel every batch in the engine; each job then fails (or is handed back)."""
+        for entry in list(self._entries.values()):
+            if entry.future is not None:
+                entry.future.cancel()
+
+    # -- admission (the work loop's thread) -------------------------------------------------
+
+    def admit(self, job: Job, queue: Queue) -> None:
+        """Start `job` on the engine; failures before the engine runs it are finalised here."""
+        worker = self.worker
+        worker.gate.enter()
+        execution = worker.prepare_execution(job)
+        entry = InFlight(job, queue, execution)
+        with self._cond:
+            self._entries[job.id] = entry
+        worker.track(job, execution)
+        try:
+            worker.prepare_job_execution(job, remove_from_intermediate_queue=len(worker.queues) == 1)
+            job.started_at = now()
+            job.func  # noqa: B018 - the job class refuses any function but the project's own
+            timeout = job.timeout or worker.queue_class.DEFAULT_TIMEOUT
+            if timeout and timeout > 0:
+                entry.deadline = time.monotonic() + timeout
+            batch = prepare_batch(job.args[0], worker.connection)
+            entry.batch = batch
+            entry.samples = sum(r.sampling_params.n for r in batch.requests)
+            entry.future = self.engine.submit(batch.requests)
+            self.admitted.append((time.monotonic(), job.id))
+        except BaseException:
+            self._finish(entry, sys.exc_info())
+            return
+        entry.future.add_done_callback(lambda _: self._done.put(entry))
+
+    # -- completion (the feeder's thread) ---------------------------------------------------
+
+    def _complete_loop(self) -> None:
+        while True:
+            try:
+                entry = self._done.get(timeout=0.5)
+            except queue_mod.Empty:
+                self._check_deadlines()
+                continue
+            if entry is None:
+                return
+            self._complete(entry)
+            self._check_deadlines()
+
+    def _check_deadlines(self) -> None:
+        moment = time.monotonic()
+        for entry in list(self._entries.values()):
+            if entry.future is not None and not entry.timed_out and moment > entry.deadline:
+                entry.timed_out = True
+                if not entry.future.cancel():  # already done: its completion is queued
+                    entry.timed_out = False
+
+    def _complete(self, entry: InFlight) -> None:
+        try:
+            if entry.timed_out:
+                raise JobTimeoutException(
+                    f"Task exceeded maximum timeout value ({entry.job.timeout} seconds); its requests were aborted"
+                )
+            outputs = entry.future.result()
+            assert entry.batch is not None
+            summary = commit_batch(entry.batch, outputs, self.worker.connection, datetime.now(UTC))
+        except BaseException:
+            self._finish(entry, sys.exc_info())
+            return
+        self._finish(entry, None, summary)
+
+    def _finish(self, entry: InFlight, exc_info: Any, result: Any = None) -> None:
+        worker = self.worker
+        try:
+            if exc_info is None:
+                worker._finalize_success(entry.job, entry.queue, entry.execution, result)
+            else:
+                worker._finalize_failure(entry.job, entry.queue, entry.execution, exc_info)
+        except Exception:  # bookkeeping must never kill the completion thread
+            log.exception("worker %s: finishing job %s failed", worker.worker_id, entry.job.id)
+        finally:
+            with self._cond:
+                self._entries.pop(entry.job.id, None)
+                self._cond.notify_all()
+            worker.untrack(entry.job)
+            worker.gate.leave()
