@@ -1,7 +1,7 @@
 """Chaos: worker processes SIGKILLed at random (and Redis restarted) while requests flow.
 
 Starts a real redis-server on a loopback port with its own directory, `--workers` worker
-processes (each a `ResilientWorker` around an in-process fake engine that takes
+processes (each a `RolloutWorker` around an in-process fake engine that takes
 `--job-seconds` per job), submits `--requests` requests, then every `--kill-every` seconds
 SIGKILLs a random worker mid-batch and starts a replacement; with `--restart-redis` it also
 shuts Redis down once mid-run and starts it again on the same data. At the end it prints
@@ -89,9 +89,9 @@ class ChaosEngine:
 
 def run_worker(url: str, job_s: float) -> None:
     """One worker process (the target of `multiprocessing`)."""
-    from workers.resilience import ResilientWorker
+    from workers.worker import RolloutWorker
 
-    worker = ResilientWorker(
+    worker = RolloutWorker(
         connect_redis(url, reconnect_for_s=60), ChaosEngine(job_s),
         heartbeat_interval_s=0.5, maintenance_interval_s=1, stuck_after_s=3, control_poll_s=0.5,
     )

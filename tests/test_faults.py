@@ -31,7 +31,7 @@ from schemas.request import RolloutRequest
 from tests.fakes import FakeEngine
 from workers.engines.base import SampleOutput
 from workers.errors import EngineUnavailableError
-from workers.resilience import ResilientWorker
+from workers.worker import RolloutWorker
 
 REQUESTS = [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2}) for i in range(3)]
 
@@ -57,7 +57,7 @@ def _serve(url: str, job_s: float, flag: str | None) -> None:
     from pipeline.connection import connect_redis
 
     engine = FlakyEngine(job_s, Path(flag)) if flag else ChaosEngine(job_s)
-    worker = ResilientWorker(connect_redis(url), engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
+    worker = RolloutWorker(connect_redis(url), engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
                              stuck_after_s=3, probe_max_s=0.5, control_poll_s=0.5)
     worker.work(burst=False, with_scheduler=False, logging_level="WARNING")
 
@@ -195,7 +195,7 @@ def test_object_store_failure_fails_the_job_with_the_reason_and_commits_nothing(
     plan = submit_requests(redis_client, REQUESTS, run="store", output="failstore://bucket/rollouts", retries=1)
     batch = Batch(redis_client, plan)
     engine = FakeEngine()
-    ResilientWorker(redis_client, engine, maintenance_interval_s=1).work(burst=True, with_scheduler=False,
+    RolloutWorker(redis_client, engine, maintenance_interval_s=1).work(burst=True, with_scheduler=False,
                                                                          logging_level="ERROR")
     with pytest.raises(JobsFailedError, match="503 Slow Down"):
         batch.wait(timeout=5)

@@ -37,7 +37,7 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     """How fast dead workers' jobs are found again and a failed engine is re-probed."""
     from workers.health import PROBE_MAX_S
     from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S
-    from workers.worker import HEARTBEAT_INTERVAL_S
+    from workers.worker_base import HEARTBEAT_INTERVAL_S
 
     parser.add_argument(
         "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S, metavar="S",
@@ -76,7 +76,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from pipeline.connection import connect_redis
     from workers.engines.factory import build_engine
     from workers.errors import WorkerError
-    from workers.resilience import ResilientWorker
+    from workers.worker import RolloutWorker
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -84,7 +84,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    worker = ResilientWorker(
+    worker = RolloutWorker(
         connect_redis(args.redis), engine, worker_id=args.worker_id,
         heartbeat_interval_s=args.heartbeat_interval, maintenance_interval_s=args.maintenance_interval,
         stuck_after_s=args.stuck_after, probe_max_s=args.health_probe_max,

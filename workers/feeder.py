@@ -35,7 +35,7 @@ from workers.engines.base import ConcurrentEngine
 from workers.job import PreparedBatch, commit_batch, prepare_batch
 
 if TYPE_CHECKING:
-    from workers.worker import RolloutWorker
+    from workers.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Feeder:
     """Several jobs in flight on one concurrent engine; RQ bookkeeping per job."""
 
     def __init__(
-        self, worker: RolloutWorker, engine: ConcurrentEngine, *,
+        self, worker: WorkerBase, engine: ConcurrentEngine, *,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
     ) -> None:
         self.worker = worker

@@ -1,0 +1,312 @@
+"""The worker's core: an in-process RQ worker that keeps one engine loaded.
+
+`workers.worker.RolloutWorker` adds fault handling on top; that is the class to run.
+
+RQ's forking worker would reload the engine per job, so this builds on `SimpleWorker`, which
+never refreshes its heartbeat while a job runs; a heartbeat thread does (`maintain_heartbeats`)
+and also keeps this worker's registry entry fresh, so a long batch is never declared
+abandoned and `pipeline status` always shows the worker.
+
+The control channel (`workers.control`, DESIGN.md "Control channel"): a listener thread
+re-reads the desired state on every wake-up and loads pushed weights while no batch runs
+(the engine lock keeps loads and batches apart); the work loop re-reads it before every job,
+hands a job dequeued while paused back to the front of its queue, and waits until resumed.
+
+Feeding (`workers.feeder`): with an engine that has the concurrent interface (sim,
+sglang-http) `execute_job` submits the job and returns once the engine has room, so the next
+job's requests reach the engine while this one's last sequences finish; each job still gets
+its own shard, commit, heartbeats and RQ result. A weight load drains every job in flight
+first (`Gate`); a pause stops admissions and lets the jobs in flight finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.executions import Execution
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from pipeline import control as pipeline_control
+from pipeline import keys, registry
+from schemas.control import DesiredState, WeightAck
+from schemas.worker_info import WorkerInfo, WorkerState
+from workers import context, control
+from workers.engines.base import Engine, is_concurrent
+from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
+from workers.job_class import RolloutJob
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 5
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerBase(SimpleWorker):
+    """A `SimpleWorker` with a heartbeat thread, a registry entry and a loaded engine."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        engine: Engine,
+        *,
+        worker_id: str | None = None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        control_poll_s: float = control.POLL_S,
+        feed: bool = True,
+        max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT,
+        feed_headroom: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        worker_id = worker_id or new_worker_id()
+        queue = Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer)
+        kwargs.setdefault("job_monitoring_interval", max(1, int(heartbeat_interval_s)))
+        super().__init__(
+            [queue],
+            connection=conn,
+            name=worker_id,
+            serializer=JSONSerializer,
+            job_class=RolloutJob,
+            **kwargs,
+        )
+        self.worker_id = worker_id
+        self.engine = engine
+        self.heartbeat_interval_s = heartbeat_interval_s
+        description = engine.description
+        now = time.time()
+        self.info = WorkerInfo(
+            worker_id=worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            engine=description.name,
+            model=description.model,
+            weight_version=engine.weight_version,
+            capabilities=description.capabilities,
+            started_at=now,
+            heartbeat_at=now,
+        )
+        self._inflight: dict[str, tuple[Job, Execution]] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        # Control channel: the gate keeps weight loads and batches apart (a load drains first);
+        # the control lock serialises control handling between the listener and the work loop.
+        self.gate = Gate()
+        self._control_lock = threading.RLock()
+        self._desired = DesiredState()
+        self._attempted: tuple[int, str | None] = (engine.weight_version, None)
+        self._last_ack: WeightAck | None = None
+        self._weight_error: str | None = None
+        self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
+        self._changed = threading.Event()
+        self._listener = control.ControlListener(conn, self.sync_control, poll_s=control_poll_s)
+        self.feeder: Feeder | None = None
+        if feed and is_concurrent(engine):
+            self.feeder = Feeder(self, engine, max_jobs_in_flight=max_jobs_in_flight,  # type: ignore[arg-type]
+                                 headroom=feed_headroom)
+
+    @property
+    def _busy(self) -> bool:
+        return bool(self._inflight)
+
+    def track(self, job: Job, execution: Execution) -> None:
+        """A job is in flight: heartbeats for it, and the registry says busy."""
+        self._inflight[job.id] = (job, execution)
+        self.set_registry_state("busy", next(iter(self._inflight), job.id))
+
+    def untrack(self, job: Job) -> None:
+        self._inflight.pop(job.id, None)
+        if self._inflight:
+            self.set_registry_state("busy", next(iter(self._inflight), None))
+        else:
+            self.set_registry_state(self._resting_state())
+
+    # -- registry and heartbeats ----------------------------------------------------------------
+
+    def set_registry_state(self, state: WorkerState, current_job: str | None = None) -> None:
+        with self._lock:
+            self.info.state = state
+            self.info.current_job = current_job
+            self.info.weight_version = self.engine.weight_version
+            self.info.error = self._weight_error
+        self._publish()
+
+    def _publish(self) -> None:
+        try:
+            with self._lock:
+                registry.publish(self.connection, self.info, ttl_s=int(self.heartbeat_interval_s * 3) + 1)
+        except redis.RedisError as exc:
+            log.warning("registry heartbeat failed: %s", exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            self._publish()
+            for running in list(self._inflight.values()):
+                try:
+                    self.maintain_heartbeats(*running)
+                except redis.RedisError as exc:
+                    log.warning("job heartbeat failed: %s", exc)
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        # The heartbeat thread refreshes every interval: a dead worker's job is noticed quickly
+        # instead of after the job timeout as in SimpleWorker.
+        return max(2, int(self.heartbeat_interval_s * 3) + 1)
+
+    # -- control channel ------------------------------------------------------------------------
+
+    def _resting_state(self) -> WorkerState:
+        if self._desired.paused:
+            return "paused"
+        return "failed" if self._weight_error else "idle"
+
+    def sync_control(self) -> DesiredState:
+        """Re-read the desired state; load pushed weights if they changed; refresh the registry.
+
+        Called by the listener thread on every wake-up and by the work loop before every job;
+        a load first drains every batch in flight, so weights only ever change between batches.
+        """
+        try:
+            state = pipeline_control.read_state(self.connection)
+        except (redis.RedisError, pipeline_control.ControlAuthError) as exc:  # forged/unsigned: refused, logged
+            log.warning("control state unreadable (%s); keeping %s", exc, self._desired)
+            return self._desired
+        with self._control_lock:
+            self._desired = state
+            target = (state.weight_version, state.weight_path)
+            try:
+                if state.weight_path is not None and target != self._attempted:
+                    with self.gate.exclusive():
+                        self._load_weights(state.weight_path, state.weight_version)
+                elif self._last_ack is not None and self._last_ack.version == state.weight_version:
+                    # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
+                    control.write_ack(self.connection, self._last_ack, only_if_missing=True)
+            except redis.RedisError as exc:
+                log.warning("control acknowledgement failed: %s", exc)
+            if not self._busy:
+                self.set_registry_state(self._resting_state())
+        self._changed.set()
+        return state
+
+    def _load_weights(self, path: str, version: int) -> None:
+        self._attempted = (version, path)
+        self.set_registry_state("updating")
+        log.info("worker %s: loading weights v%d from %s", self.worker_id, version, path)
+        ack = control.load_weights(self.engine, self.worker_id, path, version)
+        if ack.ok:
+            self._weight_error = None
+            log.info("worker %s: serving weights v%d (%.2f s)", self.worker_id, version, ack.seconds)
+        else:
+            self._weight_error = f"loading weights v{version} from {path} failed: {ack.error}"
+            log.error("worker %s: %s; still serving v%d", self.worker_id, self._weight_error,
+                      self.engine.weight_version)
+        self._last_ack = ack
+        control.write_ack(self.connection, ack)
+
+    def _wait_until_resumed(self, burst: bool) -> bool:
+        """Block while paused (False in burst mode: the worker then exits instead)."""
+        while True:
+            self._changed.clear()
+            if not self.sync_control().paused:
+                return True
+            if burst or self._stop_requested:
+                return False
+            self._changed.wait(self._listener.poll_s)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        while True:
+            result = self._dequeue(timeout, max_idle_time)
+            if result is not None or self.feeder is None or not self.feeder.in_flight:
+                return result
+            # Nothing to take now (burst end, pause in burst, idle limit): finish the jobs in
+            # flight, then look again, since a failed one may have been queued for a retry.
+            self.feeder.drain()
+            if self._stop_requested:
+                return None
+
+    def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[Job, Queue] | None:
+        burst = timeout is None
+        while True:
+            if not self._wait_until_resumed(burst):
+                return None
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            if result is None:
+                return None
+            job, queue = result
+            state = self.sync_control()  # before every job
+            if state.paused:
+                control.hand_back(self.connection, job, queue, at_front=True)
+                log.info("worker %s: paused; job %s handed back", self.worker_id, job.id)
+                continue
+            needed = control.min_weight_version(job)
+            if needed is not None and self.engine.weight_version < needed:
+                control.hand_back(self.connection, job, queue, at_front=False)
+                log.info("worker %s: job %s needs weights v%d, serving v%d (%s); handed back", self.worker_id,
+                         job.id, needed, self.engine.weight_version, self._weight_error or "not pushed yet")
+                if burst:
+                    # Serve what else is queued; stop once the refused jobs are all that is left.
+                    if job.id in self._refused:
+                        return None
+                    self._refused.add(job.id)
+                    continue
+                self._changed.clear()
+                self._changed.wait(self._listener.poll_s)
+                continue
+            return result
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        feeder = self.feeder
+        if feeder is not None and feeder.accepts(job):
+            feeder.admit(job, queue)
+            feeder.wait_for_room(lambda: self._stop_requested)
+            return
+        self.gate.enter()
+        try:
+            execution = self.prepare_execution(job)
+            self.track(job, execution)
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                self.untrack(job)
+        finally:
+            self.gate.leave()
+        self.set_state("idle")
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        context.install(context.WorkerContext(worker_id=self.worker_id, engine=self.engine))
+        self.set_registry_state("idle")
+        self._thread.start()
+        self._listener.start()
+        if self.feeder is not None:
+            self.feeder.start()
+        try:
+            return super().work(*args, **kwargs)
+        finally:
+            if self.feeder is not None:
+                try:
+                    self.feeder.drain()  # warm shutdown: the jobs in flight finish and commit
+                except BaseException:  # a second signal: abort them rather than leave them running
+                    self.feeder.abort_all()
+                    self.feeder.drain(timeout=10)
+                    raise
+                finally:
+                    self.feeder.stop()
+            self._listener.stop()
+            self._stop.set()
+            self._thread.join(timeout=5)
+            registry.remove(self.connection, self.worker_id)
+            context.uninstall()
