@@ -1,0 +1,91 @@
+"""compose.yaml, .env.example and docs/configuration.md hold together.
+
+Checked structurally (no Docker engine here): the services a cluster needs, builds or
+images, healthchecks, nothing published beyond loopback, every variable compose reads
+documented in .env.example, every PIPELINE_* variable the code reads documented in
+docs/configuration.md. `docker compose config` runs too where a compose client exists.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES = COMPOSE["services"]
+LONG_RUNNING = ["redis", "minio", "sglang-0", "sglang-1", "router", "dashboard"]
+WORKERS = ["worker-0", "worker-1", "worker-cpu"]
+
+
+def test_the_cluster_services_are_there() -> None:
+    assert {"redis", "minio", "minio-init", "sglang-0", "router", "dashboard", *WORKERS} <= set(SERVICES)
+    for name, service in SERVICES.items():
+        assert "image" in service or "build" in service, f"{name}: neither image nor build"
+    for name in LONG_RUNNING:
+        assert "healthcheck" in SERVICES[name], f"{name} has no healthcheck"
+        assert SERVICES[name].get("restart") == "unless-stopped", f"{name} has no restart policy"
+
+
+def test_redis_persists_and_needs_a_password() -> None:
+    command = SERVICES["redis"]["command"]
+    assert "--appendonly yes" in command and "--requirepass" in command
+    assert "ports" not in SERVICES["redis"], "Redis must stay on the compose network"
+
+
+def test_only_loopback_ports_are_published() -> None:
+    for name, service in SERVICES.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+
+
+def test_workers_talk_to_their_own_sglang_server_and_shard_to_s3() -> None:
+    for index in (0, 1):
+        worker = SERVICES[f"worker-{index}"]
+        command = worker["command"]
+        assert command[:3] == ["worker", "--engine", "sglang-http"]
+        assert command[command.index("--url") + 1] == f"http://sglang-{index}:30000"
+        assert f"sglang-{index}" in worker["depends_on"]
+    for name in WORKERS:
+        env = SERVICES[name]["environment"]
+        assert env["PIPELINE_REDIS_URL"].startswith("redis://:") and "@redis:6379" in env["PIPELINE_REDIS_URL"]
+        assert "s3://" in env["PIPELINE_OUTPUT"] and env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        assert "PIPELINE_CONTROL_SECRET" in env
+    gpu = SERVICES["sglang-0"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"]
+    assert SERVICES["worker-cpu"]["build"]["args"]["EXTRAS"] == "hf,s3"
+
+
+def test_every_compose_variable_is_in_env_example() -> None:
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", (ROOT / "compose.yaml").read_text()))
+    documented = set(re.findall(r"^([A-Z0-9_]+)=", (ROOT / ".env.example").read_text(), re.MULTILINE))
+    assert used - documented == set(), f"compose variables missing from .env.example: {sorted(used - documented)}"
+
+
+def test_every_variable_the_code_reads_is_documented() -> None:
+    sources = [p for package in ("schemas", "pipeline", "workers") for p in (ROOT / package).rglob("*.py")]
+    read = set()
+    for path in sources:
+        read |= set(re.findall(r"\"(PIPELINE_[A-Z0-9_]+)\"", path.read_text()))
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    documented = set(re.findall(r"PIPELINE_[A-Z0-9_]+", doc))
+    assert read, "no variables found: the scan is broken"
+    assert read - documented == set(), f"undocumented variables: {sorted(read - documented)}"
+
+
+@pytest.mark.skipif(
+    shutil.which("docker") is None
+    or subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0,
+    reason="no docker compose client on this machine",
+)
+def test_docker_compose_config(tmp_path: Path) -> None:
+    env = tmp_path / ".env"
+    env.write_text((ROOT / ".env.example").read_text())
+    result = subprocess.run(["docker", "compose", "--env-file", str(env), "--profile", "gpu", "--profile", "cpu",
+                             "--profile", "router", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
