@@ -55,7 +55,8 @@ def test_workers_talk_to_their_own_sglang_server_and_shard_to_s3() -> None:
         env = SERVICES[name]["environment"]
         assert env["PIPELINE_REDIS_URL"].startswith("redis://:") and "@redis:6379" in env["PIPELINE_REDIS_URL"]
         assert "s3://" in env["PIPELINE_OUTPUT"] and env["AWS_ENDPOINT_URL"] == "http://minio:9000"
-        assert "PIPELINE_CONTROL_SECRET" in env
+        assert "PIPELINE_CONTROL_SECRET" in env and "PIPELINE_METRICS_PORT" in env
+        assert "--metrics-host" in SERVICES[name]["command"]
     gpu = SERVICES["sglang-0"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
     assert SERVICES["worker-cpu"]["build"]["args"]["EXTRAS"] == "hf,s3"

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 from workers.engines.factory import ENGINES, EngineOptions
 
+log = logging.getLogger(__name__)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="hf")
@@ -74,24 +76,34 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from pipeline.connection import connect_redis
+    from workers import logs
     from workers.engines.factory import build_engine
     from workers.errors import WorkerError
     from workers.worker import RolloutWorker
+    from workers.worker_base import new_worker_id
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
+    worker_id = args.worker_id or new_worker_id()
+    logs.set_worker_id(worker_id)
     try:
         engine = build_engine(engine_options(args))
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     worker = RolloutWorker(
-        connect_redis(args.redis), engine, worker_id=args.worker_id,
+        connect_redis(args.redis), engine, worker_id=worker_id,
         heartbeat_interval_s=args.heartbeat_interval, maintenance_interval_s=args.maintenance_interval,
         stuck_after_s=args.stuck_after, probe_max_s=args.health_probe_max,
         max_jobs_in_flight=args.max_jobs_in_flight, feed=not args.no_feed,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )
-    print(f"worker {worker.worker_id}: engine={engine.description.name} model={engine.description.model}",
-          flush=True)
+    started = f"worker {worker.worker_id}: engine={engine.description.name} model={engine.description.model}"
+    if worker.metrics.url:
+        started += f" metrics={worker.metrics.url}"
+    if args.log_format == "json":  # every line a JSON object: the start line is a log record too
+        log.info("%s", started)
+    else:
+        print(started, flush=True)
     worker.work(burst=args.burst, logging_level=args.log_level, with_scheduler=False)
     return 0
 
@@ -108,4 +120,37 @@ def register_worker(sub: argparse._SubParsersAction, add_redis: Callable[[argpar
     parser.add_argument("--no-feed", action="store_true",
                         help="one job at a time even on a concurrent engine (a barrier at each job's end)")
     parser.add_argument("--log-level", default="INFO")
+    add_observability_arguments(parser)
     parser.set_defaults(func=_run_worker)
+
+
+def _env_port(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"error: ${name} must be a port number, not {value!r}") from None
+
+
+def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
+    """Prometheus metrics endpoint and log format."""
+    from workers.logs import ENV_LOG_FORMAT, FORMATS, default_format
+    from workers.metrics import DEFAULT_METRICS_HOST, ENV_METRICS_PORT
+
+    parser.add_argument(
+        "--metrics-port", type=int, default=_env_port(ENV_METRICS_PORT), metavar="PORT",
+        help=f"serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port, logged); "
+             f"default ${ENV_METRICS_PORT}, else no endpoint",
+    )
+    parser.add_argument(
+        "--metrics-host", default=DEFAULT_METRICS_HOST, metavar="HOST",
+        help=f"address the metrics endpoint binds to (default {DEFAULT_METRICS_HOST}; 0.0.0.0 only on a "
+             "private network, e.g. inside a container)",
+    )
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default=default_format(),
+        help=f"text, or json: one JSON object per line with worker, job id and run (default ${ENV_LOG_FORMAT} "
+             "or text)",
+    )

@@ -31,6 +31,7 @@ from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
+from workers import logs
 from workers.engines.base import ConcurrentEngine
 from workers.job import PreparedBatch, commit_batch, prepare_batch
 
@@ -165,6 +166,10 @@ class Feeder:
 
     def admit(self, job: Job, queue: Queue) -> None:
         """Start `job` on the engine; failures before the engine runs it are finalised here."""
+        with logs.job_scope(job, self.worker.worker_id):
+            self._admit(job, queue)
+
+    def _admit(self, job: Job, queue: Queue) -> None:
         worker = self.worker
         worker.gate.enter()
         execution = worker.prepare_execution(job)
@@ -200,7 +205,8 @@ class Feeder:
                 continue
             if entry is None:
                 return
-            self._complete(entry)
+            with logs.job_scope(entry.job, self.worker.worker_id):
+                self._complete(entry)
             self._check_deadlines()
 
     def _check_deadlines(self) -> None:

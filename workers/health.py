@@ -55,6 +55,8 @@ class EngineHealthMixin:
         """Why the failed job must be handed back for an engine failure (and mark unhealthy), or None."""
         if not is_engine_failure(exc):
             return None
+        worker: Any = self
+        worker.metrics.engine_error("job")
         self.unhealthy_reason = f"engine failed: {exc}"[:1000]
         return self.unhealthy_reason
 
@@ -79,6 +81,7 @@ class EngineHealthMixin:
                 worker.set_registry_state(worker._resting_state())
                 return True
             self.unhealthy_reason = f"engine failed; health probe: {problem}"[:1000]
+            worker.metrics.engine_error("probe")
             worker.set_registry_state("unhealthy")
             if burst:
                 return False

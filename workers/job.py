@@ -90,6 +90,7 @@ def commit_batch(
     )
     url = write_shard(table, job.output, job.run, job.job_id)
     tokens = int(table.column("completion_tokens").to_numpy().sum()) if table.num_rows else 0
+    prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if table.num_rows else 0
     commit = commit_log.Commit(
         job_id=job.job_id,
         batch_id=job.batch_id,
@@ -103,8 +104,8 @@ def commit_batch(
         if job.prompt_key is not None:
             # Done: the ids need only outlive a late duplicate of this job briefly.
             conn.expire(job.prompt_key, PROMPTS_AFTER_SUCCESS_TTL_S)
-    return {"url": url, "rows": table.num_rows, "tokens": tokens, "weight_version": batch.weight_version,
-            "seconds": (finished_at - batch.started_at).total_seconds()}
+    return {"url": url, "rows": table.num_rows, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "weight_version": batch.weight_version, "seconds": (finished_at - batch.started_at).total_seconds()}
 
 
 def run_rollout_batch(payload: dict[str, Any]) -> dict[str, Any]:

@@ -86,7 +86,9 @@ class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMix
             exc, self._last_job_exception = self._last_job_exception, None
             reason = self.shutdown_handback_reason(job.id, exc) or self.health_handback_reason(exc)
             if reason and hand_back_started(self, job, queue, execution, reason=reason):
+                self.metrics.job_handed_back()
                 return
+            self.metrics.job_failed(retried=job.should_retry and self._stopped_job_id != job.id)
         super().handle_job_failure(job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
                                    execution=execution)
 

@@ -32,17 +32,18 @@ from typing import Any
 import redis
 from rq import Queue, SimpleWorker
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
 
 from pipeline import control as pipeline_control
 from pipeline import keys, registry
 from schemas.control import DesiredState, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
-from workers import context, control
+from workers import context, control, logs
 from workers.engines.base import Engine, is_concurrent
 from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
 from workers.job_class import RolloutJob
+from workers.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class WorkerBase(SimpleWorker):
         feed: bool = True,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT,
         feed_headroom: int | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = DEFAULT_METRICS_HOST,
         **kwargs: Any,
     ) -> None:
         worker_id = worker_id or new_worker_id()
@@ -96,6 +99,9 @@ class WorkerBase(SimpleWorker):
             started_at=now,
             heartbeat_at=now,
         )
+        # Prometheus metrics (`workers.metrics`); served on `metrics_port` when given (0: a free port).
+        self.metrics = WorkerMetrics(worker_id, description.name)
+        self.metrics.set_weight_version(engine.weight_version)
         self._inflight: dict[str, tuple[Job, Execution]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -115,6 +121,8 @@ class WorkerBase(SimpleWorker):
         if feed and is_concurrent(engine):
             self.feeder = Feeder(self, engine, max_jobs_in_flight=max_jobs_in_flight,  # type: ignore[arg-type]
                                  headroom=feed_headroom)
+        if metrics_port is not None:
+            self.metrics.serve(metrics_port, metrics_host)
 
     @property
     def _busy(self) -> bool:
@@ -123,6 +131,7 @@ class WorkerBase(SimpleWorker):
     def track(self, job: Job, execution: Execution) -> None:
         """A job is in flight: heartbeats for it, and the registry says busy."""
         self._inflight[job.id] = (job, execution)
+        self.metrics.job_started(queue_wait_s(job))
         self.set_registry_state("busy", next(iter(self._inflight), job.id))
 
     def untrack(self, job: Job) -> None:
@@ -140,6 +149,8 @@ class WorkerBase(SimpleWorker):
             self.info.current_job = current_job
             self.info.weight_version = self.engine.weight_version
             self.info.error = self._weight_error
+        self.metrics.set_state(state)
+        self.metrics.set_weight_version(self.info.weight_version)
         self._publish()
 
     def _publish(self) -> None:
@@ -274,15 +285,21 @@ class WorkerBase(SimpleWorker):
             return
         self.gate.enter()
         try:
-            execution = self.prepare_execution(job)
-            self.track(job, execution)
-            try:
-                self.perform_job(job, queue, execution)
-            finally:
-                self.untrack(job)
+            with logs.job_scope(job, self.worker_id):
+                execution = self.prepare_execution(job)
+                self.track(job, execution)
+                try:
+                    self.perform_job(job, queue, execution)
+                finally:
+                    self.untrack(job)
         finally:
             self.gate.leave()
         self.set_state("idle")
+
+    def _finalize_success(self, job: Job, queue: Queue, execution: Execution, return_value: Any) -> None:
+        super()._finalize_success(job, queue, execution, return_value)
+        if not isinstance(return_value, Retry):
+            self.metrics.job_finished(return_value)
 
     # -- lifecycle --------------------------------------------------------------------------
 
