@@ -26,6 +26,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--url", action="append", default=[], dest="urls",
         help="SGLang server or router URL for --engine sglang-http (repeat for several)",
     )
+    parser.add_argument(
+        "--routed-experts", action="store_true",
+        help="sglang engines: serve return_routed_experts (the servers need --enable-return-routed-experts); "
+             "the layout comes from --model's config.json (for sglang-http, --model is then the model directory "
+             "the servers load) or --experts-layout",
+    )
+    parser.add_argument("--experts-layout", default=None, metavar="LAYERS,TOP_K,EXPERTS",
+                        help="routed-experts layout when no config.json is at hand, e.g. 48,8,128")
     sim = parser.add_argument_group("--engine sim (a simulated continuous-batching engine)")
     sim.add_argument("--sim-capacity", type=int, default=256, help="sequences decoded at once")
     sim.add_argument("--sim-step-ms", type=float, default=20.0, help="latency of one decode step")
@@ -65,7 +73,7 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs,
-        urls=tuple(args.urls),
+        urls=tuple(args.urls), routed_experts=args.routed_experts, experts_layout=args.experts_layout,
         sim={
             "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,
             "step_per_seq_s": args.sim_step_per_seq_us / 1e6, "median_tokens": args.sim_median_tokens,

@@ -19,6 +19,44 @@ class EngineOptions:
     weight_version: int = 0
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or routers
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
+    routed_experts: bool = False  # sglang engines: serve return_routed_experts
+    experts_layout: str | None = None  # "LAYERS,TOP_K,EXPERTS" when no model config is at hand
+
+
+def _sglang_model_facts(options: EngineOptions) -> dict[str, object]:
+    """Routed-experts layout and vocabulary size for the SGLang adapters, from flags or the model's config."""
+    from workers.engines.routed_experts import ExpertsLayout
+
+    facts: dict[str, object] = {"routed_experts": options.routed_experts}
+    layout = None
+    if options.experts_layout:
+        try:
+            layers, top_k, experts = (int(part) for part in options.experts_layout.split(","))
+        except ValueError as exc:
+            raise EngineUnavailableError(
+                f"--experts-layout {options.experts_layout!r} must be LAYERS,TOP_K,EXPERTS, e.g. 48,8,128"
+            ) from exc
+        layout = ExpertsLayout(layers=layers, top_k=top_k, num_experts=experts)
+    elif options.model:
+        layout = ExpertsLayout.from_model_config(options.model)
+    if options.routed_experts:
+        if layout is None:
+            raise EngineUnavailableError(
+                "--routed-experts needs the layout: --model DIR with a MoE config.json, or --experts-layout"
+            )
+        facts["experts_layout"] = layout
+    if options.model:
+        import json
+        from pathlib import Path
+
+        try:
+            config = json.loads((Path(options.model) / "config.json").read_text())
+            vocab = config.get("text_config", config).get("vocab_size")
+            if isinstance(vocab, int):
+                facts["vocab_size"] = vocab
+        except (OSError, ValueError):
+            pass
+    return facts
 
 
 def build_engine(options: EngineOptions) -> Engine:
@@ -45,7 +83,8 @@ def build_engine(options: EngineOptions) -> Engine:
         if not options.urls:
             raise EngineUnavailableError("--engine sglang-http needs at least one --url http://host:port")
         return SGLangHTTPEngine(
-            options.urls, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version
+            options.urls, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version,
+            **_sglang_model_facts(options),  # type: ignore[arg-type]
         )
     if options.engine == "sglang":
         from workers.engines.sglang_engine import SGLangEngine
@@ -53,6 +92,7 @@ def build_engine(options: EngineOptions) -> Engine:
         if not options.model:
             raise EngineUnavailableError("--engine sglang needs --model PATH (a model SGLang can load)")
         return SGLangEngine(
-            options.model, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version
+            options.model, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version,
+            **_sglang_model_facts(options),  # type: ignore[arg-type]
         )
     raise EngineUnavailableError(f"unknown engine {options.engine!r}; choose one of {', '.join(ENGINES)}")

@@ -1,0 +1,41 @@
+"""Engine options from the command line: the SGLang adapters' routed-experts layout and vocabulary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.cli import engine_options
+from workers.engines.factory import EngineOptions, _sglang_model_facts
+from workers.engines.routed_experts import ExpertsLayout
+from workers.errors import EngineUnavailableError
+
+
+def test_layout_and_vocabulary_come_from_the_model_config(tiny_moe_dir: Path) -> None:
+    facts = _sglang_model_facts(EngineOptions(engine="sglang-http", model=str(tiny_moe_dir), routed_experts=True))
+    layout = facts["experts_layout"]
+    assert isinstance(layout, ExpertsLayout) and (layout.layers, layout.top_k, layout.num_experts) == (2, 2, 8)
+    assert facts["routed_experts"] is True and facts["vocab_size"] == 72
+
+
+def test_explicit_layout_and_clear_errors(tiny_model_dir: Path) -> None:
+    facts = _sglang_model_facts(EngineOptions(engine="sglang-http", routed_experts=True, experts_layout="48,8,128"))
+    assert facts["experts_layout"] == ExpertsLayout(layers=48, top_k=8, num_experts=128)
+    with pytest.raises(EngineUnavailableError, match="needs the layout"):
+        _sglang_model_facts(EngineOptions(engine="sglang-http", model=str(tiny_model_dir), routed_experts=True))
+    with pytest.raises(EngineUnavailableError, match="LAYERS,TOP_K,EXPERTS"):
+        _sglang_model_facts(EngineOptions(engine="sglang-http", routed_experts=True, experts_layout="48x8"))
+    # Without --routed-experts a dense model still gives the vocabulary for submit-time checks.
+    assert _sglang_model_facts(EngineOptions(engine="sglang-http", model=str(tiny_model_dir))) == {
+        "routed_experts": False, "vocab_size": 72}
+
+
+def test_cli_flags_reach_the_options() -> None:
+    from pipeline.cli import build_parser
+
+    args = build_parser().parse_args(["worker", "--engine", "sglang-http", "--url", "http://a:1", "--url",
+                                      "http://b:2", "--routed-experts", "--experts-layout", "4,2,16"])
+    options = engine_options(args)
+    assert options.urls == ("http://a:1", "http://b:2") and options.routed_experts
+    assert options.experts_layout == "4,2,16"
