@@ -22,6 +22,7 @@ from rq.executions import Execution
 from rq.job import Job
 
 from schemas.worker_info import WorkerState
+from workers import control
 from workers.engines.base import Engine
 from workers.handback import hand_back_started
 from workers.health import PROBE_MAX_S, EngineHealthMixin
@@ -70,9 +71,16 @@ class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMix
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
-        if not self.wait_until_healthy(burst=timeout is None):
-            return None
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while True:
+            if not self.wait_until_healthy(burst=timeout is None):
+                return None
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            if result is None or self.unhealthy_reason is None:
+                return result
+            # The engine failed while this worker was blocked in its dequeue (another job in flight
+            # failed): give the job back untouched and wait for the engine.
+            job, queue = result
+            control.hand_back(self.connection, job, queue, at_front=True)
 
     def handle_job_failure(
         self,

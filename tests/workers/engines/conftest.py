@@ -41,8 +41,8 @@ class Standin:
         self.faults(**dict.fromkeys(kinds, 0), fault_prefix="", delays={})
 
 
-def launch(model_dir: Path, log: Path, *extra: str) -> Standin:
-    port = _free_port()
+def launch(model_dir: Path, log: Path, *extra: str, port: int | None = None) -> Standin:
+    port = port or _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:
         process = subprocess.Popen(
