@@ -1,7 +1,9 @@
 """Submit throughput: requests/s from a JSONL of 512-token prompts into Redis, validated.
 
-Ours: `read_request_file` (fast numpy parse of the prompt ids, strict pydantic for the rest)
-and `submit_requests` (prompt ids as raw bytes beside each job, one MULTI/EXEC). Baseline (same
+Ours: `read_request_lines` (prompt ids parsed with numpy and kept as arrays; the other fields
+checked as the strict model would, each distinct sampling_params shape validated once by pydantic;
+anything unusual through the full pydantic parse) and `submit_requests` (prompt ids as raw bytes
+beside each job, packed from the arrays, one MULTI/EXEC). Baseline (same
 process, same Redis): one RQ `Queue.enqueue` per request with the request line as its JSON
 argument, unvalidated. Prints medians over repeats, the ratio, and Redis memory per token.
 
@@ -23,7 +25,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from pipeline.redis_server import RedisServer
-from pipeline.request_file import read_request_file
+from pipeline.request_file import read_request_lines
 from pipeline.submit import submit_requests
 
 
@@ -40,7 +42,7 @@ def make_file(path: Path, count: int, prompt_len: int) -> None:
 def bench_pipeline(conn: redis.Redis, path: Path) -> float:
     conn.flushall()
     start = time.perf_counter()
-    requests = read_request_file(path)
+    requests = read_request_lines(path)
     submit_requests(conn, requests, run="bench", output="memory://bench", batch_size=64)
     return len(requests) / (time.perf_counter() - start)
 

@@ -27,14 +27,14 @@ def _add_redis(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.client import connect
-    from pipeline.request_file import read_request_file
+    from pipeline.request_file import read_request_lines
 
     renderer = None
     if args.tokenizer:
         from pipeline.chat import ChatRenderer
 
         renderer = ChatRenderer(args.tokenizer).render_line
-    requests = read_request_file(args.file, vocab_size=args.vocab_size, renderer=renderer)
+    requests = read_request_lines(args.file, vocab_size=args.vocab_size, renderer=renderer)
     client = connect(args.redis)
     batch = client.submit(
         requests,

@@ -13,7 +13,7 @@ from pipeline.batch import Batch
 from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower, follow
-from pipeline.request_file import read_request_file, validation_errors
+from pipeline.request_file import ParsedRequest, read_request_lines, validation_errors
 from pipeline.security import check_output_url
 from pipeline.submit import DEFAULT_BATCH_SIZE, submit_requests
 from schemas.control import DesiredState
@@ -21,11 +21,14 @@ from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
 
 
-def _as_requests(requests: Sequence[RolloutRequest | Mapping[str, Any]]) -> list[RolloutRequest]:
-    parsed: list[RolloutRequest] = []
+def _as_requests(
+    requests: Sequence[RolloutRequest | ParsedRequest | Mapping[str, Any]],
+) -> list[RolloutRequest | ParsedRequest]:
+    """Models and lines already validated by `pipeline.request_file` pass; dicts are validated here."""
+    parsed: list[RolloutRequest | ParsedRequest] = []
     errors: list[LineError] = []
     for index, item in enumerate(requests):
-        if isinstance(item, RolloutRequest):
+        if isinstance(item, RolloutRequest | ParsedRequest):
             parsed.append(item)
             continue
         try:
@@ -45,7 +48,7 @@ class Client:
 
     def submit(
         self,
-        requests: Sequence[RolloutRequest | Mapping[str, Any]],
+        requests: Sequence[RolloutRequest | ParsedRequest | Mapping[str, Any]],
         *,
         run: str | None = None,
         output: str | None = None,
@@ -81,7 +84,7 @@ class Client:
             from pipeline.chat import ChatRenderer
 
             renderer = (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
-        return self.submit(read_request_file(path, renderer=renderer), **kwargs)
+        return self.submit(read_request_lines(path, renderer=renderer), **kwargs)
 
     def workers(self) -> list[WorkerInfo]:
         return registry.live_workers(self.conn)

@@ -6,18 +6,21 @@ whole file, so a submit enqueues all of a file or none of it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
 import json
 import re
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
 from pipeline.errors import LineError, PipelineError, RequestFileError
 from schemas import request as request_schema
-from schemas.request import MAX_LINE_BYTES, MAX_TOKEN_ID, RolloutRequest
+from schemas.request import MAX_LINE_BYTES, MAX_TOKEN_ID, RolloutRequest, SamplingParams
 
 # Pydantic names union branches in error locations ("str", "list[int]", "constrained-int",
 # "function-before[...]"); a user thinks in field names only.
@@ -60,98 +63,343 @@ def validation_errors(path: str, line: int, exc: ValidationError) -> list[LineEr
 
 _IDS_KEY = b'"input_ids"'
 _ID_TEXT = b"0123456789, "
+_DIGITS = b"0123456789"
+_FIELDS = frozenset(RolloutRequest.model_fields) - {"input_ids"}
+_DEFAULT_SAMPLING = SamplingParams()
+_SAMPLING_ORDER = tuple(SamplingParams.model_fields)
+_MAX_SEED = 2**63 - 1
+# Powers of ten for counting the digits of ids < 10**10 (MAX_TOKEN_ID has 10 digits).
+_POWERS = tuple(10**k for k in range(1, 10))
+_BLOCK = 64  # lines whose ids are checked together (one concatenation, a few array passes)
+_MAX_NESTING = 64  # brackets in the small fields beyond which the fast path steps aside
 
 
-def _fast_parse(raw: bytes) -> RolloutRequest | None:
-    """The common line, validated quickly; None for anything unusual (the caller then takes
-    pydantic's full path, which words every error with its field).
+class _StepAside(Exception):
+    """The fast path cannot vouch for a line; pydantic's full parse decides (and words any error)."""
 
-    The prompt ids (most of a line) are parsed as one array with numpy and checked as JSON
-    integers in range; every other field goes through the same strict model, with the ids
-    replaced by a placeholder.
+
+def _no_constant(name: str) -> float:
+    raise _StepAside(name)  # NaN / Infinity: leave the verdict to pydantic
+
+
+_decode_small = json.JSONDecoder(parse_constant=_no_constant).decode
+
+
+class _Sampling:
+    """One validated `sampling_params` shape (every field but `seed`), shared by the lines that use it."""
+
+    __slots__ = ("after_seed", "before_seed", "include", "params", "stop_max")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.include = params != _DEFAULT_SAMPLING
+        dumped = params.model_dump(exclude_defaults=True)
+        at = _SAMPLING_ORDER.index("seed")
+        self.before_seed = {k: v for k, v in dumped.items() if _SAMPLING_ORDER.index(k) < at}
+        self.after_seed = {k: v for k, v in dumped.items() if _SAMPLING_ORDER.index(k) > at}
+        self.stop_max = max(params.user_stop_token_ids, default=-1)
+
+    def dump(self, seed: int | None) -> dict[str, Any] | None:
+        """`model_dump(exclude_defaults=True)` of these params with `seed`; None when all default."""
+        if seed is None:
+            return {**self.before_seed, **self.after_seed} if self.include else None
+        return {**self.before_seed, "seed": seed, **self.after_seed}
+
+
+_DEFAULT_SHAPE = _Sampling(_DEFAULT_SAMPLING)
+
+
+class ParsedRequest:
+    """A validated request line with its prompt ids kept as one numpy array (no Python list per prompt).
+
+    `job_fields` is what `RolloutRequest.model_dump(exclude={"input_ids"}, exclude_defaults=True)` gives;
+    `to_request()` builds the full model where one is needed. `pipeline.submit` packs these directly.
     """
+
+    __slots__ = (
+        "_max_id",
+        "_request",
+        "_seed",
+        "_shape",
+        "id",
+        "job_fields",
+        "logprobs",
+        "n",
+        "prompt_ids",
+        "return_routed_experts",
+    )
+
+    def __init__(self, ident: str, prompt_ids: np.ndarray, job_fields: dict[str, Any], logprobs: int | None,
+                 return_routed_experts: bool, shape: _Sampling, seed: int | None,
+                 request: RolloutRequest | None = None) -> None:
+        self.id = ident
+        self.prompt_ids = prompt_ids
+        self.job_fields = job_fields
+        self.logprobs = logprobs
+        self.return_routed_experts = return_routed_experts
+        self.n = shape.params.n
+        self._shape = shape
+        self._seed = seed
+        self._request = request
+        self._max_id: int | None = None
+
+    @classmethod
+    def from_request(cls, request: RolloutRequest) -> ParsedRequest:
+        return cls(request.id, np.asarray(request.input_ids, dtype=np.int64),
+                   request.model_dump(exclude={"input_ids"}, exclude_defaults=True), request.logprobs,
+                   request.return_routed_experts, _Sampling(request.sampling_params), None, request)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        params = self._shape.params
+        return params if self._seed is None else params.model_copy(update={"seed": self._seed})
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids.tolist()
+
+    def max_token_id(self) -> int:
+        """The largest token id the request names (prompt and token-id stops)."""
+        if self._max_id is None:
+            self._max_id = max(int(self.prompt_ids.max()), self._shape.stop_max)
+        return self._max_id
+
+    def to_request(self) -> RolloutRequest:
+        if self._request is None:
+            # The ids were checked as an array: the model takes them without a second pass.
+            request = RolloutRequest.model_validate({**self.job_fields, "input_ids": [0]})
+            self._request = request.model_copy(update={"input_ids": self.prompt_ids.tolist()})
+        return self._request
+
+
+def _small_fields(text: str, ids: np.ndarray, shapes: dict[Any, _Sampling]) -> ParsedRequest:
+    """Every field but the ids (`"input_ids": 0` in `text`), checked as the model would; `_StepAside`
+    for anything the model might see differently (pydantic then decides)."""
+    line = _decode_small(text)
+    if type(line) is not dict or line.get("input_ids", None) != 0 or not line.keys() - {"input_ids"} <= _FIELDS:
+        raise _StepAside
+    ident = line.get("id")
+    if type(ident) is not str or not 0 < len(ident) <= 512:
+        raise _StepAside
+    fields: dict[str, Any] = {"id": ident}
+    seed = None
+    shape = _DEFAULT_SHAPE
+    if "sampling_params" in line:
+        given = line["sampling_params"]
+        if type(given) is not dict:
+            raise _StepAside
+        if "seed" in given:
+            given = dict(given)
+            seed = given.pop("seed")
+            if seed is not None and (type(seed) is not int or not 0 <= seed <= _MAX_SEED):
+                raise _StepAside
+        try:
+            key: Any = (tuple(given.items()), tuple(map(type, given.values())))
+            shape = shapes.get(key)  # type: ignore[assignment]
+        except TypeError:  # list values (stops): validated each time
+            key, shape = None, None  # type: ignore[assignment]
+        if shape is None:
+            try:
+                shape = _Sampling(SamplingParams.model_validate(given))
+            except ValidationError:
+                raise _StepAside from None
+            if key is not None:
+                shapes[key] = shape
+        dumped = shape.dump(seed)
+        if dumped is not None:
+            fields["sampling_params"] = dumped
+    logprobs = line.get("logprobs", 0)
+    if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= 1024):
+        raise _StepAside
+    if logprobs != 0:
+        fields["logprobs"] = logprobs
+    prompt_logprobs = line.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if type(prompt_logprobs) is not int or prompt_logprobs != 0:
+            raise _StepAside
+        fields["prompt_logprobs"] = prompt_logprobs
+    routed = line.get("return_routed_experts", False)
+    if type(routed) is not bool:
+        raise _StepAside
+    if routed:
+        fields["return_routed_experts"] = True
+    if "metadata" in line:
+        metadata = line["metadata"]
+        if type(metadata) is not dict:
+            raise _StepAside
+        if metadata:
+            try:
+                size = len(request_schema.encode_metadata(metadata))
+            except (ValueError, RecursionError):
+                raise _StepAside from None
+            if size > request_schema.MAX_METADATA_BYTES:
+                raise _StepAside
+            fields["metadata"] = metadata
+    prompt_text = line.get("prompt_text")
+    if prompt_text is not None:
+        if type(prompt_text) is not str:
+            raise _StepAside
+        fields["prompt_text"] = prompt_text
+    return ParsedRequest(ident, ids, fields, logprobs, routed, shape, seed)
+
+
+def _parse_ids(raw: bytes) -> tuple[np.ndarray, int, str] | None:
+    """The prompt ids of a common line as one array (not yet range/digit checked), the number of
+    digits the text holds, and the rest of the line with `"input_ids": 0`; None for anything unusual."""
     at = raw.find(_IDS_KEY)
-    if at < 0 or raw.find(_IDS_KEY, at + 1) >= 0:
+    if at < 0:
         return None
     opening = raw.find(b"[", at)
     closing = raw.find(b"]", opening)
-    if opening < 0 or closing < 0 or raw[at + len(_IDS_KEY) : opening].strip() != b":":
+    # A second key could only follow the ids (nothing but ':' before them, digits inside).
+    if (opening < 0 or closing < 0 or raw[at + len(_IDS_KEY) : opening].strip() != b":"
+            or raw.find(_IDS_KEY, closing) >= 0):
         return None
     span = raw[opening + 1 : closing]
-    if span.translate(None, _ID_TEXT):
+    separators = span.translate(None, _DIGITS)
+    if separators.translate(None, b", "):
         return None
-    commas = span.count(b",")
-    try:
-        with warnings.catch_warnings():  # numpy warns (later: raises) on text it cannot read to its end
-            warnings.simplefilter("error", DeprecationWarning)
-            ids = np.fromstring(span, dtype=np.int64, sep=",")  # whitespace around commas is skipped
-    except (ValueError, DeprecationWarning):
-        return None
-    if (ids.size != commas + 1 or ids.size > request_schema.MAX_PROMPT_TOKENS or int(ids.min()) < 0
-            or int(ids.max()) > MAX_TOKEN_ID):
-        return None
-    # Every digit accounted for: no leading zeros, no overflow, no empty element, no "1 2".
-    digits = np.where(ids > 0, np.floor(np.log10(np.maximum(ids, 1))) + 1, 1).sum()
-    if int(digits) != len(span) - commas - span.count(b" "):
+    rest = raw[:opening] + b"0" + raw[closing + 1 :]
+    # \u escapes (lone surrogates, escaped duplicate keys) and deep nesting: pydantic's parse decides.
+    if b"\\u" in rest or rest.count(b"[") + rest.count(b"{") > _MAX_NESTING:
         return None
     try:
-        request = RolloutRequest.model_validate_json(raw[: opening] + b"[0]" + raw[closing + 1 :])
-    except ValidationError:
+        ids = np.fromstring(span, dtype=np.int64, sep=",")  # whitespace around commas is skipped
+        text = rest.decode()
+    except ValueError:  # numpy: text it cannot read to its end; or not UTF-8
         return None
-    return request.model_copy(update={"input_ids": ids.tolist()})
+    if ids.size != separators.count(b",") + 1 or ids.size > request_schema.MAX_PROMPT_TOKENS:
+        return None
+    return ids, len(span) - len(separators), text
 
 
-def parse_lines(
+def _fast_block(raws: list[bytes], shapes: dict[Any, _Sampling]) -> list[ParsedRequest | None]:
+    """The common lines of a block validated quickly; None where pydantic's full path must decide.
+
+    The ids (most of a line) are parsed per line with numpy, then range- and digit-checked for the
+    whole block at once: every digit accounted for means no leading zeros and no overflow
+    (numpy saturates, which the range check catches); no '-' passed the character check.
+    """
+    out: list[ParsedRequest | None] = [None] * len(raws)
+    parsed: list[tuple[int, np.ndarray, int, str]] = []
+    for index, raw in enumerate(raws):
+        got = _parse_ids(raw)
+        if got is not None:
+            parsed.append((index, *got))
+    if not parsed:
+        return out
+    good = _check_ids([p[1] for p in parsed], [p[2] for p in parsed])
+    for (index, ids, _, text), ok in zip(parsed, good, strict=True):
+        if ok:
+            with contextlib.suppress(_StepAside, ValueError, RecursionError):
+                out[index] = _small_fields(text, ids, shapes)
+    return out
+
+
+def _digits(ids: np.ndarray) -> int:
+    count = ids.size
+    for power in _POWERS:
+        count += int(np.count_nonzero(ids >= power))
+    return count
+
+
+def _check_ids(arrays: list[np.ndarray], printed: list[int]) -> list[bool]:
+    flat = np.concatenate(arrays)
+    if int(flat.max()) <= MAX_TOKEN_ID and _digits(flat) == sum(printed):
+        return [True] * len(arrays)
+    return [int(a.max()) <= MAX_TOKEN_ID and _digits(a) == p for a, p in zip(arrays, printed, strict=True)]
+
+
+def _fast_parse(raw: bytes) -> ParsedRequest | None:
+    """One line through the fast path (None: pydantic's full parse decides)."""
+    return _fast_block([raw], {})[0]
+
+
+def _line_errors(path: str, number: int, raw: str | bytes,
+                 renderer: Callable[[str | bytes], str | bytes | dict] | None) -> tuple[list[LineError], bytes]:
+    """The checks before parsing (size, rendering); errors, or the line as bytes."""
+    if len(raw) > MAX_LINE_BYTES:  # characters for str input: at most the byte count
+        return [LineError(path, number, "", f"line is {len(raw)} bytes, over the limit of "
+                          f"{MAX_LINE_BYTES} (PIPELINE_MAX_LINE_BYTES); split the request")], b""
+    if renderer is not None:
+        try:
+            rendered = renderer(raw)
+        except ValidationError as exc:
+            return validation_errors(path, number, exc), b""
+        except PipelineError as exc:  # pipeline.chat.RenderError, located by field
+            return [LineError(path, number, getattr(exc, "field", ""), getattr(exc, "message", str(exc)))], b""
+        raw = json.dumps(rendered) if isinstance(rendered, dict) else rendered
+    return [], raw if isinstance(raw, bytes) else raw.encode()
+
+
+def parse_request_lines(
     lines: Iterable[str | bytes], *, path: str = "<input>", vocab_size: int | None = None,
     renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
-) -> list[RolloutRequest]:
-    """Validate every line; raise `RequestFileError` listing every problem, else return all.
+) -> list[ParsedRequest]:
+    """Validate every line; raise `RequestFileError` listing every problem, else return all, each
+    with its prompt ids as a numpy array (`pipeline.submit.submit_requests` packs them directly).
 
     `renderer` (`pipeline.chat.ChatRenderer.render_line`) turns chat/prompt lines into token-id lines first.
     """
-    requests: list[RolloutRequest] = []
+    # Nothing parsed here forms a reference cycle: the collector's passes over a growing heap of
+    # small objects (a quarter of the parse time) are skipped while parsing.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse_request_lines(lines, path, vocab_size, renderer)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _parse_request_lines(
+    lines: Iterable[str | bytes], path: str, vocab_size: int | None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None,
+) -> list[ParsedRequest]:
+    requests: list[ParsedRequest] = []
     errors: list[LineError] = []
     first_line_of: dict[str, int] = {}
+    shapes: dict[Any, _Sampling] = {}
+    fast_lines = renderer is None
     total = 0
-    for number, raw in enumerate(lines, start=1):
-        total = number
-        if not raw.strip():
-            continue
-        if len(raw) > MAX_LINE_BYTES:  # characters for str input: at most the byte count
-            errors.append(LineError(path, number, "", f"line is {len(raw)} bytes, over the limit of "
-                                    f"{MAX_LINE_BYTES} (PIPELINE_MAX_LINE_BYTES); split the request"))
-            continue
-        if renderer is not None:
-            try:
-                rendered = renderer(raw)
-            except ValidationError as exc:
-                errors.extend(validation_errors(path, number, exc))
+    numbered = enumerate(lines, start=1)
+    while True:
+        block = list(itertools.islice(numbered, _BLOCK))
+        if not block:
+            break
+        total = block[-1][0]
+        checked = [
+            (number, [], raw) if fast_lines and type(raw) is bytes and len(raw) <= MAX_LINE_BYTES
+            else (number, *_line_errors(path, number, raw, renderer))
+            for number, raw in block if raw and not raw.isspace()
+        ]
+        fast = _fast_block([raw for _, found, raw in checked if not found], shapes)
+        fast_of = iter(fast)
+        for number, found, raw in checked:
+            if found:
+                errors.extend(found)
                 continue
-            except PipelineError as exc:  # pipeline.chat.RenderError, located by field
-                errors.append(LineError(path, number, getattr(exc, "field", ""), getattr(exc, "message", str(exc))))
+            request = next(fast_of)
+            if request is None:
+                try:
+                    request = ParsedRequest.from_request(RolloutRequest.model_validate_json(raw))
+                except ValidationError as exc:
+                    errors.extend(validation_errors(path, number, exc))
+                    continue
+            if request.id in first_line_of:
+                errors.append(
+                    LineError(path, number, "id", f"duplicate id {request.id!r} (first on line "
+                              f"{first_line_of[request.id]}); ids must be unique in a file")
+                )
                 continue
-            raw = json.dumps(rendered) if isinstance(rendered, dict) else rendered
-        request = _fast_parse(raw if isinstance(raw, bytes) else raw.encode())
-        if request is None:
-            try:
-                request = RolloutRequest.model_validate_json(raw)
-            except ValidationError as exc:
-                errors.extend(validation_errors(path, number, exc))
+            first_line_of[request.id] = number
+            if vocab_size is not None and request.max_token_id() >= vocab_size:
+                errors.append(
+                    LineError(path, number, "input_ids", f"token id {request.max_token_id()} is "
+                              f"outside the model's vocabulary of {vocab_size}")
+                )
                 continue
-        if request.id in first_line_of:
-            errors.append(
-                LineError(path, number, "id", f"duplicate id {request.id!r} (first on line "
-                          f"{first_line_of[request.id]}); ids must be unique in a file")
-            )
-            continue
-        first_line_of[request.id] = number
-        if vocab_size is not None and request.max_token_id() >= vocab_size:
-            errors.append(
-                LineError(path, number, "input_ids", f"token id {request.max_token_id()} is "
-                          f"outside the model's vocabulary of {vocab_size}")
-            )
-            continue
-        requests.append(request)
+            requests.append(request)
     if not requests and not errors:
         errors.append(LineError(path, max(total, 1), "", "file holds no requests (one JSON object per line)"))
     if errors:
@@ -159,10 +407,27 @@ def parse_lines(
     return requests
 
 
+def parse_lines(
+    lines: Iterable[str | bytes], *, path: str = "<input>", vocab_size: int | None = None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
+) -> list[RolloutRequest]:
+    """Validate every line; raise `RequestFileError` listing every problem, else return all as models."""
+    parsed = parse_request_lines(lines, path=path, vocab_size=vocab_size, renderer=renderer)
+    return [request.to_request() for request in parsed]
+
+
+def read_request_lines(
+    path: str | Path, *, vocab_size: int | None = None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
+) -> list[ParsedRequest]:
+    """Read a JSONL file of request lines, prompt ids kept as arrays; all valid, or `RequestFileError`."""
+    with open(path, "rb") as handle:
+        return parse_request_lines(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
+
+
 def read_request_file(
     path: str | Path, *, vocab_size: int | None = None,
     renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
 ) -> list[RolloutRequest]:
     """Read a JSONL file of request lines; all valid, or `RequestFileError` and nothing."""
-    with open(path, "rb") as handle:
-        return parse_lines(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
+    return [request.to_request() for request in read_request_lines(path, vocab_size=vocab_size, renderer=renderer)]

@@ -17,6 +17,7 @@ from pipeline import keys, registry
 from pipeline.capabilities import check_requests
 from pipeline.errors import PipelineError
 from pipeline.redis_server import state_dir
+from pipeline.request_file import ParsedRequest
 from schemas.job import JobPayload
 from schemas.request import RolloutRequest
 
@@ -52,13 +53,17 @@ class SubmitPlan:
     samples: int
 
 
+def _as_model(request: RolloutRequest | ParsedRequest) -> RolloutRequest:
+    return request.to_request() if isinstance(request, ParsedRequest) else request
+
+
 def rollout_queue(conn: redis.Redis) -> Queue:
     return Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer)
 
 
 def submit_requests(
     conn: redis.Redis,
-    requests: Sequence[RolloutRequest],
+    requests: Sequence[RolloutRequest | ParsedRequest],
     *,
     run: str | None = None,
     output: str | None = None,
@@ -72,7 +77,8 @@ def submit_requests(
 
     With `prompts_beside` (the default) each job's prompt ids go to their own Redis key as raw
     bytes, written in the same MULTI/EXEC as the jobs, instead of base64 inside the job data
-    (which RQ zlib-compresses, slowly and to little effect).
+    (which RQ zlib-compresses, slowly and to little effect). `requests` may be models or
+    `ParsedRequest`s (`pipeline.request_file.read_request_lines`), whose ids are packed as arrays.
     """
     if not requests:
         raise PipelineError("nothing to submit: no requests")
@@ -105,12 +111,13 @@ def submit_requests(
             key = keys.prompts(job_id)
             payload, prompts[key] = JobPayload.pack_beside(chunk, prompt_key=key, **common)
         else:
-            payload = JobPayload.pack(chunk, **common)
+            payload = JobPayload.pack([_as_model(r) for r in chunk], **common)
         job_ids.append(job_id)
         job_datas.append(
             Queue.prepare_data(
                 JOB_FUNCTION,
-                args=(payload.model_dump(mode="json"),),
+                # The request dicts are plain JSON already (validated lines): not walked again.
+                args=({**payload.model_dump(mode="json", exclude={"requests"}), "requests": payload.requests},),
                 job_id=job_id,
                 timeout=job_timeout_s,
                 result_ttl=RESULT_TTL_S,
@@ -120,7 +127,7 @@ def submit_requests(
                 meta={"batch_id": batch_id, "run": run},
             )
         )
-    samples = sum(r.sampling_params.n for r in requests)
+    samples = sum(r.n if isinstance(r, ParsedRequest) else r.sampling_params.n for r in requests)
     with conn.pipeline(transaction=True) as pipe:
         for key, value in prompts.items():
             pipe.set(key, value, ex=PROMPTS_TTL_S)

@@ -112,6 +112,15 @@ def _list_parts(column: pa.Array | pa.ChunkedArray) -> _ListParts:
     )
 
 
+def _empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """An uninitialized writable array in Arrow's memory pool (mimalloc/jemalloc), which keeps
+    freed pages for the next batch: glibc malloc hands batch-sized arrays back to the kernel and
+    page-faults them in again every batch (~20% of the collate)."""
+    itemsize = np.dtype(dtype).itemsize
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(pa.allocate_buffer(max(1, count * itemsize)), dtype=dtype, count=count).reshape(shape)
+
+
 def _fill(dest: np.ndarray, mask: np.ndarray, parts: _ListParts, row_span: np.ndarray) -> None:
     """Scatter each chunk's values into `dest[mask]`, chunk by chunk (no concatenation).
 
@@ -231,15 +240,19 @@ def collate_rollouts(
         width = int(lengths.max()) if n_rows else 0
         if pad_to_multiple_of:
             width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-        positions = np.arange(width)
-        attention = positions < lengths[:, None]
-        prompt_mask = positions < p[:, None]
-        completion_mask = attention ^ prompt_mask
+        # Masks from the narrowest integer positions (2-3x faster compares than int64).
+        small = np.int16 if width < 2**15 else np.int32 if width < 2**31 else np.int64
+        positions = np.arange(width, dtype=small)
+        attention = np.less(positions, lengths.astype(small)[:, None], out=_empty((n_rows, width), np.bool_))
+        prompt_mask = np.less(positions, p.astype(small)[:, None], out=_empty((n_rows, width), np.bool_))
+        completion_mask = np.logical_xor(attention, prompt_mask, out=_empty((n_rows, width), np.bool_))
         span = np.arange(n_rows + 1)
-        input_ids = np.full((n_rows, width), pad_id, dtype=np.int64)
+        input_ids = _empty((n_rows, width), np.int64)
+        input_ids.fill(pad_id)
         _fill(input_ids, prompt_mask, prompts, span)
         _fill(input_ids, completion_mask, completions, span)
-        old_logprobs = np.zeros((n_rows, width), dtype=np.float32)
+        old_logprobs = _empty((n_rows, width), np.float32)
+        old_logprobs.fill(0.0)
         lp_mask = completion_mask if logprobs.valid is None else completion_mask & has_lp[:, None]
         _fill(old_logprobs, lp_mask, logprobs, span)
         routed = (

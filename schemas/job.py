@@ -10,9 +10,8 @@ little-endian bytes (uint16 when every id fits, else int32) under a side Redis k
 from __future__ import annotations
 
 import base64
-import itertools
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -40,6 +39,24 @@ def unpack_token_ids(packed: str, lengths: Sequence[int]) -> list[np.ndarray]:
     if flat.size != sum(lengths):
         raise ValueError(f"packed token ids hold {flat.size} ids, lengths say {sum(lengths)}")
     return np.split(flat, np.cumsum(lengths)[:-1]) if lengths else []
+
+
+class PromptRequest(Protocol):
+    """A validated request whose prompt ids are an array (`pipeline.request_file.ParsedRequest`)."""
+
+    prompt_ids: np.ndarray
+    job_fields: dict[str, Any]
+
+
+def _prompt_array(request: RolloutRequest | PromptRequest) -> np.ndarray:
+    ids = getattr(request, "prompt_ids", None)
+    return ids if ids is not None else np.asarray(request.input_ids, dtype=np.int64)
+
+
+def _job_fields(request: RolloutRequest | PromptRequest) -> dict[str, Any]:
+    if isinstance(request, RolloutRequest):
+        return request.model_dump(exclude={"input_ids"}, exclude_defaults=True)
+    return request.job_fields
 
 
 class JobPayload(BaseModel):
@@ -90,7 +107,7 @@ class JobPayload(BaseModel):
     @classmethod
     def pack_beside(
         cls,
-        requests: Sequence[RolloutRequest],
+        requests: Sequence[RolloutRequest | PromptRequest],
         *,
         prompt_key: str,
         run: str,
@@ -103,10 +120,12 @@ class JobPayload(BaseModel):
         """The payload without the ids, and the ids as raw bytes to store under `prompt_key`.
 
         uint16 when every id fits (2 bytes a token), else int32; nothing for RQ to compress.
+        `requests` are models or already validated lines carrying their ids as an array
+        (`pipeline.request_file.ParsedRequest`), packed without a Python list per prompt.
         """
-        lengths = [len(r.input_ids) for r in requests]
-        flat = np.fromiter(itertools.chain.from_iterable(r.input_ids for r in requests), dtype=np.int64,
-                           count=sum(lengths))
+        arrays = [_prompt_array(r) for r in requests]
+        lengths = [a.size for a in arrays]
+        flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
         dtype: PromptDType = "<u2" if flat.size == 0 or int(flat.max()) < 2**16 else "<i4"
         payload = cls(
             run=run,
@@ -118,7 +137,7 @@ class JobPayload(BaseModel):
             prompt_key=prompt_key,
             prompt_dtype=dtype,
             prompt_lengths=lengths,
-            requests=[r.model_dump(exclude={"input_ids"}, exclude_defaults=True) for r in requests],
+            requests=[_job_fields(r) for r in requests],
         )
         return payload, flat.astype(dtype).tobytes()
 

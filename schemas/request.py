@@ -42,6 +42,15 @@ MAX_STOPS = _limit("PIPELINE_MAX_STOPS", 64)
 MAX_STOP_CHARS = _limit("PIPELINE_MAX_STOP_CHARS", 1024)
 MAX_METADATA_BYTES = _limit("PIPELINE_MAX_METADATA_BYTES", 64 * 1024)
 
+# `json.dumps(value, ensure_ascii=False, allow_nan=False)` without building an encoder per call.
+_METADATA_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+
+
+def encode_metadata(value: dict[str, Any]) -> bytes:
+    """Metadata as the JSON whose size `MAX_METADATA_BYTES` limits; ValueError when not plain JSON."""
+    return _METADATA_ENCODER.encode(value).encode()
+
+
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Number = StrictFloat | StrictInt
 
@@ -185,7 +194,7 @@ class RolloutRequest(_Strict):
     @classmethod
     def _metadata_limit(cls, value: dict[str, Any]) -> dict[str, Any]:
         try:
-            size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode())
+            size = len(encode_metadata(value))
         except ValueError as exc:
             raise ValueError(f"metadata must be plain JSON ({exc})") from exc
         if size > MAX_METADATA_BYTES:

@@ -9,14 +9,22 @@ from pathlib import Path
 
 import pytest
 import redis
+from pydantic import ValidationError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline import keys
 from pipeline.errors import RequestFileError
-from pipeline.request_file import _fast_parse, parse_lines
-from pipeline.submit import PROMPTS_TTL_S
+from pipeline.request_file import (
+    _fast_parse,
+    parse_lines,
+    parse_request_lines,
+    read_request_file,
+    read_request_lines,
+    validation_errors,
+)
+from pipeline.submit import PROMPTS_TTL_S, submit_requests
 from schemas.request import RolloutRequest
 from tests.fakes import FakeEngine
 from workers.worker import RolloutWorker
@@ -25,7 +33,7 @@ from workers.worker import RolloutWorker
 @pytest.mark.parametrize("ids", ["1,2,3", " 1 , 2 ", "0", "2147483647", "150000, 7"])
 def test_fast_parse_agrees_with_the_model(ids: str) -> None:
     line = f'{{"id": "a", "input_ids": [{ids}], "sampling_params": {{"n": 2, "stop": [3]}}, "metadata": {{"k": 1}}}}'
-    assert _fast_parse(line.encode()) == RolloutRequest.model_validate_json(line)
+    assert _fast_parse(line.encode()).to_request() == RolloutRequest.model_validate_json(line)
 
 
 @pytest.mark.parametrize("ids", ["", "1 2", "01", "1,,2", ",1", "1,", "1.0", "1e3", "-1", "true", "null",
@@ -78,3 +86,97 @@ def test_missing_or_tampered_prompt_ids_fail_the_job_and_retries_find_them(
     # After failing (all retries spent) the ids are still there for a manual requeue.
     assert redis_client.exists(keys.prompts(short.job_ids[0]))
     assert not (tmp_path / "gone").exists()
+
+
+SMALL_FIELDS = [
+    {},
+    {"sampling_params": {"max_new_tokens": 512, "temperature": 1.0, "n": 4, "seed": 7}, "metadata": {"group": 3}},
+    {"sampling_params": {"temperature": 1, "seed": None}},
+    {"sampling_params": {"n": 1}, "logprobs": None, "prompt_logprobs": 0, "return_routed_experts": True},
+    {"sampling_params": {"stop": ["\n\n", "x"], "stop_token_ids": [9]}, "logprobs": 5},
+    {"sampling_params": {"stop": [70], "seed": 0}, "metadata": {"nested": {"a": [1, 2.5, None, True]}}},
+    {"prompt_text": "Question:\n\"hi\"", "metadata": {"caf\u00e9": "\u00e9t\u00e9"}},
+    {"sampling_params": {"top_p": 0.5, "top_k": 20, "min_p": 0.1, "ignore_eos": True, "repetition_penalty": 1.1}},
+]
+
+
+@pytest.mark.parametrize("fields", SMALL_FIELDS)
+@pytest.mark.parametrize("ensure_ascii", [True, False])
+def test_fast_lines_carry_what_the_model_would(fields: dict, ensure_ascii: bool) -> None:
+    line = json.dumps({"id": "a", "input_ids": [5, 150000, 0], **fields}, ensure_ascii=ensure_ascii)
+    model = RolloutRequest.model_validate_json(line)
+    [parsed] = parse_request_lines([line.encode()])
+    assert parsed.to_request() == model
+    assert parsed.job_fields == model.model_dump(exclude={"input_ids"}, exclude_defaults=True)
+    assert parsed.prompt_ids.tolist() == model.input_ids == parsed.input_ids
+    assert parsed.sampling_params == model.sampling_params and parsed.n == model.sampling_params.n
+    assert parsed.max_token_id() == model.max_token_id()
+    assert (parsed.logprobs, parsed.return_routed_experts) == (model.logprobs, model.return_routed_experts)
+
+
+@pytest.mark.parametrize("line", [
+    b'\xef\xbb\xbf{"id": "a", "input_ids": [1]}',  # BOM
+    b'{"id": "a", "input_ids": [1], "sampling_params": {"temperature": NaN}}',
+    b'{"id": "a", "input_ids": [1], "sampling_params": {"temperature": Infinity}}',
+    b'{"id": "a", "input_ids": [1], "metadata": {"k": NaN}}',
+    b'{"id": "a", "input_ids": [1], "metadata": {"k": 1e400}}',
+    b'{"id": "\\ud800", "input_ids": [1]}',  # lone surrogate
+    b'{"id": "a", "input_ids": [1], "input_\\u0069ds": [2]}',  # the key again, escaped
+    b'{"id": "a", "input_ids": [1], "sampling_params": {"seed": true}}',
+    b'{"id": "a", "input_ids": [1], "sampling_params": {"seed": -1}}',
+    b'{"id": "a", "input_ids": [1], "sampling_params": {"n": true}}',
+    b'{"id": "a", "input_ids": [1], "logprobs": false}',
+    b'{"id": "", "input_ids": [1]}',
+    b'{"id": "a", "input_ids": [1], "metadata": []}',
+    b'{"id": "a", "input_ids": [1], "metadata": {"k": "\xed\xa0\x80"}}',  # surrogate bytes: not UTF-8
+    b'{"id": "a", "input_ids": [1]} x',
+    b'["id", "input_ids": [1]]',
+    b'{"id": "a", "input_ids": [1\t, +2]}',
+])
+def test_lines_the_fast_path_cannot_vouch_for_step_aside(line: bytes) -> None:
+    assert _fast_parse(line) is None
+    try:
+        expected = RolloutRequest.model_validate_json(line)
+    except ValidationError as exc:
+        with pytest.raises(RequestFileError) as caught:
+            parse_lines([line], path="f.jsonl")
+        assert caught.value.errors == validation_errors("f.jsonl", 1, exc)
+    else:
+        assert parse_lines([line]) == [expected]
+
+
+def test_validated_shapes_are_reused_only_for_identical_values() -> None:
+    # true == 1 and 1.0 == 1 in Python: the cache must still tell them apart.
+    lines = [json.dumps({"id": f"a{i}", "input_ids": [1], "sampling_params": {"n": n, "seed": i}})
+             for i, n in enumerate([1, True, 1.0, 1])]
+    with pytest.raises(RequestFileError) as caught:
+        parse_lines(lines, path="f.jsonl")
+    assert {(e.line, e.field) for e in caught.value.errors} == {(2, "sampling_params.n"), (3, "sampling_params.n")}
+
+
+def test_one_bad_id_list_in_a_block_is_located() -> None:
+    lines = [json.dumps({"id": f"a{i}", "input_ids": [i + 1, 20, 300]}) for i in range(300)]
+    lines[137] = '{"id": "bad", "input_ids": [1, 020, 3]}'  # leading zero: numpy reads 20
+    lines[250] = '{"id": "big", "input_ids": [1, 2147483648]}'
+    with pytest.raises(RequestFileError) as caught:
+        parse_lines(lines, path="f.jsonl")
+    assert [(e.line, e.field) for e in caught.value.errors] == [(138, ""), (251, "input_ids[1]")]
+    assert "not valid JSON" in caught.value.errors[0].message
+
+
+def test_parsed_lines_submit_the_same_jobs_as_models(redis_client: redis.Redis, tmp_path: Path) -> None:
+    lines = [json.dumps({"id": f"r{i}", "input_ids": [i, 70000 if i == 3 else 7],
+                         "sampling_params": {"n": 1 + i % 2, "seed": i}, "metadata": {"i": i}})
+             for i in range(5)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    plans = [submit_requests(redis_client, requests, run=f"same{k}", output="memory://x", batch_size=2)
+             for k, requests in enumerate([read_request_lines(path), read_request_file(path)])]
+    assert plans[0].samples == plans[1].samples == 7
+    queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    jobs = {job.id: job for job in queue.get_jobs()}
+    for ours, theirs in zip(plans[0].job_ids, plans[1].job_ids, strict=True):
+        a, b = jobs[ours].args[0], jobs[theirs].args[0]
+        same = ("requests", "prompt_lengths", "prompt_dtype", "prompt_tokens", "schema_version")
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+        assert redis_client.get(a["prompt_key"]) == redis_client.get(b["prompt_key"])
