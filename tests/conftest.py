@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
+import signal
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from pipeline.redis_server import RedisServer
+from tests.helpers import free_port
 from tests.models import build_random_model, build_random_moe_model, build_scripted_model
 
 # Scripted transitions shared by the contract tests: a→b→c→d, then d branches to e (→ EOS)
@@ -24,16 +26,11 @@ SCRIPT = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server for the session (tests flush it through `redis_url`)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"), port=_free_port())
+    server = RedisServer(tmp_path_factory.mktemp("redis"), port=free_port())
     server.ensure_started()
     yield server
     server.stop()
@@ -80,3 +77,44 @@ PIPELINE = [sys.executable, "-m", "pipeline.cli"]
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen3-MoE: 2 layers, 8 experts, top-2, vocab 72, char tokenizer, EOS id 0."""
     return build_random_moe_model(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="session")
+def v1_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with every parameter perturbed, saved as a new checkpoint (weights "v1")."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    path = tmp_path_factory.mktemp("tiny-v1")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def start_worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Starts `pipeline worker` processes on the tiny model (on `redis_url`, default the test Redis);
+    each gets SIGTERM (warm shutdown) at the end of the test, SIGKILL if it lingers."""
+    processes: list[subprocess.Popen] = []
+
+    def start(*args: str, redis_url: str | None = None) -> subprocess.Popen:
+        env = pipeline_env if redis_url is None else {**pipeline_env, "PIPELINE_REDIS_URL": redis_url}
+        process = subprocess.Popen(
+            [*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING", *args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -7,9 +7,8 @@ Parquet shards → read back.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,17 +34,8 @@ def make_requests(count: int = 50) -> list[dict]:
 
 
 @pytest.fixture
-def worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator[subprocess.Popen]:
-    process = subprocess.Popen(
-        [*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING"],
-        env=pipeline_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    yield process
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
+def worker(start_worker: Callable[..., subprocess.Popen]) -> subprocess.Popen:
+    return start_worker()
 
 
 def submit(env: dict[str, str], path: Path, run: str, output: str, *extra: str) -> subprocess.CompletedProcess:

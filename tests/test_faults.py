@@ -29,6 +29,7 @@ from pipeline.status import collect
 from pipeline.submit import submit_requests
 from schemas.request import RolloutRequest
 from tests.fakes import FakeEngine
+from tests.helpers import wait_until
 from workers.engines.base import SampleOutput
 from workers.errors import EngineUnavailableError
 from workers.worker import RolloutWorker
@@ -80,12 +81,6 @@ def spawn(redis_url: str) -> Iterator[Callable[..., mp.process.BaseProcess]]:
         process.join()
 
 
-def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _submit(conn: redis.Redis, tmp_path: Path, *, retries: int = 2, run: str = "faults") -> Batch:
@@ -104,7 +99,7 @@ def _started(conn: redis.Redis, batch: Batch) -> Callable[[], bool]:
 def test_sigkill_mid_batch_reruns_elsewhere_within_seconds(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path)
     victim = spawn(job_s=30)
-    _until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 20, "the job to start")
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     killed_at = time.monotonic()
     spawn(job_s=0.05)
@@ -117,7 +112,7 @@ def test_sigkill_mid_batch_reruns_elsewhere_within_seconds(redis_client: redis.R
 def test_abandoned_job_out_of_retries_is_a_visible_failure(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path, retries=0)
     victim = spawn(job_s=30)
-    _until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 20, "the job to start")
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     spawn()
     with pytest.raises(JobsFailedError, match="AbandonedJobError"):
@@ -130,7 +125,7 @@ def test_abandoned_job_out_of_retries_is_a_visible_failure(redis_client: redis.R
 def test_first_sigterm_finishes_and_commits_then_exits(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path)
     worker = spawn(job_s=2)
-    _until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 20, "the job to start")
     os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
     worker.join(timeout=20)
     assert worker.exitcode is not None
@@ -141,7 +136,7 @@ def test_first_sigterm_finishes_and_commits_then_exits(redis_client: redis.Redis
 def test_second_sigterm_hands_the_job_back(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path)
     worker = spawn(job_s=30)
-    _until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 20, "the job to start")
     os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
     time.sleep(1.3)
     os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
@@ -166,16 +161,18 @@ def test_failing_engine_makes_the_worker_unhealthy_until_it_recovers(
     def unhealthy() -> bool:
         return [w.state for w in registry.live_workers(redis_client)] == ["unhealthy"]
 
-    _until(unhealthy, 20, "the worker to mark itself unhealthy")
+    wait_until(unhealthy, 20, "the worker to mark itself unhealthy")
     [info] = registry.live_workers(redis_client)
     assert "connection refused" in (info.error or "")
+    # The registry says unhealthy as soon as the failure is seen; the hand-back follows it.
+    wait_until(lambda: _job(redis_client, batch).get_status() == "queued", 10, "the job handed back")
     job = _job(redis_client, batch)
     assert job.get_status() == "queued" and job.retries_left == 2 and job.meta["handed_back"] == 1
     time.sleep(1.5)  # it stops dequeuing: the job stays queued
     assert _job(redis_client, batch).get_status() == "queued"
     flag.unlink()
     assert batch.wait(timeout=20).counts["finished"] == 1
-    _until(lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"], 10, "recovery")
+    wait_until(lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"], 10, "recovery")
 
 
 class FailingStore(MemoryFileSystem):

@@ -20,20 +20,15 @@ import pytest
 import pipeline
 from pipeline import commit_log
 from tests.conftest import PIPELINE
+from tests.helpers import free_port
 from tests.invariants import assert_row_invariants
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     assert server, "moto[server] is a test dependency"
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

@@ -19,8 +19,8 @@ from pipeline.request_file import parse_lines
 from pipeline.security import PolicyError
 from schemas import request as request_schema
 from schemas.control import DesiredState, WeightAck, encode
-from tests.conftest import _free_port
 from tests.fakes import FakeEngine
+from tests.helpers import free_port
 from workers import control as worker_control
 from workers.worker import RolloutWorker
 
@@ -137,7 +137,7 @@ def test_line_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_password_urls_work_and_wrong_passwords_fail_fast(tmp_path: Path) -> None:
-    server = RedisServer(tmp_path / "redis", port=_free_port(), password="pw-123")
+    server = RedisServer(tmp_path / "redis", port=free_port(), password="pw-123")
     url = server.ensure_started()
     try:
         assert url == f"redis://:pw-123@127.0.0.1:{server.port}/0"

@@ -4,76 +4,29 @@ and across a Redis restart between the push and the acknowledgements.
 
 from __future__ import annotations
 
-import signal
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-
-import pytest
 
 import pipeline
 from pipeline import control, registry
 from pipeline.connection import connect_redis
 from pipeline.redis_server import RedisServer
-from tests.conftest import PIPELINE
+from tests.helpers import free_port, wait_until
 
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 160, "ignore_eos": True, "seed": 1}}
 
 
-def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def v1_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.mul_(1.01)
-    path = tmp_path_factory.mktemp("tiny-v1-processes")
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def workers(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator[Callable[[str], subprocess.Popen]]:
-    processes: list[subprocess.Popen] = []
-
-    def start(redis_url: str) -> subprocess.Popen:
-        env = {**pipeline_env, "PIPELINE_REDIS_URL": redis_url}
-        process = subprocess.Popen([*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING"],
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
 def test_push_while_a_batch_runs_lands_between_batches(
-    redis_url: str, workers: Callable[[str], subprocess.Popen], v1_model_dir: Path, tmp_path: Path
+    redis_url: str, start_worker: Callable[..., subprocess.Popen], v1_model_dir: Path, tmp_path: Path
 ) -> None:
     client = pipeline.connect(redis_url)
-    workers(redis_url)
-    _until(lambda: [w.state for w in client.workers()] == ["idle"], 60, "an idle worker")
+    start_worker()
+    wait_until(lambda: [w.state for w in client.workers()] == ["idle"], 60, "an idle worker")
     running = client.submit([{**LONG, "id": f"long{i}"} for i in range(6)], run="during", output=f"file://{tmp_path}")
-    _until(lambda: [w.state for w in client.workers()] == ["busy"], 30, "the worker busy with the batch")
+    wait_until(lambda: [w.state for w in client.workers()] == ["busy"], 30, "the worker busy with the batch")
 
     pushed = client.push_weights(str(v1_model_dir), version=1, timeout=120)
     acked_at = time.time()
@@ -89,31 +42,25 @@ def test_push_while_a_batch_runs_lands_between_batches(
     assert after.read().column("weight_version").to_pylist() == [1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_redis_restart_between_push_and_ack_still_converges(
-    tmp_path: Path, workers: Callable[[str], subprocess.Popen], v1_model_dir: Path
+    tmp_path: Path, start_worker: Callable[..., subprocess.Popen], v1_model_dir: Path
 ) -> None:
-    server = RedisServer(tmp_path / "redis", port=_free_port())
+    server = RedisServer(tmp_path / "redis", port=free_port())
     url = server.ensure_started()
     try:
         conn = connect_redis(url, reconnect_for_s=60)
         client = pipeline.Client(conn)
-        workers(url)
-        _until(lambda: [w.state for w in client.workers()] == ["idle"], 60, "an idle worker")
+        start_worker(redis_url=url)
+        wait_until(lambda: [w.state for w in client.workers()] == ["idle"], 60, "an idle worker")
         # Keep the worker busy so its acknowledgement can only come after the restart.
         busy = client.submit([{**LONG, "id": f"busy{i}"} for i in range(8)], run="busy", output=f"file://{tmp_path}")
-        _until(lambda: [w.state for w in client.workers()] == ["busy"], 30, "the worker busy")
+        wait_until(lambda: [w.state for w in client.workers()] == ["busy"], 30, "the worker busy")
 
         results: list[object] = []
         pusher = threading.Thread(
             target=lambda: results.append(client.push_weights(str(v1_model_dir), version=1, timeout=120)))
         pusher.start()
-        _until(lambda: control.read_state(conn).weight_version == 1, 10, "the desired state written")
+        wait_until(lambda: control.read_state(conn).weight_version == 1, 10, "the desired state written")
         assert control.read_acks(conn, 1) == {}
         server.stop()  # the state is in the AOF; workers and the pusher reconnect with backoff
         time.sleep(1.0)

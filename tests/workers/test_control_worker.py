@@ -5,13 +5,11 @@ real worker processes (hf engine, tiny model) on the real Redis for pushes, paus
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -20,6 +18,7 @@ import pipeline
 from pipeline import control, keys, registry
 from tests.conftest import PIPELINE
 from tests.fakes import FakeEngine
+from tests.helpers import wait_until
 from workers.worker import RolloutWorker
 
 REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
@@ -33,12 +32,6 @@ def _queued(conn: redis.Redis) -> list[str]:
     return Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer).get_job_ids()
 
 
-def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- in-process workers, fake engine ---------------------------------------------------------------
@@ -91,52 +84,14 @@ def test_failed_load_keeps_old_weights_and_refuses_newer_jobs(redis_client: redi
 # -- real worker processes, hf engine --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def v1_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with every parameter perturbed, saved as a new checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    path = tmp_path_factory.mktemp("tiny-v1")
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def start_worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator[Callable[[], subprocess.Popen]]:
-    processes: list[subprocess.Popen] = []
-
-    def start() -> subprocess.Popen:
-        process = subprocess.Popen(
-            [*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING"],
-            env=pipeline_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
 def _live(conn: redis.Redis, count: int, timeout: float = 60) -> list[str]:
-    _until(lambda: len([w for w in registry.live_workers(conn) if w.state != "starting"]) >= count, timeout,
+    wait_until(lambda: len([w for w in registry.live_workers(conn) if w.state != "starting"]) >= count, timeout,
            f"{count} live workers")
     return sorted(w.worker_id for w in registry.live_workers(conn))
 
 
 def test_push_pause_resume_and_a_late_worker(
-    redis_client: redis.Redis, start_worker: Callable[[], subprocess.Popen], v1_model_dir: Path, tmp_path: Path,
+    redis_client: redis.Redis, start_worker: Callable[..., subprocess.Popen], v1_model_dir: Path, tmp_path: Path,
 ) -> None:
     client = pipeline.Client(redis_client)
     output = f"file://{tmp_path}"
@@ -150,7 +105,7 @@ def test_push_pause_resume_and_a_late_worker(
     start_worker()
     workers = _live(redis_client, 2)
     [late] = [w for w in workers if w != first]
-    _until(lambda: late in control.read_acks(redis_client, 1), 60, "the late worker's ack")
+    wait_until(lambda: late in control.read_acks(redis_client, 1), 60, "the late worker's ack")
     assert control.read_acks(redis_client, 1)[late].ok
     assert {w.worker_id: w.weight_version for w in client.workers()} == {first: 1, late: 1}
 
@@ -161,7 +116,7 @@ def test_push_pause_resume_and_a_late_worker(
 
     # Pause: idle workers (blocked in their dequeue) hand a new job back and wait.
     client.pause()
-    _until(lambda: {w.state for w in client.workers()} == {"paused"}, 10, "every worker paused")
+    wait_until(lambda: {w.state for w in client.workers()} == {"paused"}, 10, "every worker paused")
     held = client.submit([REQUEST], run="held", output=output)
     time.sleep(2.5)
     assert _queued(redis_client) == held.job_ids
@@ -173,7 +128,7 @@ def test_push_pause_resume_and_a_late_worker(
 
 
 def test_bad_path_is_reported_by_every_worker(
-    redis_client: redis.Redis, start_worker: Callable[[], subprocess.Popen], pipeline_env: dict[str, str],
+    redis_client: redis.Redis, start_worker: Callable[..., subprocess.Popen], pipeline_env: dict[str, str],
     tmp_path: Path,
 ) -> None:
     client = pipeline.Client(redis_client)

@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline import keys
 from schemas.request import RolloutRequest
+from tests.helpers import wait_until
 from workers.engines.sim import SimConfig, SimEngine
 from workers.worker import RolloutWorker
 
@@ -53,11 +54,6 @@ def job(prefix: str, tokens: Sequence[int]) -> list[dict]:
             for i, n in enumerate(tokens)]
 
 
-def _until(check: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def _burst(conn: redis.Redis, engine: SimEngine, **kwargs: object) -> RolloutWorker:
@@ -146,7 +142,7 @@ def test_every_job_in_flight_keeps_its_heartbeat(redis_client: redis.Redis, tmp_
     seen: list[set[str]] = []
 
     def watch() -> None:
-        _until(lambda: len(engine.events) >= 2)
+        wait_until(lambda: len(engine.events) >= 2)
         time.sleep(worker.get_heartbeat_ttl(None) + 0.3)  # type: ignore[arg-type]
         started.cleanup()  # another worker's maintenance: abandoned jobs would be failed here
         seen.append(set(started.get_job_ids()))
@@ -169,7 +165,7 @@ def test_a_weight_swap_drains_the_jobs_in_flight_first(redis_client: redis.Redis
     batches = []
 
     def driver() -> None:
-        _until(lambda: any(w == "submit" for _, w, _ in engine.events))
+        wait_until(lambda: any(w == "submit" for _, w, _ in engine.events))
         client.push_weights("/ckpt/v1", version=1, timeout=10)  # acknowledged after the drain
         batches.append(client.submit(job("b", [3]), run="swap", output=f"file://{tmp_path}"))
         assert batches[0].wait(timeout=10).counts["finished"] == 1
@@ -186,7 +182,7 @@ def test_a_pause_lets_the_jobs_in_flight_finish_and_takes_no_more(redis_client: 
     engine = Recorded(capacity=16)
 
     def driver() -> None:
-        _until(lambda: any(w == "submit" for _, w, _ in engine.events))
+        wait_until(lambda: any(w == "submit" for _, w, _ in engine.events))
         client.pause()
         held = client.submit(job("b", [3]), run="pause", output=f"file://{tmp_path}")
         assert first.wait(timeout=10).counts["finished"] == 1

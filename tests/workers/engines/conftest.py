@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import _free_port
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 ROUTED = "2,2,8"  # layers, top-k, experts of the stand-ins' synthetic routings
@@ -42,7 +42,7 @@ class Standin:
 
 
 def launch(model_dir: Path, log: Path, *extra: str, port: int | None = None) -> Standin:
-    port = port or _free_port()
+    port = port or free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -6,27 +6,19 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pipeline
 from pipeline import registry
-from tests.conftest import PIPELINE, _free_port
+from tests.conftest import PIPELINE
+from tests.helpers import free_port, wait_until
 from tests.workers.engines.conftest import launch, stop, wait_ready
-
-
-def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_worker_survives_its_server_dying(
     tmp_path: Path, redis_url: str, pipeline_env: dict[str, str], tiny_model_dir: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     server = launch(tiny_model_dir, tmp_path / "standin-1.log", port=port)
     wait_ready(server)
     worker = subprocess.Popen(
@@ -36,7 +28,7 @@ def test_worker_survives_its_server_dying(
     )
     client = pipeline.connect(redis_url)
     try:
-        _until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["idle"], 60, "an idle worker")
+        wait_until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["idle"], 60, "an idle worker")
         first = client.submit([{"id": "warm", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}],
                               run="before", output=f"file://{tmp_path}")
         first.wait(timeout=60)
@@ -47,7 +39,7 @@ def test_worker_survives_its_server_dying(
              for i in range(4)],
             run="during", output=f"file://{tmp_path}",
         )
-        _until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["unhealthy"], 60,
+        wait_until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["unhealthy"], 60,
                "the worker unhealthy")
         [entry] = registry.live_workers(client.conn)
         assert entry.error and "engine failed" in entry.error
@@ -60,7 +52,7 @@ def test_worker_survives_its_server_dying(
         wait_ready(server)
         batch.wait(timeout=90)
         assert batch.read().num_rows == 4
-        _until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["idle"], 30, "the worker healthy")
+        wait_until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["idle"], 30, "the worker healthy")
     finally:
         worker.send_signal(signal.SIGTERM)
         try:

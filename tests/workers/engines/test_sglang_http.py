@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from schemas.request import RolloutRequest
-from tests.conftest import _free_port
+from tests.helpers import free_port
 from tests.models import token_id
 from tests.workers.engines.conftest import Standin
 from workers.engines.base import SampleOutput
@@ -160,7 +160,7 @@ def test_seeded_sampling_matches_hf_direct(tiny_server: Standin, tiny_model_dir:
 
 
 def test_server_down_at_start_is_a_clear_error() -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineUnavailableError, match=f"{url}: cannot connect .*is the SGLang server running"):
         SGLangHTTPEngine([url], connect_timeout_s=2)
 
