@@ -18,7 +18,7 @@ from pipeline.capabilities import check_requests
 from pipeline.errors import PipelineError
 from pipeline.redis_server import state_dir
 from pipeline.request_file import ParsedRequest
-from schemas.job import JobPayload
+from schemas.job import JobHeader, JobPayload
 from schemas.request import RolloutRequest
 
 # The one job function workers run; referenced by name so `pipeline` never imports `workers`.
@@ -51,10 +51,6 @@ class SubmitPlan:
     job_ids: list[str]
     requests: int
     samples: int
-
-
-def _as_model(request: RolloutRequest | ParsedRequest) -> RolloutRequest:
-    return request.to_request() if isinstance(request, ParsedRequest) else request
 
 
 def rollout_queue(conn: redis.Redis) -> Queue:
@@ -105,13 +101,13 @@ def submit_requests(
     for index, start in enumerate(range(0, len(requests), batch_size)):
         chunk = requests[start : start + batch_size]
         job_id = f"{batch_id}-{index:05d}"
-        common = {"run": run, "job_id": job_id, "batch_id": batch_id, "output": output,
-                  "submitted_at_ms": submitted_at_ms, "min_weight_version": min_weight_version}
+        common = JobHeader(run=run, job_id=job_id, batch_id=batch_id, output=output,
+                           submitted_at_ms=submitted_at_ms, min_weight_version=min_weight_version)
         if prompts_beside:
             key = keys.prompts(job_id)
             payload, prompts[key] = JobPayload.pack_beside(chunk, prompt_key=key, **common)
         else:
-            payload = JobPayload.pack([_as_model(r) for r in chunk], **common)
+            payload = JobPayload.pack(chunk, **common)
         job_ids.append(job_id)
         job_datas.append(
             Queue.prepare_data(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, NotRequired, Protocol, TypedDict, Unpack
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -27,10 +27,8 @@ PromptDType = Literal["<i4", "<u2"]
 
 def pack_token_ids(sequences: Sequence[Sequence[int]]) -> tuple[str, list[int]]:
     """Concatenate token id sequences into base64 int32 plus their lengths."""
-    lengths = [len(seq) for seq in sequences]
     arrays = [np.asarray(seq, dtype=_INT32_LE) for seq in sequences]
-    flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=_INT32_LE)
-    return base64.b64encode(flat.tobytes()).decode("ascii"), lengths
+    return base64.b64encode(_concatenate(arrays).astype(_INT32_LE).tobytes()).decode("ascii"), [a.size for a in arrays]
 
 
 def unpack_token_ids(packed: str, lengths: Sequence[int]) -> list[np.ndarray]:
@@ -51,6 +49,21 @@ class PromptRequest(Protocol):
 def _prompt_array(request: RolloutRequest | PromptRequest) -> np.ndarray:
     ids = getattr(request, "prompt_ids", None)
     return ids if ids is not None else np.asarray(request.input_ids, dtype=np.int64)
+
+
+def _concatenate(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+
+class JobHeader(TypedDict):
+    """What every job of a submit says besides its requests."""
+
+    run: str
+    job_id: str
+    batch_id: str
+    output: str
+    submitted_at_ms: int
+    min_weight_version: NotRequired[int | None]
 
 
 def _job_fields(request: RolloutRequest | PromptRequest) -> dict[str, Any]:
@@ -80,42 +93,16 @@ class JobPayload(BaseModel):
     requests: list[dict[str, Any]]
 
     @classmethod
-    def pack(
-        cls,
-        requests: Sequence[RolloutRequest],
-        *,
-        run: str,
-        job_id: str,
-        batch_id: str,
-        output: str,
-        submitted_at_ms: int,
-        min_weight_version: int | None = None,
-    ) -> JobPayload:
-        packed, lengths = pack_token_ids([r.input_ids for r in requests])
-        return cls(
-            run=run,
-            job_id=job_id,
-            batch_id=batch_id,
-            output=output,
-            submitted_at_ms=submitted_at_ms,
-            min_weight_version=min_weight_version,
-            prompt_tokens=packed,
-            prompt_lengths=lengths,
-            requests=[r.model_dump(exclude={"input_ids"}, exclude_defaults=True) for r in requests],
-        )
+    def pack(cls, requests: Sequence[RolloutRequest | PromptRequest], **header: Unpack[JobHeader]) -> JobPayload:
+        """The payload with the prompt ids inside it, as base64 little-endian int32."""
+        arrays = [_prompt_array(r) for r in requests]
+        packed = base64.b64encode(_concatenate(arrays).astype(_INT32_LE).tobytes()).decode("ascii")
+        return cls(**header, prompt_tokens=packed, prompt_lengths=[a.size for a in arrays],
+                   requests=[_job_fields(r) for r in requests])
 
     @classmethod
     def pack_beside(
-        cls,
-        requests: Sequence[RolloutRequest | PromptRequest],
-        *,
-        prompt_key: str,
-        run: str,
-        job_id: str,
-        batch_id: str,
-        output: str,
-        submitted_at_ms: int,
-        min_weight_version: int | None = None,
+        cls, requests: Sequence[RolloutRequest | PromptRequest], *, prompt_key: str, **header: Unpack[JobHeader]
     ) -> tuple[JobPayload, bytes]:
         """The payload without the ids, and the ids as raw bytes to store under `prompt_key`.
 
@@ -124,21 +111,10 @@ class JobPayload(BaseModel):
         (`pipeline.request_file.ParsedRequest`), packed without a Python list per prompt.
         """
         arrays = [_prompt_array(r) for r in requests]
-        lengths = [a.size for a in arrays]
-        flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+        flat = _concatenate(arrays)
         dtype: PromptDType = "<u2" if flat.size == 0 or int(flat.max()) < 2**16 else "<i4"
-        payload = cls(
-            run=run,
-            job_id=job_id,
-            batch_id=batch_id,
-            output=output,
-            submitted_at_ms=submitted_at_ms,
-            min_weight_version=min_weight_version,
-            prompt_key=prompt_key,
-            prompt_dtype=dtype,
-            prompt_lengths=lengths,
-            requests=[_job_fields(r) for r in requests],
-        )
+        payload = cls(**header, prompt_key=prompt_key, prompt_dtype=dtype, prompt_lengths=[a.size for a in arrays],
+                      requests=[_job_fields(r) for r in requests])
         return payload, flat.astype(dtype).tobytes()
 
     def unpack(self, prompt_bytes: bytes | None = None) -> list[RolloutRequest]:
