@@ -17,10 +17,9 @@ from typing import Any, TypeVar
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.async_bridge import gather_or_cancel
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
-from workers.engines.sglang_mapping import GenerateCall, generate_calls, parse_call_results
+from workers.engines.sglang_mapping import GenerateCall, parse_call_results, run_batch
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 T = TypeVar("T")
@@ -130,13 +129,8 @@ class SGLangEngine:
                 manager.abort_request(rid=rid)
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
         slots = asyncio.Semaphore(self.max_in_flight)
-        answers = self._run(gather_or_cancel(self._call(call, slots) for _, call in plan))
-        outputs: list[list[SampleOutput]] = [[] for _ in requests]
-        for (index, _), samples in zip(plan, answers, strict=True):
-            outputs[index].extend(samples)
-        return outputs
+        return self._run(run_batch(requests, lambda call: self._call(call, slots)))
 
     # -- lifecycle ---------------------------------------------------------------------------
 

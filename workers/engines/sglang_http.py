@@ -21,11 +21,11 @@ import httpx
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.async_bridge import AsyncBridge, gather_or_cancel
+from workers.engines.async_bridge import AsyncBridge
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
 from workers.engines.sglang_client import RetryPolicy, SGLangClient, error_message
-from workers.engines.sglang_mapping import GenerateCall, generate_calls, parse_call_results, parse_weight_version
+from workers.engines.sglang_mapping import GenerateCall, parse_call_results, parse_weight_version, run_batch
 from workers.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)
@@ -112,13 +112,8 @@ class SGLangHTTPEngine:
         return self._weight_version
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
         # All or nothing: the first bad answer cancels (and aborts) the rest of the batch.
-        answers = self._bridge.run(gather_or_cancel(self._generate(call) for _, call in plan))
-        outputs: list[list[SampleOutput]] = [[] for _ in requests]
-        for (index, _), samples in zip(plan, answers, strict=True):
-            outputs[index].extend(samples)
-        return outputs
+        return self._bridge.run(run_batch(requests, self._generate))
 
     # -- the concurrent interface (`workers.feeder`): several jobs in flight at once ----------
 
@@ -132,19 +127,10 @@ class SGLangHTTPEngine:
 
     def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
         """`generate` without waiting: the batch runs on the engine loop; cancel the future to abort it."""
-        plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
         samples = sum(r.sampling_params.n for r in requests)
-
-        async def run() -> list[list[SampleOutput]]:
-            answers = await gather_or_cancel(self._generate(call) for _, call in plan)
-            outputs: list[list[SampleOutput]] = [[] for _ in requests]
-            for (index, _), found in zip(plan, answers, strict=True):
-                outputs[index].extend(found)
-            return outputs
-
         with self._in_flight_lock:
             self._in_flight += samples
-        future = asyncio.run_coroutine_threadsafe(run(), self._bridge.loop)
+        future = asyncio.run_coroutine_threadsafe(run_batch(requests, self._generate), self._bridge.loop)
 
         def done(_: Future) -> None:
             with self._in_flight_lock:

@@ -12,13 +12,14 @@ A result that breaks an invariant (lengths disagree, ids in the logprob triples 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
+from workers.engines.async_bridge import gather_or_cancel
 from workers.engines.base import Finish, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout, decode_routed_experts, expected_rows
 from workers.engines.seeds import sample_seed
@@ -95,6 +96,18 @@ def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) ->
     if params.seed is None or params.n == 1:
         return [call(base, params.n, params.seed, 0)]
     return [call(f"{base}-s{i}", 1, sample_seed(params.seed, i), i) for i in range(params.n)]
+
+
+async def run_batch(
+    requests: Sequence[RolloutRequest], answer: Callable[[GenerateCall], Awaitable[list[SampleOutput]]]
+) -> list[list[SampleOutput]]:
+    """Every call of every request at once (the first failure cancels the rest), regrouped per request."""
+    plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
+    answers = await gather_or_cancel(answer(call) for _, call in plan)
+    outputs: list[list[SampleOutput]] = [[] for _ in requests]
+    for (index, _), samples in zip(plan, answers, strict=True):
+        outputs[index].extend(samples)
+    return outputs
 
 
 # -- results -> SampleOutput -------------------------------------------------------------------
