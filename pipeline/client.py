@@ -12,7 +12,7 @@ from pipeline import control, registry
 from pipeline.batch import Batch
 from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
-from pipeline.follow import DEFAULT_BLOCK_MS, Follower, follow
+from pipeline.follow import DEFAULT_BLOCK_MS, Follower
 from pipeline.request_file import ParsedRequest, read_request_lines, validation_errors
 from pipeline.security import check_output_url
 from pipeline.submit import DEFAULT_BATCH_SIZE, submit_requests
@@ -124,8 +124,14 @@ class Client:
         timeout: float | None = None,
         raise_on_failure: bool = True,
     ) -> Follower:
-        """Shards of `run` as workers commit them, resumable from `cursor` (see `pipeline.follow`)."""
-        return follow(
+        """Shards of `run` as workers commit them, after `cursor` (from the start without one).
+
+        It ends when the batch (`batch_id`) or every batch submitted to the run is complete;
+        jobs that failed end it too, raising `JobsFailedError` after the last shard unless
+        `raise_on_failure=False` (then see `Follower.failed`). `timeout` (seconds) bounds the
+        whole follow with `WaitTimeoutError`.
+        """
+        return Follower(
             self.conn, run, cursor=cursor, batch_id=batch_id, block_ms=block_ms, timeout=timeout,
             raise_on_failure=raise_on_failure,
         )

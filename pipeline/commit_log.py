@@ -6,6 +6,7 @@ Readers dedupe by job id (a retried job rewrites the same shard and appends agai
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 import redis
 
@@ -23,7 +24,7 @@ class Commit:
     entry_id: str = ""
 
     @classmethod
-    def from_fields(cls, entry_id: str, fields: dict[bytes, bytes]) -> Commit:
+    def from_fields(cls, entry_id: str, fields: dict[bytes, bytes]) -> Self:
         f = {k.decode(): v.decode() for k, v in fields.items()}
         return cls(
             job_id=f["job_id"],

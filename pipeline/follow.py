@@ -35,32 +35,17 @@ DEFAULT_BLOCK_MS = 1000
 _READ_COUNT = 256
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
 
-__all__ = ["DEFAULT_BLOCK_MS", "Follower", "Shard", "follow"]
+__all__ = ["DEFAULT_BLOCK_MS", "Follower", "Shard"]
 
 
 @dataclass(frozen=True)
-class Shard:
-    """One committed shard, as the commit log recorded it; `cursor` is its stream entry id."""
+class Shard(Commit):
+    """One committed shard, as the commit log recorded it."""
 
-    job_id: str
-    batch_id: str
-    url: str
-    rows: int
-    tokens: int
-    weight_version: int
-    cursor: str
-
-    @classmethod
-    def from_commit(cls, commit: Commit) -> Shard:
-        return cls(
-            job_id=commit.job_id,
-            batch_id=commit.batch_id,
-            url=commit.url,
-            rows=commit.rows,
-            tokens=commit.tokens,
-            weight_version=commit.weight_version,
-            cursor=commit.entry_id,
-        )
+    @property
+    def cursor(self) -> str:
+        """Its stream entry id: hand it back to resume after this shard."""
+        return self.entry_id
 
     def read(
         self, columns: list[str] | None = None, filter: pads.Expression | None = None
@@ -193,35 +178,13 @@ class Follower:
             entries = reply[0][1] if reply else []
             drained = len(entries) < _READ_COUNT
             for entry_id, fields in entries:
-                commit = Commit.from_fields(_decode(entry_id), fields)
+                commit = Shard.from_fields(_decode(entry_id), fields)
                 self.cursor = commit.entry_id
                 if commit.job_id in self._seen or not self._wanted(commit):
                     continue
                 self._seen.add(commit.job_id)
-                yield Shard.from_commit(commit)
+                yield commit
         self.failed = {j: r for j, r in self.failed.items() if j not in self._seen}
         if self.failed and self.raise_on_failure:
             raise JobsFailedError(self.failed)
 
-
-def follow(
-    conn: redis.Redis,
-    run: str,
-    *,
-    cursor: str | None = None,
-    batch_id: str | None = None,
-    block_ms: int = DEFAULT_BLOCK_MS,
-    timeout: float | None = None,
-    raise_on_failure: bool = True,
-) -> Follower:
-    """A `Follower` over the run's commits after `cursor` (from the start without one).
-
-    It ends when the batch (`batch_id`) or every batch submitted to the run is complete;
-    jobs that failed end it too, raising `JobsFailedError` after the last shard unless
-    `raise_on_failure=False` (then see `Follower.failed`). `timeout` (seconds) bounds the
-    whole follow with `WaitTimeoutError`.
-    """
-    return Follower(
-        conn, run, cursor=cursor, batch_id=batch_id, block_ms=block_ms, timeout=timeout,
-        raise_on_failure=raise_on_failure,
-    )
