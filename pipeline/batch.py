@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 import redis
 from rq.job import Job
-from rq.serializers import JSONSerializer
 from tqdm import tqdm
 
 from pipeline import commit_log
 from pipeline.errors import JobsFailedError, WaitTimeoutError
 from pipeline.reader import read_rollouts
+from pipeline.status import failure_reason
 from pipeline.submit import SubmitPlan
 
 TERMINAL = {"finished", "failed", "stopped", "canceled"}
@@ -74,17 +74,7 @@ class Batch:
     def failures(self) -> dict[str, str]:
         """Failed jobs with the last line of their error."""
         failed = [j for j, s in self.job_states().items() if s in {"failed", "stopped", "canceled", "missing"}]
-        reasons: dict[str, str] = {}
-        for job_id in failed:
-            try:
-                job = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer)
-            except Exception:
-                reasons[job_id] = "job record is gone from Redis"
-                continue
-            result = job.latest_result()
-            text = (result.exc_string if result and result.exc_string else job.get_status() or "failed")
-            reasons[job_id] = text.strip().splitlines()[-1] if text.strip() else "failed"
-        return reasons
+        return {job_id: failure_reason(self.conn, job_id) for job_id in failed}
 
     def wait(self, timeout: float | None = None, *, progress: bool | None = None,
              poll_s: float = 0.2) -> BatchStatus:

@@ -25,7 +25,7 @@ def failure_reason(conn: redis.Redis, job_id: str) -> str:
     except Exception:  # an expired or unreadable record
         return "job record is gone from Redis"
     text = (result.exc_string if result is not None and result.exc_string else "") or ""
-    return text.strip().splitlines()[-1] if text.strip() else "failed (no error recorded)"
+    return text.strip().splitlines()[-1] if text.strip() else f"{job.get_status() or 'failed'} (no error recorded)"
 
 
 def _desired(conn: redis.Redis) -> dict[str, Any]:
@@ -50,11 +50,12 @@ def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
             "weight_versions": sorted({c.weight_version for c in commits}),
         }
     now = time.time()
-    failed_ids = failed.get_job_ids()[:FAILURES_SHOWN]
+    # Counts and ids without RQ's cleanup: looking at the status must not retry abandoned jobs.
+    failed_ids = failed.get_job_ids(0, FAILURES_SHOWN - 1, cleanup=False)
     return {
         "desired": _desired(conn),
-        "queue": {"name": queue.name, "queued": queue.count, "started": started.count,
-                  "failed": failed.count},
+        "queue": {"name": queue.name, "queued": queue.count, "started": started.get_job_count(cleanup=False),
+                  "failed": failed.get_job_count(cleanup=False)},
         "workers": [
             {**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)}
             for w in registry.live_workers(conn)
