@@ -41,6 +41,9 @@ class Batch:
     def __init__(self, conn: redis.Redis, plan: SubmitPlan) -> None:
         self.conn = conn
         self.plan = plan
+        # Rows committed per job, read incrementally from the commit log while waiting.
+        self._rows: dict[str, int] = {}
+        self._last_entry: str | None = None
 
     @property
     def run(self) -> str:
@@ -86,7 +89,8 @@ class Batch:
             while True:
                 status = self.status()
                 bar.n = status.done
-                bar.set_postfix(rows=self.committed_rows(), failed=status.counts["failed"])
+                if show:
+                    bar.set_postfix(rows=self._rows_so_far(), failed=status.counts["failed"])
                 bar.refresh()
                 if status.complete:
                     break
@@ -106,6 +110,15 @@ class Batch:
     def commits(self) -> list[commit_log.Commit]:
         ours = set(self.job_ids)
         return [c for c in commit_log.read_all(self.conn, self.run) if c.job_id in ours]
+
+    def _rows_so_far(self) -> int:
+        """Committed rows, reading only the commit-log entries appended since the last call."""
+        ours = set(self.job_ids)
+        for commit in commit_log.read_after(self.conn, self.run, self._last_entry):
+            self._last_entry = commit.entry_id
+            if commit.job_id in ours:
+                self._rows[commit.job_id] = commit.rows
+        return sum(self._rows.values())
 
     def committed_rows(self) -> int:
         return sum(c.rows for c in self.commits())

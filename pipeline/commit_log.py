@@ -51,11 +51,16 @@ def append(conn: redis.Redis | redis.client.Pipeline, run: str, commit: Commit) 
     )
 
 
+def read_after(conn: redis.Redis, run: str, entry_id: str | None) -> list[Commit]:
+    """The run's commits appended after stream entry `entry_id` (all of them for None), in order."""
+    start = "-" if entry_id is None else f"({entry_id}"
+    return [Commit.from_fields(e.decode(), fields) for e, fields in conn.xrange(keys.commit_log(run), min=start)]
+
+
 def read_all(conn: redis.Redis, run: str) -> list[Commit]:
     """Every commit of a run, one per job id (the latest), in commit order."""
     latest: dict[str, Commit] = {}
-    for entry_id, fields in conn.xrange(keys.commit_log(run)):
-        commit = Commit.from_fields(entry_id.decode(), fields)
+    for commit in read_after(conn, run, None):
         latest.pop(commit.job_id, None)
         latest[commit.job_id] = commit
     return list(latest.values())
