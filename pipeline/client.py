@@ -14,7 +14,6 @@ from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower
 from pipeline.request_file import ParsedRequest, read_request_lines, validation_errors
-from pipeline.security import check_output_url
 from pipeline.submit import DEFAULT_BATCH_SIZE, submit_requests
 from schemas.control import DesiredState
 from schemas.request import RolloutRequest
@@ -61,8 +60,6 @@ class Client:
         With `tokenizer` (a path, a transformers tokenizer or a `pipeline.chat.ChatRenderer`), dicts
         carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
         """
-        if output is not None:
-            check_output_url(output)
         if tokenizer is not None:
             from pipeline.chat import render_requests
 

@@ -18,6 +18,7 @@ from pipeline.capabilities import check_requests
 from pipeline.errors import PipelineError
 from pipeline.redis_server import state_dir
 from pipeline.request_file import ParsedRequest
+from pipeline.security import check_output_url
 from schemas.job import JobHeader, JobPayload
 from schemas.request import RolloutRequest
 
@@ -67,13 +68,12 @@ def submit_requests(
     min_weight_version: int | None = None,
     job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     retries: int = DEFAULT_RETRIES,
-    prompts_beside: bool = True,
 ) -> SubmitPlan:
     """Enqueue all requests as jobs of at most `batch_size`, atomically (all or none).
 
-    With `prompts_beside` (the default) each job's prompt ids go to their own Redis key as raw
-    bytes, written in the same MULTI/EXEC as the jobs, instead of base64 inside the job data
-    (which RQ zlib-compresses, slowly and to little effect). `requests` may be models or
+    Each job's prompt ids go to their own Redis key as raw bytes, written in the same MULTI/EXEC
+    as the jobs, instead of base64 inside the job data (which RQ zlib-compresses, slowly and to
+    little effect). `requests` may be models or
     `ParsedRequest`s (`pipeline.request_file.read_request_lines`), whose ids are packed as arrays.
     """
     if not requests:
@@ -90,6 +90,7 @@ def submit_requests(
     if len(set(ids)) != len(ids):
         raise PipelineError("request ids must be unique within a submit")
     output = (output or default_output()).rstrip("/")
+    check_output_url(output)  # the default output too: a worker would refuse it anyway
     check_requests(requests, registry.live_workers(conn))
 
     batch_id = uuid.uuid4().hex[:12]
@@ -103,11 +104,8 @@ def submit_requests(
         job_id = f"{batch_id}-{index:05d}"
         common = JobHeader(run=run, job_id=job_id, batch_id=batch_id, output=output,
                            submitted_at_ms=submitted_at_ms, min_weight_version=min_weight_version)
-        if prompts_beside:
-            key = keys.prompts(job_id)
-            payload, prompts[key] = JobPayload.pack_beside(chunk, prompt_key=key, **common)
-        else:
-            payload = JobPayload.pack(chunk, **common)
+        key = keys.prompts(job_id)
+        payload, prompts[key] = JobPayload.pack_beside(chunk, prompt_key=key, **common)
         job_ids.append(job_id)
         job_datas.append(
             Queue.prepare_data(
