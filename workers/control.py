@@ -23,6 +23,7 @@ from pipeline import keys
 from pipeline.control import encode_ack
 from pipeline.security import PolicyError, check_weight_path
 from schemas.control import WeightAck
+from workers.engines.base import Engine
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class ControlListener:
                 backoff = min(backoff * 2, 5.0)
 
 
-def load_weights(engine: Any, worker_id: str, path: str, version: int) -> WeightAck:
+def load_weights(engine: Engine, worker_id: str, path: str, version: int) -> WeightAck:
     """Ask the engine to load `path` as `version`; never raises: failures become ok=false acks."""
     started = time.monotonic()
     error: str | None = None
@@ -101,12 +102,7 @@ def load_weights(engine: Any, worker_id: str, path: str, version: int) -> Weight
         log.error("worker %s: refusing to load weights v%d: %s", worker_id, version, exc)
         return WeightAck(worker=worker_id, version=version, ok=False, seconds=0.0, error=f"refused: {exc}")
     try:
-        if hasattr(engine, "update_weights"):
-            engine.update_weights(path, version)
-        elif hasattr(engine, "update_weights_from_disk"):
-            engine.update_weights_from_disk(path, version)
-        else:
-            raise NotImplementedError(f"engine {engine.description.name} cannot load new weights")
+        engine.update_weights(path, version)
         if engine.weight_version != version:
             raise RuntimeError(f"engine reports weight version {engine.weight_version} after loading {version}")
     except Exception as exc:  # any load failure is reported; old weights stay

@@ -145,7 +145,8 @@ class SGLangEngine:
         except Exception as exc:
             raise EngineUnavailableError(f"sglang engine health check failed: {exc}") from exc
 
-    def update_weights_from_disk(self, path: str, version: int) -> None:
+    def update_weights(self, path: str, version: int) -> None:
+        """`Engine.update_weights_from_disk`; raises with SGLang's message on failure."""
         result = self._engine.update_weights_from_disk(model_path=str(path))
         success, message = (result[0], result[1]) if isinstance(result, tuple) else (bool(result), "")
         if not success:

@@ -2,7 +2,7 @@
 
 Every request of a batch is sent at once (bounded by `max_in_flight`) so SGLang's continuous
 batching stays full; see `sglang_client` for URL choice, retries and aborts, and
-`sglang_mapping` for the wire format. The lifecycle calls (`update_weights_from_disk`,
+`sglang_mapping` for the wire format. The lifecycle calls (`update_weights` → `/update_weights_from_disk`,
 `pause_generation`, `continue_generation`, `flush_cache`, `health`) go to every URL directly,
 since routers need not fan them out.
 """
@@ -179,8 +179,9 @@ class SGLangHTTPEngine:
         """`GET /health_generate` on every URL (a real one-token generation); raises if any fails."""
         self._each("GET", "/health_generate", timeout_s=60)
 
-    def update_weights_from_disk(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
-        """Load new weights on every server and tag them `version`; raises naming failed servers."""
+    def update_weights(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
+        """SGLang's `/update_weights_from_disk` on every server, tagging the weights `version`;
+        raises naming the servers that failed."""
         body = {"model_path": str(path), "weight_version": str(version), "abort_all_requests": abort_all_requests}
         answers = self._each("POST", "/update_weights_from_disk", body)
         failures = []

@@ -158,13 +158,13 @@ def test_interrupted_batch_aborts_its_requests(fake_sglang: type[FakeEngine]) ->
 
 def test_lifecycle(fake_sglang: type[FakeEngine]) -> None:
     engine, fake = make(weight_version=3)
-    engine.update_weights_from_disk("/ckpt/step-4", 4)
+    engine.update_weights("/ckpt/step-4", 4)
     assert fake.updates == [{"model_path": "/ckpt/step-4", "load_format": None}]
     assert engine.weight_version == 4
     [[sample]] = engine.generate([RolloutRequest(id="a", input_ids=[1])])
     assert sample.weight_version == 4
     with pytest.raises(EngineUnavailableError, match="no such file"):
-        engine.update_weights_from_disk("/ckpt/missing", 5)
+        engine.update_weights("/ckpt/missing", 5)
     assert engine.weight_version == 4
     engine.flush_cache()
     assert fake.flushed == 1

@@ -291,7 +291,7 @@ def test_weight_update_pause_continue_flush_and_health(standins: dict[str, Stand
     try:
         engine.health()
         version = engine.weight_version + 7
-        engine.update_weights_from_disk(str(a.model_dir), version)
+        engine.update_weights(str(a.model_dir), version)
         assert engine.weight_version == version
         assert {info["weight_version"] for info in engine.model_info().values()} == {str(version)}
         samples = [o[0] for o in engine.generate([req(f"w{i}", "ab") for i in range(4)])]
@@ -299,7 +299,7 @@ def test_weight_update_pause_continue_flush_and_health(standins: dict[str, Stand
 
         failed_on_both = f"{a.url}: HTTP 400: Failed to get weights.*; {b.url}: HTTP 400"
         with pytest.raises(EngineUnavailableError, match=failed_on_both):
-            engine.update_weights_from_disk("/nonexistent/model", version + 1)
+            engine.update_weights("/nonexistent/model", version + 1)
         assert engine.weight_version == version
 
         engine.pause_generation("in_place")
