@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import simdjson
 from pydantic import ValidationError
 
 from pipeline.errors import LineError, PipelineError, RequestFileError
@@ -62,27 +63,20 @@ def validation_errors(path: str, line: int, exc: ValidationError) -> list[LineEr
 
 
 _IDS_KEY = b'"input_ids"'
-_ID_TEXT = b"0123456789, "
-_DIGITS = b"0123456789"
-_FIELDS = frozenset(RolloutRequest.model_fields) - {"input_ids"}
+_BOM = b"\xef\xbb\xbf"
+_ALL_FIELDS = frozenset(RolloutRequest.model_fields)
 _DEFAULT_SAMPLING = SamplingParams()
 _SAMPLING_ORDER = tuple(SamplingParams.model_fields)
 _MAX_SEED = 2**63 - 1
-# Powers of ten for counting the digits of ids < 10**10 (MAX_TOKEN_ID has 10 digits).
-_POWERS = tuple(10**k for k in range(1, 10))
-_BLOCK = 64  # lines whose ids are checked together (one concatenation, a few array passes)
-_MAX_NESTING = 64  # brackets in the small fields beyond which the fast path steps aside
+_BLOCK = 64  # lines whose ids are range-checked together (one concatenation, two array passes)
+_MAX_NESTING = 64  # brackets outside the ids beyond which the fast path steps aside
+# `encode_metadata` (ensure_ascii=False, ", " and ": " separators, float repr) writes at most this
+# many bytes per byte of a line without \\u escapes: "9e15" (4 bytes) becomes "9000000000000000.0".
+_METADATA_GROWTH = 5
 
 
 class _StepAside(Exception):
     """The fast path cannot vouch for a line; pydantic's full parse decides (and words any error)."""
-
-
-def _no_constant(name: str) -> float:
-    raise _StepAside(name)  # NaN / Infinity: leave the verdict to pydantic
-
-
-_decode_small = json.JSONDecoder(parse_constant=_no_constant).decode
 
 
 class _Sampling:
@@ -172,12 +166,9 @@ class ParsedRequest:
         return self._request
 
 
-def _small_fields(text: str, ids: np.ndarray, shapes: dict[Any, _Sampling]) -> ParsedRequest:
-    """Every field but the ids (`"input_ids": 0` in `text`), checked as the model would; `_StepAside`
+def _small_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[Any, _Sampling]) -> ParsedRequest:
+    """Every field but the ids (`size` bytes of the line), checked as the model would; `_StepAside`
     for anything the model might see differently (pydantic then decides)."""
-    line = _decode_small(text)
-    if type(line) is not dict or line.get("input_ids", None) != 0 or not line.keys() - {"input_ids"} <= _FIELDS:
-        raise _StepAside
     ident = line.get("id")
     if type(ident) is not str or not 0 < len(ident) <= 512:
         raise _StepAside
@@ -189,7 +180,6 @@ def _small_fields(text: str, ids: np.ndarray, shapes: dict[Any, _Sampling]) -> P
         if type(given) is not dict:
             raise _StepAside
         if "seed" in given:
-            given = dict(given)
             seed = given.pop("seed")
             if seed is not None and (type(seed) is not int or not 0 <= seed <= _MAX_SEED):
                 raise _StepAside
@@ -228,12 +218,15 @@ def _small_fields(text: str, ids: np.ndarray, shapes: dict[Any, _Sampling]) -> P
         if type(metadata) is not dict:
             raise _StepAside
         if metadata:
-            try:
-                size = len(request_schema.encode_metadata(metadata))
-            except (ValueError, RecursionError):
-                raise _StepAside from None
-            if size > request_schema.MAX_METADATA_BYTES:
-                raise _StepAside
+            # Encoding the metadata (to measure it) is needed only when it could be over the limit:
+            # the encoder writes at most _METADATA_GROWTH bytes per byte of the line.
+            if size * _METADATA_GROWTH > request_schema.MAX_METADATA_BYTES:
+                try:
+                    encoded = len(request_schema.encode_metadata(metadata))
+                except (ValueError, RecursionError):
+                    raise _StepAside from None
+                if encoded > request_schema.MAX_METADATA_BYTES:
+                    raise _StepAside
             fields["metadata"] = metadata
     prompt_text = line.get("prompt_text")
     if prompt_text is not None:
@@ -243,71 +236,105 @@ def _small_fields(text: str, ids: np.ndarray, shapes: dict[Any, _Sampling]) -> P
     return ParsedRequest(ident, ids, fields, logprobs, routed, shape, seed)
 
 
-def _parse_ids(raw: bytes) -> tuple[np.ndarray, int, str] | None:
-    """The prompt ids of a common line as one array (not yet range/digit checked), the number of
-    digits the text holds, and the rest of the line with `"input_ids": 0`; None for anything unusual."""
+def _ids_span(raw: bytes) -> tuple[int, int] | None:
+    """Where the line's `"input_ids"` array opens and closes, when it holds no array inside it and
+    the key is the only one of its name; None otherwise.
+
+    simdjson's `as_buffer` flattens nested arrays (`[1, [2]]` reads as `[1, 2]`), so nesting is
+    ruled out on the text. Without `\\u` escapes the real key is spelled literally. If the first
+    occurrence were a nested look-alike, its array closes before the real (top-level) key, which
+    then shows after the first ']': so one search of the tail proves the first is the key.
+    """
     at = raw.find(_IDS_KEY)
     if at < 0:
         return None
     opening = raw.find(b"[", at)
     closing = raw.find(b"]", opening)
-    # A second key could only follow the ids (nothing but ':' before them, digits inside).
     if (opening < 0 or closing < 0 or raw[at + len(_IDS_KEY) : opening].strip() != b":"
-            or raw.find(_IDS_KEY, closing) >= 0):
+            or raw.find(b"[", opening + 1, closing) >= 0 or raw.find(_IDS_KEY, closing) >= 0):
         return None
-    span = raw[opening + 1 : closing]
-    separators = span.translate(None, _DIGITS)
-    if separators.translate(None, b", "):
+    return opening, closing
+
+
+def _nesting(raw: bytes, opening: int, closing: int) -> int:
+    """Brackets outside the ids: more than `_MAX_NESTING` and pydantic's recursion limit may apply."""
+    return (raw.count(b"{", 0, opening) + raw.count(b"{", closing) + raw.count(b"[", 0, opening)
+            + raw.count(b"[", closing))
+
+
+def _parse_line(parser: simdjson.Parser, raw: bytes) -> tuple[dict[str, Any], np.ndarray, int] | None:
+    """A common line parsed by simdjson (compiled, SIMD): the small fields as Python values, the
+    ids as one int64 array read straight from the parse (not yet range checked) and the bytes the
+    small fields take; None for anything unusual: not strict JSON, a BOM, `\\u` escapes, deep
+    nesting, duplicate or unknown keys, ids that are not a flat list of integers."""
+    if raw.startswith(_BOM) or (b"\\" in raw and b"\\u" in raw):
         return None
-    rest = raw[:opening] + b"0" + raw[closing + 1 :]
-    # \u escapes (lone surrogates, escaped duplicate keys) and deep nesting: pydantic's parse decides.
-    if b"\\u" in rest or rest.count(b"[") + rest.count(b"{") > _MAX_NESTING:
+    span = _ids_span(raw)
+    if span is None or _nesting(raw, *span) > _MAX_NESTING:
         return None
     try:
-        ids = np.fromstring(span, dtype=np.int64, sep=",")  # whitespace around commas is skipped
-        text = rest.decode()
-    except ValueError:  # numpy: text it cannot read to its end; or not UTF-8
+        doc = parser.parse(raw)
+    except (ValueError, RuntimeError):  # not JSON by the standard (NaN, 1e400, trailing text, bad UTF-8,
+        return None  # integers beyond 64 bits, ...)
+    try:
+        if type(doc) is not simdjson.Object:
+            return None
+        names = list(doc.keys())
+        if len(set(names)) != len(names) or not _ALL_FIELDS.issuperset(names):
+            return None
+        line: dict[str, Any] = {}
+        ids = None
+        for name in names:
+            value = doc[name]
+            if name == "input_ids":
+                if type(value) is not simdjson.Array:
+                    return None
+                # TypeError: an element is not an integer; ValueError: one beyond int64.
+                ids = np.frombuffer(value.as_buffer(of_type="i"), dtype=np.int64)
+            elif type(value) is simdjson.Object:
+                line[name] = value.as_dict()
+            elif type(value) is simdjson.Array:
+                line[name] = value.as_list()
+            else:
+                line[name] = value
+            del value  # the parser is reused only once no proxy into its document is left
+        if ids is None or not 0 < ids.size <= request_schema.MAX_PROMPT_TOKENS:
+            return None
+        return line, ids, len(raw) - (span[1] - span[0])
+    except (TypeError, ValueError):
         return None
-    if ids.size != separators.count(b",") + 1 or ids.size > request_schema.MAX_PROMPT_TOKENS:
-        return None
-    return ids, len(span) - len(separators), text
+    finally:
+        del doc
 
 
 def _fast_block(raws: list[bytes], shapes: dict[Any, _Sampling]) -> list[ParsedRequest | None]:
     """The common lines of a block validated quickly; None where pydantic's full path must decide.
 
-    The ids (most of a line) are parsed per line with numpy, then range- and digit-checked for the
-    whole block at once: every digit accounted for means no leading zeros and no overflow
-    (numpy saturates, which the range check catches); no '-' passed the character check.
+    Each line is parsed by simdjson (which holds JSON's number grammar: no leading zeros, no '+');
+    the ids of the whole block are then range-checked at once.
     """
     out: list[ParsedRequest | None] = [None] * len(raws)
-    parsed: list[tuple[int, np.ndarray, int, str]] = []
+    parser = simdjson.Parser()
+    parsed: list[tuple[int, dict[str, Any], np.ndarray, int]] = []
     for index, raw in enumerate(raws):
-        got = _parse_ids(raw)
+        got = _parse_line(parser, raw)
         if got is not None:
             parsed.append((index, *got))
     if not parsed:
         return out
-    good = _check_ids([p[1] for p in parsed], [p[2] for p in parsed])
-    for (index, ids, _, text), ok in zip(parsed, good, strict=True):
+    good = _ids_in_range([p[2] for p in parsed])
+    for (index, line, ids, size), ok in zip(parsed, good, strict=True):
         if ok:
             with contextlib.suppress(_StepAside, ValueError, RecursionError):
-                out[index] = _small_fields(text, ids, shapes)
+                out[index] = _small_fields(line, ids, size, shapes)
     return out
 
 
-def _digits(ids: np.ndarray) -> int:
-    count = ids.size
-    for power in _POWERS:
-        count += int(np.count_nonzero(ids >= power))
-    return count
-
-
-def _check_ids(arrays: list[np.ndarray], printed: list[int]) -> list[bool]:
+def _ids_in_range(arrays: list[np.ndarray]) -> list[bool]:
     flat = np.concatenate(arrays)
-    if int(flat.max()) <= MAX_TOKEN_ID and _digits(flat) == sum(printed):
+    if int(flat.min()) >= 0 and int(flat.max()) <= MAX_TOKEN_ID:
         return [True] * len(arrays)
-    return [int(a.max()) <= MAX_TOKEN_ID and _digits(a) == p for a, p in zip(arrays, printed, strict=True)]
+    return [int(a.min()) >= 0 and int(a.max()) <= MAX_TOKEN_ID for a in arrays]
 
 
 def _fast_parse(raw: bytes) -> ParsedRequest | None:

@@ -37,7 +37,8 @@ def test_fast_parse_agrees_with_the_model(ids: str) -> None:
 
 
 @pytest.mark.parametrize("ids", ["", "1 2", "01", "1,,2", ",1", "1,", "1.0", "1e3", "-1", "true", "null",
-                                 "2147483648", "99999999999999999999999", "[1]", '"1"'])
+                                 "2147483648", "99999999999999999999999", "[1]", '"1"', "1, [2]", "[1], [2]",
+                                 "1, {}", "-0.0", "+1"])
 def test_unusual_ids_step_aside_and_pydantic_words_the_error(ids: str) -> None:
     line = f'{{"id": "a", "input_ids": [{ids}]}}'
     assert _fast_parse(line.encode()) is None
@@ -132,6 +133,12 @@ def test_fast_lines_carry_what_the_model_would(fields: dict, ensure_ascii: bool)
     b'{"id": "a", "input_ids": [1]} x',
     b'["id", "input_ids": [1]]',
     b'{"id": "a", "input_ids": [1\t, +2]}',
+    b'{"id": "a", "input_ids": [1], "id": "b"}',  # a duplicate key
+    b'{"id": "a", "input_ids": [1], "input_ids": [2]}',
+    b'{"id": "a", "metadata": {"x\\"input_ids": [3]}, "input_ids": [1, [2]]}',  # a look-alike key first
+    b'{"id": "a", "input_ids": [1, [2]], "metadata": {"input_ids": [3]}}',
+    b'{"id": "a", "input_ids": [1], "metadata": ' + b'{"k": ' * 300 + b'1' + b'}' * 301,  # deep nesting
+    b'{"id": "a", "input_ids": [1], "metadata": {"k": "' + b'x' * (70 * 1024) + b'"}}',  # over the metadata limit
 ])
 def test_lines_the_fast_path_cannot_vouch_for_step_aside(line: bytes) -> None:
     assert _fast_parse(line) is None
