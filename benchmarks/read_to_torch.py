@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from pipeline.torch_data import TENSOR_COLUMNS, RolloutBatches
+from pipeline.torch_data import GROUP_COLUMN, TENSOR_COLUMNS, RolloutBatches
 from schemas.shard import SHARD_SCHEMA
 from workers.shard_writer import COMPRESSION, write_shard
 
@@ -108,9 +108,10 @@ def ours(output: str, batch_size: int) -> int:
 
 def decode_only(files: list[str]) -> int:
     """Just the Parquet decode of the columns the collate needs (the floor of `ours`)."""
-    columns = [*TENSOR_COLUMNS, "request_id"]
+    columns = [*TENSOR_COLUMNS, GROUP_COLUMN]
     return sum(
-        pq.ParquetFile(f, memory_map=True).read(columns=columns, use_threads=False).num_rows for f in files
+        pq.ParquetFile(f, memory_map=True, read_dictionary=[GROUP_COLUMN]).read(columns=columns, use_threads=False)
+        .num_rows for f in files
     )
 
 

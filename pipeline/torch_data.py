@@ -313,8 +313,11 @@ def group_rows(table: pa.Table, column: str = GROUP_COLUMN) -> tuple[pa.Table, n
     """The table with each request's rows made adjacent (groups in order of first appearance,
     rows in their order within a group), and the group code of every row."""
     ids = table.column(column)
-    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
-    codes = ids.dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.chunk(0) if ids.num_chunks == 1 else ids.combine_chunks()
+    # Read as dictionary (`RolloutBatches` asks Parquet for that), the codes are already there.
+    encoded = ids if pa.types.is_dictionary(ids.type) else ids.dictionary_encode()
+    codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
     if codes.size and np.count_nonzero(codes[1:] != codes[:-1]) + 1 != int(codes.max()) + 1:
         order = np.argsort(codes, kind="stable")
         return table.take(pa.array(order)), codes[order]
@@ -418,7 +421,9 @@ class RolloutBatches(IterableDataset):
         unless a filter needs the dataset scanner's row-group pruning."""
         if self.filter is None and isinstance(fragment, pads.ParquetFileFragment):
             local = isinstance(fragment.filesystem, pafs.LocalFileSystem)
-            parquet = pq.ParquetFile(fragment.path, filesystem=fragment.filesystem, memory_map=local)
+            # The group column as Parquet stored it, dictionary codes, not strings decoded then hashed.
+            parquet = pq.ParquetFile(fragment.path, filesystem=fragment.filesystem, memory_map=local,
+                                     read_dictionary=[GROUP_COLUMN] if self.group_by_request else None)
             wanted = self._columns()
             present = set(parquet.schema_arrow.names)
             if all(c in present for c in wanted):

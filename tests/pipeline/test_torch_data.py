@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -243,6 +244,24 @@ def test_group_batching_keeps_all_four_samples_of_a_request_together(
     every = [f"{s['request_id']}:{s['sample_index']}" for shard in shards for s in shard]
     assert seen == Counter(every)
     assert all(len(b["request_id"]) == batch_size - batch_size % 4 for b in batches[:-1])
+
+
+def test_groups_stay_whole_when_a_shard_has_several_row_groups(tmp_path: Path) -> None:
+    """The request ids come back as one dictionary per row group; their codes still group rows."""
+    rng = np.random.default_rng(8)
+    samples = random_samples(rng, requests=6, n=4, prefix="q")
+    samples = [samples[i] for i in rng.permutation(len(samples))]
+    output = write_shards(tmp_path, [samples])
+    [path] = Path(output, "r").glob("*.parquet")
+    pq.write_table(pq.read_table(path), path, row_group_size=5)  # 24 rows over 5 row groups
+    assert pq.ParquetFile(path).num_row_groups == 5
+    batches = list(RolloutBatches(output, run="r", batch_size=8, extra_columns=["request_id", "rollout_id"]))
+    seen = []
+    for batch in batches:
+        rids = batch["request_id"]
+        assert all(rids.count(rid) == 4 for rid in rids)
+        seen.extend(batch["rollout_id"])
+    assert sorted(seen) == sorted(f"{s['request_id']}:{s['sample_index']}" for s in samples)
 
 
 def test_batches_carry_the_right_rows(tmp_path: Path) -> None:
