@@ -6,6 +6,11 @@ Row `r` of the array is token position `start + r` of the sequence (prompt, then
 the experts each layer routed token `start + r` to while the engine processed it. Positions
 run up to `prompt + completion - 1`: the last sampled token was never fed through the model.
 
+Each (position, layer) holds ascending expert ids: the set the router chose; score order is
+not kept (the worker sorts them, `workers.rows.canonical_routed_experts`). Routing replay
+(Megatron's router replay, verl) gathers the trainer's own router scores at the replayed ids
+and scatters them into a dense [tokens, experts] map, so it needs the set, not an order.
+
 `routed_experts(table, layers=slice(...), positions=slice(...))` reads from the Arrow list
 values buffer with the offsets, slicing layers and positions as index arithmetic into the
 flat buffer (numpy strided views), so only the requested block is copied — the slice a
@@ -118,6 +123,8 @@ def routed_experts(
       of the sequence (see `routed_experts_positions`): only that block is copied.
     - The dtype is the stored one (uint8 or uint16); `copy=False` returns read-only strided
       views of the Arrow buffer instead of copies.
+    - Along the last axis the ids ascend: ascending expert ids per (position, layer), the set
+      the router chose; score order is not kept.
     """
     if isinstance(rows, pa.Table | pa.RecordBatch):
         missing = [c for c in ROUTED_EXPERTS_COLUMNS if c not in rows.schema.names]

@@ -37,6 +37,37 @@ def _routed_type(num_experts: int | None) -> pa.DataType:
     return pa.uint8() if num_experts is not None and num_experts <= 256 else pa.uint16()
 
 
+def canonical_routed_experts(routed: np.ndarray, *, who: str = "engine") -> np.ndarray:
+    """The stored form of routed experts: `[rows, layers, top_k]` with each (position, layer)'s
+    top-k expert ids in ascending id order — the set the router chose; score order is not kept.
+
+    Every engine's output goes through here (`build_table`), so the column is the same whatever
+    the engine. Why the order can go:
+    - Routing replay uses the set. Megatron's `RouterReplay.get_replay_topk`
+      (`megatron/core/transformer/moe/router_replay.py`, REPLAY_FORWARD/REPLAY_BACKWARD) and
+      verl's `_patched_topk_routing_with_score_function` (`verl/utils/megatron/router_replay_patch.py`)
+      take the replayed indices, gather the trainer's own scores at them
+      (`probs = scores.gather(1, top_indices)`), and scatter both into dense `[tokens, experts]`
+      `routing_probs` / `routing_map`: a permutation of the k ids within a row gives the same result.
+    - SGLang does not keep score order anyway: its capturer records `topk_ids` as the selection
+      returned them (`_post_process_topk_ids` in `python/sglang/srt/layers/moe/topk.py`), and
+      `grouped_topk_gpu`, `biased_grouped_topk_impl`, `biased_topk_impl`,
+      `kimi_k2_biased_topk_impl`, `fused_topk_softmax_torch_raw_logits` and the biased branch of
+      `fused_topk_torch_native` call `torch.topk(..., sorted=False)` (sorted only with fused
+      shared experts). Some paths do return score order (the unbiased `fused_topk_torch_native`,
+      torch.topk's default), the rest are kernels (`topk_softmax`, `moe_fused_gate`, …) whose
+      order is their own: a consumer cannot rely on score order from SGLang.
+    What the sort buys is one meaning for every engine: the same routing decision gives the same
+    row from hf (score order) and SGLang (often not). It does not make the column smaller (0.3 %,
+    `benchmarks/routed_experts.py`: byte-stream split + zstd code the ids order-0). One vectorised
+    sort, no per-token Python; raises `ContractViolation` if the array is not 3-D.
+    """
+    array = np.asarray(routed)
+    if array.ndim != 3:
+        raise ContractViolation(f"{who}: routed_experts has shape {list(array.shape)}, expected [rows, layers, top_k]")
+    return np.sort(array, axis=-1)
+
+
 def build_table(
     requests: Sequence[RolloutRequest], outputs: Sequence[Sequence[SampleOutput]], ctx: RowContext
 ) -> pa.Table:
@@ -81,7 +112,8 @@ def build_table(
             any_top |= top is not None
             any_prompt_lp |= prompt_lp is not None
             any_routed |= routed is not None
-            routed_rows.append(None if routed is None else np.asarray(routed))
+            routed_rows.append(
+                None if routed is None else canonical_routed_experts(routed, who=f"request {request.id!r}"))
             values = (
                 f"{request.id}:{index}", request.id, index, top, prompt_lp,
                 trim_stop_text(sample.text, stop.stop_reason_text, params.no_stop_trim),

@@ -22,14 +22,15 @@ LAYERS, TOP_K = 3, 2
 
 
 def _shard(tmp_path: Path, job: str, num_experts: int, specs: list[tuple[int, int, bool]], seed: int = 0):  # type: ignore[no-untyped-def]
-    """Rows (prompt, completion, with experts?) -> (table as written, arrays by row)."""
+    """Rows (prompt, completion, with experts?) -> (table as written, arrays by row as stored:
+    each (position, layer)'s ids ascending, `np.sort` of what the engine reported)."""
     rng = np.random.default_rng(seed)
     requests, outputs, arrays = [], [], []
     for i, (prompt, completion, routed) in enumerate(specs):
         requests.append(RolloutRequest(id=f"{job}-{i}", input_ids=list(range(1, prompt + 1)),
                                        return_routed_experts=routed, sampling_params={"max_new_tokens": 16}))
         experts = rng.integers(0, num_experts, (prompt + completion - 1, LAYERS, TOP_K)) if routed else None
-        arrays.append(experts)
+        arrays.append(None if experts is None else np.sort(experts, axis=-1))
         outputs.append([SampleOutput(token_ids=np.arange(1, completion + 1, dtype=np.int32), finish=Finish("length"),
                                      logprobs=np.zeros(completion, np.float32), routed_experts=experts)])
     now = datetime.now(UTC)

@@ -1,5 +1,9 @@
 """Routed experts end to end on a tiny random MoE: HF capture against a teacher-forced forward,
-shapes for n > 1 and EOS stops, the Parquet round trip, the SGLang payload, a real worker."""
+shapes for n > 1 and EOS stops, the Parquet round trip, the SGLang payload, a real worker.
+
+Engines report each (position, layer)'s top-k in their own order; the shard stores the set as
+ascending ids (`workers.rows.canonical_routed_experts`), so stored values are compared with
+`np.sort(expected, -1)`, exactly."""
 
 from __future__ import annotations
 
@@ -19,11 +23,12 @@ import pipeline
 from schemas.request import RolloutRequest
 from tests.models import CHARS, build_random_moe_model, token_id
 from workers.contracts import check_request_supported
+from workers.engines.base import Finish, SampleOutput
 from workers.engines.hf import HFEngine
 from workers.engines.routed_experts import ExpertsLayout
 from workers.engines.sglang_mapping import parse_result
 from workers.errors import ContractViolation, UnsupportedRequestError
-from workers.rows import RowContext, build_table
+from workers.rows import RowContext, build_table, canonical_routed_experts
 from workers.shard_writer import write_shard
 from workers.worker import RolloutWorker
 
@@ -65,14 +70,20 @@ def test_captured_ids_equal_teacher_forced_router_top_k(
     moe: HFEngine, reference: torch.nn.Module, fields: dict[str, float]
 ) -> None:
     req = request("hello world", n=3, **fields)
-    for sample in moe.generate([req])[0]:
+    samples = moe.generate([req])[0]
+    rows = pipeline.routed_experts(build_table([req], [samples], _context(EXPERTS)))
+    for sample, stored in zip(samples, rows, strict=True):
         sequence = req.input_ids + sample.token_ids.tolist()
         expected = teacher_forced_top_k(reference, sequence)
         assert sample.routed_experts_start == 0
         assert sample.routed_experts is not None
         # Every position fed through the model: all but the last sampled token.
         assert sample.routed_experts.shape == (len(sequence) - 1, LAYERS, TOP_K)
+        # The engine reports the router's own order (score order for this model's torch.topk) ...
         np.testing.assert_array_equal(sample.routed_experts, expected[:-1])
+        # ... and the row stores the same set per (position, layer), ascending.
+        assert stored is not None and stored.shape == expected[:-1].shape
+        np.testing.assert_array_equal(stored, np.sort(expected[:-1], axis=-1))
 
 
 def test_shapes_for_n_samples_and_eos_stops(tmp_path: Path) -> None:
@@ -120,8 +131,8 @@ def test_parquet_round_trip_is_exact_and_other_columns_skip_it(moe: HFEngine, tm
     want = [s.routed_experts for samples in outputs for s in samples]
     assert len(got) == len(want) == 3
     for g, w in zip(got, want, strict=True):
-        assert g is not None and w is not None and g.dtype == np.uint8
-        np.testing.assert_array_equal(g, w)
+        assert g is not None and w is not None and g.dtype == np.uint8 and g.shape == w.shape
+        np.testing.assert_array_equal(g, np.sort(w, axis=-1))  # exactly the stored (ascending) form
     assert back.column("routed_experts_start").to_pylist() == [0, 0, 0]
 
     # Column projection: overwrite the routed-experts column chunk with garbage; the other
@@ -144,19 +155,58 @@ def test_sglang_payload_round_trips_like_hf(tmp_path: Path) -> None:
     layout = ExpertsLayout(layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS)
     req = RolloutRequest(id="s", input_ids=[5, 6, 7], return_routed_experts=True, logprobs=None)
     routed = np.random.default_rng(0).integers(0, EXPERTS, (3 + 2 - 1, LAYERS, TOP_K)).astype(np.int32)
+    assert (np.diff(routed, axis=-1) < 0).any(), "the payload must have a descending (position, layer)"
     payload = base64.b64encode(routed.tobytes()).decode("utf-8")  # SGLang: numpy int32 .tobytes() -> base64
     result = {"text": "", "output_ids": [8, 9],
               "meta_info": {"finish_reason": {"type": "length", "length": 2}, "routed_experts": payload}}
     sample = parse_result(req, result, layout=layout, who="t")
+    np.testing.assert_array_equal(sample.routed_experts, routed)  # the engine output keeps SGLang's order
     table = build_table([req], [[sample]], _context(EXPERTS))
     url = write_shard(table, f"file://{tmp_path}", "run", "job")
     [back] = pipeline.routed_experts(pipeline.read_rollouts(url))
-    np.testing.assert_array_equal(back, routed)
+    assert back.dtype == np.uint8 and back.shape == routed.shape
+    np.testing.assert_array_equal(back, np.sort(routed, axis=-1))
     # One position short, as a server that dropped the last fed token would send: a clear error.
     short = {**result, "meta_info": {**result["meta_info"], "routed_experts": base64.b64encode(
         routed[:-1].tobytes()).decode()}}
     with pytest.raises(ContractViolation, match="holds 12 ids, expected 16"):
         parse_result(req, short, layout=layout, who="t")
+
+
+def test_unsorted_engine_output_is_stored_ascending(tmp_path: Path) -> None:
+    req = RolloutRequest(id="u", input_ids=[5, 6], return_routed_experts=True, logprobs=None,
+                         sampling_params={"max_new_tokens": 2})
+    # [rows = 2 + 2 - 1, layers, top_k]: descending, ascending, and mixed pairs, as an engine may send.
+    routed = np.array([[[7, 1], [2, 5]], [[6, 3], [0, 4]], [[1, 0], [5, 6]]], dtype=np.int32)
+    before = routed.copy()
+    sample = SampleOutput(token_ids=np.array([8, 9], np.int32), finish=Finish("length"), routed_experts=routed)
+    table = build_table([req], [[sample]], _context(EXPERTS))
+    want = np.array([[[1, 7], [2, 5]], [[3, 6], [0, 4]], [[0, 1], [5, 6]]], dtype=np.uint8)
+    assert table.column("routed_experts").to_pylist() == [want.reshape(-1).tolist()]
+    assert table.column("routed_experts_shape").to_pylist() == [[3, LAYERS, TOP_K]]
+    np.testing.assert_array_equal(routed, before)  # the engine's array is left as it was
+    url = write_shard(table, f"file://{tmp_path}", "run", "job")
+    [back] = pipeline.routed_experts(pipeline.read_rollouts(url))
+    assert back.dtype == np.uint8 and back.shape == want.shape
+    np.testing.assert_array_equal(back, want)
+    np.testing.assert_array_equal(canonical_routed_experts(routed), want)
+    with pytest.raises(ContractViolation, match=r"expected \[rows, layers, top_k\]"):
+        canonical_routed_experts(routed.reshape(-1))
+
+
+def test_hf_rows_store_ascending_ids_per_position_and_layer(moe: HFEngine) -> None:
+    reqs = [request("hello world", n=3), request("abc", n=2, temperature=0.0).model_copy(update={"id": "r"})]
+    outputs = moe.generate(reqs)
+    table = build_table(reqs, outputs, _context(moe.description.num_experts))
+    stored = pipeline.routed_experts(table)
+    engine = [s.routed_experts for samples in outputs for s in samples]
+    assert len(stored) == len(engine) == 5
+    assert any((np.diff(raw, axis=-1) < 0).any() for raw in engine), "the engine must report some unsorted top-k"
+    for got, raw in zip(stored, engine, strict=True):
+        assert got is not None and raw is not None and got.shape == raw.shape
+        # Increasing along k for every (position, layer): a router's top-k are distinct experts.
+        assert (np.diff(got.astype(np.int16), axis=-1) > 0).all()
+        np.testing.assert_array_equal(got, np.sort(raw, axis=-1))
 
 
 def test_worker_writes_routed_experts_end_to_end(
@@ -176,4 +226,5 @@ def test_worker_writes_routed_experts_end_to_end(
     for row, experts in zip(table.to_pylist(), arrays, strict=True):
         rows = row["prompt_tokens"] + row["completion_tokens"] - 1
         assert experts is not None and experts.shape == (rows, LAYERS, TOP_K)
+        assert (np.diff(experts.astype(np.int16), axis=-1) > 0).all()  # stored ascending by the worker
         assert row["routed_experts_shape"] == [rows, LAYERS, TOP_K] and row["routed_experts_start"] == 0

@@ -12,6 +12,9 @@ The layout is SGLang's (`routed_experts_capturer.py`): `[positions, num_hidden_l
 num_experts_per_tok]`, one row per position fed through the model, layers by their index in
 `model.layers`; a layer without a router (a dense layer of a mixed model) stays zero, as in
 SGLang's zero-initialised buffer.
+
+Within a top-k the ids are in the router's own order (score order for `torch.topk`); the shard
+stores them ascending, the set the router chose (`workers.rows.canonical_routed_experts`).
 """
 
 from __future__ import annotations

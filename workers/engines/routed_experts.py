@@ -5,6 +5,10 @@ ids of every layer for positions `[start, prompt + completion - 1)`, so the flat
 `rows * layers * top_k` entries with `rows = prompt + completion - 1 - start`. The layer count
 and top-k are not in the response; they come from the engine's configuration or the model's
 `config.json` (`num_hidden_layers`, `num_experts_per_tok`).
+
+The ids come in SGLang's order within each top-k, which is not the score order on every path
+(`torch.topk(..., sorted=False)` in several `layers/moe/topk.py` selections); the shard stores
+them ascending (`workers.rows.canonical_routed_experts`), for every engine alike.
 """
 
 from __future__ import annotations

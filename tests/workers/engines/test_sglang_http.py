@@ -344,6 +344,9 @@ def test_routed_experts(scripted_server: Standin) -> None:
         assert engine.description.num_experts == 8
         row = table([request], [[sample]], "sglang-http", engine.weight_version).to_pylist()[0]
         assert row["routed_experts_shape"] == list(sample.routed_experts.shape)
+        # Stored as each (position, layer)'s ids ascending, whatever order the server sent.
+        stored = np.asarray(row["routed_experts"]).reshape(row["routed_experts_shape"])
+        np.testing.assert_array_equal(stored, np.sort(sample.routed_experts, axis=-1))
     finally:
         engine.close()
 
