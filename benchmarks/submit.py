@@ -1,11 +1,13 @@
 """Submit throughput: requests/s from a JSONL of 512-token prompts into Redis, validated.
 
-Ours: `read_request_lines` (prompt ids parsed with numpy and kept as arrays; the other fields
-checked as the strict model would, each distinct sampling_params shape validated once by pydantic;
-anything unusual through the full pydantic parse) and `submit_requests` (prompt ids as raw bytes
-beside each job, packed from the arrays, one MULTI/EXEC). Baseline (same
-process, same Redis): one RQ `Queue.enqueue` per request with the request line as its JSON
-argument, unvalidated. Prints medians over repeats, the ratio, and Redis memory per token.
+Ours: `pipeline.submit.submit_file`, what `pipeline submit` runs: lines parsed by simdjson in
+blocks (prompt ids straight into arrays; the other fields checked as the strict model would,
+each distinct sampling_params shape validated once by pydantic; anything unusual through the
+full pydantic parse), each job packed as soon as it fills and its prompt ids (raw bytes beside
+the job) staged to Redis from a background thread while parsing goes on, then one MULTI/EXEC
+enqueuing every job. Baseline (same process, same Redis): one RQ `Queue.enqueue` per request
+with the request line as its JSON argument, unvalidated. Prints medians over repeats, the
+ratio, and Redis memory per token.
 
     .venv/bin/python benchmarks/submit.py [--requests 20000] [--repeats 3]
 """
@@ -25,8 +27,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from pipeline.redis_server import RedisServer
-from pipeline.request_file import read_request_lines
-from pipeline.submit import submit_requests
+from pipeline.submit import submit_file
 
 
 def make_file(path: Path, count: int, prompt_len: int) -> None:
@@ -42,9 +43,8 @@ def make_file(path: Path, count: int, prompt_len: int) -> None:
 def bench_pipeline(conn: redis.Redis, path: Path) -> float:
     conn.flushall()
     start = time.perf_counter()
-    requests = read_request_lines(path)
-    submit_requests(conn, requests, run="bench", output="memory://bench", batch_size=64)
-    return len(requests) / (time.perf_counter() - start)
+    plan = submit_file(conn, path, run="bench", output="memory://bench", batch_size=64)
+    return plan.requests / (time.perf_counter() - start)
 
 
 def bench_baseline(conn: redis.Redis, path: Path) -> float:

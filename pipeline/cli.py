@@ -27,17 +27,12 @@ def _add_redis(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.client import connect
-    from pipeline.request_file import read_request_lines
 
-    renderer = None
-    if args.tokenizer:
-        from pipeline.chat import ChatRenderer
-
-        renderer = ChatRenderer(args.tokenizer).render_line
-    requests = read_request_lines(args.file, vocab_size=args.vocab_size, renderer=renderer)
     client = connect(args.redis)
-    batch = client.submit(
-        requests,
+    batch = client.submit_file(
+        args.file,
+        tokenizer=args.tokenizer or None,
+        vocab_size=args.vocab_size,
         run=args.run,
         output=args.output,
         batch_size=args.batch_size,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import redis
 from pydantic import ValidationError
@@ -13,8 +13,8 @@ from pipeline.batch import Batch
 from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower
-from pipeline.request_file import ParsedRequest, read_request_lines, validation_errors
-from pipeline.submit import DEFAULT_BATCH_SIZE, submit_requests
+from pipeline.request_file import ParsedRequest, validation_errors
+from pipeline.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_file, submit_requests
 from schemas.control import DesiredState
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
@@ -74,14 +74,17 @@ class Client:
         )
         return Batch(self.conn, plan)
 
-    def submit_file(self, path: str, *, tokenizer: Any = None, **kwargs: Any) -> Batch:
-        """Validate every line of a JSONL file (chat lines rendered with `tokenizer`), then enqueue all of it."""
+    def submit_file(
+        self, path: str, *, tokenizer: Any = None, vocab_size: int | None = None, **options: Unpack[SubmitOptions]
+    ) -> Batch:
+        """Validate every line of a JSONL file (chat lines rendered with `tokenizer`) and enqueue all
+        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.submit.submit_file`."""
         renderer = None
         if tokenizer is not None:
             from pipeline.chat import ChatRenderer
 
             renderer = (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
-        return self.submit(read_request_lines(path, renderer=renderer), **kwargs)
+        return Batch(self.conn, submit_file(self.conn, path, vocab_size=vocab_size, renderer=renderer, **options))
 
     def workers(self) -> list[WorkerInfo]:
         return registry.live_workers(self.conn)

@@ -11,7 +11,7 @@ import gc
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -368,22 +368,33 @@ def parse_request_lines(
 
     `renderer` (`pipeline.chat.ChatRenderer.render_line`) turns chat/prompt lines into token-id lines first.
     """
+    blocks = iter_request_blocks(lines, path=path, vocab_size=vocab_size, renderer=renderer)
+    return [request for block in blocks for request in block]
+
+
+def iter_request_blocks(
+    lines: Iterable[str | bytes], *, path: str = "<input>", vocab_size: int | None = None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
+) -> Iterator[list[ParsedRequest]]:
+    """The valid requests of every `_BLOCK` lines as soon as they are checked, in file order;
+    after the last line, `RequestFileError` listing every problem if there was any (nothing more
+    is yielded once a problem is found: the caller is to discard what it got).
+    """
     # Nothing parsed here forms a reference cycle: the collector's passes over a growing heap of
     # small objects (a quarter of the parse time) are skipped while parsing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _parse_request_lines(lines, path, vocab_size, renderer)
+        yield from _request_blocks(lines, path, vocab_size, renderer)
     finally:
         if collecting:
             gc.enable()
 
 
-def _parse_request_lines(
+def _request_blocks(
     lines: Iterable[str | bytes], path: str, vocab_size: int | None,
     renderer: Callable[[str | bytes], str | bytes | dict] | None,
-) -> list[ParsedRequest]:
-    requests: list[ParsedRequest] = []
+) -> Iterator[list[ParsedRequest]]:
     errors: list[LineError] = []
     first_line_of: dict[str, int] = {}
     shapes: dict[Any, _Sampling] = {}
@@ -402,6 +413,7 @@ def _parse_request_lines(
         ]
         fast = _fast_block([raw for _, found, raw in checked if not found], shapes)
         fast_of = iter(fast)
+        requests: list[ParsedRequest] = []
         for number, found, raw in checked:
             if found:
                 errors.extend(found)
@@ -427,11 +439,12 @@ def _parse_request_lines(
                 )
                 continue
             requests.append(request)
-    if not requests and not errors:
+        if requests and not errors:
+            yield requests
+    if not first_line_of and not errors:
         errors.append(LineError(path, max(total, 1), "", "file holds no requests (one JSON object per line)"))
     if errors:
         raise RequestFileError(path, errors, total)
-    return requests
 
 
 def parse_lines(

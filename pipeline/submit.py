@@ -6,8 +6,10 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 import redis
 from rq import Queue, Retry
@@ -16,8 +18,9 @@ from rq.serializers import JSONSerializer
 from pipeline import keys, registry
 from pipeline.capabilities import check_requests
 from pipeline.errors import PipelineError
+from pipeline.prompt_staging import PromptStager
 from pipeline.redis_server import state_dir
-from pipeline.request_file import ParsedRequest
+from pipeline.request_file import ParsedRequest, iter_request_blocks
 from pipeline.security import check_output_url
 from schemas.job import JobHeader, JobPayload
 from schemas.request import RolloutRequest
@@ -58,9 +61,51 @@ def rollout_queue(conn: redis.Redis) -> Queue:
     return Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer)
 
 
+class SubmitOptions(TypedDict, total=False):
+    """The keyword options of every submit function (see `submit_blocks`)."""
+
+    run: str | None
+    output: str | None
+    batch_size: int
+    min_weight_version: int | None
+    job_timeout_s: int
+    retries: int
+
+
 def submit_requests(
     conn: redis.Redis,
     requests: Sequence[RolloutRequest | ParsedRequest],
+    **options: Unpack[SubmitOptions],
+) -> SubmitPlan:
+    """Enqueue all requests as jobs of at most `batch_size`, atomically (all or none).
+
+    `requests` may be models or `ParsedRequest`s (`pipeline.request_file.read_request_lines`),
+    whose ids are packed as arrays. See `submit_blocks`.
+    """
+    if not requests:
+        raise PipelineError("nothing to submit: no requests")
+    return submit_blocks(conn, [requests], **options)
+
+
+def submit_file(
+    conn: redis.Redis,
+    path: str | Path,
+    *,
+    vocab_size: int | None = None,
+    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
+    **options: Unpack[SubmitOptions],
+) -> SubmitPlan:
+    """Validate every line of a JSONL file and enqueue all of it, or nothing (`RequestFileError`
+    listing every bad line). Jobs are packed and their prompt ids staged while the file is still
+    being read, so a large file never sits in memory whole and Redis works alongside the parse."""
+    with open(path, "rb") as handle:
+        blocks = iter_request_blocks(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
+        return submit_blocks(conn, blocks, **options)
+
+
+def submit_blocks(
+    conn: redis.Redis,
+    blocks: Iterable[Sequence[RolloutRequest | ParsedRequest]],
     *,
     run: str | None = None,
     output: str | None = None,
@@ -69,15 +114,14 @@ def submit_requests(
     job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     retries: int = DEFAULT_RETRIES,
 ) -> SubmitPlan:
-    """Enqueue all requests as jobs of at most `batch_size`, atomically (all or none).
+    """Enqueue the requests of `blocks` (consumed once, in order) as jobs of at most `batch_size`,
+    atomically: all or none, also when `blocks` raises part-way.
 
-    Each job's prompt ids go to their own Redis key as raw bytes, written in the same MULTI/EXEC
-    as the jobs, instead of base64 inside the job data (which RQ zlib-compresses, slowly and to
-    little effect). `requests` may be models or
-    `ParsedRequest`s (`pipeline.request_file.read_request_lines`), whose ids are packed as arrays.
+    Each job's prompt ids go to their own Redis key as raw bytes (`JobPayload.pack_beside`),
+    instead of base64 inside the job data (which RQ zlib-compresses, slowly and to little effect).
+    They are staged as each job fills (`pipeline.prompt_staging`); one MULTI/EXEC at the end,
+    WATCHing the staged keys, enqueues every job and records the batch.
     """
-    if not requests:
-        raise PipelineError("nothing to submit: no requests")
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be at least 1, not {batch_size}")
     run = run or new_run_name()
@@ -86,58 +130,99 @@ def submit_requests(
             f"run name {run!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit (it becomes a directory name)"
         )
-    ids = [r.id for r in requests]
-    if len(set(ids)) != len(ids):
-        raise PipelineError("request ids must be unique within a submit")
     output = (output or default_output()).rstrip("/")
     check_output_url(output)  # the default output too: a worker would refuse it anyway
-    check_requests(requests, registry.live_workers(conn))
+    workers = registry.live_workers(conn)
+    jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
+                 min_weight_version=min_weight_version, job_timeout_s=job_timeout_s, retries=retries)
+    stager = PromptStager(conn)
+    try:
+        pending: list[RolloutRequest | ParsedRequest] = []
+        for block in blocks:
+            check_requests(block, workers)
+            pending.extend(block)
+            while len(pending) >= batch_size:
+                jobs.add(pending[:batch_size], stager)
+                del pending[:batch_size]
+        if pending:
+            jobs.add(pending, stager)
+        if not jobs.job_ids:
+            raise PipelineError("nothing to submit: no requests")
+        with conn.pipeline(transaction=True) as pipe:
+            stager.confirm(pipe)
+            pipe.multi()
+            for key in stager.keys:
+                pipe.expire(key, PROMPTS_TTL_S)
+            rollout_queue(conn).enqueue_many(jobs.datas, pipeline=pipe)
+            pipe.hset(
+                keys.batch(jobs.batch_id),
+                mapping={
+                    "run": run,
+                    "output": output,
+                    "job_ids": ",".join(jobs.job_ids),
+                    "requests": jobs.requests,
+                    "samples": jobs.samples,
+                    "submitted_at_ms": jobs.submitted_at_ms,
+                },
+            )
+            pipe.sadd(keys.run_batches(run), jobs.batch_id)
+            pipe.sadd(keys.RUNS, run)
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                raise PipelineError("staged prompt ids changed in Redis before the jobs were enqueued; "
+                                    "nothing was enqueued, submit again") from None
+    except BaseException:
+        stager.discard()
+        raise
+    finally:
+        stager.close()
+    return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples)
 
-    batch_id = uuid.uuid4().hex[:12]
-    submitted_at_ms = int(time.time() * 1000)
-    queue = rollout_queue(conn)
-    job_datas = []
-    job_ids = []
-    prompts: dict[str, bytes] = {}
-    for index, start in enumerate(range(0, len(requests), batch_size)):
-        chunk = requests[start : start + batch_size]
-        job_id = f"{batch_id}-{index:05d}"
-        common = JobHeader(run=run, job_id=job_id, batch_id=batch_id, output=output,
-                           submitted_at_ms=submitted_at_ms, min_weight_version=min_weight_version)
+
+@dataclass
+class _Jobs:
+    """The jobs of one submit as they fill: RQ job data, ids, counts; prompt ids staged as each is packed."""
+
+    run: str
+    batch_id: str
+    output: str
+    submitted_at_ms: int
+    min_weight_version: int | None
+    job_timeout_s: int
+    retries: int
+    datas: list[Any] = field(default_factory=list)
+    job_ids: list[str] = field(default_factory=list)
+    requests: int = 0
+    samples: int = 0
+    _seen: set[str] = field(default_factory=set)
+
+    def add(self, chunk: Sequence[RolloutRequest | ParsedRequest], stager: PromptStager) -> None:
+        for request in chunk:
+            if request.id in self._seen:
+                raise PipelineError(f"request id {request.id!r} appears twice; ids must be unique within a submit")
+            self._seen.add(request.id)
+        index = len(self.job_ids)
+        job_id = f"{self.batch_id}-{index:05d}"
         key = keys.prompts(job_id)
-        payload, prompts[key] = JobPayload.pack_beside(chunk, prompt_key=key, **common)
-        job_ids.append(job_id)
-        job_datas.append(
+        common = JobHeader(run=self.run, job_id=job_id, batch_id=self.batch_id, output=self.output,
+                           submitted_at_ms=self.submitted_at_ms, min_weight_version=self.min_weight_version)
+        payload, prompt_bytes = JobPayload.pack_beside(chunk, prompt_key=key, **common)
+        stager.stage(key, prompt_bytes)
+        self.job_ids.append(job_id)
+        self.requests += len(chunk)
+        self.samples += sum(r.n if isinstance(r, ParsedRequest) else r.sampling_params.n for r in chunk)
+        self.datas.append(
             Queue.prepare_data(
                 JOB_FUNCTION,
                 # The request dicts are plain JSON already (validated lines): not walked again.
                 args=({**payload.model_dump(mode="json", exclude={"requests"}), "requests": payload.requests},),
                 job_id=job_id,
-                timeout=job_timeout_s,
+                timeout=self.job_timeout_s,
                 result_ttl=RESULT_TTL_S,
                 failure_ttl=RESULT_TTL_S,
-                description=f"rollouts run={run} job={index} requests={len(chunk)}",
-                retry=Retry(max=retries) if retries else None,
-                meta={"batch_id": batch_id, "run": run},
+                description=f"rollouts run={self.run} job={index} requests={len(chunk)}",
+                retry=Retry(max=self.retries) if self.retries else None,
+                meta={"batch_id": self.batch_id, "run": self.run},
             )
         )
-    samples = sum(r.n if isinstance(r, ParsedRequest) else r.sampling_params.n for r in requests)
-    with conn.pipeline(transaction=True) as pipe:
-        for key, value in prompts.items():
-            pipe.set(key, value, ex=PROMPTS_TTL_S)
-        queue.enqueue_many(job_datas, pipeline=pipe)
-        pipe.hset(
-            keys.batch(batch_id),
-            mapping={
-                "run": run,
-                "output": output,
-                "job_ids": ",".join(job_ids),
-                "requests": len(requests),
-                "samples": samples,
-                "submitted_at_ms": submitted_at_ms,
-            },
-        )
-        pipe.sadd(keys.run_batches(run), batch_id)
-        pipe.sadd(keys.RUNS, run)
-        pipe.execute()
-    return SubmitPlan(batch_id, run, output, job_ids, len(requests), samples)

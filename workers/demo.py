@@ -52,11 +52,9 @@ def write_requests(tokenizer: object, path: Path, *, max_new_tokens: int, n: int
 def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: int,
                min_weight_version: int | None = None) -> tuple[Any, float]:
     """Submit the request file and serve it with an in-process burst worker until done."""
-    from pipeline.request_file import read_request_lines
     from workers.worker import RolloutWorker
 
-    batch = client.submit(read_request_lines(path), run=run, batch_size=batch_size,
-                          min_weight_version=min_weight_version)
+    batch = client.submit_file(str(path), run=run, batch_size=batch_size, min_weight_version=min_weight_version)
     print(f"submitted {len(batch.job_ids)} jobs of run {run} -> {batch.url}", flush=True)
     worker = RolloutWorker(client.conn, engine)
     started = time.perf_counter()

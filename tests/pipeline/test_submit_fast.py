@@ -5,6 +5,7 @@ expiring)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline import keys
-from pipeline.errors import RequestFileError
+from pipeline.errors import PipelineError, RequestFileError
+from pipeline.prompt_staging import STAGED_TTL_S
 from pipeline.request_file import (
     _fast_parse,
     parse_lines,
@@ -24,9 +26,10 @@ from pipeline.request_file import (
     read_request_lines,
     validation_errors,
 )
-from pipeline.submit import PROMPTS_TTL_S, submit_requests
+from pipeline.submit import PROMPTS_TTL_S, submit_blocks, submit_file, submit_requests
 from schemas.request import RolloutRequest
 from tests.fakes import FakeEngine
+from tests.helpers import wait_until
 from workers.worker import RolloutWorker
 
 
@@ -187,3 +190,54 @@ def test_parsed_lines_submit_the_same_jobs_as_models(redis_client: redis.Redis, 
         same = ("requests", "prompt_lengths", "prompt_dtype", "prompt_tokens", "schema_version")
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
         assert redis_client.get(a["prompt_key"]) == redis_client.get(b["prompt_key"])
+
+
+def _keyspace(conn: redis.Redis) -> set[bytes]:
+    return set(conn.keys("*"))
+
+
+def test_a_bad_line_after_staged_jobs_leaves_redis_as_it_was(redis_client: redis.Redis, tmp_path: Path) -> None:
+    lines = [json.dumps({"id": f"r{i}", "input_ids": [i + 1, 7]}) for i in range(300)]
+    lines.append('{"id": "last", "input_ids": [1], "bogus": 1}')
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    before = _keyspace(redis_client)
+    with pytest.raises(RequestFileError) as caught:
+        submit_file(redis_client, path, run="late", output="memory://x", batch_size=8)
+    assert [(e.line, e.field) for e in caught.value.errors] == [(301, "bogus")]
+    # Jobs of the first 256 lines had their prompt ids staged; all of it is gone again.
+    assert _keyspace(redis_client) == before
+    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+
+
+def test_staged_prompt_ids_that_vanish_fail_the_submit_and_enqueue_nothing(redis_client: redis.Redis) -> None:
+    def blocks() -> Iterator[list[RolloutRequest]]:
+        yield [RolloutRequest(id=f"a{i}", input_ids=[1, 2]) for i in range(4)]
+        staged = f"{keys.PREFIX}:prompts:*"
+        wait_until(lambda: any(redis_client.scan_iter(staged)), what="the first job's ids staged")
+        for key in redis_client.scan_iter(staged):
+            redis_client.delete(key)  # evicted (or flushed) before the jobs are enqueued
+        yield [RolloutRequest(id="b", input_ids=[3])]
+
+    before = _keyspace(redis_client)
+    with pytest.raises(PipelineError, match="staged prompt-id keys vanished"):
+        submit_blocks(redis_client, blocks(), run="gone", output="memory://x", batch_size=4)
+    assert _keyspace(redis_client) == before
+    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+
+
+def test_submit_file_enqueues_what_read_and_submit_would(redis_client: redis.Redis, tmp_path: Path) -> None:
+    lines = [json.dumps({"id": f"r{i}", "input_ids": list(range(i + 1, i + 9)), "sampling_params": {"n": 2}})
+             for i in range(70)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    streamed = submit_file(redis_client, path, run="streamed", output="memory://x", batch_size=32)
+    listed = submit_requests(redis_client, read_request_lines(path), run="listed", output="memory://x", batch_size=32)
+    assert (streamed.requests, streamed.samples, len(streamed.job_ids)) == (70, 140, 3)
+    assert (listed.requests, listed.samples, len(listed.job_ids)) == (70, 140, 3)
+    queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    jobs = {job.id: job.args[0] for job in queue.get_jobs()}
+    for ours, theirs in zip(streamed.job_ids, listed.job_ids, strict=True):
+        assert jobs[ours]["requests"] == jobs[theirs]["requests"]
+        assert redis_client.get(jobs[ours]["prompt_key"]) == redis_client.get(jobs[theirs]["prompt_key"])
+        assert STAGED_TTL_S < redis_client.ttl(jobs[ours]["prompt_key"]) <= PROMPTS_TTL_S
