@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -31,6 +32,7 @@ from schemas.request import RolloutRequest
 from tests.fakes import FakeEngine
 from tests.helpers import wait_until
 from workers.engines.base import SampleOutput
+from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
 from workers.worker import RolloutWorker
 
@@ -54,10 +56,13 @@ class FlakyEngine(ChaosEngine):
             raise EngineUnavailableError("GET /health_generate: connection refused")
 
 
-def _serve(url: str, job_s: float, flag: str | None) -> None:
+def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False) -> None:
     from pipeline.connection import connect_redis
 
-    engine = FlakyEngine(job_s, Path(flag)) if flag else ChaosEngine(job_s)
+    if slow_sim:  # a concurrent engine (several jobs in flight) whose sequences take minutes
+        engine: Any = SimEngine(SimConfig(capacity=16, step_s=0.05, median_tokens=4000, p99_tokens=4001))
+    else:
+        engine = FlakyEngine(job_s, Path(flag)) if flag else ChaosEngine(job_s)
     worker = RolloutWorker(connect_redis(url), engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
                              stuck_after_s=3, probe_max_s=0.5, control_poll_s=0.5)
     worker.work(burst=False, with_scheduler=False, logging_level="WARNING")
@@ -67,9 +72,9 @@ def _serve(url: str, job_s: float, flag: str | None) -> None:
 def spawn(redis_url: str) -> Iterator[Callable[..., mp.process.BaseProcess]]:
     processes: list[mp.process.BaseProcess] = []
 
-    def start(job_s: float = 0.05, flag: Path | None = None) -> mp.process.BaseProcess:
-        process = mp.get_context("fork").Process(target=_serve, args=(redis_url, job_s, str(flag) if flag else None),
-                                                 daemon=True)
+    def start(job_s: float = 0.05, flag: Path | None = None, slow_sim: bool = False) -> mp.process.BaseProcess:
+        process = mp.get_context("fork").Process(
+            target=_serve, args=(redis_url, job_s, str(flag) if flag else None, slow_sim), daemon=True)
         process.start()
         processes.append(process)
         return process
@@ -148,6 +153,25 @@ def test_second_sigterm_hands_the_job_back(redis_client: redis.Redis, tmp_path: 
     assert commit_log.read_all(redis_client, "faults") == []
     spawn()
     assert batch.wait(timeout=20).counts["finished"] == 1
+
+
+def test_second_sigterm_hands_back_every_job_in_flight(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
+    """With a concurrent engine several jobs run at once; the operator's abort spends none of their retries."""
+    requests = [RolloutRequest(id=f"s{i}", input_ids=[1, 2], sampling_params={"max_new_tokens": 4000})
+                for i in range(6)]
+    batch = Batch(redis_client, submit_requests(redis_client, requests, run="flight", output=f"file://{tmp_path}",
+                                                batch_size=2))
+    worker = spawn(slow_sim=True)
+    wait_until(lambda: list(batch.job_states().values()) == ["started"] * 3, 20, "all three jobs in flight")
+    os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    time.sleep(1.3)
+    os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    worker.join(timeout=20)
+    assert worker.exitcode is not None
+    for job_id in batch.job_ids:
+        job = Job.fetch(job_id, connection=redis_client, serializer=JSONSerializer)
+        assert (job.get_status(), job.retries_left, job.meta.get("handed_back")) == ("queued", 2, 1), job_id
+    assert commit_log.read_all(redis_client, "flight") == []
 
 
 def test_failing_engine_makes_the_worker_unhealthy_until_it_recovers(

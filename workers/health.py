@@ -11,6 +11,7 @@ the engine with backoff (`engine.health()` when the adapter has one, e.g. SGLang
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -45,11 +46,23 @@ class EngineHealthMixin:
     unhealthy_reason: str | None = None
     probe_initial_s: float = PROBE_INITIAL_S
     probe_max_s: float = PROBE_MAX_S
-    _last_job_exception: BaseException | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # RQ passes a failing job's exception to handle_exception, then (same thread) calls
+        # handle_job_failure without it. Jobs fail on two threads (the work loop, and the
+        # feeder's completion thread), so the exception is kept per thread.
+        self._failing = threading.local()
 
     def handle_exception(self, job: Any, *exc_info: Any) -> None:
-        self._last_job_exception = exc_info[1] if len(exc_info) > 1 else None
+        self._failing.exception = exc_info[1] if len(exc_info) > 1 else None
         super().handle_exception(job, *exc_info)  # type: ignore[misc]
+
+    def take_job_exception(self) -> BaseException | None:
+        """The exception of the job this thread is failing (once)."""
+        exc = getattr(self._failing, "exception", None)
+        self._failing.exception = None
+        return exc
 
     def health_handback_reason(self, exc: BaseException | None) -> str | None:
         """Why the failed job must be handed back for an engine failure (and mark unhealthy), or None."""

@@ -3,9 +3,10 @@
 RQ's first signal already means "finish the job in hand, then exit" (the commit included).
 RQ's second signal raises `SystemExit` inside the job, which the worker would record as a
 failure and retry, spending a retry on an operator's decision. Here the second signal
-(more than a second after the first, as in RQ) raises `ShutdownAbort` instead; the failed
-job is then handed back to the front of its queue, untouched by the retry count, for
-another worker, and the worker exits.
+(more than a second after the first, as in RQ) raises `ShutdownAbort` instead; every job
+that fails from then on (the one in hand, and with a concurrent engine every other job in
+flight, whose requests the worker then aborts) is handed back to the front of its queue,
+untouched by the retry count, for another worker, and the worker exits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class ShutdownAbort(BaseException):
 class GracefulShutdownMixin:
     """For an in-process RQ worker: warm shutdown first, abort-and-hand-back second."""
 
-    _abort_job_id: str | None = None
+    _aborting: bool = False
 
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         worker: Any = self
@@ -37,16 +38,15 @@ class GracefulShutdownMixin:
         running = [e.job_id for e in worker.executions.values()]
         worker._stop_requested = True
         if running:
-            self._abort_job_id = running[0]
-            log.warning("worker %s: second shutdown signal; aborting job %s and handing it back",
-                        worker.name, running[0])
+            self._aborting = True
+            log.warning("worker %s: second shutdown signal; aborting %s and handing back",
+                        worker.name, ", ".join(running))
             raise ShutdownAbort(f"worker {worker.name} shut down while running the job; handed back")
         log.warning("worker %s: second shutdown signal; exiting now", worker.name)
         raise SystemExit(1)
 
-    def shutdown_handback_reason(self, job_id: str, exc: BaseException | None) -> str | None:
-        """Why `job_id` must be handed back after a shutdown abort, or None."""
-        if isinstance(exc, ShutdownAbort) or (self._abort_job_id is not None and self._abort_job_id == job_id):
-            self._abort_job_id = None
+    def shutdown_handback_reason(self, exc: BaseException | None) -> str | None:
+        """Why a job failing now must be handed back after a shutdown abort, or None."""
+        if isinstance(exc, ShutdownAbort) or self._aborting:
             return "the worker was shut down (second SIGTERM) while running it"
         return None

@@ -91,8 +91,8 @@ class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMix
         execution: Execution | None = None,
     ) -> None:
         if execution is not None:  # a job this worker ran (not a dead worker's, found by maintenance)
-            exc, self._last_job_exception = self._last_job_exception, None
-            reason = self.shutdown_handback_reason(job.id, exc) or self.health_handback_reason(exc)
+            exc = self.take_job_exception()
+            reason = self.shutdown_handback_reason(exc) or self.health_handback_reason(exc)
             if reason and hand_back_started(self, job, queue, execution, reason=reason):
                 self.metrics.job_handed_back()
                 return
