@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+import redis
+
 from pipeline.control import WeightPushError
 from pipeline.errors import JobsFailedError, PipelineError
 
@@ -184,6 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        print(f"error: cannot reach Redis ({exc}); start the embedded one with `pipeline redis start`, "
+              "or pass --redis URL / set PIPELINE_REDIS_URL; nothing was done", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:  # a file named on the command line
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

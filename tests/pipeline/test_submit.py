@@ -115,3 +115,14 @@ def test_capabilities_checked_against_live_workers(redis_url: str, redis_client:
     with pytest.raises(pipeline.CapabilityError, match="return_routed_experts needs"):
         client.submit([{**GOOD, "return_routed_experts": True}])
     assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+
+
+def test_a_missing_file_or_an_unreachable_redis_is_a_clear_error(tmp_path: Path, pipeline_env: dict[str, str]) -> None:
+    missing = subprocess.run([*PIPELINE, "submit", str(tmp_path / "nope.jsonl")], env=pipeline_env,
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "nope.jsonl: No such file or directory" in missing.stderr
+    path = write_lines(tmp_path / "rollouts.jsonl", good_lines(2))
+    down = subprocess.run([*PIPELINE, "submit", str(path), "--redis", "redis://127.0.0.1:9"],
+                          env={**pipeline_env, "PIPELINE_REDIS_RECONNECT_S": "1"}, capture_output=True, text=True)
+    assert down.returncode == 1 and "cannot reach Redis" in down.stderr and "nothing was done" in down.stderr
+    assert "Traceback" not in missing.stderr + down.stderr
