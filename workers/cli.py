@@ -17,6 +17,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="hf")
     parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
     parser.add_argument("--device", default="cpu", help="torch device for the hf engine")
+    parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
+                        help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
     parser.add_argument(
         "--max-top-logprobs", type=int,
         default=int(os.environ.get("PIPELINE_MAX_TOP_LOGPROBS", "0")),
@@ -73,7 +75,8 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs,
-        urls=tuple(args.urls), routed_experts=args.routed_experts, experts_layout=args.experts_layout,
+        max_batch_sequences=args.max_batch_sequences, urls=tuple(args.urls), routed_experts=args.routed_experts,
+        experts_layout=args.experts_layout,
         sim={
             "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,
             "step_per_seq_s": args.sim_step_per_seq_us / 1e6, "median_tokens": args.sim_median_tokens,

@@ -97,3 +97,42 @@ def test_greedy_is_argmax(engine: HFEngine, reference: torch.nn.Module) -> None:
         with torch.no_grad():
             assert int(reference(input_ids=torch.tensor([ids])).logits[0, -1].argmax()) == token
         ids.append(token)
+
+
+BATCH = [
+    RolloutRequest(id="a", input_ids=[5, 9, 13, 2, 7, 7, 1], logprobs=3, prompt_logprobs=0,
+                   sampling_params={"temperature": 0.8, "top_p": 0.9, "n": 2, "seed": 1, "max_new_tokens": 10}),
+    RolloutRequest(id="b", input_ids=[4], sampling_params={"temperature": 0, "max_new_tokens": 6}),
+    RolloutRequest(id="c", input_ids=[11, 3, 8], logprobs=1,
+                   sampling_params={"temperature": 1.2, "top_k": 7, "min_p": 0.02, "repetition_penalty": 1.3,
+                                    "frequency_penalty": 0.4, "presence_penalty": 0.2, "n": 3, "seed": 5,
+                                    "max_new_tokens": 12, "min_new_tokens": 4, "stop_token_ids": [3, 8]}),
+    RolloutRequest(id="d", input_ids=[2, 2], sampling_params={"seed": 9, "max_new_tokens": 3, "ignore_eos": True}),
+]
+
+
+@pytest.mark.parametrize("max_batch", [64, 3])
+def test_a_batch_of_requests_decodes_as_each_request_alone(tiny_model_dir: Path, engine: HFEngine,
+                                                           max_batch: int) -> None:
+    """Requests batched together (left-padded prompts, each row with its own parameters and
+    generator) give each request what it gets alone: the same tokens, finishes and texts, and
+    logprobs equal up to the rounding of a batched matmul."""
+    batched = HFEngine(tiny_model_dir, max_top_logprobs=5, max_batch_sequences=max_batch).generate(BATCH)
+    alone = [engine.generate([request])[0] for request in BATCH]
+    assert [len(samples) for samples in batched] == [r.sampling_params.n for r in BATCH]
+    for request, ours, theirs in zip(BATCH, batched, alone, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_ids.tolist() == b.token_ids.tolist(), request.id
+            assert (a.finish, a.text) == (b.finish, b.text)
+            if request.logprobs is None:
+                assert a.logprobs is None and b.logprobs is None
+            else:
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+            if request.logprobs:
+                assert [[t for t, _ in step] for step in a.top_logprobs] == [[t for t, _ in s] for s in b.top_logprobs]
+            if request.prompt_logprobs is not None:
+                assert a.prompt_logprobs[0] is None
+                np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=2e-5)
+    # min_new_tokens held back request c's stop tokens for its first 4 tokens.
+    for sample in batched[2]:
+        assert not set(sample.token_ids[:4].tolist()) & {3, 8}

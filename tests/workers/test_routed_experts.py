@@ -86,6 +86,20 @@ def test_captured_ids_equal_teacher_forced_router_top_k(
         np.testing.assert_array_equal(stored, np.sort(expected[:-1], axis=-1))
 
 
+def test_requests_batched_with_left_padding_capture_their_own_positions(
+    moe: HFEngine, reference: torch.nn.Module
+) -> None:
+    """Prompts of different lengths share one left-padded batch; each sample's rows are its own
+    positions (the pads are not routed experts of anything)."""
+    reqs = [request("hi", n=2), request("a longer prompt", n=1, temperature=0.0), request("mid way", n=1)]
+    reqs = [r.model_copy(update={"id": f"q{i}"}) for i, r in enumerate(reqs)]
+    for req, samples in zip(reqs, moe.generate(reqs), strict=True):
+        for sample in samples:
+            sequence = req.input_ids + sample.token_ids.tolist()
+            assert sample.routed_experts is not None
+            np.testing.assert_array_equal(sample.routed_experts, teacher_forced_top_k(reference, sequence)[:-1])
+
+
 def test_shapes_for_n_samples_and_eos_stops(tmp_path: Path) -> None:
     # A few characters end a sequence too, so samples stop on EOS at different lengths.
     eos = [0, *(token_id(c) for c in CHARS[::20])]

@@ -17,6 +17,7 @@ class EngineOptions:
     device: str = "cpu"
     max_top_logprobs: int = 0
     weight_version: int = 0
+    max_batch_sequences: int = 64  # hf: samples decoded together
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or routers
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
     routed_experts: bool = False  # sglang engines: serve return_routed_experts
@@ -71,6 +72,7 @@ def build_engine(options: EngineOptions) -> Engine:
             max_top_logprobs=options.max_top_logprobs,
             weight_version=options.weight_version,
             model_name=None if options.model else DEMO_MODEL_NAME,
+            max_batch_sequences=options.max_batch_sequences,
         )
     if options.engine == "sim":
         from workers.engines.sim import SimConfig, SimEngine

@@ -3,8 +3,11 @@
 It decodes token by token with a KV cache, so generation really ends at the first stop
 (string or token id), and computes logprobs with SGLang's semantics: log-softmax of the
 (penalised) logits divided by the temperature, before top-k/top-p/min-p filtering; plain
-log-softmax for greedy requests. The `n` samples of a request run as one batch sharing the
-prompt; each sample draws from its own generator seeded from (seed, sample index).
+log-softmax for greedy requests. A job's requests are decoded together: every sample of every
+request is a row of one left-padded batch (attention mask and explicit position ids), up to
+`max_batch_sequences` rows, each row with its own request's sampling parameters and its own
+generator seeded from (seed, sample index). Batched matmuls may round differently from a lone
+request's, as in any batching engine (SGLang included).
 
 For mixture-of-experts models it captures routed experts (`return_routed_experts`) with
 forward hooks on the routers (`workers.engines.hf_routing`), in SGLang's layout: start 0,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +29,9 @@ from workers.engines.base import EngineDescription, Finish, SampleOutput
 from workers.engines.hf_routing import RoutingCapture
 from workers.engines.seeds import sample_seed
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
+
+# Samples decoded together: a job's requests are batched (left-padded) up to this many sequences.
+DEFAULT_MAX_BATCH_SEQUENCES = 64
 
 
 class HFEngine:
@@ -38,11 +45,13 @@ class HFEngine:
         max_top_logprobs: int = 0,
         weight_version: int = 0,
         model_name: str | None = None,
+        max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self._torch = torch
+        self.max_batch_sequences = max(1, max_batch_sequences)
         path = Path(model_path)
         if not (path / "config.json").exists():
             raise EngineUnavailableError(f"{path} is not a transformers model directory (no config.json)")
@@ -136,82 +145,96 @@ class HFEngine:
         self.model = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        for request in requests:
+            if request.return_routed_experts and self._routing is None:
+                raise UnsupportedRequestError(
+                    f"request {request.id!r} asks for routed experts; {self._description.model} is not a "
+                    "mixture-of-experts model"
+                )
+        out: list[list[SampleOutput]] = []
         with self._torch.inference_mode():
-            return [self._generate_one(request) for request in requests]
+            for group in _groups(requests, self.max_batch_sequences):
+                out.extend(self._generate_group(group))
+        return out
 
-    # -- one request, its n samples as one batch -------------------------------------------
+    # -- a group of requests, all their samples as one left-padded batch ----------------------
 
-    def _generate_one(self, request: RolloutRequest) -> list[SampleOutput]:
-        routing = self._routing if request.return_routed_experts else None
-        if request.return_routed_experts and routing is None:
-            raise UnsupportedRequestError(
-                f"request {request.id!r} asks for routed experts; {self._description.model} is not a "
-                "mixture-of-experts model"
-            )
+    def _generate_group(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        routing = self._routing if any(r.return_routed_experts for r in requests) else None
         if routing is None:
-            return self._decode_request(request, None)
-        routing.start(request.sampling_params.n)
+            return self._decode_group(requests, None)
+        routing.start(sum(r.sampling_params.n for r in requests))
         try:
-            return self._decode_request(request, routing)
+            return self._decode_group(requests, routing)
         finally:
             routing.stop()
 
-    def _decode_request(self, request: RolloutRequest, routing: RoutingCapture | None) -> list[SampleOutput]:
+    def _decode_group(
+        self, requests: Sequence[RolloutRequest], routing: RoutingCapture | None
+    ) -> list[list[SampleOutput]]:
         torch = self._torch
-        params = request.sampling_params
-        n = params.n
-        prompt = torch.tensor([request.input_ids] * n, dtype=torch.long, device=self.device)
-        want_prompt_logprobs = request.prompt_logprobs is not None
-        out = self.model(
-            input_ids=prompt, use_cache=True, logits_to_keep=0 if want_prompt_logprobs else 1
-        )
-        prompt_logprobs = self._prompt_logprobs(request, out.logits[0]) if want_prompt_logprobs else None
+        device = self.device
+        rows = _Rows(requests, self.hidden_stop_ids, self.vocab_size, torch, device)
+        width = max(len(r.input_ids) for r in requests)
+        prompt = torch.zeros((rows.count, width), dtype=torch.long, device=device)
+        mask = torch.zeros((rows.count, width), dtype=torch.long, device=device)
+        for row, request in enumerate(rows.request_of):
+            ids = request.input_ids
+            prompt[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long, device=device)
+            mask[row, width - len(ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_prompt_logprobs = any(r.prompt_logprobs is not None for r in requests)
+        out = self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=0 if want_prompt_logprobs else 1)
+        prompt_logprobs = [
+            self._prompt_logprobs(request, out.logits[rows.first_row[index], width - len(request.input_ids):])
+            if request.prompt_logprobs is not None else None
+            for index, request in enumerate(requests)
+        ]
         logits = out.logits[:, -1, :].float()
         past = out.cache
         if routing is not None:
             routing.step()
 
-        generators = [
-            torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, i)) for i in range(n)
-        ]
-        token_stops = frozenset() if params.ignore_eos else self.hidden_stop_ids | set(params.user_stop_token_ids)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
-        finishes: list[Finish | None] = [None] * n
-        counts = torch.zeros((n, self.vocab_size), dtype=torch.float32, device=self.device)
-        seen = torch.zeros((n, self.vocab_size), dtype=torch.bool, device=self.device)
-        seen[:, prompt[0]] = True
+        counts = torch.zeros((rows.count, self.vocab_size), dtype=torch.float32, device=device)
+        seen = torch.zeros((rows.count, self.vocab_size), dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt, mask.bool())  # the prompt's own tokens (pads excluded)
+        tokens: list[list[int]] = [[] for _ in range(rows.count)]
+        logprobs: list[list[float]] = [[] for _ in range(rows.count)]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(rows.count)]
+        finishes: list[Finish | None] = [None] * rows.count
+        max_top = max((r.logprobs or 0) for r in requests)
+        last_position = positions[:, -1:]
 
-        for step in range(params.max_new_tokens):
-            scores = self._penalise(logits, params, counts, seen, step, token_stops)
-            if params.greedy:
-                step_logprobs = torch.log_softmax(scores, dim=-1)
-                chosen = torch.argmax(scores, dim=-1)
-            else:
-                step_logprobs = torch.log_softmax(scores / params.temperature, dim=-1)
-                probs = self._filtered_probs(step_logprobs, params)
-                chosen = torch.stack(
-                    [torch.multinomial(probs[i], 1, generator=generators[i])[0] for i in range(n)]
-                )
+        for step in range(max(r.sampling_params.max_new_tokens for r in requests)):
+            scores = rows.penalise(logits, counts, seen, step)
+            step_logprobs = torch.log_softmax(scores / rows.temperature[:, None], dim=-1)
+            chosen = rows.sample(scores, step_logprobs)
             chosen_logprobs = step_logprobs.gather(1, chosen[:, None])[:, 0]
             top_values = top_ids = None
-            if request.logprobs:
-                top_values, top_ids = torch.topk(step_logprobs, request.logprobs, dim=-1)
-            for i in range(n):
-                if finishes[i] is not None:
+            if max_top:
+                top_values, top_ids = torch.topk(step_logprobs, max_top, dim=-1)
+            chosen_list = chosen.tolist()
+            chosen_lp_list = chosen_logprobs.tolist()
+            for row in range(rows.count):
+                if finishes[row] is not None:
                     continue
-                token = int(chosen[i])
-                tokens[i].append(token)
-                logprobs[i].append(float(chosen_logprobs[i]))
-                if top_ids is not None and top_values is not None:
-                    tops[i].append(list(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)))
-                finishes[i] = self._check_finish(tokens[i], params, token_stops)
-            counts.scatter_add_(1, chosen[:, None], torch.ones((n, 1), device=self.device))
-            seen[torch.arange(n), chosen] = True
+                request = rows.request_of[row]
+                params = request.sampling_params
+                tokens[row].append(chosen_list[row])
+                logprobs[row].append(chosen_lp_list[row])
+                if request.logprobs and top_ids is not None and top_values is not None:
+                    k = request.logprobs
+                    tops[row].append(list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist(), strict=True)))
+                finishes[row] = self._check_finish(tokens[row], params, rows.token_stops[row])
+            counts.scatter_add_(1, chosen[:, None], torch.ones((rows.count, 1), device=device))
+            seen[torch.arange(rows.count, device=device), chosen] = True
             if all(f is not None for f in finishes):
                 break
-            out = self.model(input_ids=chosen[:, None], cache=past, use_cache=True)
+            mask = torch.cat([mask, torch.ones((rows.count, 1), dtype=mask.dtype, device=device)], dim=1)
+            last_position = last_position + 1
+            out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=last_position,
+                             cache=past, use_cache=True)
             logits = out.logits[:, -1, :].float()
             past = out.cache
             if routing is not None:
@@ -219,30 +242,35 @@ class HFEngine:
 
         # Routed experts of the positions each sample fed: prompt, then all its tokens but the last.
         routed = (
-            routing.finish([len(request.input_ids) + len(tokens[i]) - 1 for i in range(n)])
+            routing.finish([len(rows.request_of[row].input_ids) + len(tokens[row]) - 1 for row in range(rows.count)],
+                           skip=[width - len(rows.request_of[row].input_ids) for row in range(rows.count)])
             if routing is not None
-            else [None] * n
+            else [None] * rows.count
         )
-        samples = []
-        for i in range(n):
-            finish = finishes[i] or Finish("length")
-            # As SGLang's detokenizer: a matched stop token's text is dropped unless no_stop_trim.
-            token_stopped = isinstance(finish.matched, int) and not params.no_stop_trim
-            text = self._decode(tokens[i][:-1] if token_stopped else tokens[i], params)
-            samples.append(
-                SampleOutput(
-                    token_ids=np.asarray(tokens[i], dtype=np.int32),
-                    finish=finish,
-                    logprobs=np.asarray(logprobs[i], dtype=np.float32) if request.logprobs is not None else None,
-                    top_logprobs=tops[i] if request.logprobs else None,
-                    prompt_logprobs=prompt_logprobs,
-                    text=text,
-                    routed_experts=routed[i],
-                    routed_experts_start=0,
-                    weight_version=self._weight_version,
+        results: list[list[SampleOutput]] = []
+        for index, request in enumerate(requests):
+            params = request.sampling_params
+            samples = []
+            for row in range(rows.first_row[index], rows.first_row[index] + params.n):
+                finish = finishes[row] or Finish("length")
+                # As SGLang's detokenizer: a matched stop token's text is dropped unless no_stop_trim.
+                token_stopped = isinstance(finish.matched, int) and not params.no_stop_trim
+                text = self._decode(tokens[row][:-1] if token_stopped else tokens[row], params)
+                samples.append(
+                    SampleOutput(
+                        token_ids=np.asarray(tokens[row], dtype=np.int32),
+                        finish=finish,
+                        logprobs=np.asarray(logprobs[row], dtype=np.float32) if request.logprobs is not None else None,
+                        top_logprobs=tops[row] if request.logprobs else None,
+                        prompt_logprobs=prompt_logprobs[index],
+                        text=text,
+                        routed_experts=routed[row] if request.return_routed_experts else None,
+                        routed_experts_start=0,
+                        weight_version=self._weight_version,
+                    )
                 )
-            )
-        return samples
+            results.append(samples)
+        return results
 
     def _prompt_logprobs(self, request: RolloutRequest, logits: object) -> list[float | None]:
         torch = self._torch
@@ -252,39 +280,6 @@ class HFEngine:
         ids = torch.tensor(request.input_ids[1:], device=self.device)
         values = lp.gather(1, ids[:, None])[:, 0].tolist() if len(request.input_ids) > 1 else []
         return [None, *values]
-
-    def _penalise(self, logits, params: SamplingParams, counts, seen, step: int, token_stops):  # type: ignore[no-untyped-def]
-        torch = self._torch
-        scores = logits
-        if params.repetition_penalty != 1.0:
-            penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-            scores = torch.where(seen, penalised, scores)
-        if params.frequency_penalty:
-            scores = scores - params.frequency_penalty * counts
-        if params.presence_penalty:
-            scores = scores - params.presence_penalty * (counts > 0).float()
-        if step < params.min_new_tokens and token_stops:
-            scores = scores.clone()
-            scores[:, list(token_stops)] = float("-inf")
-        return scores
-
-    def _filtered_probs(self, logprobs, params: SamplingParams):  # type: ignore[no-untyped-def]
-        """Probabilities after top-k, top-p and min-p filtering (logprobs are taken before)."""
-        torch = self._torch
-        probs = logprobs.exp()
-        if 0 < params.top_k < probs.shape[-1]:
-            kth = torch.topk(probs, params.top_k, dim=-1).values[:, -1:]
-            probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            drop_sorted = (cumulative - sorted_probs) > params.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            probs = torch.where(drop, torch.zeros_like(probs), probs)
-        if params.min_p > 0:
-            floor = probs.max(dim=-1, keepdim=True).values * params.min_p
-            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
-        return probs / probs.sum(dim=-1, keepdim=True)
 
     def _check_finish(self, tokens: list[int], params: SamplingParams, token_stops: frozenset[int]) -> Finish | None:
         """SGLang's order: stop string, then stop token, then length."""
@@ -306,3 +301,116 @@ class HFEngine:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+
+
+def _groups(requests: Sequence[RolloutRequest], max_sequences: int) -> list[list[RolloutRequest]]:
+    """Consecutive requests batched together up to `max_sequences` samples (a larger request alone)."""
+    groups: list[list[RolloutRequest]] = []
+    size = 0
+    for request in requests:
+        n = request.sampling_params.n
+        if groups and size + n <= max_sequences:
+            groups[-1].append(request)
+            size += n
+        else:
+            groups.append([request])
+            size = n
+    return groups
+
+
+class _Rows:
+    """The per-sample (row) sampling parameters of a batch, as tensors, and their vectorised use.
+
+    Each row follows its own request's parameters exactly as SGLang's sampler would for that
+    request alone: penalties on the raw logits, logprobs from log-softmax of the penalised
+    logits over the temperature (plain for greedy rows), then top-k, top-p and min-p filtering
+    of the probabilities; each row draws from its own generator seeded from (seed, sample index).
+    """
+
+    def __init__(self, requests: Sequence[RolloutRequest], hidden_stops: frozenset[int], vocab: int,
+                 torch: Any, device: Any) -> None:
+        self._torch = torch
+        self.request_of: list[RolloutRequest] = []
+        self.first_row: list[int] = []
+        self.generators: list[Any] = []
+        self.token_stops: list[frozenset[int]] = []
+        for request in requests:
+            params = request.sampling_params
+            stops = frozenset() if params.ignore_eos else hidden_stops | set(params.user_stop_token_ids)
+            self.first_row.append(len(self.request_of))
+            for i in range(params.n):
+                self.request_of.append(request)
+                self.generators.append(torch.Generator(device=device).manual_seed(sample_seed(params.seed, i)))
+                self.token_stops.append(stops)
+        self.count = len(self.request_of)
+        every = [r.sampling_params for r in self.request_of]
+
+        def column(values: list[float], dtype: Any = torch.float32) -> Any:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.greedy = column([p.greedy for p in every], torch.bool)
+        self.temperature = column([1.0 if p.greedy else p.temperature for p in every])
+        self.repetition = column([p.repetition_penalty for p in every])
+        self.frequency = column([p.frequency_penalty for p in every])
+        self.presence = column([p.presence_penalty for p in every])
+        self.min_new_tokens = column([p.min_new_tokens for p in every], torch.long)
+        self.top_k = column([p.top_k if 0 < p.top_k < vocab else vocab for p in every], torch.long)
+        self.top_p = column([p.top_p for p in every])
+        self.min_p = column([p.min_p for p in every])
+        self.stop_mask = None
+        if any(p.min_new_tokens for p in every):
+            self.stop_mask = torch.zeros((self.count, vocab), dtype=torch.bool, device=device)
+            for row, stops in enumerate(self.token_stops):
+                if stops:
+                    self.stop_mask[row, [t for t in stops if t < vocab]] = True
+
+    def penalise(self, logits: Any, counts: Any, seen: Any, step: int) -> Any:
+        torch = self._torch
+        scores = logits
+        if bool((self.repetition != 1.0).any()):
+            rep = self.repetition[:, None]
+            penalised = torch.where(scores > 0, scores / rep, scores * rep)
+            scores = torch.where(seen & (rep != 1.0), penalised, scores)
+        if bool((self.frequency != 0).any()):
+            scores = scores - self.frequency[:, None] * counts
+        if bool((self.presence != 0).any()):
+            scores = scores - self.presence[:, None] * (counts > 0).float()
+        if self.stop_mask is not None:
+            early = (self.min_new_tokens > step)[:, None] & self.stop_mask
+            if bool(early.any()):
+                scores = scores.masked_fill(early, float("-inf"))
+        return scores
+
+    def sample(self, scores: Any, logprobs: Any) -> Any:
+        """Each row's next token: argmax of the penalised scores for greedy rows, else a draw from
+        the filtered distribution with the row's own generator."""
+        torch = self._torch
+        chosen = torch.argmax(scores, dim=-1)
+        sampled = [row for row in range(self.count) if not bool(self.greedy[row])]
+        if sampled:
+            probs = self._filtered_probs(logprobs)
+            for row in sampled:
+                chosen[row] = torch.multinomial(probs[row], 1, generator=self.generators[row])[0]
+        return chosen
+
+    def _filtered_probs(self, logprobs: Any) -> Any:
+        """Probabilities after each row's top-k, top-p and min-p (logprobs are taken before)."""
+        torch = self._torch
+        probs = logprobs.exp()
+        vocab = probs.shape[-1]
+        if bool((self.top_k < vocab).any()):
+            limited = self.top_k < vocab
+            deepest = int(self.top_k[limited].max())
+            top = torch.topk(probs, deepest, dim=-1).values  # the k-th largest of every limited row is here
+            kth = top.gather(1, (self.top_k.clamp(max=deepest) - 1)[:, None])
+            probs = torch.where(limited[:, None] & (probs < kth), torch.zeros_like(probs), probs)
+        if bool((self.top_p < 1.0).any()):
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            drop_sorted = ((cumulative - sorted_probs) > self.top_p[:, None]) & (self.top_p < 1.0)[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = torch.where(drop, torch.zeros_like(probs), probs)
+        if bool((self.min_p > 0).any()):
+            floor = probs.max(dim=-1, keepdim=True).values * self.min_p[:, None]
+            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+        return probs / probs.sum(dim=-1, keepdim=True)

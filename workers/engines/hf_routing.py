@@ -58,8 +58,8 @@ def _router_class(model: Any) -> tuple[type | None, str | None]:
 class RoutingCapture:
     """Forward hooks on a model's routers; records expert ids while `start()`ed.
 
-    Usage per request: `start(batch)`, run the forwards, call `step()` after each forward,
-    then `finish(rows_per_sample)` for one `[rows, layers, top_k]` int32 array per sample.
+    Usage per batch: `start(batch)`, run the forwards, call `step()` after each forward,
+    then `finish(rows_per_sample, pads)` for one `[rows, layers, top_k]` int32 array per sample.
     """
 
     def __init__(self, model: Any, layout: RoutingLayout, routers: Sequence[tuple[int, Any]]) -> None:
@@ -135,8 +135,9 @@ class RoutingCapture:
         self._steps.append(out)
         self._current = {}
 
-    def finish(self, rows: Sequence[int]) -> list[np.ndarray]:
-        """One `[rows[i], layers, top_k]` array per sequence: its first `rows[i]` positions."""
+    def finish(self, rows: Sequence[int], skip: Sequence[int] | None = None) -> list[np.ndarray]:
+        """One `[rows[i], layers, top_k]` array per sequence: its first `rows[i]` positions after
+        the `skip[i]` it does not own (left padding of a batch)."""
         torch = self._torch
         self.stop()
         layout = self.layout
@@ -144,7 +145,11 @@ class RoutingCapture:
             return [np.zeros((0, layout.layers, layout.top_k), np.int32) for _ in rows]
         every = torch.cat(self._steps, dim=1).cpu().numpy()
         self._steps = []
-        return [np.ascontiguousarray(every[i, : max(0, r)]) for i, r in enumerate(rows)]
+        offsets = skip if skip is not None else [0] * len(rows)
+        return [
+            np.ascontiguousarray(every[i, o : o + max(0, r)])
+            for i, (r, o) in enumerate(zip(rows, offsets, strict=True))
+        ]
 
     def stop(self) -> None:
         self._active = False
