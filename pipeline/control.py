@@ -7,7 +7,9 @@ acknowledges a weight push in the hash `keys.weight_acks(version)`; `push_weight
 when every live worker has acknowledged, or raises naming who failed or timed out.
 
 With a shared secret configured (`pipeline.security`), the state and the acks are signed
-(`schemas.control.encode`); a reader refuses unsigned or forged ones and logs them. A push
+(`schemas.control.encode`); a reader refuses unsigned or forged ones and logs them. A signed
+state can still be copied: workers refuse a state older than one they followed (its
+generation is signed), and each change takes a generation past every live worker's. A push
 names a weight path, which must lie under the allowed prefixes when those are configured.
 """
 
@@ -119,7 +121,10 @@ def _change(
                     # Not ours: start over from the defaults, past its generation so workers re-read.
                     current = DesiredState(generation=_claimed_generation(raw))
                 changed = update(current)
-                new = changed.model_copy(update={"generation": current.generation + 1})
+                # Past every generation a live worker has followed: workers refuse older states,
+                # and the stored one may be behind them (Redis lost or restored it).
+                followed = max((w.control_generation for w in registry.live_workers(conn)), default=0)
+                new = changed.model_copy(update={"generation": max(current.generation, followed) + 1})
                 pipe.multi()
                 if also is not None:
                     also(pipe)

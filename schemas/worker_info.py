@@ -29,6 +29,9 @@ class WorkerInfo(BaseModel):
     engine: str
     model: str
     weight_version: int = 0
+    # The generation of the newest control state this worker accepted: a pusher starts past the
+    # highest one, and the worker refuses any older state (a replayed or restored record).
+    control_generation: int = 0
     state: WorkerState = "starting"
     current_job: str | None = None
     error: str | None = None

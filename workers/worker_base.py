@@ -111,6 +111,7 @@ class WorkerBase(SimpleWorker):
         self.gate = Gate()
         self._control_lock = threading.RLock()
         self._desired = DesiredState()
+        self._refused_generation: int | None = None
         self._attempted: tuple[int, str | None] = (engine.weight_version, None)
         self._last_ack: WeightAck | None = None
         self._weight_error: str | None = None
@@ -193,7 +194,18 @@ class WorkerBase(SimpleWorker):
             log.warning("control state unreadable (%s); keeping %s", exc, self._desired)
             return self._desired
         with self._control_lock:
+            if state.generation < self.info.control_generation:
+                # Older than one already followed: a replayed record (signed states can be copied)
+                # or Redis restored from an old snapshot. The next change starts past ours.
+                if state.generation != self._refused_generation:
+                    self._refused_generation = state.generation
+                    log.warning("control state of generation %d refused: generation %d was already applied "
+                                "(a replayed or restored record?); keeping %s",
+                                state.generation, self.info.control_generation, self._desired)
+                return self._desired
             self._desired = state
+            with self._lock:
+                self.info.control_generation = state.generation
             target = (state.weight_version, state.weight_path)
             try:
                 if state.weight_path is not None and target != self._attempted:

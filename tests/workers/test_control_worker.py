@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -79,6 +80,29 @@ def test_failed_load_keeps_old_weights_and_refuses_newer_jobs(redis_client: redi
     assert any_version.wait(timeout=5).counts["finished"] == 1
     assert any_version.read().column("weight_version").to_pylist() == [0]
     assert _queued(redis_client) == needs_v1.job_ids
+
+
+def test_a_replayed_older_signed_state_is_refused(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPELINE_CONTROL_SECRET", "s3cret")  # every state signed
+    client = pipeline.Client(redis_client)
+    client.push_weights("/ckpt/v1", version=1, timeout=5)
+    copied = redis_client.get(keys.CONTROL_STATE)  # a validly signed record, copied by whoever can read Redis
+    client.push_weights("/ckpt/v2", version=2, timeout=5)
+    engine = FakeEngine()
+    worker = RolloutWorker(redis_client, engine, control_poll_s=0.2)
+    worker.sync_control()
+    assert engine.updates == [("/ckpt/v2", 2)] and worker.info.control_generation == 2
+    redis_client.set(keys.CONTROL_STATE, copied)  # replayed: would roll the weights back to v1
+    worker.sync_control()
+    assert engine.updates == [("/ckpt/v2", 2)] and engine.weight_version == 2
+    # Redis loses the state: the next change still goes past what the live worker followed.
+    worker.set_registry_state("idle")
+    redis_client.delete(keys.CONTROL_STATE)
+    assert client.pause().generation == 3
+    assert worker.sync_control().paused
+    registry.remove(redis_client, worker.worker_id)
 
 
 # -- real worker processes, hf engine --------------------------------------------------------------
