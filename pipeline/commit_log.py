@@ -1,6 +1,9 @@
 """The per-run commit log: a Redis stream with one entry per shard a worker committed.
 
-Readers dedupe by job id (a retried job rewrites the same shard and appends again).
+Readers dedupe by job id (a retried job rewrites the same shard and appends again). Each
+append also keeps the run's totals (shards, rows, tokens, shards per weight version) in the
+same atomic step, a job committed again replacing its earlier numbers, so `pipeline status`
+reads a few fields instead of every commit of every run.
 """
 
 from __future__ import annotations
@@ -37,18 +40,56 @@ class Commit:
         )
 
 
-def append(conn: redis.Redis | redis.client.Pipeline, run: str, commit: Commit) -> None:
-    conn.xadd(
-        keys.commit_log(run),
-        {
-            "job_id": commit.job_id,
-            "batch_id": commit.batch_id,
-            "url": commit.url,
-            "rows": commit.rows,
-            "tokens": commit.tokens,
-            "weight_version": commit.weight_version,
-        },
+# KEYS: the stream, the run's per-job hash, the run's totals. ARGV: the commit's fields.
+# (`0 - x`, not `-x`: Lua's -0 reaches Redis as "-0", which HINCRBY refuses.)
+_APPEND = """
+local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'batch_id', ARGV[2], 'url', ARGV[3],
+                         'rows', ARGV[4], 'tokens', ARGV[5], 'weight_version', ARGV[6])
+local previous = redis.call('HGET', KEYS[2], ARGV[1])
+if previous then
+  local rows, tokens, version = string.match(previous, '^(%d+) (%d+) (%d+)$')
+  redis.call('HINCRBY', KEYS[3], 'rows', 0 - tonumber(rows))
+  redis.call('HINCRBY', KEYS[3], 'tokens', 0 - tonumber(tokens))
+  redis.call('HINCRBY', KEYS[3], 'shards_v' .. version, -1)
+else
+  redis.call('HINCRBY', KEYS[3], 'shards', 1)
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[4] .. ' ' .. ARGV[5] .. ' ' .. ARGV[6])
+redis.call('HINCRBY', KEYS[3], 'rows', ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'shards_v' .. ARGV[6], 1)
+return entry
+"""
+
+
+def append(conn: redis.Redis, run: str, commit: Commit) -> None:
+    """Append the commit to the run's stream and update the run's totals, atomically."""
+    conn.register_script(_APPEND)(
+        keys=[keys.commit_log(run), keys.run_jobs(run), keys.run_totals(run)],
+        args=[commit.job_id, commit.batch_id, commit.url, commit.rows, commit.tokens, commit.weight_version],
     )
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """What a run has committed: one shard per job (the latest commit of a job counts)."""
+
+    shards: int
+    rows: int
+    tokens: int
+    weight_versions: list[int]
+
+
+def totals(conn: redis.Redis, run: str) -> RunTotals:
+    """The run's totals; computed from the stream for runs committed before totals were kept."""
+    fields = {k.decode(): int(v) for k, v in conn.hgetall(keys.run_totals(run)).items()}
+    if not fields:
+        commits = read_all(conn, run)
+        return RunTotals(len(commits), sum(c.rows for c in commits), sum(c.tokens for c in commits),
+                         sorted({c.weight_version for c in commits}))
+    versions = sorted(int(name[len("shards_v"):]) for name, count in fields.items()
+                      if name.startswith("shards_v") and count > 0)
+    return RunTotals(fields.get("shards", 0), fields.get("rows", 0), fields.get("tokens", 0), versions)
 
 
 def read_after(conn: redis.Redis, run: str, entry_id: str | None) -> list[Commit]:

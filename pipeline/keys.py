@@ -11,6 +11,17 @@ def commit_log(run: str) -> str:
     return f"{PREFIX}:commits:{run}"
 
 
+def run_jobs(run: str) -> str:
+    """A hash of job id → `rows tokens weight_version` of the job's latest commit."""
+    return f"{PREFIX}:run:{run}:jobs"
+
+
+def run_totals(run: str) -> str:
+    """A hash of a run's committed totals: shards, rows, tokens, and shards per weight version
+    (`shards_v<N>`), kept by `pipeline.commit_log.append`."""
+    return f"{PREFIX}:run:{run}:totals"
+
+
 def batch(batch_id: str) -> str:
     """A hash describing one submitted batch (run, output, job ids)."""
     return f"{PREFIX}:batch:{batch_id}"

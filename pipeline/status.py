@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -42,13 +43,7 @@ def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
     runs = [run] if run else sorted(m.decode() for m in conn.smembers(keys.RUNS))
     run_stats = {}
     for name in runs:
-        commits = commit_log.read_all(conn, name)
-        run_stats[name] = {
-            "shards": len(commits),
-            "rows": sum(c.rows for c in commits),
-            "tokens": sum(c.tokens for c in commits),
-            "weight_versions": sorted({c.weight_version for c in commits}),
-        }
+        run_stats[name] = dataclasses.asdict(commit_log.totals(conn, name))
     now = time.time()
     # Counts and ids without RQ's cleanup: looking at the status must not retry abandoned jobs.
     failed_ids = failed.get_job_ids(0, FAILURES_SHOWN - 1, cleanup=False)

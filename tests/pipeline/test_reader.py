@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pytest
 import redis
 
-from pipeline import commit_log
+from pipeline import commit_log, keys
 from pipeline.errors import PipelineError
 from pipeline.reader import (
     all_of,
@@ -152,6 +152,23 @@ def test_dedupes_through_the_commit_log(tmp_path: Path, redis_client: redis.Redi
     assert pc.count_distinct(table.column("rollout_id")).as_py() == table.num_rows
     with pytest.raises(PipelineError, match="run name"):
         read_rollouts(output, conn=redis_client)
+
+
+def test_run_totals_count_each_job_once_at_its_latest_commit(redis_client: redis.Redis) -> None:
+    def commit(job: str, rows: int, version: int) -> None:
+        commit_log.append(redis_client, "totals", commit_log.Commit(
+            job_id=job, batch_id="b", url=f"file:///x/{job}", rows=rows, tokens=rows * 10, weight_version=version))
+
+    commit("j0", 4, 1)
+    commit("j1", 0, 1)
+    commit("j2", 3, 2)
+    commit("j0", 5, 3)  # j0 re-run on newer weights: its v1 commit no longer counts
+    assert commit_log.totals(redis_client, "totals") == commit_log.RunTotals(3, 8, 80, [1, 2, 3])
+    commit("j1", 2, 3)  # the last v1 job moves on too
+    assert commit_log.totals(redis_client, "totals") == commit_log.RunTotals(3, 10, 100, [2, 3])
+    # What the stream says, deduplicated, agrees; a run committed before totals existed reads that.
+    redis_client.delete(keys.run_totals("totals"))
+    assert commit_log.totals(redis_client, "totals") == commit_log.RunTotals(3, 10, 100, [2, 3])
 
 
 def test_reads_from_an_fsspec_memory_url() -> None:
