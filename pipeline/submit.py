@@ -1,4 +1,5 @@
-"""Submitting requests: group into batch jobs and enqueue them all in one Redis transaction."""
+"""Submitting requests: group them into batch jobs, stage each job's prompt ids as it fills,
+and enqueue every job in one Redis transaction (all of a submit or none of it)."""
 
 from __future__ import annotations
 
