@@ -126,3 +126,16 @@ def test_a_missing_file_or_an_unreachable_redis_is_a_clear_error(tmp_path: Path,
                           env={**pipeline_env, "PIPELINE_REDIS_RECONNECT_S": "1"}, capture_output=True, text=True)
     assert down.returncode == 1 and "cannot reach Redis" in down.stderr and "nothing was done" in down.stderr
     assert "Traceback" not in missing.stderr + down.stderr
+
+
+def test_vocab_size_flag_refuses_ids_outside_the_vocabulary(
+    tmp_path: Path, pipeline_env: dict[str, str], redis_client: redis.Redis
+) -> None:
+    big = json.dumps({**GOOD, "id": "big", "input_ids": [1, 9]})
+    path = write_lines(tmp_path / "rollouts.jsonl", [*good_lines(70), big])
+    result = subprocess.run([*PIPELINE, "submit", str(path), "--vocab-size", "4", "--batch-size", "8"],
+                            env=pipeline_env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert f"{path}:71: input_ids: token id 9 is outside the model's vocabulary of 4" in result.stderr
+    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+    assert redis_client.keys(f"{keys.PREFIX}:prompts:*") == []  # 8 jobs' ids were staged, then deleted
