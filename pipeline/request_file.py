@@ -463,11 +463,3 @@ def read_request_lines(
     """Read a JSONL file of request lines, prompt ids kept as arrays; all valid, or `RequestFileError`."""
     with open(path, "rb") as handle:
         return parse_request_lines(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
-
-
-def read_request_file(
-    path: str | Path, *, vocab_size: int | None = None,
-    renderer: Callable[[str | bytes], str | bytes | dict] | None = None,
-) -> list[RolloutRequest]:
-    """Read a JSONL file of request lines; all valid, or `RequestFileError` and nothing."""
-    return [request.to_request() for request in read_request_lines(path, vocab_size=vocab_size, renderer=renderer)]

@@ -22,7 +22,6 @@ from pipeline.request_file import (
     _fast_parse,
     parse_lines,
     parse_request_lines,
-    read_request_file,
     read_request_lines,
     validation_errors,
 )
@@ -180,8 +179,10 @@ def test_parsed_lines_submit_the_same_jobs_as_models(redis_client: redis.Redis, 
              for i in range(5)]
     path = tmp_path / "r.jsonl"
     path.write_text("\n".join(lines) + "\n")
+    parsed = read_request_lines(path)
+    models = [r.to_request() for r in parsed]
     plans = [submit_requests(redis_client, requests, run=f"same{k}", output="memory://x", batch_size=2)
-             for k, requests in enumerate([read_request_lines(path), read_request_file(path)])]
+             for k, requests in enumerate([parsed, models])]
     assert plans[0].samples == plans[1].samples == 7
     queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
     jobs = {job.id: job for job in queue.get_jobs()}
