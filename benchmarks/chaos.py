@@ -46,24 +46,17 @@ from pipeline.redis_server import RedisServer  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 from schemas.worker_info import Capabilities  # noqa: E402
-from workers.engines.base import EngineDescription, Finish, SampleOutput  # noqa: E402
+from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput  # noqa: E402
 
 
-class ChaosEngine:
+class ChaosEngine(EngineIdentity):
     """Sample i of a request emits `max_new_tokens` copies of (i + 1) after `job_s` per batch."""
 
     def __init__(self, job_s: float) -> None:
         self.job_s = job_s
+        self._weight_version = 0
         self._description = EngineDescription(name="chaos", model="chaos", has_tokenizer=False,
                                                capabilities=Capabilities(vocab_size=1000))
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return 0
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
         time.sleep(self.job_s)

@@ -28,33 +28,25 @@ from pipeline import control, registry
 from pipeline.redis_server import RedisServer
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, Finish, SampleOutput
+from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
 
 PING_CHANNEL = "bench:ping"
 
 
-class NullEngine:
+class NullEngine(EngineIdentity):
     """Generates nothing useful; a weight load sleeps `load_s` (the engine's own load time)."""
 
     def __init__(self, load_s: float) -> None:
         self.load_s = load_s
-        self._version = 0
+        self._weight_version = 0
         self._description = EngineDescription(name="null", model="null", capabilities=Capabilities())
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
         return [[SampleOutput(token_ids=np.zeros(0, np.int32), finish=Finish("length"))] for _ in requests]
 
     def update_weights(self, path: str, version: int) -> None:
         time.sleep(self.load_s)
-        self._version = version
+        self._weight_version = version
 
     def close(self) -> None:
         pass

@@ -9,10 +9,10 @@ import numpy as np
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, Finish, SampleOutput
+from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
 
 
-class FakeEngine:
+class FakeEngine(EngineIdentity):
     """Sample i of a request emits max_new_tokens copies of (i + 1); logprob -0.5 each."""
 
     def __init__(self, *, delay_s: float = 0.0, weight_version: int = 0, max_top_logprobs: int = 0) -> None:
@@ -26,14 +26,6 @@ class FakeEngine:
         self.calls: list[list[str]] = []
         self.updates: list[tuple[str, int]] = []
         self.update_delay_s = 0.0
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
         self.calls.append([r.id for r in requests])

@@ -57,6 +57,22 @@ class EngineDescription:
     has_tokenizer: bool = True
 
 
+class EngineIdentity:
+    """What every engine reports from its own state: `description` from `_description` and
+    `weight_version` from `_weight_version` (set by the constructor, again by `update_weights`)."""
+
+    _description: EngineDescription
+    _weight_version: int
+
+    @property
+    def description(self) -> EngineDescription:
+        return self._description
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+
 class Engine(Protocol):
     """One loaded inference engine. Loads once, serves many batches."""
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, Finish, SampleOutput
+from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
 from workers.engines.hf_routing import RoutingCapture
 from workers.engines.seeds import sample_seed
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
@@ -34,7 +34,7 @@ from workers.errors import EngineUnavailableError, UnsupportedRequestError
 DEFAULT_MAX_BATCH_SEQUENCES = 64
 
 
-class HFEngine:
+class HFEngine(EngineIdentity):
     """A transformers causal LM loaded once from a local directory."""
 
     def __init__(
@@ -93,14 +93,6 @@ class HFEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     def update_weights(self, path: str, version: int) -> None:
         """Reload the model from `path` (same architecture and vocabulary); keep the old one on failure."""

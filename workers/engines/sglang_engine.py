@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, SampleOutput
+from workers.engines.base import EngineDescription, EngineIdentity, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
 from workers.engines.sglang_mapping import GenerateCall, parse_call_results, run_batch
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
@@ -35,7 +35,7 @@ def _import_sglang() -> Any:
     return sglang
 
 
-class SGLangEngine:
+class SGLangEngine(EngineIdentity):
     """A `sglang.Engine` loaded once in this process."""
 
     def __init__(
@@ -85,14 +85,6 @@ class SGLangEngine:
     @property
     def engine(self) -> Any:
         return self._engine
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run on the engine's loop; if interrupted, cancel the batch before re-raising."""

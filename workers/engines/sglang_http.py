@@ -22,7 +22,7 @@ import httpx
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines.async_bridge import AsyncBridge
-from workers.engines.base import EngineDescription, SampleOutput
+from workers.engines.base import EngineDescription, EngineIdentity, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
 from workers.engines.sglang_client import RetryPolicy, SGLangClient, error_message
 from workers.engines.sglang_mapping import GenerateCall, parse_call_results, parse_weight_version, run_batch
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class SGLangHTTPEngine:
+class SGLangHTTPEngine(EngineIdentity):
     """One worker's view of one or more SGLang servers (or a router in front of them)."""
 
     def __init__(
@@ -102,14 +102,6 @@ class SGLangHTTPEngine:
     @property
     def client(self) -> SGLangClient:
         return self._client
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
         # All or nothing: the first bad answer cancels (and aborts) the rest of the batch.

@@ -27,7 +27,7 @@ import numpy as np
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, Finish, SampleOutput
+from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
 
 # The standard normal quantile of 0.99: p99 = median * exp(sigma * Z99).
 Z99 = 2.3263478740408408
@@ -116,7 +116,7 @@ def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weig
                         prompt_logprobs=prompt_lp, weight_version=weight_version)
 
 
-class SimEngine:
+class SimEngine(EngineIdentity):
     """A continuous-batching engine in simulation: slots, steps, a waiting queue."""
 
     def __init__(self, config: SimConfig | None = None) -> None:
@@ -144,14 +144,6 @@ class SimEngine:
             self._thread.start()
 
     # -- Engine protocol --------------------------------------------------------------------
-
-    @property
-    def description(self) -> EngineDescription:
-        return self._description
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     @property
     def capacity(self) -> int:
