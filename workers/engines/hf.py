@@ -340,15 +340,23 @@ class _Rows:
         def column(values: list[float], dtype: Any = torch.float32) -> Any:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        self.greedy = column([p.greedy for p in every], torch.bool)
         self.temperature = column([1.0 if p.greedy else p.temperature for p in every])
         self.repetition = column([p.repetition_penalty for p in every])
         self.frequency = column([p.frequency_penalty for p in every])
         self.presence = column([p.presence_penalty for p in every])
         self.min_new_tokens = column([p.min_new_tokens for p in every], torch.long)
-        self.top_k = column([p.top_k if 0 < p.top_k < vocab else vocab for p in every], torch.long)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in every]
+        self.top_k = column(top_k, torch.long)
         self.top_p = column([p.top_p for p in every])
         self.min_p = column([p.min_p for p in every])
+        # What every decode step would otherwise work out again from the same parameters.
+        self.sampled_rows = [row for row, p in enumerate(every) if not p.greedy]
+        self.deepest_top_k = max((k for k in top_k if k < vocab), default=0)  # 0: no row limits top-k
+        self.any_repetition = any(p.repetition_penalty != 1.0 for p in every)
+        self.any_frequency = any(p.frequency_penalty for p in every)
+        self.any_presence = any(p.presence_penalty for p in every)
+        self.any_top_p = any(p.top_p < 1.0 for p in every)
+        self.any_min_p = any(p.min_p > 0 for p in every)
         self.stop_mask = None
         if any(p.min_new_tokens for p in every):
             self.stop_mask = torch.zeros((self.count, vocab), dtype=torch.bool, device=device)
@@ -359,13 +367,13 @@ class _Rows:
     def penalise(self, logits: Any, counts: Any, seen: Any, step: int) -> Any:
         torch = self._torch
         scores = logits
-        if bool((self.repetition != 1.0).any()):
+        if self.any_repetition:
             rep = self.repetition[:, None]
             penalised = torch.where(scores > 0, scores / rep, scores * rep)
             scores = torch.where(seen & (rep != 1.0), penalised, scores)
-        if bool((self.frequency != 0).any()):
+        if self.any_frequency:
             scores = scores - self.frequency[:, None] * counts
-        if bool((self.presence != 0).any()):
+        if self.any_presence:
             scores = scores - self.presence[:, None] * (counts > 0).float()
         if self.stop_mask is not None:
             early = (self.min_new_tokens > step)[:, None] & self.stop_mask
@@ -378,10 +386,9 @@ class _Rows:
         the filtered distribution with the row's own generator."""
         torch = self._torch
         chosen = torch.argmax(scores, dim=-1)
-        sampled = [row for row in range(self.count) if not bool(self.greedy[row])]
-        if sampled:
+        if self.sampled_rows:
             probs = self._filtered_probs(logprobs)
-            for row in sampled:
+            for row in self.sampled_rows:
                 chosen[row] = torch.multinomial(probs[row], 1, generator=self.generators[row])[0]
         return chosen
 
@@ -390,19 +397,18 @@ class _Rows:
         torch = self._torch
         probs = logprobs.exp()
         vocab = probs.shape[-1]
-        if bool((self.top_k < vocab).any()):
-            limited = self.top_k < vocab
-            deepest = int(self.top_k[limited].max())
+        if self.deepest_top_k:
+            deepest = self.deepest_top_k
             top = torch.topk(probs, deepest, dim=-1).values  # the k-th largest of every limited row is here
             kth = top.gather(1, (self.top_k.clamp(max=deepest) - 1)[:, None])
-            probs = torch.where(limited[:, None] & (probs < kth), torch.zeros_like(probs), probs)
-        if bool((self.top_p < 1.0).any()):
+            probs = torch.where((self.top_k < vocab)[:, None] & (probs < kth), torch.zeros_like(probs), probs)
+        if self.any_top_p:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)
             drop_sorted = ((cumulative - sorted_probs) > self.top_p[:, None]) & (self.top_p < 1.0)[:, None]
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = torch.where(drop, torch.zeros_like(probs), probs)
-        if bool((self.min_p > 0).any()):
+        if self.any_min_p:
             floor = probs.max(dim=-1, keepdim=True).values * self.min_p[:, None]
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
         return probs / probs.sum(dim=-1, keepdim=True)
