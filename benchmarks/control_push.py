@@ -115,19 +115,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8])
     args = parser.parse_args()
     mp.set_start_method("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp) / "redis", port=0)
-        url = server.ensure_started()
-        try:
-            version = 1
-            print(f"{'workers':>7}  {'push overhead (median)':>22}  {'pub/sub ping (median)':>21}  ratio")
-            for count in args.workers:
-                overheads, pings = measure(url, count, args.pushes, args.load_ms / 1000, version)
-                version += args.pushes
-                o, p = statistics.median(overheads) * 1000, statistics.median(pings) * 1000
-                print(f"{count:>7}  {o:>19.1f} ms  {p:>18.1f} ms  {o / p:5.1f}x")
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
+        url = server.url
+        version = 1
+        print(f"{'workers':>7}  {'push overhead (median)':>22}  {'pub/sub ping (median)':>21}  ratio")
+        for count in args.workers:
+            overheads, pings = measure(url, count, args.pushes, args.load_ms / 1000, version)
+            version += args.pushes
+            o, p = statistics.median(overheads) * 1000, statistics.median(pings) * 1000
+            print(f"{count:>7}  {o:>19.1f} ms  {p:>18.1f} ms  {o / p:5.1f}x")
 
 
 if __name__ == "__main__":

@@ -77,16 +77,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=1.0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp) / "redis", port=0)
-        server.ensure_started()
-        try:
-            conn = redis.Redis.from_url(server.url)
-            output = f"file://{tmp}/shards"
-            ours = [run(conn, output, args.jobs, args.step_ms / 1000, True, r) for r in range(args.repeats)]
-            base = [run(conn, output, args.baseline_jobs, args.step_ms / 1000, False, r) for r in range(args.repeats)]
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
+        conn = redis.Redis.from_url(server.url)
+        output = f"file://{tmp}/shards"
+        ours = [run(conn, output, args.jobs, args.step_ms / 1000, True, r) for r in range(args.repeats)]
+        base = [run(conn, output, args.baseline_jobs, args.step_ms / 1000, False, r) for r in range(args.repeats)]
     ours_m = statistics.median(u for u, _, _ in ours)
     base_m = statistics.median(u for u, _, _ in base)
     print(f"occupancy: {ours_m:.1%} busy (median of {args.repeats}; {args.jobs} jobs x {REQUESTS_PER_JOB} requests, "

@@ -65,20 +65,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp) / "redis", port=0)
-        server.ensure_started()
-        try:
-            conn = redis.Redis.from_url(server.url)
-            path = Path(tmp) / "rollouts.jsonl"
-            make_file(path, args.requests, args.prompt_len)
-            ours = [bench_pipeline(conn, path) for _ in range(args.repeats)]
-            info = conn.info("memory")
-            tokens = args.requests * args.prompt_len
-            per_token = info["used_memory"] / tokens
-            base = [bench_baseline(conn, path) for _ in range(args.repeats)]
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
+        conn = redis.Redis.from_url(server.url)
+        path = Path(tmp) / "rollouts.jsonl"
+        make_file(path, args.requests, args.prompt_len)
+        ours = [bench_pipeline(conn, path) for _ in range(args.repeats)]
+        info = conn.info("memory")
+        tokens = args.requests * args.prompt_len
+        per_token = info["used_memory"] / tokens
+        base = [bench_baseline(conn, path) for _ in range(args.repeats)]
     ours_m, base_m = statistics.median(ours), statistics.median(base)
     print(f"submit: {ours_m:,.0f} requests/s (median of {args.repeats}; {args.requests} x {args.prompt_len}-token "
           f"prompts, validated, batch 64)")

@@ -115,21 +115,16 @@ def main() -> None:
     engine = SimEngine(SimConfig(median_tokens=300, p99_tokens=4000))
     context.install(context.WorkerContext(worker_id="bench-worker", engine=engine))
     jobs = make_jobs(engine, args.jobs)
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp) / "redis", port=0)
-        server.ensure_started()
-        try:
-            conn = redis.Redis.from_url(server.url)
-            rates = []
-            for r in range(args.repeats):
-                rate, tokens = ours(jobs, f"file://{tmp}/shards-{r}", conn)
-                rates.append(rate)
-            per_token, per_token_all = footprint(Path(tmp) / "shards-0")
-            (Path(tmp) / "json").mkdir()
-            base = [baseline(jobs, Path(tmp) / "json") for _ in range(args.repeats)]
-            json_bytes = sum(p.stat().st_size for p in (Path(tmp) / "json").iterdir()) / tokens
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
+        conn = redis.Redis.from_url(server.url)
+        rates = []
+        for r in range(args.repeats):
+            rate, tokens = ours(jobs, f"file://{tmp}/shards-{r}", conn)
+            rates.append(rate)
+        per_token, per_token_all = footprint(Path(tmp) / "shards-0")
+        (Path(tmp) / "json").mkdir()
+        base = [baseline(jobs, Path(tmp) / "json") for _ in range(args.repeats)]
+        json_bytes = sum(p.stat().st_size for p in (Path(tmp) / "json").iterdir()) / tokens
     ours_m, base_m = statistics.median(rates), statistics.median(base)
     print(f"worker overhead: {ours_m / 1e6:.2f} M completion tokens/s (median of {args.repeats}; engine output -> "
           f"committed Parquet shard, one core, logprobs; {args.jobs} jobs x {REQUESTS_PER_JOB * N} rows, "

@@ -164,6 +164,14 @@ class RedisServer:
         if anonymous.is_running():
             anonymous.stop()
 
+    def __enter__(self) -> RedisServer:
+        """Started for a `with` block and stopped after it (benchmarks, tools)."""
+        self.ensure_started()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> bool:
         """Shut the server down (saving its data); False if none was running."""
         if not self.is_running():
