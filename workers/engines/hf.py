@@ -1,13 +1,15 @@
 """The `hf` engine: transformers on CPU (or GPU), the embedded default and the test engine.
 
-It decodes token by token with a KV cache, so generation really ends at the first stop
-(string or token id), and computes logprobs with SGLang's semantics: log-softmax of the
-(penalised) logits divided by the temperature, before top-k/top-p/min-p filtering; plain
-log-softmax for greedy requests. A job's requests are decoded together: every sample of every
-request is a row of one left-padded batch (attention mask and explicit position ids), up to
-`max_batch_sequences` rows, each row with its own request's sampling parameters and its own
-generator seeded from (seed, sample index). Batched matmuls may round differently from a lone
-request's, as in any batching engine (SGLang included).
+It decodes token by token with a KV cache, so generation really ends at the first stop (string
+or token id), and computes logprobs with SGLang's semantics: log-softmax of the (penalised)
+logits divided by the temperature, before top-k/top-p/min-p filtering; plain log-softmax for
+greedy requests. Penalties count generated tokens only (never the prompt's), additive ones
+before repetition scaling, as SGLang's penalizers under its overlap scheduler. A job's requests
+are decoded together: every sample of every request is a row of one left-padded batch (attention
+mask and explicit position ids), up to `max_batch_sequences` rows, each row with its own
+request's sampling parameters and its own generator seeded from (seed, sample index). Batched
+matmuls may round differently from a lone request's, as in any batching engine (SGLang
+included).
 
 For mixture-of-experts models it captures routed experts (`return_routed_experts`) with
 forward hooks on the routers (`workers.engines.hf_routing`), in SGLang's layout: start 0,
@@ -188,9 +190,8 @@ class HFEngine(EngineIdentity):
         if routing is not None:
             routing.step()
 
+        # How often each row generated each token: penalties count generated tokens only, as SGLang's.
         counts = torch.zeros((rows.count, self.vocab_size), dtype=torch.float32, device=device)
-        seen = torch.zeros((rows.count, self.vocab_size), dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt, mask.bool())  # the prompt's own tokens (pads excluded)
         tokens: list[list[int]] = [[] for _ in range(rows.count)]
         logprobs: list[list[float]] = [[] for _ in range(rows.count)]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(rows.count)]
@@ -199,7 +200,7 @@ class HFEngine(EngineIdentity):
         last_position = positions[:, -1:]
 
         for step in range(max(r.sampling_params.max_new_tokens for r in requests)):
-            scores = rows.penalise(logits, counts, seen, step)
+            scores = rows.penalise(logits, counts, step)
             step_logprobs = torch.log_softmax(scores / rows.temperature[:, None], dim=-1)
             chosen = rows.sample(scores, step_logprobs)
             chosen_logprobs = step_logprobs.gather(1, chosen[:, None])[:, 0]
@@ -220,7 +221,6 @@ class HFEngine(EngineIdentity):
                     tops[row].append(list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist(), strict=True)))
                 finishes[row] = self._check_finish(tokens[row], params, rows.token_stops[row])
             counts.scatter_add_(1, chosen[:, None], torch.ones((rows.count, 1), device=device))
-            seen[torch.arange(rows.count, device=device), chosen] = True
             if all(f is not None for f in finishes):
                 break
             mask = torch.cat([mask, torch.ones((rows.count, 1), dtype=mask.dtype, device=device)], dim=1)
@@ -314,9 +314,10 @@ class _Rows:
     """The per-sample (row) sampling parameters of a batch, as tensors, and their vectorised use.
 
     Each row follows its own request's parameters exactly as SGLang's sampler would for that
-    request alone: penalties on the raw logits, logprobs from log-softmax of the penalised
-    logits over the temperature (plain for greedy rows), then top-k, top-p and min-p filtering
-    of the probabilities; each row draws from its own generator seeded from (seed, sample index).
+    request alone: penalties (from generated tokens) on the raw logits, logprobs from
+    log-softmax of the penalised logits over the temperature (plain for greedy rows), then
+    top-k, top-p and min-p filtering of the probabilities; each row draws from its own
+    generator seeded from (seed, sample index).
     """
 
     def __init__(self, requests: Sequence[RolloutRequest], hidden_stops: frozenset[int], vocab: int,
@@ -364,13 +365,12 @@ class _Rows:
                 if stops:
                     self.stop_mask[row, [t for t in stops if t < vocab]] = True
 
-    def penalise(self, logits: Any, counts: Any, seen: Any, step: int) -> Any:
+    def penalise(self, logits: Any, counts: Any, step: int) -> Any:
+        """SGLang's penalties from the tokens each row generated so far (never the prompt's):
+        the additive ones first (frequency x count, presence once, min_new_tokens' -inf on stop
+        tokens), then repetition scaling (divide positive logits, multiply negative ones)."""
         torch = self._torch
         scores = logits
-        if self.any_repetition:
-            rep = self.repetition[:, None]
-            penalised = torch.where(scores > 0, scores / rep, scores * rep)
-            scores = torch.where(seen & (rep != 1.0), penalised, scores)
         if self.any_frequency:
             scores = scores - self.frequency[:, None] * counts
         if self.any_presence:
@@ -379,6 +379,10 @@ class _Rows:
             early = (self.min_new_tokens > step)[:, None] & self.stop_mask
             if bool(early.any()):
                 scores = scores.masked_fill(early, float("-inf"))
+        if self.any_repetition:
+            rep = self.repetition[:, None]
+            penalised = torch.where(scores < 0, scores * rep, scores / rep)
+            scores = torch.where((counts > 0) & (rep != 1.0), penalised, scores)
         return scores
 
     def sample(self, scores: Any, logprobs: Any) -> Any:
