@@ -17,6 +17,7 @@ import redis
 
 from pipeline.control import WeightPushError
 from pipeline.errors import JobsFailedError, PipelineError
+from schemas.control import SWAP_MODES
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -94,8 +95,8 @@ def _cmd_weights_push(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
     result = connect(args.redis).push_weights(args.path, version=args.version, timeout=args.timeout,
-                                              force=args.force)
-    print(f"weights v{result.version} from {result.path}: {len(result.acks)} worker(s) acknowledged "
+                                              force=args.force, mode=args.mode)
+    print(f"weights v{result.version} from {result.path} ({args.mode}): {len(result.acks)} worker(s) acknowledged "
           f"in {result.seconds:.2f} s")
     for ack in result.acks:
         print(f"  {ack.worker}: ok ({ack.seconds:.2f} s)")
@@ -164,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, required=True, help="the new weight version (newer than the current)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for acknowledgements (default 600)")
     p.add_argument("--force", action="store_true", help="allow a version not newer than the current one")
+    p.add_argument("--mode", choices=SWAP_MODES, default="drain",
+                   help="drain (default): samples in flight finish on the old weights first; partial: they "
+                        "stop at the next step and continue on the new weights, each token keeping its version")
     p.set_defaults(func=_cmd_weights_push)
 
     p = sub.add_parser("redis", help="the embedded Redis server")

@@ -15,7 +15,7 @@ from pipeline.errors import LineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower
 from pipeline.request_file import ParsedRequest, validation_errors
 from pipeline.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_file, submit_requests
-from schemas.control import DesiredState
+from schemas.control import DesiredState, SwapMode
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
 
@@ -106,13 +106,17 @@ class Client:
         version: int,
         timeout: float | None = control.DEFAULT_PUSH_TIMEOUT_S,
         force: bool = False,
+        mode: SwapMode = "drain",
     ) -> control.PushResult:
-        """Every worker loads `path` as `version` between batches; returns when all live workers acked.
+        """Every worker loads `path` as `version`; returns when all live workers acked.
+
+        `mode="drain"` (default) swaps between batches; `mode="partial"` stops the samples in
+        flight, loads, and continues them on the new weights (README "Swapping weights").
 
         Raises `WeightVersionError` for a version not newer than the current one (unless
         `force`) and `WeightPushError` naming the workers that failed or timed out.
         """
-        return control.push_weights(self.conn, path, version, timeout=timeout, force=force)
+        return control.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode)
 
     def follow(
         self,

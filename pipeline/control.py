@@ -28,8 +28,10 @@ from pipeline.errors import PipelineError
 from pipeline.security import check_weight_path, control_secret
 from schemas.control import (
     DESIRED_STATE_PURPOSE,
+    SWAP_MODES,
     ControlMessageError,
     DesiredState,
+    SwapMode,
     WeightAck,
     ack_purpose,
     decode,
@@ -184,14 +186,20 @@ def push_weights(
     *,
     timeout: float | None = DEFAULT_PUSH_TIMEOUT_S,
     force: bool = False,
+    mode: SwapMode = "drain",
 ) -> PushResult:
-    """Make every worker load `path` as `version` between batches; wait for all live workers' acks.
+    """Make every worker load `path` as `version`; wait for all live workers' acks.
 
+    `mode` "drain" (the default) loads between batches: every sample in flight finishes on the
+    old weights first. "partial" stops the samples in flight at their next step, loads, and
+    continues them on the new weights (each token keeps the version that generated it).
     Raises `WeightVersionError` if `version` is not newer than the current one (unless
     `force`), and `WeightPushError` naming the workers that failed or did not answer in time.
     """
     if version < 0:
         raise WeightVersionError(f"weight version must be >= 0, got {version}")
+    if mode not in SWAP_MODES:
+        raise PipelineError(f"swap mode must be one of {', '.join(SWAP_MODES)}, not {mode!r}")
     check_weight_path(str(path))
 
     def update(state: DesiredState) -> DesiredState:
@@ -200,7 +208,7 @@ def push_weights(
                 f"weight version {version} is not newer than the current version {state.weight_version}; "
                 "push a higher version or pass force"
             )
-        return state.model_copy(update={"weight_version": version, "weight_path": str(path)})
+        return state.model_copy(update={"weight_version": version, "weight_path": str(path), "swap_mode": mode})
 
     started = time.monotonic()
     # A fresh push collects fresh acknowledgements.

@@ -9,7 +9,12 @@ Every sequence is the prompt followed by the completion. Per position `t` of a s
 - `old_logprobs[t]`: the engine's logprob of `input_ids[t]` where it is a completion token
   (0 elsewhere, and 0 for rows stored without logprobs). A causal LM predicts token `t` from
   position `t - 1`, so compare `logits[:, :-1]` with `input_ids[:, 1:]`, `loss_mask[:, 1:]`
-  and `old_logprobs[:, 1:]`.
+  and `old_logprobs[:, 1:]`;
+- `token_weight_version[t]` (int64): the weight version that generated `input_ids[t]` where it
+  is a completion token, -1 elsewhere. A row continued across a partial weight swap has several
+  (`weight_version_segments`); `old_logprobs[t]` is always the logprob under this version (the
+  behaviour policy of that token), so staleness per token is `current_version -
+  token_weight_version` on the loss mask.
 
 Layouts: `padded` gives `[B, T]` tensors, right-padded with `pad_id`, plus `attention_mask`
 (bool, True on real tokens; Hugging Face models take it as is, `.long()` for others);
@@ -58,9 +63,12 @@ TableLike = pa.Table | pa.RecordBatch
 
 # The columns the collate reads; `request_id` only for grouping.
 TENSOR_COLUMNS = ["prompt_token_ids", "completion_token_ids", "completion_logprobs", "weight_version"]
+# Read when present (shards written before per-token versions lack it: every token is `weight_version`).
+SEGMENTS_COLUMN = "weight_version_segments"
 GROUP_COLUMN = "request_id"
 
 __all__ = [
+    "SEGMENTS_COLUMN",
     "TENSOR_COLUMNS",
     "RolloutBatches",
     "collate_rollouts",
@@ -165,6 +173,43 @@ def _logprob_rows(
     return has
 
 
+def _token_versions(rows: TableLike, weight_version: np.ndarray, completion_lengths: np.ndarray) -> _ListParts:
+    """Every completion token's weight version, flat in row order, from the run-length segments
+    (a null row, or a table without the column: all tokens from the row's `weight_version`)."""
+    n_rows = len(weight_version)
+    seg_rows = np.arange(n_rows, dtype=np.int64)
+    seg_starts = np.zeros(n_rows, dtype=np.int64)
+    seg_versions = weight_version.astype(np.int64, copy=True)
+    if SEGMENTS_COLUMN in rows.schema.names and n_rows:
+        column = rows.column(SEGMENTS_COLUMN)
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        if column.null_count < n_rows:
+            counts = np.diff(column.offsets.to_numpy()).astype(np.int64)
+            if column.null_count:
+                counts = np.where(column.is_valid().to_numpy(zero_copy_only=False), counts, 0)
+            flat = column.flatten()
+            starts = flat.field("start").to_numpy(zero_copy_only=False).astype(np.int64)
+            versions = flat.field("version").to_numpy(zero_copy_only=False).astype(np.int64)
+            segmented = counts > 0
+            keep = ~segmented  # rows whose one version is `weight_version`
+            seg_rows = np.concatenate([seg_rows[keep], np.repeat(np.arange(n_rows), counts)])
+            seg_starts = np.concatenate([seg_starts[keep], starts])
+            seg_versions = np.concatenate([seg_versions[keep], versions])
+            order = np.lexsort((seg_starts, seg_rows))
+            seg_rows, seg_starts, seg_versions = seg_rows[order], seg_starts[order], seg_versions[order]
+    ends = np.empty_like(seg_starts)
+    ends[:-1] = np.where(seg_rows[1:] == seg_rows[:-1], seg_starts[1:], completion_lengths[seg_rows[:-1]])
+    if ends.size:
+        ends[-1] = completion_lengths[seg_rows[-1]]
+    spans = ends - seg_starts
+    if np.any(spans < 0) or np.any(seg_starts[spans == 0] != 0):
+        row = int(seg_rows[np.flatnonzero((spans < 0) | ((spans == 0) & (seg_starts != 0)))[0]])
+        raise PipelineError(f"row {row}: weight_version_segments do not fit its completion; the shard is inconsistent")
+    values = np.repeat(seg_versions, np.maximum(spans, 0))
+    return _ListParts([values], [0], completion_lengths, None)
+
+
 def _routed_experts(
     rows: TableLike, lengths: np.ndarray, mask_of: Any, row_span: np.ndarray, total_shape: tuple[int, ...]
 ) -> dict[str, torch.Tensor]:
@@ -255,6 +300,9 @@ def collate_rollouts(
         old_logprobs.fill(0.0)
         lp_mask = completion_mask if logprobs.valid is None else completion_mask & has_lp[:, None]
         _fill(old_logprobs, lp_mask, logprobs, span)
+        token_versions = _empty((n_rows, width), np.int64)
+        token_versions.fill(-1)
+        _fill(token_versions, completion_mask, _token_versions(rows, weight_version, c), span)
         routed = (
             _routed_experts(
                 rows, lengths, lambda first, stop: (positions >= first[:, None]) & (positions < stop[:, None]),
@@ -267,6 +315,7 @@ def collate_rollouts(
             "attention_mask": torch.from_numpy(attention),
             "loss_mask": torch.from_numpy(completion_mask),
             "old_logprobs": torch.from_numpy(old_logprobs),
+            "token_weight_version": torch.from_numpy(token_versions),
             **routed,
             **common,
         }
@@ -285,6 +334,8 @@ def collate_rollouts(
             else completion_mask & np.repeat(has_lp, lengths)
         )
         _fill(old_logprobs, lp_mask, logprobs, cu_seqlens)
+        token_versions = np.full(total, -1, dtype=np.int64)
+        _fill(token_versions, completion_mask, _token_versions(rows, weight_version, c), cu_seqlens)
         routed = (
             _routed_experts(
                 rows, lengths,
@@ -301,6 +352,7 @@ def collate_rollouts(
             "position_ids": torch.from_numpy(position_ids).unsqueeze(0),
             "loss_mask": torch.from_numpy(completion_mask).unsqueeze(0),
             "old_logprobs": torch.from_numpy(old_logprobs).unsqueeze(0),
+            "token_weight_version": torch.from_numpy(token_versions).unsqueeze(0),
             "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
             "max_seqlen": int(lengths.max()) if n_rows else 0,
             **routed,
@@ -401,6 +453,8 @@ class RolloutBatches(IterableDataset):
 
     def _columns(self) -> list[str]:
         wanted = [*TENSOR_COLUMNS, *self.extra_columns]
+        if SEGMENTS_COLUMN in self.dataset.schema.names:
+            wanted.append(SEGMENTS_COLUMN)
         if self.routed_experts:
             wanted.extend(ROUTED_EXPERTS_COLUMNS)
         if self.group_by_request:

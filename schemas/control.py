@@ -12,12 +12,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 MAX_RECORD_BYTES = 64 * 1024
 DESIRED_STATE_PURPOSE = "desired-state"
+
+# How a worker swaps weights with samples in flight: `drain` lets every sample finish on the old
+# weights first; `partial` stops them at the next step, loads, and continues them on the new ones.
+SwapMode = Literal["drain", "partial"]
+SWAP_MODES: tuple[SwapMode, ...] = ("drain", "partial")
 
 
 class DesiredState(BaseModel):
@@ -30,6 +35,8 @@ class DesiredState(BaseModel):
     weight_version: Annotated[StrictInt, Field(ge=0)] = 0
     # None: the weights the worker was started with.
     weight_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)] | None = None
+    # How the push of `weight_version` swaps: see `SwapMode`.
+    swap_mode: SwapMode = "drain"
 
 
 class WeightAck(BaseModel):

@@ -13,6 +13,7 @@ An output that breaks an invariant raises `ContractViolation`; it never becomes 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -126,3 +127,35 @@ def check_sample(request: RolloutRequest, sample: SampleOutput) -> None:
             raise ContractViolation(
                 f"{who}: prompt logprobs must be one per prompt token with position 0 null"
             )
+
+
+def token_version_segments(request: RolloutRequest, sample: SampleOutput, job_version: int) -> list[tuple[int, int]]:
+    """The (start, version) runs of the sample's completion tokens, checked.
+
+    A sample without segments came from one version: the engine's report, which must be the
+    job's (in drain mode a batch never mixes versions). Segments (a sample continued across a
+    partial swap, `workers.continuation`) start at 0, ascend strictly within the completion,
+    and consecutive versions differ.
+    """
+    who = f"request {request.id!r}"
+    segments = sample.version_segments
+    if segments is None:
+        version = job_version if sample.weight_version is None else sample.weight_version
+        if version != job_version:
+            raise ContractViolation(
+                f"{who}: engine reports weight version {version}, the worker serves {job_version}"
+            )
+        return [(0, version)]
+    n_tokens = len(sample.token_ids)
+    starts = [start for start, _ in segments]
+    versions = [version for _, version in segments]
+    if (
+        not segments or starts[0] != 0 or any(b <= a for a, b in pairwise(starts))
+        or starts[-1] >= max(1, n_tokens) or any(v < 0 for v in versions)
+        or any(a == b for a, b in pairwise(versions))
+    ):
+        raise ContractViolation(
+            f"{who}: weight version segments {segments} do not cover {n_tokens} completion tokens as "
+            "runs starting at 0 with ascending starts and changing versions"
+        )
+    return list(segments)

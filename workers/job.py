@@ -91,13 +91,15 @@ def commit_batch(
     url = write_shard(table, job.output, job.run, job.job_id)
     tokens = int(table.column("completion_tokens").to_numpy().sum()) if table.num_rows else 0
     prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if table.num_rows else 0
+    # The oldest version of any token in the shard (the job's only one in drain mode).
+    oldest = int(table.column("weight_version").to_numpy().min()) if table.num_rows else batch.weight_version
     commit = commit_log.Commit(
         job_id=job.job_id,
         batch_id=job.batch_id,
         url=url,
         rows=table.num_rows,
         tokens=tokens,
-        weight_version=batch.weight_version,
+        weight_version=oldest,
     )
     if conn is not None:
         commit_log.append(conn, job.run, commit)
@@ -105,7 +107,7 @@ def commit_batch(
             # Done: the ids need only outlive a late duplicate of this job briefly.
             conn.expire(job.prompt_key, PROMPTS_AFTER_SUCCESS_TTL_S)
     return {"url": url, "rows": table.num_rows, "tokens": tokens, "prompt_tokens": prompt_tokens,
-            "weight_version": batch.weight_version, "seconds": (finished_at - batch.started_at).total_seconds()}
+            "weight_version": oldest, "seconds": (finished_at - batch.started_at).total_seconds()}
 
 
 def run_rollout_batch(payload: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from schemas.request import RolloutRequest
 from schemas.shard import shard_schema
-from workers.contracts import check_sample, resolve_finish, trim_stop_text
+from workers.contracts import check_sample, resolve_finish, token_version_segments, trim_stop_text
 from workers.engines.base import SampleOutput
 from workers.errors import ContractViolation
 
@@ -26,7 +26,7 @@ class RowContext:
     engine: str
     model: str
     worker_id: str
-    weight_version: int
+    weight_version: int  # the version serving when the job started (each row keeps its own tokens' versions)
     submitted_at: datetime
     started_at: datetime
     finished_at: datetime
@@ -92,11 +92,7 @@ def build_table(
         prompt = np.asarray(request.input_ids, dtype=np.int32)
         for index, sample in enumerate(samples):
             check_sample(request, sample)
-            if sample.weight_version is not None and sample.weight_version != ctx.weight_version:
-                raise ContractViolation(
-                    f"request {request.id!r}: engine reports weight version {sample.weight_version}, "
-                    f"the worker serves {ctx.weight_version}"
-                )
+            segments = token_version_segments(request, sample, ctx.weight_version)
             stop = resolve_finish(request, sample.finish)
             routed = sample.routed_experts if request.return_routed_experts else None
             tokens = np.asarray(sample.token_ids, dtype=np.int32)
@@ -121,6 +117,8 @@ def build_table(
                 None if routed is None else sample.routed_experts_start,
                 params.temperature, params.top_p, params.top_k, params.min_p, params.seed, params.max_new_tokens,
                 len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
+                min(v for _, v in segments),
+                None if len(segments) == 1 else [{"start": a, "version": v} for a, v in segments],
             )
             for name, value in zip(_PER_ROW, values, strict=True):
                 cols[name].append(value)
@@ -145,7 +143,7 @@ def build_table(
         arrays["routed_experts_shape"] = pa.nulls(rows, pa.list_(pa.int32()))
     constants = {
         "run": ctx.run, "job_id": ctx.job_id, "engine": ctx.engine, "model": ctx.model, "worker_id": ctx.worker_id,
-        "weight_version": ctx.weight_version, "submitted_at": ctx.submitted_at, "started_at": ctx.started_at,
+        "submitted_at": ctx.submitted_at, "started_at": ctx.started_at,
         "finished_at": ctx.finished_at,
     }
     columns = []
@@ -170,6 +168,7 @@ _PER_ROW = (
     "finish_reason", "stop_reason_text", "stop_reason_token", "routed_experts_start",
     "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
+    "weight_version", "weight_version_segments",
 )
 
 

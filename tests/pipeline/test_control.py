@@ -70,3 +70,15 @@ def test_push_names_failed_and_silent_workers(redis_client: redis.Redis) -> None
     assert info.value.failed == {"broken": "no such file"}
     assert info.value.timed_out == ["silent"]
     assert "broken: failed: no such file" in str(info.value) and "silent: no acknowledgement" in str(info.value)
+
+
+def test_push_records_its_swap_mode_and_refuses_unknown_ones(redis_client: redis.Redis) -> None:
+    client = pipeline.Client(redis_client)
+    assert client.control_state().swap_mode == "drain"
+    client.push_weights("/ckpt/1", version=1, timeout=1, mode="partial")
+    assert client.control_state().swap_mode == "partial"
+    client.push_weights("/ckpt/2", version=2, timeout=1)
+    assert client.control_state().swap_mode == "drain"  # each push names its own mode; drain by default
+    with pytest.raises(pipeline.PipelineError, match="swap mode must be one of drain, partial, not 'eager'"):
+        client.push_weights("/ckpt/3", version=3, timeout=1, mode="eager")  # type: ignore[arg-type]
+    assert client.control_state().weight_version == 2

@@ -313,3 +313,41 @@ def test_import_pipeline_does_not_import_torch() -> None:
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_token_weight_version_follows_the_segments(layout: str) -> None:
+    samples = [
+        {"request_id": "a", "sample_index": 0, "prompt": [1, 2], "completion": [3, 4, 5, 6], "logprobs": None,
+         "weight_version": 2},
+        {"request_id": "b", "sample_index": 0, "prompt": [1], "completion": [7, 8, 9], "logprobs": None,
+         "weight_version": 5},
+        {"request_id": "c", "sample_index": 0, "prompt": [4, 4, 4], "completion": [], "logprobs": None,
+         "weight_version": 1},
+    ]
+    table = shard_table(samples)
+    segments = pa.array([[{"start": 0, "version": 2}, {"start": 1, "version": 3}, {"start": 3, "version": 4}],
+                         None, None], type=table.schema.field("weight_version_segments").type)
+    table = table.set_column(table.schema.get_field_index("weight_version_segments"),
+                             "weight_version_segments", segments)
+    batch = collate_rollouts(table, layout=layout)  # type: ignore[arg-type]
+    versions = batch["token_weight_version"]
+    mask = batch["loss_mask"]
+    assert versions.dtype == torch.int64 and versions.shape == mask.shape
+    assert bool((versions[~mask] == -1).all())
+    assert versions[mask].tolist() == [2, 3, 3, 4, 5, 5, 5]
+    # A table without the column (written before per-token versions): each row's weight_version.
+    plain = collate_rollouts(table.drop_columns(["weight_version_segments"]), layout=layout)  # type: ignore[arg-type]
+    assert plain["token_weight_version"][plain["loss_mask"]].tolist() == [2, 2, 2, 2, 5, 5, 5]
+
+
+def test_token_weight_version_through_rolloutbatches(tmp_path: Path) -> None:
+    table = shard_table([{"request_id": "a", "sample_index": 0, "prompt": [1], "completion": [3, 4],
+                          "logprobs": [-0.1, -0.2], "weight_version": 7}])
+    segments = pa.array([[{"start": 0, "version": 7}, {"start": 1, "version": 8}]],
+                        type=table.schema.field("weight_version_segments").type)
+    table = table.set_column(table.schema.get_field_index("weight_version_segments"),
+                             "weight_version_segments", segments)
+    write_shard(table, f"file://{tmp_path}", "r", "j")
+    (batch,) = list(RolloutBatches(f"file://{tmp_path}", run="r"))
+    assert batch["token_weight_version"][batch["loss_mask"]].tolist() == [7, 8]

@@ -43,6 +43,9 @@ class SampleOutput:
     routed_experts: np.ndarray | None = None  # [rows, layers, top_k]
     routed_experts_start: int = 0
     weight_version: int | None = None
+    # Per-token provenance of a sample continued across partial swaps: (start, version) runs over
+    # `token_ids`, set by `workers.continuation`; None: every token from `weight_version`.
+    version_segments: list[tuple[int, int]] | None = None
 
 
 @dataclass
