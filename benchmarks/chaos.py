@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import multiprocessing as mp
 import os
 import random
@@ -28,7 +30,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import redis  # noqa: E402
 
@@ -45,39 +45,7 @@ from pipeline.connection import connect_redis  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
-from schemas.worker_info import Capabilities  # noqa: E402
-from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput  # noqa: E402
-
-
-class ChaosEngine(EngineIdentity):
-    """Sample i of a request emits `max_new_tokens` copies of (i + 1) after `job_s` per batch."""
-
-    def __init__(self, job_s: float) -> None:
-        self.job_s = job_s
-        self._weight_version = 0
-        self._description = EngineDescription(name="chaos", model="chaos", has_tokenizer=False,
-                                               capabilities=Capabilities(vocab_size=1000))
-
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        time.sleep(self.job_s)
-        return [
-            [
-                SampleOutput(
-                    token_ids=np.full(r.sampling_params.max_new_tokens, i + 1, dtype=np.int32),
-                    finish=Finish("length"),
-                    logprobs=np.full(r.sampling_params.max_new_tokens, -0.5, dtype=np.float32),
-                    weight_version=0,
-                )
-                for i in range(r.sampling_params.n)
-            ]
-            for r in requests
-        ]
-
-    def update_weights(self, path: str, version: int) -> None:
-        raise NotImplementedError("the chaos engine has no weights")
-
-    def close(self) -> None:
-        pass
+from workers.engines.fake import FakeEngine  # noqa: E402
 
 
 def run_worker(url: str, job_s: float) -> None:
@@ -85,7 +53,7 @@ def run_worker(url: str, job_s: float) -> None:
     from workers.worker import RolloutWorker
 
     worker = RolloutWorker(
-        connect_redis(url, reconnect_for_s=60), ChaosEngine(job_s),
+        connect_redis(url, reconnect_for_s=60), FakeEngine(delay_s=job_s),
         heartbeat_interval_s=0.5, maintenance_interval_s=1, stuck_after_s=3, control_poll_s=0.5,
     )
     worker.work(burst=False, with_scheduler=False, logging_level="ERROR")
@@ -214,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--baseline", action="store_true", help="first run the same load without kills")
+    parser.add_argument("--directory", type=Path, default=None, help="Redis and shard directory (default: temp)")
+    parser.add_argument("--json", action="store_true", help="print the outcome as one JSON line instead")
     args = parser.parse_args(argv)
     size = args.size or args.requests
     common = dict(requests=size, workers=args.workers, batch_size=args.batch_size, job_seconds=args.job_seconds,
@@ -222,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         base = run(**common, kills=0)  # type: ignore[arg-type]
         print("baseline:", base.line(), flush=True)
     outcome = run(**common, kills=args.kills, kill_every=args.kill_every,  # type: ignore[arg-type]
-                  restart_redis=args.restart_redis)
-    print(outcome.line())
+                  restart_redis=args.restart_redis, directory=args.directory)
+    print(json.dumps(dataclasses.asdict(outcome)) if args.json else outcome.line())
     if args.baseline:
         print(f"time ratio chaos/baseline: {outcome.seconds / base.seconds:.2f}")
     for job_id, reason in outcome.failed_jobs.items():

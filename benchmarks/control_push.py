@@ -1,6 +1,6 @@
 """Control overhead of a weight push: time to all acknowledgements minus the engine's own load.
 
-Starts 1, 4 and 8 real worker processes (each a `RolloutWorker` around a null engine whose
+Starts 1, 4 and 8 real worker processes (each a `RolloutWorker` around the shipped fake engine whose
 weight load takes a fixed, known time) on a real redis-server, pushes new versions and
 measures `push_weights` wall time minus the slowest worker's reported load time. Baseline in
 the same process: a bare pub/sub ping to the same worker processes answered through a Redis
@@ -18,38 +18,15 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import redis
 
 from pipeline import control, registry
 from pipeline.redis_server import RedisServer
-from schemas.request import RolloutRequest
-from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
+from workers.engines.fake import FakeEngine
 
 PING_CHANNEL = "bench:ping"
-
-
-class NullEngine(EngineIdentity):
-    """Generates nothing useful; a weight load sleeps `load_s` (the engine's own load time)."""
-
-    def __init__(self, load_s: float) -> None:
-        self.load_s = load_s
-        self._weight_version = 0
-        self._description = EngineDescription(name="null", model="null", capabilities=Capabilities())
-
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        return [[SampleOutput(token_ids=np.zeros(0, np.int32), finish=Finish("length"))] for _ in requests]
-
-    def update_weights(self, path: str, version: int) -> None:
-        time.sleep(self.load_s)
-        self._weight_version = version
-
-    def close(self) -> None:
-        pass
 
 
 def _ping_responder(url: str, worker_id: str) -> None:
@@ -65,7 +42,7 @@ def run_worker(url: str, load_s: float) -> None:
 
     worker_id = f"bench-{uuid.uuid4().hex[:6]}"
     threading.Thread(target=_ping_responder, args=(url, worker_id), daemon=True).start()
-    worker = RolloutWorker(redis.Redis.from_url(url), NullEngine(load_s), worker_id=worker_id)
+    worker = RolloutWorker(redis.Redis.from_url(url), FakeEngine(load_s=load_s), worker_id=worker_id)
     worker.work(burst=False, with_scheduler=False, logging_level="ERROR")
 
 

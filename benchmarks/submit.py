@@ -54,7 +54,7 @@ def bench_baseline(conn: redis.Redis, path: Path) -> float:
     count = 0
     with open(path) as handle:
         for line in handle:
-            queue.enqueue("workers.job.run_rollout_batch", json.loads(line), description="x")
+            queue.enqueue("workers.batch_job.run_rollout_batch", json.loads(line), description="x")
             count += 1
     return count / (time.perf_counter() - start)
 

@@ -7,7 +7,7 @@ jobs of 64 requests x n=4 with 128-token prompts; logprobs on), generated before
 starts. Pinned to one core with one Arrow thread, the timed part is what the worker does per
 job after the engine: the contracts and Arrow table (`workers.rows.build_table`), the Parquet
 shard written atomically to a local directory (`workers.shard_writer.write_shard`) and the
-commit-log entry in Redis (`pipeline.commit_log.append`), i.e. `workers.job.commit_batch`.
+commit-log entry in Redis (`pipeline.commit_log.append`), i.e. `workers.batch_job.commit_batch`.
 
 Baseline, same process, same outputs: the same rows written as JSON lines (one `json.dumps`
 per row) to one file per job. Prints medians, the ratio, and the shard bytes per completion
@@ -31,12 +31,12 @@ import pyarrow.parquet as pq
 import redis
 
 from pipeline.redis_server import RedisServer
-from schemas.job import JobPayload
+from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers import context
+from workers.batch_job import PreparedBatch, commit_batch
 from workers.engines.base import SampleOutput
 from workers.engines.sim import SimConfig, SimEngine
-from workers.job import PreparedBatch, commit_batch
 
 REQUESTS_PER_JOB = 64
 N = 4

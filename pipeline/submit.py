@@ -23,11 +23,11 @@ from pipeline.prompt_staging import PromptStager
 from pipeline.redis_server import state_dir
 from pipeline.request_file import ParsedRequest, iter_request_blocks
 from pipeline.security import check_output_url
-from schemas.job import JobHeader, JobPayload
+from schemas.job_payload import JobHeader, JobPayload
 from schemas.request import RolloutRequest
 
 # The one job function workers run; referenced by name so `pipeline` never imports `workers`.
-JOB_FUNCTION = "workers.job.run_rollout_batch"
+JOB_FUNCTION = "workers.batch_job.run_rollout_batch"
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_JOB_TIMEOUT_S = 6 * 3600
 DEFAULT_RETRIES = 2

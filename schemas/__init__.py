@@ -3,7 +3,7 @@
 Imports nothing from either of them.
 """
 
-from schemas.job import JobPayload
+from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.shard import SCHEMA_VERSION, SHARD_SCHEMA, shard_schema
 

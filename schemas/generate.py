@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from schemas.job import JobPayload
+from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 
 SCHEMA_DIR = Path(__file__).parent / "jsonschema"

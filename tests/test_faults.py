@@ -22,16 +22,15 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from benchmarks.chaos import ChaosEngine
 from pipeline import commit_log, registry
 from pipeline.batch import Batch
 from pipeline.errors import JobsFailedError
 from pipeline.status import collect
 from pipeline.submit import submit_requests
 from schemas.request import RolloutRequest
-from tests.fakes import FakeEngine
 from tests.helpers import wait_until
 from workers.engines.base import SampleOutput
+from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
 from workers.worker import RolloutWorker
@@ -39,11 +38,11 @@ from workers.worker import RolloutWorker
 REQUESTS = [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2}) for i in range(3)]
 
 
-class FlakyEngine(ChaosEngine):
+class FlakyEngine(FakeEngine):
     """Down (generate and health fail) while `flag` exists."""
 
     def __init__(self, job_s: float, flag: Path) -> None:
-        super().__init__(job_s)
+        super().__init__(delay_s=job_s)
         self.flag = flag
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
@@ -62,7 +61,7 @@ def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False) -> 
     if slow_sim:  # a concurrent engine (several jobs in flight) whose sequences take minutes
         engine: Any = SimEngine(SimConfig(capacity=16, step_s=0.05, median_tokens=4000, p99_tokens=4001))
     else:
-        engine = FlakyEngine(job_s, Path(flag)) if flag else ChaosEngine(job_s)
+        engine = FlakyEngine(job_s, Path(flag)) if flag else FakeEngine(delay_s=job_s)
     worker = RolloutWorker(connect_redis(url), engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
                              stuck_after_s=3, probe_max_s=0.5, control_poll_s=0.5)
     worker.work(burst=False, with_scheduler=False, logging_level="WARNING")

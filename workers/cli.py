@@ -47,9 +47,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     """How fast dead workers' jobs are found again and a failed engine is re-probed."""
+    from workers.engine_worker import HEARTBEAT_INTERVAL_S
     from workers.health import PROBE_MAX_S
     from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S
-    from workers.worker_base import HEARTBEAT_INTERVAL_S
 
     parser.add_argument(
         "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S, metavar="S",
@@ -88,10 +88,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 def _run_worker(args: argparse.Namespace) -> int:
     from pipeline.connection import connect_redis
     from workers import logs
+    from workers.engine_worker import new_worker_id
     from workers.engines.factory import build_engine
     from workers.errors import WorkerError
     from workers.worker import RolloutWorker
-    from workers.worker_base import new_worker_id
 
     logs.configure(args.log_level, args.log_format)
     worker_id = args.worker_id or new_worker_id()

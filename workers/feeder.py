@@ -5,7 +5,7 @@ RQ's work loop runs one job at a time. With an engine that has the concurrent in
 `Feeder` instead: it does RQ's start-of-job bookkeeping, validates the payload, submits the
 requests to the engine and returns as soon as the engine has room for more, so the loop
 dequeues the next job while the last long sequences of this one still run. A completion
-thread then finishes each job on its own: rows, shard and commit (`workers.job.commit_batch`),
+thread then finishes each job on its own: rows, shard and commit (`workers.batch_job.commit_batch`),
 and RQ's success or failure handling (retries included) exactly as `perform_job` would.
 
 The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
@@ -32,15 +32,15 @@ from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
 from workers import logs
+from workers.allowed_job import is_job_function
+from workers.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.engines.base import ConcurrentEngine
-from workers.job import PreparedBatch, commit_batch, prepare_batch
 
 if TYPE_CHECKING:
-    from workers.worker_base import WorkerBase
+    from workers.engine_worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
-JOB_FUNCTION = "workers.job.run_rollout_batch"
 DEFAULT_MAX_JOBS_IN_FLIGHT = 64
 
 
@@ -104,7 +104,7 @@ class Feeder:
     """Several jobs in flight on one concurrent engine; RQ bookkeeping per job."""
 
     def __init__(
-        self, worker: WorkerBase, engine: ConcurrentEngine, *,
+        self, worker: EngineWorker, engine: ConcurrentEngine, *,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
     ) -> None:
         self.worker = worker
@@ -122,7 +122,7 @@ class Feeder:
     def accepts(job: Job) -> bool:
         """Only the project's job function is split; anything else goes the plain way (and is refused)."""
         try:
-            return job.func_name == JOB_FUNCTION
+            return is_job_function(job.func_name)
         except Exception:
             return False
 

@@ -1,5 +1,5 @@
-"""The worker process `pipeline worker` runs: `WorkerBase` (engine, heartbeats, registry,
-control channel, feeding; `workers.worker_base`) plus fault handling:
+"""The worker process `pipeline worker` runs: `EngineWorker` (engine, heartbeats, registry,
+control channel, feeding; `workers.engine_worker`) plus fault handling:
 
 - abandoned jobs of dead workers found within seconds (`workers.maintenance`);
 - SIGTERM: warm shutdown; a second SIGTERM aborts the job and hands it back (`workers.shutdown`);
@@ -23,17 +23,17 @@ from rq.job import Job
 
 from schemas.worker_info import WorkerState
 from workers import control
+from workers.engine_worker import EngineWorker
 from workers.engines.base import Engine
 from workers.handback import hand_back_started
 from workers.health import PROBE_MAX_S, EngineHealthMixin
 from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, FastMaintenanceMixin
 from workers.shutdown import GracefulShutdownMixin
-from workers.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
-class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMixin, WorkerBase):
+class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMixin, EngineWorker):
     """A rollout worker that survives its neighbours' deaths, its own shutdown and its engine's failures."""
 
     def __init__(

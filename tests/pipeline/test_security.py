@@ -19,9 +19,9 @@ from pipeline.request_file import parse_lines
 from pipeline.security import PolicyError
 from schemas import request as request_schema
 from schemas.control import DesiredState, WeightAck, encode
-from tests.fakes import FakeEngine
 from tests.helpers import free_port
 from workers import control as worker_control
+from workers.engines.fake import FakeEngine
 from workers.worker import RolloutWorker
 
 SECRET = "s3cret-for-tests"

@@ -78,13 +78,13 @@ def test_submit_enqueues_json_jobs_in_batches(
     queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
     jobs = queue.get_jobs()
     assert [len(job.args[0]["requests"]) for job in jobs] == [4, 4, 2]
-    assert all(job.func_name == "workers.job.run_rollout_batch" for job in jobs)
+    assert all(job.func_name == "workers.batch_job.run_rollout_batch" for job in jobs)
     # JSON on the wire, never pickle: the stored data decodes as JSON after RQ's zlib.
     import zlib
 
     raw = redis_client.hget(jobs[0].key, "data")
     decoded = json.loads(zlib.decompress(raw))
-    assert decoded[0] == "workers.job.run_rollout_batch"
+    assert decoded[0] == "workers.batch_job.run_rollout_batch"
     assert isinstance(decoded[2][0]["prompt_tokens"], str)
 
 

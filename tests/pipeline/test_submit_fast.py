@@ -27,8 +27,8 @@ from pipeline.request_file import (
 )
 from pipeline.submit import PROMPTS_TTL_S, submit_blocks, submit_file, submit_requests
 from schemas.request import RolloutRequest
-from tests.fakes import FakeEngine
 from tests.helpers import wait_until
+from workers.engines.fake import FakeEngine
 from workers.worker import RolloutWorker
 
 

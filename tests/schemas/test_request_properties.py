@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pipeline.errors import RequestFileError
 from pipeline.request_file import parse_lines
-from schemas.job import JobPayload
+from schemas.job_payload import JobPayload
 from schemas.request import MAX_TOKEN_ID
 
 token_ids = st.lists(st.integers(0, MAX_TOKEN_ID), min_size=1, max_size=40)

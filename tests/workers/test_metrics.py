@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import pipeline
 from schemas.request import RolloutRequest
 from tests.conftest import PIPELINE
-from tests.fakes import FakeEngine
 from workers import logs
 from workers.engines.base import SampleOutput
+from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
 from workers.worker import RolloutWorker

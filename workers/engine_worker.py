@@ -40,9 +40,9 @@ from pipeline import keys, registry
 from schemas.control import DesiredState, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
 from workers import context, control, logs
+from workers.allowed_job import RolloutJob
 from workers.engines.base import Engine, is_concurrent
 from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
-from workers.job_class import RolloutJob
 from workers.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class WorkerBase(SimpleWorker):
+class EngineWorker(SimpleWorker):
     """A `SimpleWorker` with a heartbeat thread, a registry entry and a loaded engine."""
 
     def __init__(

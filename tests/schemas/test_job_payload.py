@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from schemas.job import JobPayload, pack_token_ids, unpack_token_ids
+from schemas.job_payload import JobPayload, pack_token_ids, unpack_token_ids
 from schemas.request import RolloutRequest
 
 

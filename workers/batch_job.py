@@ -16,7 +16,7 @@ import redis
 from rq import get_current_job
 
 from pipeline import commit_log, keys
-from schemas.job import JobPayload
+from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers import context
 from workers.contracts import check_request_supported

@@ -1,0 +1,72 @@
+"""A fake engine behind the `Engine` protocol, shipped for tests and benchmarks (as httpx ships
+`MockTransport`): deterministic outputs, no model, optional delays, a record of every call.
+
+Sample i of a request emits `max_new_tokens` copies of token id (i + 1), each with logprob -0.5
+(when logprobs were asked for), finishing with `length`. Every batch takes `delay_s`; a weight
+load takes `load_s` and fails like a missing checkpoint when the path contains "bad".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from schemas.request import RolloutRequest
+from schemas.worker_info import Capabilities
+from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
+
+
+class FakeEngine(EngineIdentity):
+    """Deterministic outputs without a model; `calls` and `updates` record what the worker asked."""
+
+    def __init__(
+        self, *, delay_s: float = 0.0, load_s: float = 0.0, weight_version: int = 0, max_top_logprobs: int = 0,
+        name: str = "fake",
+    ) -> None:
+        self.delay_s = delay_s
+        self.load_s = load_s
+        self._weight_version = weight_version
+        self._description = EngineDescription(
+            name=name, model=f"{name}-model",
+            capabilities=Capabilities(max_top_logprobs=max_top_logprobs, vocab_size=1000),
+            has_tokenizer=False,
+        )
+        self._lock = threading.Lock()
+        self.calls: list[list[str]] = []  # request ids of each generate call
+        self.updates: list[tuple[str, int]] = []  # (path, version) of each successful weight load
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        with self._lock:
+            self.calls.append([r.id for r in requests])
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        version = self._weight_version
+        return [
+            [
+                SampleOutput(
+                    token_ids=np.full(request.sampling_params.max_new_tokens, i + 1, dtype=np.int32),
+                    finish=Finish("length"),
+                    logprobs=(np.full(request.sampling_params.max_new_tokens, -0.5, dtype=np.float32)
+                              if request.logprobs is not None else None),
+                    weight_version=version,
+                )
+                for i in range(request.sampling_params.n)
+            ]
+            for request in requests
+        ]
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Record the load; a path containing "bad" fails like a missing checkpoint."""
+        if self.load_s:
+            time.sleep(self.load_s)
+        if "bad" in str(path):
+            raise FileNotFoundError(f"no weights at {path}")
+        with self._lock:
+            self.updates.append((str(path), version))
+        self._weight_version = version
+
+    def close(self) -> None:
+        pass
