@@ -39,7 +39,7 @@ from pipeline import control as pipeline_control
 from pipeline import keys, registry
 from schemas.control import DesiredState, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
-from workers import context, control, logs
+from workers import context, control, logs, rq_seam
 from workers.allowed_job import RolloutJob
 from workers.engines.base import Engine, is_concurrent
 from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
@@ -242,7 +242,7 @@ class EngineWorker(SimpleWorker):
             self._changed.clear()
             if not self.sync_control().paused:
                 return True
-            if burst or self._stop_requested:
+            if burst or rq_seam.stop_requested(self):
                 return False
             self._changed.wait(self._listener.poll_s)
 
@@ -256,7 +256,7 @@ class EngineWorker(SimpleWorker):
             # Nothing to take now (burst end, pause in burst, idle limit): finish the jobs in
             # flight, then look again, since a failed one may have been queued for a retry.
             self.feeder.drain()
-            if self._stop_requested:
+            if rq_seam.stop_requested(self):
                 return None
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[Job, Queue] | None:
@@ -293,7 +293,7 @@ class EngineWorker(SimpleWorker):
         feeder = self.feeder
         if feeder is not None and feeder.accepts(job):
             feeder.admit(job, queue)
-            feeder.wait_for_room(lambda: self._stop_requested)
+            feeder.wait_for_room(lambda: rq_seam.stop_requested(self))
             return
         self.gate.enter()
         try:

@@ -31,7 +31,7 @@ from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
-from workers import logs
+from workers import logs, rq_seam
 from workers.allowed_job import is_job_function
 from workers.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.engines.base import ConcurrentEngine
@@ -235,9 +235,9 @@ class Feeder:
         worker = self.worker
         try:
             if exc_info is None:
-                worker._finalize_success(entry.job, entry.queue, entry.execution, result)
+                rq_seam.finalize_success(worker, entry.job, entry.queue, entry.execution, result)
             else:
-                worker._finalize_failure(entry.job, entry.queue, entry.execution, exc_info)
+                rq_seam.finalize_failure(worker, entry.job, entry.queue, entry.execution, exc_info)
         except Exception:  # bookkeeping must never kill the completion thread
             log.exception("worker %s: finishing job %s failed", worker.worker_id, entry.job.id)
         finally:

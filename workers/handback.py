@@ -17,6 +17,8 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
+from workers import rq_seam
+
 log = logging.getLogger(__name__)
 
 HANDBACKS_META = "handed_back"
@@ -43,7 +45,7 @@ def hand_back_started(
     with worker.connection.pipeline() as pipe:
         worker.cleanup_execution(job, pipeline=pipe, execution=execution)
         job.set_status(JobStatus.QUEUED, pipeline=pipe)
-        queue._enqueue_job(job, pipeline=pipe, at_front=True)  # what rq's own Job.retry does
+        rq_seam.enqueue_at_front(queue, job, pipe)
         pipe.execute()
     log.warning("job %s handed back to queue %s (%d/%d): %s", job.id, queue.name, count, max_handbacks(), reason)
     return True

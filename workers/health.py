@@ -11,11 +11,12 @@ the engine with backoff (`engine.health()` when the adapter has one, e.g. SGLang
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from workers.errors import EngineUnavailableError
+from workers.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -40,66 +41,61 @@ def probe(engine: Any) -> str | None:
     return None
 
 
-class EngineHealthMixin:
-    """Tracks the engine's health; `wait_until_healthy` blocks dequeuing while it is down."""
+class EngineHealth:
+    """One worker's engine: healthy, or `reason` it is not; `wait` blocks dequeuing while it is down."""
 
-    unhealthy_reason: str | None = None
-    probe_initial_s: float = PROBE_INITIAL_S
-    probe_max_s: float = PROBE_MAX_S
+    def __init__(
+        self, engine: Any, metrics: WorkerMetrics, *, worker_name: str,
+        probe_initial_s: float = PROBE_INITIAL_S, probe_max_s: float = PROBE_MAX_S,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.worker_name = worker_name
+        self.probe_max_s = probe_max_s
+        self.probe_initial_s = min(probe_initial_s, probe_max_s)
+        self.reason: str | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # RQ passes a failing job's exception to handle_exception, then (same thread) calls
-        # handle_job_failure without it. Jobs fail on two threads (the work loop, and the
-        # feeder's completion thread), so the exception is kept per thread.
-        self._failing = threading.local()
-
-    def handle_exception(self, job: Any, *exc_info: Any) -> None:
-        self._failing.exception = exc_info[1] if len(exc_info) > 1 else None
-        super().handle_exception(job, *exc_info)  # type: ignore[misc]
-
-    def take_job_exception(self) -> BaseException | None:
-        """The exception of the job this thread is failing (once)."""
-        exc = getattr(self._failing, "exception", None)
-        self._failing.exception = None
-        return exc
-
-    def health_handback_reason(self, exc: BaseException | None) -> str | None:
-        """Why the failed job must be handed back for an engine failure (and mark unhealthy), or None."""
+    def job_failed(self, exc: BaseException | None) -> str | None:
+        """Why the failed job must be handed back for an engine failure (now unhealthy), or None."""
         if not is_engine_failure(exc):
             return None
-        worker: Any = self
-        worker.metrics.engine_error("job")
-        self.unhealthy_reason = f"engine failed: {exc}"[:1000]
-        return self.unhealthy_reason
+        self.metrics.engine_error("job")
+        self.reason = f"engine failed: {exc}"[:1000]
+        return self.reason
 
-    def wait_until_healthy(self, *, burst: bool) -> bool:
-        """Block while unhealthy, probing with backoff; False when the worker should stop instead."""
-        worker: Any = self
+    def wait(
+        self, *, burst: bool, stopping: Callable[[], bool], report: Callable[[], None],
+        keepalive: Callable[[], None],
+    ) -> bool:
+        """Block while unhealthy, probing with backoff; False when the worker should stop instead.
+
+        `report` publishes the worker's state after each change of `reason`; `keepalive` refreshes
+        the worker's RQ heartbeat between probes; `stopping` says a shutdown was requested.
+        """
         delay = self.probe_initial_s
         announced = False
-        while self.unhealthy_reason is not None:
+        while self.reason is not None:
             if not announced:
                 log.error("worker %s: unhealthy (%s); not taking jobs until the engine answers",
-                          worker.name, self.unhealthy_reason)
-                worker.set_registry_state("unhealthy")
+                          self.worker_name, self.reason)
+                report()
                 announced = True
-            if worker._stop_requested:
+            if stopping():
                 return False
             time.sleep(delay)
-            problem = probe(worker.engine)
+            problem = probe(self.engine)
             if problem is None:
-                log.warning("worker %s: engine healthy again; taking jobs", worker.name)
-                self.unhealthy_reason = None
-                worker.set_registry_state(worker._resting_state())
+                log.warning("worker %s: engine healthy again; taking jobs", self.worker_name)
+                self.reason = None
+                report()
                 return True
-            self.unhealthy_reason = f"engine failed; health probe: {problem}"[:1000]
-            worker.metrics.engine_error("probe")
-            worker.set_registry_state("unhealthy")
+            self.reason = f"engine failed; health probe: {problem}"[:1000]
+            self.metrics.engine_error("probe")
+            report()
             if burst:
                 return False
             try:
-                worker.heartbeat()
+                keepalive()
             except Exception as exc:  # Redis trouble is the dequeue loop's to handle
                 log.warning("worker heartbeat failed: %s", exc)
             delay = min(delay * 2, self.probe_max_s)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import redis
 from rq import worker_registration
+from rq.job import Job
+from rq.queue import Queue
 from rq.registry import clean_registries
 from rq.utils import now
 
@@ -34,30 +37,38 @@ DEFAULT_MAINTENANCE_INTERVAL_S = 10
 DEFAULT_STUCK_AFTER_S = 60.0
 
 
-class FastMaintenanceMixin:
-    """For an RQ worker: frequent, bounded registry cleanup from a thread as well as the work loop."""
+class RegistryMaintenance:
+    """Frequent, bounded registry cleanup of some queues, from its own thread as well as on demand."""
 
-    stuck_after_s: float = DEFAULT_STUCK_AFTER_S
-    _maintenance_stop: threading.Event | None = None
-    _maintenance_thread: threading.Thread | None = None
+    def __init__(
+        self, connection: redis.Redis, queues: Sequence[Queue], *, interval_s: int,
+        exception_handlers: list[Any], fail_job: Callable[[Job, Queue, str], None],
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+    ) -> None:
+        self.connection = connection
+        self.queues = queues
+        self.interval_s = interval_s
+        self.exception_handlers = exception_handlers  # RQ's registry cleaning hands abandoned jobs to them
+        self.fail_job = fail_job  # (job, queue, reason): the worker's failure path (retries, then failed)
+        self.stuck_after_s = stuck_after_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def clean_registries(self) -> None:
-        worker: Any = self
-        lock_ttl = max(2, int(worker.maintenance_interval) * 2)
-        for queue in worker.queues:
-            if not worker.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl):
+    def clean(self) -> None:
+        """Clean each queue's registries unless another worker is at it (a lock of 2 × interval)."""
+        lock_ttl = max(2, int(self.interval_s) * 2)
+        for queue in self.queues:
+            if not self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl):
                 continue
             try:
-                clean_registries(queue, worker._exc_handlers)
+                clean_registries(queue, self.exception_handlers)
                 worker_registration.clean_worker_registry(queue)
                 self._recover_intermediate(queue)
             finally:
-                worker.connection.delete(queue.registry_cleaning_key)
-        worker.last_cleaned_at = now()
+                self.connection.delete(queue.registry_cleaning_key)
 
-    def _recover_intermediate(self, queue: Any) -> None:
+    def _recover_intermediate(self, queue: Queue) -> None:
         """Jobs dequeued by a worker that died before starting them go back through the failure path."""
-        worker: Any = self
         intermediate = queue.intermediate_queue
         started = queue.started_job_registry
         for job_id in intermediate.get_job_ids():
@@ -73,26 +84,24 @@ class FastMaintenanceMixin:
             if first_seen is None or now() - first_seen < timedelta(seconds=self.stuck_after_s):
                 continue
             log.warning("job %s was dequeued but never started (worker died?); recovering it", job_id)
-            worker.handle_job_failure(job, queue, exc_string="Job was stuck in intermediate queue (worker died?).")
+            self.fail_job(job, queue, "Job was stuck in intermediate queue (worker died?).")
             intermediate.remove(job_id)
 
-    def start_maintenance_thread(self) -> None:
-        self._maintenance_stop = threading.Event()
-        self._maintenance_thread = threading.Thread(target=self._maintenance_loop, name="maintenance", daemon=True)
-        self._maintenance_thread.start()
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="maintenance", daemon=True)
+        self._thread.start()
 
-    def stop_maintenance_thread(self) -> None:
-        if self._maintenance_stop is not None:
-            self._maintenance_stop.set()
-        if self._maintenance_thread is not None:
-            self._maintenance_thread.join(timeout=5)
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
 
-    def _maintenance_loop(self) -> None:
-        worker: Any = self
-        assert self._maintenance_stop is not None
-        while not self._maintenance_stop.wait(worker.maintenance_interval):
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
             try:
-                self.clean_registries()
+                self.clean()
             except redis.RedisError as exc:
                 log.warning("registry maintenance failed: %s", exc)
             except Exception:  # the thread must outlive any one failure

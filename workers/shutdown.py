@@ -12,9 +12,7 @@ untouched by the retry count, for another worker, and the worker exits.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
-from types import FrameType
-from typing import Any
+from datetime import datetime, timedelta
 
 from rq.utils import now
 
@@ -25,28 +23,30 @@ class ShutdownAbort(BaseException):
     """Raised inside a running job by the second shutdown signal (not an `Exception`: nothing swallows it)."""
 
 
-class GracefulShutdownMixin:
-    """For an in-process RQ worker: warm shutdown first, abort-and-hand-back second."""
+class Shutdown:
+    """The second shutdown signal of one worker, and which failing jobs it hands back."""
 
-    _aborting: bool = False
+    def __init__(self, worker_name: str) -> None:
+        self.worker_name = worker_name
+        self.aborting = False
 
-    def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
-        worker: Any = self
-        requested = worker._shutdown_requested_date
-        if requested is not None and now() - requested < timedelta(seconds=1):
-            return  # the same signal delivered twice (process group and pool), as RQ ignores it
-        running = [e.job_id for e in worker.executions.values()]
-        worker._stop_requested = True
+    @staticmethod
+    def is_repeat(first_signal_at: datetime | None) -> bool:
+        """The same signal delivered twice within a second (process group and pool): ignored, as RQ does."""
+        return first_signal_at is not None and now() - first_signal_at < timedelta(seconds=1)
+
+    def abort(self, running: list[str]) -> None:
+        """Second signal: raise `ShutdownAbort` in the job in hand, or exit at once when there is none."""
         if running:
-            self._aborting = True
+            self.aborting = True
             log.warning("worker %s: second shutdown signal; aborting %s and handing back",
-                        worker.name, ", ".join(running))
-            raise ShutdownAbort(f"worker {worker.name} shut down while running the job; handed back")
-        log.warning("worker %s: second shutdown signal; exiting now", worker.name)
+                        self.worker_name, ", ".join(running))
+            raise ShutdownAbort(f"worker {self.worker_name} shut down while running the job; handed back")
+        log.warning("worker %s: second shutdown signal; exiting now", self.worker_name)
         raise SystemExit(1)
 
-    def shutdown_handback_reason(self, exc: BaseException | None) -> str | None:
+    def handback_reason(self, exc: BaseException | None) -> str | None:
         """Why a job failing now must be handed back after a shutdown abort, or None."""
-        if isinstance(exc, ShutdownAbort) or self._aborting:
+        if isinstance(exc, ShutdownAbort) or self.aborting:
             return "the worker was shut down (second SIGTERM) while running it"
         return None

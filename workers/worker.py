@@ -14,26 +14,29 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+from types import FrameType
 from typing import Any
 
 import redis
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job
+from rq.utils import now
 
 from schemas.worker_info import WorkerState
-from workers import control
+from workers import control, rq_seam
 from workers.engine_worker import EngineWorker
 from workers.engines.base import Engine
 from workers.handback import hand_back_started
-from workers.health import PROBE_MAX_S, EngineHealthMixin
-from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, FastMaintenanceMixin
-from workers.shutdown import GracefulShutdownMixin
+from workers.health import PROBE_MAX_S, EngineHealth
+from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, RegistryMaintenance
+from workers.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
 
-class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMixin, EngineWorker):
+class RolloutWorker(EngineWorker):
     """A rollout worker that survives its neighbours' deaths, its own shutdown and its engine's failures."""
 
     def __init__(
@@ -50,20 +53,29 @@ class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMix
         # RQ blocks an idle worker's dequeue for worker_ttl - 15 s; keep that to one interval.
         kwargs.setdefault("worker_ttl", interval + 15)
         super().__init__(conn, engine, maintenance_interval=interval, **kwargs)
-        self.stuck_after_s = stuck_after_s
-        self.probe_max_s = probe_max_s
-        self.probe_initial_s = min(self.probe_initial_s, probe_max_s)
+        self.health = EngineHealth(engine, self.metrics, worker_name=self.name, probe_max_s=probe_max_s)
+        self.shutdown = Shutdown(self.name)
+        self.maintenance = RegistryMaintenance(
+            conn, self.queues, interval_s=interval, stuck_after_s=stuck_after_s,
+            exception_handlers=rq_seam.exception_handlers(self),
+            fail_job=lambda job, queue, reason: self.handle_job_failure(job, queue, exc_string=reason),
+        )
+        # RQ passes a failing job's exception to handle_exception, then (same thread) calls
+        # handle_job_failure without it. Jobs fail on two threads (the work loop, and the
+        # feeder's completion thread), so the exception is kept per thread.
+        self._failing = threading.local()
 
     # -- registry ---------------------------------------------------------------------------------
 
     def _resting_state(self) -> WorkerState:
-        return "unhealthy" if self.unhealthy_reason else super()._resting_state()
+        return "unhealthy" if self.health.reason else super()._resting_state()
 
     def set_registry_state(self, state: WorkerState, current_job: str | None = None) -> None:
         super().set_registry_state(state, current_job)
-        if self.unhealthy_reason and self.info.error != self.unhealthy_reason:
+        reason = self.health.reason
+        if reason and self.info.error != reason:
             with self._lock:
-                self.info.error = self.unhealthy_reason
+                self.info.error = reason
             self._publish()
 
     # -- dequeue and failure ------------------------------------------------------------------
@@ -72,15 +84,29 @@ class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMix
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
         while True:
-            if not self.wait_until_healthy(burst=timeout is None):
+            healthy = self.health.wait(
+                burst=timeout is None, stopping=lambda: rq_seam.stop_requested(self),
+                report=lambda: self.set_registry_state(self._resting_state()), keepalive=self.heartbeat,
+            )
+            if not healthy:
                 return None
             result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            if result is None or self.unhealthy_reason is None:
+            if result is None or self.health.reason is None:
                 return result
             # The engine failed while this worker was blocked in its dequeue (another job in flight
             # failed): give the job back untouched and wait for the engine.
             job, queue = result
             control.hand_back(self.connection, job, queue, at_front=True)
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        self._failing.exception = exc_info[1] if len(exc_info) > 1 else None
+        super().handle_exception(job, *exc_info)
+
+    def _take_job_exception(self) -> BaseException | None:
+        """The exception of the job this thread is failing (once)."""
+        exc = getattr(self._failing, "exception", None)
+        self._failing.exception = None
+        return exc
 
     def handle_job_failure(
         self,
@@ -91,20 +117,34 @@ class RolloutWorker(GracefulShutdownMixin, EngineHealthMixin, FastMaintenanceMix
         execution: Execution | None = None,
     ) -> None:
         if execution is not None:  # a job this worker ran (not a dead worker's, found by maintenance)
-            exc = self.take_job_exception()
-            reason = self.shutdown_handback_reason(exc) or self.health_handback_reason(exc)
+            exc = self._take_job_exception()
+            reason = self.shutdown.handback_reason(exc) or self.health.job_failed(exc)
             if reason and hand_back_started(self, job, queue, execution, reason=reason):
                 self.metrics.job_handed_back()
                 return
-            self.metrics.job_failed(retried=job.should_retry and self._stopped_job_id != job.id)
+            self.metrics.job_failed(retried=job.should_retry and rq_seam.stopped_job_id(self) != job.id)
         super().handle_job_failure(job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
                                    execution=execution)
+
+    # -- shutdown and maintenance ---------------------------------------------------------------
+
+    def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
+        """RQ's hook for the second SIGTERM/SIGINT: hand the jobs in hand back (`workers.shutdown`)."""
+        if self.shutdown.is_repeat(rq_seam.shutdown_requested_at(self)):
+            return
+        rq_seam.request_stop(self)
+        self.shutdown.abort([e.job_id for e in self.executions.values()])
+
+    def clean_registries(self) -> None:
+        """RQ's own maintenance call, bounded as `workers.maintenance` describes."""
+        self.maintenance.clean()
+        self.last_cleaned_at = now()
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        self.start_maintenance_thread()
+        self.maintenance.start()
         try:
             return super().work(*args, **kwargs)
         finally:
-            self.stop_maintenance_thread()
+            self.maintenance.stop()
