@@ -1,6 +1,8 @@
 """The `pipeline` command line.
 
-Every command takes `--redis URL` (default `$PIPELINE_REDIS_URL`, else the embedded server).
+Every command that talks to Redis takes `--redis URL` (default `$PIPELINE_REDIS_URL`, else the
+embedded server) and `--pool NAME` (default `$PIPELINE_POOL`, else `default`; `status` without
+either lists every pool).
 Commands that need the GPU side (`worker`, `demo`) are contributed by the `workers` package
 through the `pipeline.commands` entry point group, so `pipeline` never imports `workers`.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -18,20 +21,25 @@ import redis
 from pipeline.control import WeightPushError
 from pipeline.errors import JobsFailedError, PipelineError
 from schemas.control import SWAP_MODES
+from pipeline.keys import ENV_POOL
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
 def _add_redis(parser: argparse.ArgumentParser) -> None:
+    """The connection options: `--redis URL` and `--pool NAME`."""
     parser.add_argument("--redis", metavar="URL", default=None,
                         help="Redis URL (default: $PIPELINE_REDIS_URL, else the embedded server)")
+    parser.add_argument("--pool", metavar="NAME", default=None,
+                        help="the pool: its own queue, workers and control state (default: $PIPELINE_POOL, "
+                             "else 'default')")
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
-    client = connect(args.redis)
+    client = connect(args.redis, pool=args.pool)
     batch = client.submit_file(
         args.file,
         tokenizer=args.tokenizer or None,
@@ -42,7 +50,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         min_weight_version=args.min_weight_version,
     )
     plan = batch.plan
-    print(f"run: {plan.run}")
+    print(f"run: {plan.run} (pool {plan.pool})")
     print(f"requests: {plan.requests} ({plan.samples} samples) in {len(plan.job_ids)} jobs")
     print(f"output: {batch.url}")
     if args.wait:
@@ -55,7 +63,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from pipeline.connection import connect_redis
     from pipeline.status import collect, format_status
 
-    status = collect(connect_redis(args.redis), run=args.run)
+    status = collect(connect_redis(args.redis), run=args.run, pool=args.pool or os.environ.get(ENV_POOL))
     print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
     return 0
 
@@ -78,26 +86,29 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_pause(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
-    state = connect(args.redis).pause()
-    print(f"paused (generation {state.generation})")
+    client = connect(args.redis, pool=args.pool)
+    state = client.pause()
+    print(f"pool {client.pool}: paused (generation {state.generation})")
     return 0
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
-    state = connect(args.redis).resume()
-    print(f"resumed (generation {state.generation})")
+    client = connect(args.redis, pool=args.pool)
+    state = client.resume()
+    print(f"pool {client.pool}: resumed (generation {state.generation})")
     return 0
 
 
 def _cmd_weights_push(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
-    result = connect(args.redis).push_weights(args.path, version=args.version, timeout=args.timeout,
-                                              force=args.force, mode=args.mode)
-    print(f"weights v{result.version} from {result.path} ({args.mode}): {len(result.acks)} worker(s) acknowledged "
-          f"in {result.seconds:.2f} s")
+    client = connect(args.redis, pool=args.pool)
+    result = client.push_weights(args.path, version=args.version, timeout=args.timeout, force=args.force,
+                                 mode=args.mode)
+    print(f"pool {client.pool}: weights v{result.version} from {result.path} ({args.mode}): {len(result.acks)} "
+          f"worker(s) acknowledged in {result.seconds:.2f} s")
     for ack in result.acks:
         print(f"  {ack.worker}: ok ({ack.seconds:.2f} s)")
     return 0
@@ -136,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("status", help="queues, workers, weight versions, runs, failures")
+    p = sub.add_parser("status", help="per pool: queue, workers, weight versions, runs, failures")
     _add_redis(p)
     p.add_argument("--run", default=None)
     p.add_argument("--json", action="store_true")

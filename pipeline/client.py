@@ -1,4 +1,7 @@
-"""The trainer's Python API: connect, submit, wait, read; pause, resume, push weights."""
+"""The trainer's Python API: connect, submit, wait, read; pause, resume, push weights.
+
+A client works in one pool (`connect(pool=...)`, else `$PIPELINE_POOL`, else `default`); every
+pool-scoped call also takes `pool=` to address another one for that call."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any, Unpack
 import redis
 from pydantic import ValidationError
 
-from pipeline import control, registry
+from pipeline import control, keys, registry
 from pipeline.batch import Batch
 from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
@@ -40,10 +43,14 @@ def _as_requests(
 
 
 class Client:
-    """A connection to the pipeline's Redis."""
+    """A connection to the pipeline's Redis, working in `pool`."""
 
-    def __init__(self, conn: redis.Redis) -> None:
+    def __init__(self, conn: redis.Redis, pool: str | None = None) -> None:
         self.conn = conn
+        self.pool = keys.pool_name(pool)
+
+    def _pool(self, pool: str | None) -> str:
+        return keys.pool_name(pool) if pool else self.pool
 
     def submit(
         self,
@@ -54,6 +61,7 @@ class Client:
         batch_size: int = DEFAULT_BATCH_SIZE,
         min_weight_version: int | None = None,
         tokenizer: Any = None,
+        pool: str | None = None,
     ) -> Batch:
         """Validate and enqueue requests (dicts or models); all or nothing.
 
@@ -71,6 +79,7 @@ class Client:
             output=output,
             batch_size=batch_size,
             min_weight_version=min_weight_version,
+            pool=self._pool(pool),
         )
         return Batch(self.conn, plan)
 
@@ -84,20 +93,25 @@ class Client:
             from pipeline.chat import ChatRenderer
 
             renderer = (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
+        options["pool"] = self._pool(options.get("pool"))
         return Batch(self.conn, submit_file(self.conn, path, vocab_size=vocab_size, renderer=renderer, **options))
 
-    def workers(self) -> list[WorkerInfo]:
-        return registry.live_workers(self.conn)
+    def workers(self, *, pool: str | None = None) -> list[WorkerInfo]:
+        return registry.live_workers(self.conn, self._pool(pool))
 
-    def pause(self) -> DesiredState:
-        """Workers finish the batch in hand and take no new job until `resume()`."""
-        return control.pause(self.conn)
+    def pools(self) -> list[str]:
+        """Every pool named so far on this Redis, `default` first."""
+        return registry.pools(self.conn)
 
-    def resume(self) -> DesiredState:
-        return control.resume(self.conn)
+    def pause(self, *, pool: str | None = None) -> DesiredState:
+        """The pool's workers finish the batch in hand and take no new job until `resume()`."""
+        return control.pause(self.conn, self._pool(pool))
 
-    def control_state(self) -> DesiredState:
-        return control.read_state(self.conn)
+    def resume(self, *, pool: str | None = None) -> DesiredState:
+        return control.resume(self.conn, self._pool(pool))
+
+    def control_state(self, *, pool: str | None = None) -> DesiredState:
+        return control.read_state(self.conn, self._pool(pool))
 
     def push_weights(
         self,
@@ -107,8 +121,10 @@ class Client:
         timeout: float | None = control.DEFAULT_PUSH_TIMEOUT_S,
         force: bool = False,
         mode: SwapMode = "drain",
+        pool: str | None = None,
     ) -> control.PushResult:
-        """Every worker loads `path` as `version`; returns when all live workers acked.
+        """Every worker of the pool loads `path` as `version`; returns when all its live workers acked.
+        Other pools' workers are neither paused nor reloaded.
 
         `mode="drain"` (default) swaps between batches; `mode="partial"` stops the samples in
         flight, loads, and continues them on the new weights (README "Swapping weights").
@@ -116,7 +132,8 @@ class Client:
         Raises `WeightVersionError` for a version not newer than the current one (unless
         `force`) and `WeightPushError` naming the workers that failed or timed out.
         """
-        return control.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode)
+        return control.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode,
+                                    pool=self._pool(pool))
 
     def follow(
         self,
@@ -141,6 +158,7 @@ class Client:
         )
 
 
-def connect(url: str | None = None) -> Client:
-    """Connect to `url`, else `$PIPELINE_REDIS_URL`, else the embedded server (started if needed)."""
-    return Client(connect_redis(url))
+def connect(url: str | None = None, *, pool: str | None = None) -> Client:
+    """Connect to `url`, else `$PIPELINE_REDIS_URL`, else the embedded server (started if needed),
+    working in `pool`, else `$PIPELINE_POOL`, else `default`."""
+    return Client(connect_redis(url), pool)

@@ -1,10 +1,12 @@
 """The control channel, trainer side: pause, resume and acknowledged weight pushes.
 
-The desired state (`schemas.control.DesiredState`) lives in one Redis key, changed only in
-WATCH/MULTI transactions that bump its generation. A PUBLISH on `keys.CONTROL_CHANNEL` only
-wakes workers; they re-read the key, so a missed message changes nothing. Each worker
-acknowledges a weight push in the hash `keys.weight_acks(version)`; `push_weights` returns
-when every live worker has acknowledged, or raises naming who failed or timed out.
+Each pool (`pipeline.keys.pool`) has its own control: the desired state
+(`schemas.control.DesiredState`) lives in one Redis key per pool, changed only in WATCH/MULTI
+transactions that bump its generation. A PUBLISH on the pool's wake-up channel only wakes its
+workers; they re-read the key, so a missed message changes nothing. Each worker acknowledges a
+weight push in the pool's hash `weight_acks(version)`; `push_weights` returns when every live
+worker of the pool has acknowledged, or raises naming who failed or timed out. Nothing here
+reads or writes another pool's keys: a push or pause in one pool never touches another.
 
 With a shared secret configured (`pipeline.security`), the state and the acks are signed
 (`schemas.control.encode`); a reader refuses unsigned or forged ones and logs them. A signed
@@ -27,7 +29,6 @@ from pipeline import keys, registry
 from pipeline.errors import PipelineError
 from pipeline.security import check_weight_path, control_secret
 from schemas.control import (
-    DESIRED_STATE_PURPOSE,
     SWAP_MODES,
     ControlMessageError,
     DesiredState,
@@ -35,6 +36,7 @@ from schemas.control import (
     WeightAck,
     ack_purpose,
     decode,
+    desired_state_purpose,
     encode,
 )
 
@@ -79,12 +81,12 @@ class PushResult:
     acks: list[WeightAck] = field(default_factory=list)
 
 
-def parse_state(raw: bytes | str | None) -> DesiredState:
-    """A stored desired state, verified when a secret is configured; `ControlAuthError` if refused."""
+def parse_state(raw: bytes | str | None, pool: str | None = None) -> DesiredState:
+    """A pool's stored desired state, verified when a secret is configured; `ControlAuthError` if refused."""
     if raw is None:
         return DesiredState()
     try:
-        return decode(raw, DesiredState, secret=control_secret(), purpose=DESIRED_STATE_PURPOSE)
+        return decode(raw, DesiredState, secret=control_secret(), purpose=desired_state_purpose(keys.pool_name(pool)))
     except ControlMessageError as exc:
         log.error("control state refused (%s); was it written by someone without the control secret?", exc)
         raise ControlAuthError(
@@ -93,49 +95,53 @@ def parse_state(raw: bytes | str | None) -> DesiredState:
         ) from exc
 
 
-def read_state(conn: redis.Redis) -> DesiredState:
-    """The current desired state (the default one if never set); `ControlAuthError` if refused."""
-    return parse_state(conn.get(keys.CONTROL_STATE))
+def read_state(conn: redis.Redis, pool: str | None = None) -> DesiredState:
+    """The pool's current desired state (the default one if never set); `ControlAuthError` if refused."""
+    return parse_state(conn.get(keys.pool(pool).control_state), pool)
 
 
-def encode_state(state: DesiredState) -> str:
-    return encode(state, secret=control_secret(), purpose=DESIRED_STATE_PURPOSE)
+def encode_state(state: DesiredState, pool: str | None = None) -> str:
+    return encode(state, secret=control_secret(), purpose=desired_state_purpose(keys.pool_name(pool)))
 
 
-def encode_ack(ack: WeightAck) -> str:
-    return encode(ack, secret=control_secret(), purpose=ack_purpose(ack.version, ack.worker))
+def encode_ack(ack: WeightAck, pool: str | None = None) -> str:
+    return encode(ack, secret=control_secret(), purpose=ack_purpose(ack.version, ack.worker, keys.pool_name(pool)))
 
 
 def _change(
     conn: redis.Redis,
+    pool: str | None,
     update: Callable[[DesiredState], DesiredState],
     also: Callable[[redis.client.Pipeline], None] | None = None,
 ) -> DesiredState:
-    """Apply `update` atomically (WATCH/MULTI), bump the generation, then wake the workers."""
+    """Apply `update` to the pool's state atomically (WATCH/MULTI), bump the generation, then wake
+    the pool's workers."""
+    where = keys.pool(pool)
     with conn.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(keys.CONTROL_STATE)
-                raw = pipe.get(keys.CONTROL_STATE)
+                pipe.watch(where.control_state)
+                raw = pipe.get(where.control_state)
                 try:
-                    current = parse_state(raw)
+                    current = parse_state(raw, where.name)
                 except ControlAuthError:
                     # Not ours: start over from the defaults, past its generation so workers re-read.
                     current = DesiredState(generation=_claimed_generation(raw))
                 changed = update(current)
                 # Past every generation a live worker has followed: workers refuse older states,
                 # and the stored one may be behind them (Redis lost or restored it).
-                followed = max((w.control_generation for w in registry.live_workers(conn)), default=0)
+                followed = max((w.control_generation for w in registry.live_workers(conn, where.name)), default=0)
                 new = changed.model_copy(update={"generation": max(current.generation, followed) + 1})
                 pipe.multi()
                 if also is not None:
                     also(pipe)
-                pipe.set(keys.CONTROL_STATE, encode_state(new))
+                pipe.set(where.control_state, encode_state(new, where.name))
+                pipe.sadd(keys.POOLS, where.name)
                 pipe.execute()
                 break
             except redis.WatchError:
                 continue
-    conn.publish(keys.CONTROL_CHANNEL, str(new.generation))
+    conn.publish(where.control_channel, str(new.generation))
     return new
 
 
@@ -151,23 +157,24 @@ def _claimed_generation(raw: bytes | str | None) -> int:
     return generation if isinstance(generation, int) and 0 <= generation < 2**62 else 0
 
 
-def pause(conn: redis.Redis) -> DesiredState:
-    """Workers finish the batch in hand and take no new job until `resume`."""
-    return _change(conn, lambda s: s.model_copy(update={"paused": True}))
+def pause(conn: redis.Redis, pool: str | None = None) -> DesiredState:
+    """The pool's workers finish the batch in hand and take no new job until `resume`."""
+    return _change(conn, pool, lambda s: s.model_copy(update={"paused": True}))
 
 
-def resume(conn: redis.Redis) -> DesiredState:
-    return _change(conn, lambda s: s.model_copy(update={"paused": False}))
+def resume(conn: redis.Redis, pool: str | None = None) -> DesiredState:
+    return _change(conn, pool, lambda s: s.model_copy(update={"paused": False}))
 
 
-def read_acks(conn: redis.Redis, version: int) -> dict[str, WeightAck]:
-    """Acknowledgements of `version`; malformed, unsigned or forged ones are logged and left out."""
+def read_acks(conn: redis.Redis, version: int, pool: str | None = None) -> dict[str, WeightAck]:
+    """The pool's acknowledgements of `version`; malformed, unsigned or forged ones are logged and left out."""
     acks: dict[str, WeightAck] = {}
     secret = control_secret()
-    for field_name, raw in conn.hgetall(keys.weight_acks(version)).items():
+    where = keys.pool(pool)
+    for field_name, raw in conn.hgetall(where.weight_acks(version)).items():
         worker = field_name.decode(errors="replace")
         try:
-            ack = decode(raw, WeightAck, secret=secret, purpose=ack_purpose(version, worker))
+            ack = decode(raw, WeightAck, secret=secret, purpose=ack_purpose(version, worker, where.name))
         except ControlMessageError as exc:
             log.error("acknowledgement of v%d from %r refused: %s", version, worker, exc)
             continue
@@ -187,8 +194,10 @@ def push_weights(
     timeout: float | None = DEFAULT_PUSH_TIMEOUT_S,
     force: bool = False,
     mode: SwapMode = "drain",
+    pool: str | None = None,
 ) -> PushResult:
-    """Make every worker load `path` as `version`; wait for all live workers' acks.
+    """Make every worker of the pool load `path` as `version`; wait for all its live workers' acks
+    (workers of other pools are neither paused nor reloaded).
 
     `mode` "drain" (the default) loads between batches: every sample in flight finishes on the
     old weights first. "partial" stops the samples in flight at their next step, loads, and
@@ -212,11 +221,12 @@ def push_weights(
 
     started = time.monotonic()
     # A fresh push collects fresh acknowledgements.
-    state = _change(conn, update, also=lambda pipe: pipe.delete(keys.weight_acks(version)))
+    where = keys.pool(pool)
+    state = _change(conn, where.name, update, also=lambda pipe: pipe.delete(where.weight_acks(version)))
     deadline = None if timeout is None else started + timeout
     while True:
-        live = [w.worker_id for w in registry.live_workers(conn)]
-        acks = read_acks(conn, version)
+        live = [w.worker_id for w in registry.live_workers(conn, where.name)]
+        acks = read_acks(conn, version, where.name)
         missing = [w for w in live if w not in acks]
         if not missing or (deadline is not None and time.monotonic() >= deadline):
             break

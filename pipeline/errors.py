@@ -42,6 +42,10 @@ class EmbeddedRedisError(PipelineError):
     """The embedded Redis server could not be found or started."""
 
 
+class PoolNameError(PipelineError):
+    """A pool name that is not 1-64 letters, digits, '_' or '-' starting with a letter or digit."""
+
+
 class CapabilityError(PipelineError):
     """No live worker can serve what the requests ask for."""
 

@@ -1,4 +1,5 @@
-"""The live-worker registry in Redis: entries with a TTL that each worker's heartbeat refreshes."""
+"""The live-worker registry in Redis, one per pool: entries with a TTL that each worker's heartbeat
+refreshes, and the pool's set of worker ids (pruned of expired entries on read)."""
 
 from __future__ import annotations
 
@@ -14,34 +15,44 @@ DEFAULT_TTL_S = 30
 
 
 def publish(conn: redis.Redis, info: WorkerInfo, ttl_s: int = DEFAULT_TTL_S) -> None:
-    """Write (or refresh) a worker's entry; it disappears `ttl_s` after the last refresh."""
+    """Write (or refresh) a worker's entry in its pool; it disappears `ttl_s` after the last refresh."""
     info.heartbeat_at = time.time()
+    pool = keys.pool(info.pool)
     with conn.pipeline() as pipe:
-        pipe.set(keys.worker(info.worker_id), info.model_dump_json(), ex=ttl_s)
-        pipe.sadd(keys.WORKERS, info.worker_id)
+        pipe.set(pool.worker(info.worker_id), info.model_dump_json(), ex=ttl_s)
+        pipe.sadd(pool.workers, info.worker_id)
+        pipe.sadd(keys.POOLS, pool.name)
         pipe.execute()
 
 
-def remove(conn: redis.Redis, worker_id: str) -> None:
+def remove(conn: redis.Redis, worker_id: str, pool: str | None = None) -> None:
+    keys_ = keys.pool(pool)
     with conn.pipeline() as pipe:
-        pipe.delete(keys.worker(worker_id))
-        pipe.srem(keys.WORKERS, worker_id)
+        pipe.delete(keys_.worker(worker_id))
+        pipe.srem(keys_.workers, worker_id)
         pipe.execute()
 
 
-def live_workers(conn: redis.Redis) -> list[WorkerInfo]:
-    """Entries of workers whose heartbeat has not expired; expired ids are pruned."""
-    ids = sorted(m.decode() for m in conn.smembers(keys.WORKERS))
+def live_workers(conn: redis.Redis, pool: str | None = None) -> list[WorkerInfo]:
+    """Entries of the pool's workers whose heartbeat has not expired; expired ids are pruned."""
+    keys_ = keys.pool(pool)
+    ids = sorted(m.decode() for m in conn.smembers(keys_.workers))
     if not ids:
         return []
-    raw = conn.mget([keys.worker(i) for i in ids])
+    raw = conn.mget([keys_.worker(i) for i in ids])
     alive: list[WorkerInfo] = []
     for worker_id, value in zip(ids, raw, strict=True):
         if value is None:
-            conn.srem(keys.WORKERS, worker_id)
+            conn.srem(keys_.workers, worker_id)
             continue
         try:
             alive.append(WorkerInfo.model_validate_json(value))
         except ValidationError:
             continue  # an entry written by another release: not ours to judge
     return alive
+
+
+def pools(conn: redis.Redis) -> list[str]:
+    """Every pool named so far (by a submit, a worker or a control change), `default` first."""
+    named = {m.decode() for m in conn.smembers(keys.POOLS)} - {keys.DEFAULT_POOL}
+    return [keys.DEFAULT_POOL, *sorted(named)]

@@ -1,4 +1,4 @@
-"""`pipeline status`: queues, workers, weight versions, runs, shards and failures."""
+"""`pipeline status`: per pool, its queue, workers, desired state, runs, shards and failures."""
 
 from __future__ import annotations
 
@@ -29,42 +29,54 @@ def failure_reason(conn: redis.Redis, job_id: str) -> str:
     return text.strip().splitlines()[-1] if text.strip() else f"{job.get_status() or 'failed'} (no error recorded)"
 
 
-def _desired(conn: redis.Redis) -> dict[str, Any]:
+def _desired(conn: redis.Redis, pool: str) -> dict[str, Any]:
     try:
-        return control.read_state(conn).model_dump()
+        return control.read_state(conn, pool).model_dump()
     except control.ControlAuthError as exc:
         return {**DesiredState().model_dump(), "error": str(exc)}
 
 
-def collect(conn: redis.Redis, run: str | None = None) -> dict[str, Any]:
-    queue = rollout_queue(conn)
+def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) -> dict[str, Any]:
+    """Every pool's status (`pools`: name → status), or only `pool`'s when one is named."""
+    names = [keys.pool_name(pool)] if pool else registry.pools(conn)
+    return {"pools": {name: collect_pool(conn, name, run) for name in names}}
+
+
+def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
+    """One pool: its desired state, queue, live workers, runs and failed jobs."""
+    where = keys.pool(pool)
+    queue = rollout_queue(conn, where.name)
     failed = FailedJobRegistry(queue=queue, serializer=JSONSerializer)
     started = StartedJobRegistry(queue=queue, serializer=JSONSerializer)
-    runs = [run] if run else sorted(m.decode() for m in conn.smembers(keys.RUNS))
-    run_stats = {}
-    for name in runs:
-        run_stats[name] = dataclasses.asdict(commit_log.totals(conn, name))
+    runs = sorted(m.decode() for m in conn.smembers(where.runs))
+    if run:
+        runs = [name for name in runs if name == run]
     now = time.time()
     # Counts and ids without RQ's cleanup: looking at the status must not retry abandoned jobs.
     failed_ids = failed.get_job_ids(0, FAILURES_SHOWN - 1, cleanup=False)
     return {
-        "desired": _desired(conn),
+        "desired": _desired(conn, where.name),
         "queue": {"name": queue.name, "queued": queue.count, "started": started.get_job_count(cleanup=False),
                   "failed": failed.get_job_count(cleanup=False)},
         "workers": [
             {**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)}
-            for w in registry.live_workers(conn)
+            for w in registry.live_workers(conn, where.name)
         ],
-        "runs": run_stats,
+        "runs": {name: dataclasses.asdict(commit_log.totals(conn, name)) for name in runs},
         "failed_jobs": failed_ids,
         "failure_reasons": {job_id: failure_reason(conn, job_id) for job_id in failed_ids},
     }
 
 
 def format_status(status: dict[str, Any]) -> str:
+    return "\n\n".join(format_pool(name, pool) for name, pool in status["pools"].items())
+
+
+def format_pool(name: str, status: dict[str, Any]) -> str:
     q = status["queue"]
     desired = status["desired"]
     lines = [
+        f"pool {name}",
         f"desired: {'paused' if desired['paused'] else 'running'}, weights v{desired['weight_version']}"
         + (f" from {desired['weight_path']}" if desired["weight_path"] else "")
         + f" (generation {desired['generation']})",
@@ -81,13 +93,13 @@ def format_status(status: dict[str, Any]) -> str:
             + (f" error={w['error']}" if w.get("error") else "")
         )
     lines.append(f"runs: {len(status['runs'])}")
-    for name, r in status["runs"].items():
+    for run, r in status["runs"].items():
         lines.append(
-            f"  {name}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
+            f"  {run}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
             f"weights {r['weight_versions']}"
         )
     if desired.get("error"):
-        lines.insert(1, f"  REFUSED: {desired['error']}")
+        lines.insert(2, f"  REFUSED: {desired['error']}")
     if status["failed_jobs"]:
         lines.append("failed jobs: " + ", ".join(status["failed_jobs"]))
         reasons = status.get("failure_reasons", {})

@@ -56,10 +56,12 @@ class SubmitPlan:
     job_ids: list[str]
     requests: int
     samples: int
+    pool: str = keys.DEFAULT_POOL
 
 
-def rollout_queue(conn: redis.Redis) -> Queue:
-    return Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer)
+def rollout_queue(conn: redis.Redis, pool: str | None = None) -> Queue:
+    """The pool's RQ queue (`pipeline.keys.pool`)."""
+    return Queue(keys.pool(pool).queue_name, connection=conn, serializer=JSONSerializer)
 
 
 class SubmitOptions(TypedDict, total=False):
@@ -71,6 +73,7 @@ class SubmitOptions(TypedDict, total=False):
     min_weight_version: int | None
     job_timeout_s: int
     retries: int
+    pool: str | None
 
 
 def submit_requests(
@@ -114,6 +117,7 @@ def submit_blocks(
     min_weight_version: int | None = None,
     job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     retries: int = DEFAULT_RETRIES,
+    pool: str | None = None,
 ) -> SubmitPlan:
     """Enqueue the requests of `blocks` (consumed once, in order) as jobs of at most `batch_size`,
     atomically: all or none, also when `blocks` raises part-way.
@@ -133,7 +137,8 @@ def submit_blocks(
         )
     output = (output or default_output()).rstrip("/")
     check_output_url(output)  # the default output too: a worker would refuse it anyway
-    workers = registry.live_workers(conn)
+    where = keys.pool(pool)
+    workers = registry.live_workers(conn, where.name)
     jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
                  min_weight_version=min_weight_version, job_timeout_s=job_timeout_s, retries=retries)
     stager = PromptStager(conn)
@@ -154,12 +159,13 @@ def submit_blocks(
             pipe.multi()
             for key in stager.keys:
                 pipe.expire(key, PROMPTS_TTL_S)
-            rollout_queue(conn).enqueue_many(jobs.datas, pipeline=pipe)
+            rollout_queue(conn, where.name).enqueue_many(jobs.datas, pipeline=pipe)
             pipe.hset(
                 keys.batch(jobs.batch_id),
                 mapping={
                     "run": run,
                     "output": output,
+                    "pool": where.name,
                     "job_ids": ",".join(jobs.job_ids),
                     "requests": jobs.requests,
                     "samples": jobs.samples,
@@ -167,7 +173,8 @@ def submit_blocks(
                 },
             )
             pipe.sadd(keys.run_batches(run), jobs.batch_id)
-            pipe.sadd(keys.RUNS, run)
+            pipe.sadd(where.runs, run)
+            pipe.sadd(keys.POOLS, where.name)
             try:
                 pipe.execute()
             except redis.WatchError:
@@ -178,7 +185,7 @@ def submit_blocks(
         raise
     finally:
         stager.close()
-    return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples)
+    return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name)
 
 
 @dataclass

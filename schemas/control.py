@@ -2,8 +2,9 @@
 
 When a shared secret is configured, every record is stored inside a `Signed` envelope: the
 record's JSON as `body` plus an HMAC-SHA256 over a purpose string and that body. The purpose
-binds a signature to where the record belongs (`desired-state`; `ack:<version>:<worker>`), so
-a signed ack cannot be replayed as another worker's or another version's. Readers holding
+binds a signature to where the record belongs (`desired-state`; `ack:<version>:<worker>`; pools
+other than `default` add their name), so a signed ack cannot be replayed as another worker's,
+another version's or another pool's. Readers holding
 the secret refuse unsigned and forged records with a located `ControlMessageError`.
 """
 
@@ -15,6 +16,8 @@ import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from schemas.worker_info import DEFAULT_POOL
 
 MAX_RECORD_BYTES = 64 * 1024
 DESIRED_STATE_PURPOSE = "desired-state"
@@ -69,8 +72,16 @@ class ControlMessageError(ValueError):
         super().__init__(f"{location}: {message}")
 
 
-def ack_purpose(version: int, worker: str) -> str:
-    return f"ack:{version}:{worker}"
+def desired_state_purpose(pool: str = DEFAULT_POOL) -> str:
+    """The signing purpose of a pool's desired state. The default pool keeps the single-pool one
+    (its signed states stay valid); another pool's names it, so no signed state of one pool is
+    obeyed in another."""
+    return DESIRED_STATE_PURPOSE if pool == DEFAULT_POOL else f"{DESIRED_STATE_PURPOSE}:{pool}"
+
+
+def ack_purpose(version: int, worker: str, pool: str = DEFAULT_POOL) -> str:
+    purpose = f"ack:{version}:{worker}"
+    return purpose if pool == DEFAULT_POOL else f"pool:{pool}:{purpose}"
 
 
 def signature(secret: bytes, purpose: str, body: str) -> str:

@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+# The pool of single-pool deployments, and of anything that names none.
+DEFAULT_POOL = "default"
+
 WorkerState = Literal["starting", "idle", "busy", "paused", "updating", "failed", "unhealthy"]
 
 
@@ -24,6 +27,8 @@ class WorkerInfo(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     worker_id: str
+    # The pool whose queue the worker serves and whose control state it follows.
+    pool: str = DEFAULT_POOL
     host: str
     pid: int
     engine: str

@@ -87,9 +87,10 @@ def test_fifty_requests_through_a_worker_process(
     client = pipeline.connect(redis_url)
     status = subprocess.run([*PIPELINE, "status", "--json"], env=pipeline_env, capture_output=True, text=True,
                             check=True)
-    runs = json.loads(status.stdout)["runs"]
+    default = json.loads(status.stdout)["pools"]["default"]
+    runs = default["runs"]
     assert runs["e2e-a"]["shards"] == 7 and runs["e2e-a"]["rows"] == 70
-    assert [w["state"] for w in json.loads(status.stdout)["workers"]] == ["idle"]
+    assert [w["state"] for w in default["workers"]] == ["idle"]
     shown = subprocess.run([*PIPELINE, "show", f"{output}/e2e-a", "--limit", "2", "--token-ids"],
                            env=pipeline_env, capture_output=True, text=True, check=True)
     assert "token_id:" in shown.stdout and "finish=" in shown.stdout

@@ -121,7 +121,7 @@ def test_abandoned_job_out_of_retries_is_a_visible_failure(redis_client: redis.R
     spawn()
     with pytest.raises(JobsFailedError, match="AbandonedJobError"):
         batch.wait(timeout=20)
-    status = collect(redis_client)
+    status = collect(redis_client)["pools"]["default"]
     assert status["failed_jobs"] == batch.job_ids
     assert "AbandonedJobError" in status["failure_reasons"][batch.job_ids[0]]
 

@@ -106,9 +106,10 @@ def _run_worker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval, maintenance_interval_s=args.maintenance_interval,
         stuck_after_s=args.stuck_after, probe_max_s=args.health_probe_max,
         max_jobs_in_flight=args.max_jobs_in_flight, feed=not args.no_feed,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, pool=args.pool,
     )
-    started = f"worker {worker.worker_id}: engine={engine.description.name} model={engine.description.model}"
+    started = (f"worker {worker.worker_id}: pool={worker.pool.name} engine={engine.description.name} "
+               f"model={engine.description.model}")
     if worker.metrics.url:
         started += f" metrics={worker.metrics.url}"
     if args.log_format == "json":  # every line a JSON object: the start line is a log record too

@@ -31,10 +31,12 @@ POLL_S = 1.0
 
 
 class ControlListener:
-    """A daemon thread calling `on_wake` on subscribe, on every message, on reconnect and periodically."""
+    """A daemon thread calling `on_wake` on subscribe, on every message on `channel` (the pool's
+    wake-up channel), on reconnect and periodically."""
 
-    def __init__(self, conn: redis.Redis, on_wake: Callable[[], Any], *, poll_s: float = POLL_S) -> None:
+    def __init__(self, conn: redis.Redis, channel: str, on_wake: Callable[[], Any], *, poll_s: float = POLL_S) -> None:
         self.conn = conn
+        self.channel = channel
         self.on_wake = on_wake
         self.poll_s = poll_s
         self._stop = threading.Event()
@@ -57,7 +59,7 @@ class ControlListener:
     def _subscribe(self) -> None:
         self._close()
         pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.CONTROL_CHANNEL)
+        pubsub.subscribe(self.channel)
         self._pubsub = pubsub
 
     def _close(self) -> None:
@@ -111,12 +113,13 @@ def load_weights(engine: Engine, worker_id: str, path: str, version: int) -> Wei
                      seconds=float(time.monotonic() - started), error=error)
 
 
-def write_ack(conn: redis.Redis, ack: WeightAck, *, only_if_missing: bool = False) -> None:
-    key = keys.weight_acks(ack.version)
+def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, only_if_missing: bool = False) -> None:
+    """Acknowledge a push in `pool`'s acknowledgements of the version."""
+    key = keys.pool(pool).weight_acks(ack.version)
     if only_if_missing:
-        conn.hsetnx(key, ack.worker, encode_ack(ack))
+        conn.hsetnx(key, ack.worker, encode_ack(ack, pool))
     else:
-        conn.hset(key, ack.worker, encode_ack(ack))
+        conn.hset(key, ack.worker, encode_ack(ack, pool))
 
 
 def hand_back(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:

@@ -56,7 +56,7 @@ def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: in
 
     batch = client.submit_file(str(path), run=run, batch_size=batch_size, min_weight_version=min_weight_version)
     print(f"submitted {len(batch.job_ids)} jobs of run {run} -> {batch.url}", flush=True)
-    worker = RolloutWorker(client.conn, engine)
+    worker = RolloutWorker(client.conn, engine, pool=client.pool)
     started = time.perf_counter()
     worker.work(burst=True, logging_level="WARNING", with_scheduler=False)
     elapsed = time.perf_counter() - started
@@ -77,7 +77,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     count = write_requests(engine.tokenizer, path, max_new_tokens=args.max_new_tokens, n=args.n)
     print(f"wrote {count} requests to {path}")
 
-    client = connect(args.redis)
+    client = connect(args.redis, pool=args.pool)
     run = args.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     first, elapsed = _run_round(client, engine, path, run, batch_size=args.batch_size)
 

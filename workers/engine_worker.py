@@ -70,10 +70,12 @@ class EngineWorker(SimpleWorker):
         feed_headroom: int | None = None,
         metrics_port: int | None = None,
         metrics_host: str = DEFAULT_METRICS_HOST,
+        pool: str | None = None,
         **kwargs: Any,
     ) -> None:
         worker_id = worker_id or new_worker_id()
-        queue = Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer)
+        self.pool = keys.pool(pool)
+        queue = Queue(self.pool.queue_name, connection=conn, serializer=JSONSerializer)
         kwargs.setdefault("job_monitoring_interval", max(1, int(heartbeat_interval_s)))
         super().__init__(
             [queue],
@@ -90,6 +92,7 @@ class EngineWorker(SimpleWorker):
         now = time.time()
         self.info = WorkerInfo(
             worker_id=worker_id,
+            pool=self.pool.name,
             host=socket.gethostname(),
             pid=os.getpid(),
             engine=description.name,
@@ -117,7 +120,8 @@ class EngineWorker(SimpleWorker):
         self._weight_error: str | None = None
         self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
         self._changed = threading.Event()
-        self._listener = control.ControlListener(conn, self.sync_control, poll_s=control_poll_s)
+        self._listener = control.ControlListener(conn, self.pool.control_channel, self.sync_control,
+                                                 poll_s=control_poll_s)
         self.feeder: Feeder | None = None
         if feed and is_concurrent(engine):
             self.feeder = Feeder(self, engine, max_jobs_in_flight=max_jobs_in_flight,  # type: ignore[arg-type]
@@ -189,7 +193,7 @@ class EngineWorker(SimpleWorker):
         a load first drains every batch in flight, so weights only ever change between batches.
         """
         try:
-            state = pipeline_control.read_state(self.connection)
+            state = pipeline_control.read_state(self.connection, self.pool.name)
         except (redis.RedisError, pipeline_control.ControlAuthError) as exc:  # forged/unsigned: refused, logged
             log.warning("control state unreadable (%s); keeping %s", exc, self._desired)
             return self._desired
@@ -213,7 +217,7 @@ class EngineWorker(SimpleWorker):
                         self._load_weights(state.weight_path, state.weight_version)
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
-                    control.write_ack(self.connection, self._last_ack, only_if_missing=True)
+                    control.write_ack(self.connection, self._last_ack, self.pool.name, only_if_missing=True)
             except redis.RedisError as exc:
                 log.warning("control acknowledgement failed: %s", exc)
             if not self._busy:
@@ -234,7 +238,7 @@ class EngineWorker(SimpleWorker):
             log.error("worker %s: %s; still serving v%d", self.worker_id, self._weight_error,
                       self.engine.weight_version)
         self._last_ack = ack
-        control.write_ack(self.connection, ack)
+        control.write_ack(self.connection, ack, self.pool.name)
 
     def _wait_until_resumed(self, burst: bool) -> bool:
         """Block while paused (False in burst mode: the worker then exits instead)."""
@@ -337,5 +341,5 @@ class EngineWorker(SimpleWorker):
             self._listener.stop()
             self._stop.set()
             self._thread.join(timeout=5)
-            registry.remove(self.connection, self.worker_id)
+            registry.remove(self.connection, self.worker_id, self.pool.name)
             context.uninstall()

@@ -24,13 +24,13 @@ def test_state_changes_bump_the_generation_and_wake_workers(redis_client: redis.
     client = pipeline.Client(redis_client)
     assert client.control_state() == DesiredState()
     pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(keys.CONTROL_CHANNEL)
+    pubsub.subscribe(keys.pool().control_channel)
     assert client.pause() == DesiredState(generation=1, paused=True)
     assert client.resume().generation == 2
     message = None
     for _ in range(20):
         message = message or pubsub.get_message(timeout=0.1)
-    assert message is not None and message["channel"] == keys.CONTROL_CHANNEL.encode()
+    assert message is not None and message["channel"] == keys.pool().control_channel.encode()
     assert control.read_state(redis_client) == DesiredState(generation=2, paused=False)
 
 
@@ -52,13 +52,13 @@ def test_push_names_failed_and_silent_workers(redis_client: redis.Redis) -> None
     _fake_entry(redis_client, "broken")
     _fake_entry(redis_client, "fine")
     stale = WeightAck(worker="silent", version=3, ok=True, seconds=0.1)
-    redis_client.hset(keys.weight_acks(3), "silent", stale.model_dump_json())  # from an earlier push: cleared
+    redis_client.hset(keys.pool().weight_acks(3), "silent", stale.model_dump_json())  # from an earlier push: cleared
 
     def answer() -> None:
         time.sleep(0.2)
         for ack in (WeightAck(worker="broken", version=3, ok=False, seconds=0.1, error="no such file"),
                     WeightAck(worker="fine", version=3, ok=True, seconds=0.1)):
-            redis_client.hset(keys.weight_acks(3), ack.worker, ack.model_dump_json())
+            redis_client.hset(keys.pool().weight_acks(3), ack.worker, ack.model_dump_json())
 
     thread = threading.Thread(target=answer)
     thread.start()

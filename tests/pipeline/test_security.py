@@ -37,19 +37,19 @@ def test_signed_state_is_obeyed_and_forged_or_unsigned_state_refused(
     redis_client: redis.Redis, secret: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = control.pause(redis_client)
-    stored = json.loads(redis_client.get(keys.CONTROL_STATE))
+    stored = json.loads(redis_client.get(keys.pool().control_state))
     assert set(stored) == {"body", "hmac"} and control.read_state(redis_client) == state
 
     worker = RolloutWorker(redis_client, FakeEngine())
     assert worker.sync_control().paused
     # Someone who can reach Redis but lacks the secret: unsigned, then signed with a guess.
-    redis_client.set(keys.CONTROL_STATE, DesiredState(generation=9).model_dump_json())
+    redis_client.set(keys.pool().control_state, DesiredState(generation=9).model_dump_json())
     with pytest.raises(control.ControlAuthError, match="unsigned record refused"):
         control.read_state(redis_client)
     assert worker.sync_control().paused  # the worker keeps what it had
     forged = encode(DesiredState(generation=9, weight_path="/evil", weight_version=5), secret=b"guess",
                     purpose="desired-state")
-    redis_client.set(keys.CONTROL_STATE, forged)
+    redis_client.set(keys.pool().control_state, forged)
     with pytest.raises(control.ControlAuthError, match="signature does not match"):
         control.read_state(redis_client)
     assert worker.sync_control().paused and worker.engine.updates == []
@@ -62,9 +62,9 @@ def test_signed_state_is_obeyed_and_forged_or_unsigned_state_refused(
 def test_forged_and_replayed_acks_are_refused(redis_client: redis.Redis, secret: bytes) -> None:
     good = WeightAck(worker="w1", version=3, ok=True, seconds=0.1)
     worker_control.write_ack(redis_client, good)
-    redis_client.hset(keys.weight_acks(3), "w2", WeightAck(worker="w2", version=3, ok=True, seconds=0.1)
+    redis_client.hset(keys.pool().weight_acks(3), "w2", WeightAck(worker="w2", version=3, ok=True, seconds=0.1)
                       .model_dump_json())  # unsigned
-    redis_client.hset(keys.weight_acks(3), "w3", redis_client.hget(keys.weight_acks(3), "w1"))  # replayed
+    redis_client.hset(keys.pool().weight_acks(3), "w3", redis_client.hget(keys.pool().weight_acks(3), "w1"))  # replayed
     assert control.read_acks(redis_client, 3) == {"w1": good}
 
 
@@ -101,7 +101,7 @@ def test_output_urls_are_restricted_at_submit_and_in_the_worker(
     assert engine.calls == []  # refused before anything ran
     with pytest.raises(pipeline.JobsFailedError, match="outside the allowed prefixes"):
         batch.wait(timeout=5)
-    assert Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer).count == 0
+    assert Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer).count == 0
 
 
 def _line(**overrides: object) -> str:

@@ -59,7 +59,7 @@ def test_bad_file_is_refused_with_its_line_and_nothing_is_enqueued(
     assert f"{path}:{line_number + offset}: " in result.stderr if case != "empty_file" else str(path) in result.stderr
     assert message in result.stderr
     assert "nothing was enqueued" in result.stderr
-    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
     assert redis_client.keys("rq:job:*") == []
 
 
@@ -75,7 +75,7 @@ def test_submit_enqueues_json_jobs_in_batches(
     assert "run: step-1" in result.stdout
     assert "requests: 10 (10 samples) in 3 jobs" in result.stdout
     assert "output: memory://out/step-1" in result.stdout
-    queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    queue = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     jobs = queue.get_jobs()
     assert [len(job.args[0]["requests"]) for job in jobs] == [4, 4, 2]
     assert all(job.func_name == "workers.batch_job.run_rollout_batch" for job in jobs)
@@ -94,7 +94,7 @@ def test_python_api_accepts_dicts_and_rejects_bad_ones(redis_url: str, redis_cli
     assert len(batch.job_ids) == 1 and batch.url == "memory://x/api"
     with pytest.raises(pipeline.RequestFileError, match="unknown field"):
         client.submit([{**GOOD, "id": "c"}, {**GOOD, "id": "d", "bogus": 1}], run="api2")
-    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 1
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 1
 
 
 def test_capabilities_checked_against_live_workers(redis_url: str, redis_client: redis.Redis) -> None:
@@ -114,7 +114,7 @@ def test_capabilities_checked_against_live_workers(redis_url: str, redis_client:
         client.submit([{**GOOD, "input_ids": [100]}])
     with pytest.raises(pipeline.CapabilityError, match="return_routed_experts needs"):
         client.submit([{**GOOD, "return_routed_experts": True}])
-    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
 
 
 def test_a_missing_file_or_an_unreachable_redis_is_a_clear_error(tmp_path: Path, pipeline_env: dict[str, str]) -> None:
@@ -137,5 +137,5 @@ def test_vocab_size_flag_refuses_ids_outside_the_vocabulary(
                             env=pipeline_env, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     assert f"{path}:71: input_ids: token id 9 is outside the model's vocabulary of 4" in result.stderr
-    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
     assert redis_client.keys(f"{keys.PREFIX}:prompts:*") == []  # 8 jobs' ids were staged, then deleted

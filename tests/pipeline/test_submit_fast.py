@@ -66,7 +66,7 @@ def test_prompt_ids_travel_beside_the_job(redis_client: redis.Redis, tmp_path: P
     key = keys.prompts(job_id)
     assert len(redis_client.get(key)) == 15 * 2  # uint16: every id fits
     assert 0 < redis_client.ttl(key) <= PROMPTS_TTL_S
-    [job] = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer).get_jobs()
+    [job] = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer).get_jobs()
     payload = job.args[0]
     assert payload["prompt_key"] == key and payload["prompt_tokens"] == "" and "input_ids" not in json.dumps(payload)
     RolloutWorker(redis_client, FakeEngine()).work(burst=True, with_scheduler=False, logging_level="WARNING")
@@ -184,7 +184,7 @@ def test_parsed_lines_submit_the_same_jobs_as_models(redis_client: redis.Redis, 
     plans = [submit_requests(redis_client, requests, run=f"same{k}", output="memory://x", batch_size=2)
              for k, requests in enumerate([parsed, models])]
     assert plans[0].samples == plans[1].samples == 7
-    queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    queue = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     jobs = {job.id: job for job in queue.get_jobs()}
     for ours, theirs in zip(plans[0].job_ids, plans[1].job_ids, strict=True):
         a, b = jobs[ours].args[0], jobs[theirs].args[0]
@@ -208,7 +208,7 @@ def test_a_bad_line_after_staged_jobs_leaves_redis_as_it_was(redis_client: redis
     assert [(e.line, e.field) for e in caught.value.errors] == [(301, "bogus")]
     # Jobs of the first 256 lines had their prompt ids staged; all of it is gone again.
     assert _keyspace(redis_client) == before
-    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
 
 
 def test_staged_prompt_ids_that_vanish_fail_the_submit_and_enqueue_nothing(redis_client: redis.Redis) -> None:
@@ -224,7 +224,7 @@ def test_staged_prompt_ids_that_vanish_fail_the_submit_and_enqueue_nothing(redis
     with pytest.raises(PipelineError, match="staged prompt-id keys vanished"):
         submit_blocks(redis_client, blocks(), run="gone", output="memory://x", batch_size=4)
     assert _keyspace(redis_client) == before
-    assert Queue(keys.QUEUE_NAME, connection=redis_client).count == 0
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
 
 
 def test_submit_file_enqueues_what_read_and_submit_would(redis_client: redis.Redis, tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_submit_file_enqueues_what_read_and_submit_would(redis_client: redis.Red
     listed = submit_requests(redis_client, read_request_lines(path), run="listed", output="memory://x", batch_size=32)
     assert (streamed.requests, streamed.samples, len(streamed.job_ids)) == (70, 140, 3)
     assert (listed.requests, listed.samples, len(listed.job_ids)) == (70, 140, 3)
-    queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    queue = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     jobs = {job.id: job.args[0] for job in queue.get_jobs()}
     for ours, theirs in zip(streamed.job_ids, listed.job_ids, strict=True):
         assert jobs[ours]["requests"] == jobs[theirs]["requests"]

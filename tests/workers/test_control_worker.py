@@ -30,7 +30,7 @@ def _burst(conn: redis.Redis, engine: FakeEngine) -> None:
 
 
 def _queued(conn: redis.Redis) -> list[str]:
-    return Queue(keys.QUEUE_NAME, connection=conn, serializer=JSONSerializer).get_job_ids()
+    return Queue(keys.pool().queue_name, connection=conn, serializer=JSONSerializer).get_job_ids()
 
 
 
@@ -88,18 +88,18 @@ def test_a_replayed_older_signed_state_is_refused(
     monkeypatch.setenv("PIPELINE_CONTROL_SECRET", "s3cret")  # every state signed
     client = pipeline.Client(redis_client)
     client.push_weights("/ckpt/v1", version=1, timeout=5)
-    copied = redis_client.get(keys.CONTROL_STATE)  # a validly signed record, copied by whoever can read Redis
+    copied = redis_client.get(keys.pool().control_state)  # a validly signed record, copied by whoever can read Redis
     client.push_weights("/ckpt/v2", version=2, timeout=5)
     engine = FakeEngine()
     worker = RolloutWorker(redis_client, engine, control_poll_s=0.2)
     worker.sync_control()
     assert engine.updates == [("/ckpt/v2", 2)] and worker.info.control_generation == 2
-    redis_client.set(keys.CONTROL_STATE, copied)  # replayed: would roll the weights back to v1
+    redis_client.set(keys.pool().control_state, copied)  # replayed: would roll the weights back to v1
     worker.sync_control()
     assert engine.updates == [("/ckpt/v2", 2)] and engine.weight_version == 2
     # Redis loses the state: the next change still goes past what the live worker followed.
     worker.set_registry_state("idle")
-    redis_client.delete(keys.CONTROL_STATE)
+    redis_client.delete(keys.pool().control_state)
     assert client.pause().generation == 3
     assert worker.sync_control().paused
     registry.remove(redis_client, worker.worker_id)
@@ -170,7 +170,7 @@ def test_bad_path_is_reported_by_every_worker(
     assert all("no config.json" in (a.error or "") for a in acks.values())
 
     status = json.loads(subprocess.run([*PIPELINE, "status", "--json"], env=pipeline_env, capture_output=True,
-                                       text=True, check=True).stdout)
+                                       text=True, check=True).stdout)["pools"]["default"]
     assert [(w["state"], w["weight_version"]) for w in status["workers"]] == [("failed", 0)] * 2
     assert all(str(missing) in w["error"] for w in status["workers"])
 

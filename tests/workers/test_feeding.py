@@ -99,9 +99,9 @@ def test_next_job_reaches_the_engine_before_the_last_sequence_ends(redis_client:
     shards = sorted(p.name for p in (tmp_path / "feed").glob("*.parquet"))
     assert shards == sorted(f"{j}.parquet" for j in long.job_ids + short.job_ids)
     assert long.read().num_rows == 4 and short.read().num_rows == 4
-    finished = FinishedJobRegistry(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    finished = FinishedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     assert set(finished.get_job_ids()) == set(long.job_ids + short.job_ids)
-    assert StartedJobRegistry(keys.QUEUE_NAME, connection=redis_client).get_job_ids() == []
+    assert StartedJobRegistry(keys.pool().queue_name, connection=redis_client).get_job_ids() == []
     assert worker.feeder is not None and worker.feeder.in_flight == 0 and engine.load() == 0
 
 
@@ -127,7 +127,7 @@ def test_a_failing_job_fails_alone(redis_client: redis.Redis, tmp_path: Path) ->
     finally:
         engine.close()
     assert good.wait(timeout=5).counts["finished"] == 1
-    failed = FailedJobRegistry(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    failed = FailedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     assert failed.get_job_ids() == bad.job_ids
     assert "top-3 logprobs" in bad.failures()[bad.job_ids[0]]
     assert [p.name for p in (tmp_path / "mixed").glob("*.parquet")] == [f"{good.job_ids[0]}.parquet"]
@@ -138,7 +138,7 @@ def test_every_job_in_flight_keeps_its_heartbeat(redis_client: redis.Redis, tmp_
     batch = client.submit(job("h", [1200, 1200]), run="hb", output=f"file://{tmp_path}", batch_size=1)
     engine = Recorded(capacity=8)
     worker = RolloutWorker(redis_client, engine, heartbeat_interval_s=0.3)
-    started = StartedJobRegistry(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    started = StartedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     seen: list[set[str]] = []
 
     def watch() -> None:

@@ -35,7 +35,7 @@ def test_heartbeat_keeps_a_long_job_alive(redis_url: str, redis_client: redis.Re
     worker = RolloutWorker(redis_client, engine, heartbeat_interval_s=0.5)
     ttl = worker.get_heartbeat_ttl(Job(job_id, connection=redis_client))
     assert ttl < 4.0, "the test needs a job longer than one heartbeat TTL"
-    started = StartedJobRegistry(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    started = StartedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     observed: list[tuple[float, list[str], str]] = []
 
     def watch() -> None:
@@ -61,11 +61,11 @@ def test_heartbeat_keeps_a_long_job_alive(redis_url: str, redis_client: redis.Re
 
 def test_only_project_job_functions_run(redis_client: redis.Redis, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    queue = Queue(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    queue = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     job = queue.enqueue("os.system", f"touch {marker}")
     RolloutWorker(redis_client, FakeEngine()).work(burst=True, with_scheduler=False, logging_level="WARNING")
     assert not marker.exists()
-    failed = FailedJobRegistry(keys.QUEUE_NAME, connection=redis_client, serializer=JSONSerializer)
+    failed = FailedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
     assert job.id in failed.get_job_ids()
     fetched = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer)
     assert "not a rollout pipeline job function" in fetched.latest_result().exc_string
