@@ -20,8 +20,8 @@ import redis
 
 from pipeline.control import WeightPushError
 from pipeline.errors import JobsFailedError, PipelineError
-from schemas.control import SWAP_MODES
 from pipeline.keys import ENV_POOL
+from schemas.control import SWAP_MODES
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

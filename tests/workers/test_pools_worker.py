@@ -13,8 +13,8 @@ import redis
 import pipeline
 from pipeline import control, registry
 from tests.conftest import PIPELINE
-from tests.fakes import FakeEngine
 from tests.helpers import wait_until
+from workers.engines.fake import FakeEngine
 from workers.worker import RolloutWorker
 
 REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
