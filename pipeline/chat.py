@@ -37,17 +37,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.errors import LineError, PipelineError, RequestFileError
+from pipeline.errors import LineError, PipelineError, RenderError, RequestFileError
 from schemas.chat import SHARED_FIELDS, ChatMessage, ChatRequest, NamedToolChoice, TextPart, is_chat_line
-
-
-class RenderError(PipelineError):
-    """A chat line cannot be rendered; `field` locates the problem in the line."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,29 @@ from importlib.metadata import entry_points
 
 import redis
 
-from pipeline.control import WeightPushError
-from pipeline.errors import JobsFailedError, PipelineError
+from pipeline.errors import JobsFailedError, PipelineError, WaitTimeoutError, WeightPushError
 from pipeline.keys import ENV_POOL
 from schemas.control import SWAP_MODES
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+# Exit codes (README "Exit codes"): scripts and orchestrators tell these apart.
+EXIT_FAILED = 1  # jobs failed, a worker failed to load pushed weights, nothing to show
+EXIT_USAGE = 2  # bad arguments or input: invalid lines, refused URL or path, missing file (argparse too)
+EXIT_TIMEOUT = 3  # a wait or a weight push ran out of time (the work may still finish)
+EXIT_UNREACHABLE = 4  # Redis could not be reached; nothing was done
+EXIT_INTERRUPTED = 130
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for an error that ended a command."""
+    if isinstance(exc, WeightPushError):
+        return EXIT_TIMEOUT if exc.timed_out and not exc.failed else EXIT_FAILED
+    if isinstance(exc, JobsFailedError):
+        return EXIT_FAILED
+    if isinstance(exc, WaitTimeoutError):
+        return EXIT_TIMEOUT
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return EXIT_UNREACHABLE
+    return EXIT_USAGE
 
 
 def _add_redis(parser: argparse.ArgumentParser) -> None:
@@ -196,22 +212,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (JobsFailedError, WeightPushError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_code(exc)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         print(f"error: cannot reach Redis ({exc}); start the embedded one with `pipeline redis start`, "
               "or pass --redis URL / set PIPELINE_REDIS_URL; nothing was done", file=sys.stderr)
-        return EXIT_FAILED
+        return exit_code(exc)
     except OSError as exc:  # a file named on the command line
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.retry import Retry
 
+from pipeline.errors import RedisURLError
 from pipeline.redis_server import embedded_server
 
 ENV_URL = "PIPELINE_REDIS_URL"
@@ -37,10 +38,6 @@ DEFAULT_RECONNECT_S = 60.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 SCHEMES = ("redis", "rediss", "unix")
-
-
-class RedisURLError(ValueError):
-    """A Redis URL this pipeline cannot use."""
 
 
 def resolve_url(url: str | None = None) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import redis
 
 from pipeline import keys, registry
-from pipeline.errors import PipelineError
+from pipeline.errors import ControlAuthError, PipelineError, WeightPushError, WeightVersionError
 from pipeline.security import check_weight_path, control_secret
 from schemas.control import (
     SWAP_MODES,
@@ -44,30 +44,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PUSH_TIMEOUT_S = 600.0
 _POLL_S = 0.01
-
-
-class ControlAuthError(PipelineError):
-    """The stored desired state is malformed, unsigned or forged; it is not obeyed."""
-
-
-class WeightVersionError(PipelineError):
-    """A push named a weight version not newer than the current one (and was not forced)."""
-
-
-class WeightPushError(PipelineError):
-    """Some live workers failed to load the pushed weights or did not acknowledge in time."""
-
-    def __init__(self, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck]) -> None:
-        self.version = version
-        self.failed = failed
-        self.timed_out = timed_out
-        self.acks = acks
-        lines = [f"  {worker}: failed: {reason}" for worker, reason in sorted(failed.items())]
-        lines += [f"  {worker}: no acknowledgement (timed out)" for worker in timed_out]
-        super().__init__(
-            f"weight push of version {version}: {len(failed)} worker(s) failed, "
-            f"{len(timed_out)} timed out:\n" + "\n".join(lines)
-        )
 
 
 @dataclass

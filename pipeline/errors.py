@@ -1,8 +1,38 @@
-"""The `pipeline` package's exception hierarchy; user-facing errors say what, where and what to do."""
+"""Every error the rollout pipeline raises on purpose, in one tree; each says what, where and what to do.
+
+    PipelineError                      root: catch this to catch them all (workers' errors too)
+    ├── RequestFileError               invalid request lines, located; nothing was enqueued
+    ├── RenderError                    a chat line cannot be rendered (`field` locates it)
+    ├── PolicyError                    a weight path or output URL outside what the deployment allows
+    ├── RedisURLError                  a Redis URL this pipeline cannot use (also a ValueError)
+    ├── EmbeddedRedisError             the embedded Redis server could not be found or started
+    ├── CapabilityError                no live worker can serve what the requests ask for
+    ├── ControlAuthError               the stored control state is malformed, unsigned or forged
+    ├── WeightVersionError             a push named a version not newer than the current one
+    ├── WeightPushError                workers failed to load pushed weights or did not acknowledge
+    ├── JobsFailedError                some jobs of a batch failed (`failures`: job id -> reason)
+    ├── WaitTimeoutError               a wait ran out of time before the batch finished
+    └── workers.errors.WorkerError     raised in worker processes; the job fails with its message
+        ├── UnsupportedRequestError    a job asks for something this worker cannot serve
+        ├── ContractViolation          an engine's output breaks an invariant; never written
+        ├── EngineUnavailableError     the engine cannot be loaded or reached
+        ├── NotAllowedJobError         a job names a function or output that is not allowed
+        └── ShardWriteError            a shard could not be written; nothing was committed
+
+Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
+`schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
+reaches a caller) and `workers.shutdown.ShutdownAbort` (a `BaseException` raised inside a job
+by a second SIGTERM, so that nothing swallows it).
+
+Every class here is importable from `pipeline`. The command line maps them to exit codes
+(`pipeline.cli.exit_code`, listed in the README).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from schemas.control import WeightAck
 
 
 class PipelineError(Exception):
@@ -38,6 +68,23 @@ class RequestFileError(PipelineError):
         )
 
 
+class RenderError(PipelineError):
+    """A chat line cannot be rendered; `field` locates the problem in the line."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class PolicyError(PipelineError):
+    """A weight path or output URL outside what this deployment allows."""
+
+
+class RedisURLError(PipelineError, ValueError):
+    """A Redis URL this pipeline cannot use."""
+
+
 class EmbeddedRedisError(PipelineError):
     """The embedded Redis server could not be found or started."""
 
@@ -48,6 +95,30 @@ class PoolNameError(PipelineError):
 
 class CapabilityError(PipelineError):
     """No live worker can serve what the requests ask for."""
+
+
+class ControlAuthError(PipelineError):
+    """The stored desired state is malformed, unsigned or forged; it is not obeyed."""
+
+
+class WeightVersionError(PipelineError):
+    """A push named a weight version not newer than the current one (and was not forced)."""
+
+
+class WeightPushError(PipelineError):
+    """Some live workers failed to load the pushed weights or did not acknowledge in time."""
+
+    def __init__(self, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck]) -> None:
+        self.version = version
+        self.failed = failed
+        self.timed_out = timed_out
+        self.acks = acks
+        lines = [f"  {worker}: failed: {reason}" for worker, reason in sorted(failed.items())]
+        lines += [f"  {worker}: no acknowledgement (timed out)" for worker in timed_out]
+        super().__init__(
+            f"weight push of version {version}: {len(failed)} worker(s) failed, "
+            f"{len(timed_out)} timed out:\n" + "\n".join(lines)
+        )
 
 
 class JobsFailedError(PipelineError):

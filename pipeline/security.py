@@ -19,17 +19,13 @@ import os
 import posixpath
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PolicyError
 
 ENV_SECRET = "PIPELINE_CONTROL_SECRET"
 ENV_SECRET_FILE = "PIPELINE_CONTROL_SECRET_FILE"
 ENV_WEIGHT_PREFIXES = "PIPELINE_ALLOWED_WEIGHT_PREFIXES"
 ENV_OUTPUT_SCHEMES = "PIPELINE_ALLOWED_OUTPUT_SCHEMES"
 ENV_OUTPUT_PREFIXES = "PIPELINE_ALLOWED_OUTPUT_PREFIXES"
-
-
-class PolicyError(PipelineError):
-    """A weight path or output URL outside what this deployment allows."""
 
 
 def control_secret() -> bytes | None:

@@ -13,7 +13,8 @@ from typing import Any
 from rq.job import Job
 from rq.utils import import_attribute
 
-from pipeline.security import PolicyError, check_output_url
+from pipeline.errors import PolicyError
+from pipeline.security import check_output_url
 from workers.errors import NotAllowedJobError
 
 JOB_FUNCTION = "workers.batch_job.run_rollout_batch"

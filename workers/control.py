@@ -21,7 +21,8 @@ from rq.job import Job
 
 from pipeline import keys
 from pipeline.control import encode_ack
-from pipeline.security import PolicyError, check_weight_path
+from pipeline.errors import PolicyError
+from pipeline.security import check_weight_path
 from schemas.control import WeightAck
 from workers.engines.base import Engine
 

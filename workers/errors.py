@@ -1,9 +1,11 @@
-"""The `workers` package's exception hierarchy."""
+"""The `workers` package's errors: a branch of the one tree drawn in `pipeline.errors`."""
 
 from __future__ import annotations
 
+from pipeline.errors import PipelineError
 
-class WorkerError(Exception):
+
+class WorkerError(PipelineError):
     """Base class of every error a worker raises on purpose; the job fails with its message."""
 
 

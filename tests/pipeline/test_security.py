@@ -13,10 +13,9 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline import control, keys
 from pipeline.connection import client_kwargs, connect_redis, redacted
-from pipeline.errors import RequestFileError
+from pipeline.errors import PolicyError, RequestFileError
 from pipeline.redis_server import RedisServer
 from pipeline.request_file import parse_lines
-from pipeline.security import PolicyError
 from schemas import request as request_schema
 from schemas.control import DesiredState, WeightAck, encode
 from tests.helpers import free_port

@@ -124,7 +124,7 @@ def test_a_missing_file_or_an_unreachable_redis_is_a_clear_error(tmp_path: Path,
     path = write_lines(tmp_path / "rollouts.jsonl", good_lines(2))
     down = subprocess.run([*PIPELINE, "submit", str(path), "--redis", "redis://127.0.0.1:9"],
                           env={**pipeline_env, "PIPELINE_REDIS_RECONNECT_S": "1"}, capture_output=True, text=True)
-    assert down.returncode == 1 and "cannot reach Redis" in down.stderr and "nothing was done" in down.stderr
+    assert down.returncode == 4 and "cannot reach Redis" in down.stderr and "nothing was done" in down.stderr
     assert "Traceback" not in missing.stderr + down.stderr
 
 
