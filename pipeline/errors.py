@@ -6,6 +6,7 @@
     ├── PolicyError                    a weight path or output URL outside what the deployment allows
     ├── RedisURLError                  a Redis URL this pipeline cannot use (also a ValueError)
     ├── EmbeddedRedisError             the embedded Redis server could not be found or started
+    ├── PoolNameError                  a pool name that cannot name Redis keys
     ├── CapabilityError                no live worker can serve what the requests ask for
     ├── ControlAuthError               the stored control state is malformed, unsigned or forged
     ├── WeightVersionError             a push named a version not newer than the current one
