@@ -52,6 +52,8 @@ class WeightAck(BaseModel):
     ok: StrictBool
     seconds: Annotated[StrictFloat, Field(ge=0)]
     error: Annotated[StrictStr, Field(max_length=8192)] | None = None
+    # How the worker swapped: "drain" when asked for it, or when its engine cannot stop samples.
+    mode: SwapMode = "drain"
 
 
 class Signed(BaseModel):

@@ -23,7 +23,7 @@ from pipeline import keys
 from pipeline.control import encode_ack
 from pipeline.errors import PolicyError
 from pipeline.security import check_weight_path
-from schemas.control import WeightAck
+from schemas.control import SwapMode, WeightAck
 from workers.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,18 @@ class ControlListener:
                 backoff = min(backoff * 2, 5.0)
 
 
-def load_weights(engine: Engine, worker_id: str, path: str, version: int) -> WeightAck:
-    """Ask the engine to load `path` as `version`; never raises: failures become ok=false acks."""
+def load_weights(engine: Engine, worker_id: str, path: str, version: int, mode: SwapMode = "drain") -> WeightAck:
+    """Ask the engine to load `path` as `version`; never raises: failures become ok=false acks.
+
+    `mode` is how the worker swapped (stated in the ack)."""
     started = time.monotonic()
     error: str | None = None
     try:
         check_weight_path(path)
     except PolicyError as exc:
         log.error("worker %s: refusing to load weights v%d: %s", worker_id, version, exc)
-        return WeightAck(worker=worker_id, version=version, ok=False, seconds=0.0, error=f"refused: {exc}")
+        return WeightAck(worker=worker_id, version=version, ok=False, seconds=0.0, error=f"refused: {exc}",
+                         mode=mode)
     try:
         engine.update_weights(path, version)
         if engine.weight_version != version:
@@ -111,7 +114,7 @@ def load_weights(engine: Engine, worker_id: str, path: str, version: int) -> Wei
     except Exception as exc:  # any load failure is reported; old weights stay
         error = f"{type(exc).__name__}: {exc}"
     return WeightAck(worker=worker_id, version=version, ok=error is None,
-                     seconds=float(time.monotonic() - started), error=error)
+                     seconds=float(time.monotonic() - started), error=error, mode=mode)
 
 
 def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, only_if_missing: bool = False) -> None:

@@ -16,7 +16,10 @@ Feeding (`workers.feeder`): with an engine that has the concurrent interface (si
 sglang-http) `execute_job` submits the job and returns once the engine has room, so the next
 job's requests reach the engine while this one's last sequences finish; each job still gets
 its own shard, commit, heartbeats and RQ result. A weight load drains every job in flight
-first (`Gate`); a pause stops admissions and lets the jobs in flight finish.
+first (`Gate`); a pause stops admissions and lets the jobs in flight finish. A push in
+`partial` mode on an engine that can interrupt does not drain: the feeder stops the samples in
+flight, loads, and continues them on the new weights (`Feeder.partial_swap`); an engine that
+cannot interrupt drains instead, and its acknowledgement says `mode: drain`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline import control as pipeline_control
 from pipeline import keys, registry
-from schemas.control import DesiredState, WeightAck
+from schemas.control import DesiredState, SwapMode, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
 from workers import context, control, logs, rq_seam
 from workers.allowed_job import RolloutJob
@@ -213,8 +216,7 @@ class EngineWorker(SimpleWorker):
             target = (state.weight_version, state.weight_path)
             try:
                 if state.weight_path is not None and target != self._attempted:
-                    with self.gate.exclusive():
-                        self._load_weights(state.weight_path, state.weight_version)
+                    self._swap(state.weight_path, state.weight_version, state.swap_mode)
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
                     control.write_ack(self.connection, self._last_ack, self.pool.name, only_if_missing=True)
@@ -225,11 +227,26 @@ class EngineWorker(SimpleWorker):
         self._changed.set()
         return state
 
-    def _load_weights(self, path: str, version: int) -> None:
+    def _swap(self, path: str, version: int, mode: SwapMode) -> None:
+        """Load pushed weights: partially (samples in flight continue on them) or after a drain."""
+        feeder = self.feeder
+        if mode == "partial" and feeder is not None and feeder.can_interrupt:
+            stopped = feeder.partial_swap(lambda: self._load_weights(path, version, "partial"))
+            log.info("worker %s: partial swap to v%d: %d sample(s) stopped and continued",
+                     self.worker_id, version, stopped)
+            return
+        if mode == "partial":
+            log.warning("worker %s: partial swap asked, but the %s engine%s cannot stop samples in flight; "
+                        "draining instead", self.worker_id, self.engine.description.name,
+                        "" if feeder is not None else " (not fed: --no-feed or not concurrent)")
+        with self.gate.exclusive():
+            self._load_weights(path, version, "drain")
+
+    def _load_weights(self, path: str, version: int, mode: SwapMode) -> None:
         self._attempted = (version, path)
         self.set_registry_state("updating")
-        log.info("worker %s: loading weights v%d from %s", self.worker_id, version, path)
-        ack = control.load_weights(self.engine, self.worker_id, path, version)
+        log.info("worker %s: loading weights v%d from %s (%s)", self.worker_id, version, path, mode)
+        ack = control.load_weights(self.engine, self.worker_id, path, version, mode)
         if ack.ok:
             self._weight_error = None
             log.info("worker %s: serving weights v%d (%.2f s)", self.worker_id, version, ack.seconds)

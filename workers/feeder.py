@@ -10,6 +10,11 @@ and RQ's success or failure handling (retries included) exactly as `perform_job`
 
 The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
 finished (drain) and no job starts while one waits or runs.
+
+A partial swap (`Feeder.partial_swap`, on an engine with `interrupt()`) keeps new jobs out but
+does not wait: it stops every sample in flight at its next step, loads, and submits each
+unfinished sample again as a continuation on the new weights (`workers.continuation`); a job's
+shard is still written once, when every one of its samples has finished.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from rq.utils import now
 from workers import logs, rq_seam
 from workers.allowed_job import is_job_function
 from workers.batch_job import PreparedBatch, commit_batch, prepare_batch
-from workers.engines.base import ConcurrentEngine
+from workers.continuation import Progress, Submission
+from workers.engines.base import ConcurrentEngine, is_interruptible
 
 if TYPE_CHECKING:
     from workers.engine_worker import EngineWorker
@@ -69,11 +75,11 @@ class Gate:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Drain: wait until no job is in flight, and keep new ones out until done."""
+    def exclusive(self, *, drain: bool = True) -> Iterator[None]:
+        """Keep new jobs out until done; with `drain`, first wait until no job is in flight."""
         with self._cond:
             self._exclusive += 1
-            while self._jobs:
+            while drain and self._jobs:
                 self._cond.wait()
         try:
             yield
@@ -93,6 +99,8 @@ class InFlight:
     queue: Queue
     execution: Execution
     batch: PreparedBatch | None = None
+    progress: Progress | None = None
+    submission: Submission | None = None
     future: Any = None
     deadline: float = float("inf")
     timed_out: bool = False
@@ -115,6 +123,12 @@ class Feeder:
         self._done: queue_mod.Queue[InFlight | None] = queue_mod.Queue()
         self._entries: dict[str, InFlight] = {}
         self._cond = threading.Condition()
+        # Every engine submission holds this; a partial swap holds it from the interrupt until the
+        # continuations are submitted, so nothing reaches the engine while its weights change.
+        self._submit_lock = threading.RLock()
+        self._swapping = False
+        self._parked: list[InFlight] = []  # jobs stopped by the swap under way, to continue after it
+        self.can_interrupt = is_interruptible(engine)
         self._thread: threading.Thread | None = None
         self.admitted: list[tuple[float, str]] = []  # (monotonic time, job id), for tests and benchmarks
 
@@ -187,12 +201,57 @@ class Feeder:
             batch = prepare_batch(job.args[0], worker.connection)
             entry.batch = batch
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
-            entry.future = self.engine.submit(batch.requests)
+            entry.progress = Progress(batch.requests)
+            with self._submit_lock:
+                self._submit(entry, entry.progress.first(self.engine.weight_version))
             self.admitted.append((time.monotonic(), job.id))
         except BaseException:
             self._finish(entry, sys.exc_info())
-            return
-        entry.future.add_done_callback(lambda _: self._done.put(entry))
+
+    def _submit(self, entry: InFlight, submission: Submission) -> None:
+        """Hand a submission to the engine (holding `_submit_lock`); its end reaches the commit thread."""
+        entry.submission = submission
+        future = self.engine.submit(submission.requests)
+        entry.future = future
+        future.add_done_callback(lambda _: self._done.put(entry))
+
+    # -- partial weight swaps ------------------------------------------------------------------
+
+    def partial_swap(self, load: Callable[[], Any]) -> int:
+        """Stop every sample in flight, `load` the new weights, continue the samples on them.
+
+        New jobs wait meanwhile (the gate); jobs in flight are not drained. Returns the number of
+        samples the engine stopped. Their batches resolve at once; the commit thread parks each
+        job so stopped until the load is done, then this submits their continuations, before any
+        new job (a job the commit thread reaches later continues from there).
+        """
+        with self.worker.gate.exclusive(drain=False), self._submit_lock:
+            with self._cond:
+                self._swapping = True
+            try:
+                stopped = self.engine.interrupt()  # type: ignore[attr-defined]
+                load()
+            finally:
+                with self._cond:
+                    self._swapping = False
+                    parked, self._parked = self._parked, []
+                for entry in parked:
+                    self._continue(entry)
+        return stopped
+
+    def _continue(self, entry: InFlight) -> None:
+        """Submit a job's unfinished samples again (after a swap's load); park them during one."""
+        with self._cond:
+            if self._swapping:
+                self._parked.append(entry)
+                return
+        try:
+            assert entry.progress is not None
+            with self._submit_lock:
+                self._submit(entry, entry.progress.resume(self.engine.weight_version))
+        except BaseException:
+            with logs.job_scope(entry.job, self.worker.worker_id):
+                self._finish(entry, sys.exc_info())
 
     # -- completion (the feeder's thread) ---------------------------------------------------
 
@@ -224,8 +283,17 @@ class Feeder:
                     f"Task exceeded maximum timeout value ({entry.job.timeout} seconds); its requests were aborted"
                 )
             outputs = entry.future.result()
-            assert entry.batch is not None
-            summary = commit_batch(entry.batch, outputs, self.worker.connection, datetime.now(UTC))
+            assert entry.batch is not None and entry.progress is not None and entry.submission is not None
+            progress = entry.progress
+            progress.record(entry.submission, outputs)
+            if not progress.done:  # stopped by a partial swap: continues on the new weights
+                self._continue(entry)
+                return
+            decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]
+            summary = commit_batch(entry.batch, progress.outputs(decode), self.worker.connection,
+                                   datetime.now(UTC))
+            if progress.continued:
+                summary.update(continued=progress.continued, restarted=progress.restarted)
         except BaseException:
             self._finish(entry, sys.exc_info())
             return

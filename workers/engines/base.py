@@ -2,6 +2,12 @@
 
 An engine returns raw outputs in SGLang's terms (a finish with a `matched` int or string);
 `workers.contracts` turns them into rows, the same way for every engine.
+
+Partial weight swaps (`InterruptibleEngine`): `interrupt()` stops every sample in flight at its
+next step; each stopped sample comes back with what it generated so far and the finish
+`Finish("abort", message=INTERRUPTED)`. The worker later submits it again as a
+`ContinuedRequest` (prompt + generated ids, the remaining budget) on the new weights
+(`workers.continuation`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 
 FinishKind = Literal["stop", "length", "abort"]
+# `Finish.message` of a sample stopped by `InterruptibleEngine.interrupt` (to be continued).
+INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,30 @@ class Finish:
     # For kind "stop": the token id (EOS, hidden stop id or user stop id) or the stop string.
     matched: int | str | None = None
     message: str | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped by a partial weight swap, not finished: the worker continues it."""
+        return self.kind == "abort" and self.message == INTERRUPTED
+
+
+class ContinuedRequest(RolloutRequest):
+    """Sample `sample_index` of a request, resumed after a partial swap.
+
+    `input_ids` is the original prompt followed by the `generated` ids the sample produced so
+    far (verbatim, never re-tokenized); `max_new_tokens` and `min_new_tokens` are what remains of
+    the original budget; `n` is 1; stops, temperature and the other parameters are unchanged.
+    Engines draw its tokens from `seeds.continuation_seed(seed, sample_index, generated)`, so a
+    continued sample keeps its identity (sample i of request r) and its seed keeps a meaning.
+    """
+
+    sample_index: int
+    generated: int
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens of the original prompt (the rest of `input_ids` was generated)."""
+        return len(self.input_ids) - self.generated
 
 
 @dataclass
@@ -118,6 +150,29 @@ class ConcurrentEngine(Engine, Protocol):
     def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
         """Start a batch; the future holds what `generate` would return. Cancelling it aborts the batch."""
         ...
+
+
+class InterruptibleEngine(ConcurrentEngine, Protocol):
+    """A concurrent engine that can stop its samples in flight for a partial weight swap."""
+
+    def interrupt(self) -> int:
+        """Stop every sample submitted before this call and not finished, at its next step.
+
+        Each batch's future resolves with what its samples generated so far; the unfinished ones
+        end with `Finish("abort", message=INTERRUPTED)` (zero tokens when still waiting for a
+        slot). Returns once every such future has resolved, with the number of samples stopped.
+        Samples submitted after the call run as usual.
+        """
+        ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
+        """The text of `token_ids` (None without a tokenizer): a continued sample's text is decoded
+        over its whole completion, not glued from the segments' texts."""
+        ...
+
+
+def is_interruptible(engine: object) -> bool:
+    return is_concurrent(engine) and all(callable(getattr(engine, name, None)) for name in ("interrupt", "decode"))
 
 
 def is_concurrent(engine: object) -> bool:

@@ -8,7 +8,11 @@ wall-clock time; `stats()` reports utilisation = busy slot-steps / capacity slot
 time included. With zero latency (infinite speed) `submit` answers at once.
 
 It implements the optional concurrent interface (`capacity`, `load()`, `submit()`), so a
-worker keeps several jobs in flight on it.
+worker keeps several jobs in flight on it, and the interruptible one for partial weight swaps:
+`interrupt()` stops every sequence at the current step, each keeping the tokens it generated so
+far (a waiting one none), and a `ContinuedRequest` resumes sample i where it stopped: it yields
+the rest of the same planned sequence (length and ids drawn from the original sample's seed),
+stamped with the version serving when it runs.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ import numpy as np
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
+from workers.engines.base import (
+    INTERRUPTED,
+    ContinuedRequest,
+    EngineDescription,
+    EngineIdentity,
+    Finish,
+    SampleOutput,
+)
 
 # The standard normal quantile of 0.99: p99 = median * exp(sigma * Z99).
 Z99 = 2.3263478740408408
@@ -78,6 +89,17 @@ class _Batch:
         self.cancelled = False
 
 
+@dataclass(eq=False)
+class _Seq:
+    """One sample's sequence in the engine: waiting (`started` None) or running since `started`."""
+
+    batch: _Batch
+    request: int
+    sample: int
+    length: int
+    started: float | None = None
+
+
 def _sample_seed(config: SimConfig, request: RolloutRequest, index: int) -> list[int]:
     seed = request.sampling_params.seed
     key = seed if seed is not None else zlib.crc32(request.id.encode())
@@ -85,15 +107,32 @@ def _sample_seed(config: SimConfig, request: RolloutRequest, index: int) -> list
 
 
 def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weight_version: int) -> SampleOutput:
-    """The deterministic output of sample `index` of `request` (same seed, same tokens)."""
+    """The deterministic output of sample `index` of `request` (same seed, same tokens); for a
+    continuation, the rest of its original sample's planned sequence."""
+    if isinstance(request, ContinuedRequest):
+        done = request.generated
+        whole = _planned(config, request, request.sample_index, done + request.sampling_params.max_new_tokens)
+        tops = whole.top_logprobs
+        return SampleOutput(
+            token_ids=whole.token_ids[done:], finish=whole.finish,
+            logprobs=None if whole.logprobs is None else whole.logprobs[done:],
+            top_logprobs=None if tops is None else tops[done:], prompt_logprobs=whole.prompt_logprobs,
+            weight_version=weight_version,
+        )
+    output = _planned(config, request, index, request.sampling_params.max_new_tokens)
+    output.weight_version = weight_version
+    return output
+
+
+def _planned(config: SimConfig, request: RolloutRequest, index: int, max_new_tokens: int) -> SampleOutput:
     params = request.sampling_params
     rng = np.random.default_rng(_sample_seed(config, request, index))
     drawn = max(1, math.ceil(config.median_tokens * math.exp(config.sigma * rng.standard_normal())))
     user_stops = params.user_stop_token_ids
     stop_id = user_stops[0] if user_stops else config.eos_token_id
     if params.ignore_eos and not user_stops:
-        drawn = params.max_new_tokens + 1
-    length = min(drawn, params.max_new_tokens)
+        drawn = max_new_tokens + 1
+    length = min(drawn, max_new_tokens)
     # Zipf-like unigram ids (a rank's id), like real text rather than uniform noise.
     ids = (rng.zipf(1.2, length) % (config.vocab_size - 1) + 1).astype(np.int32)
     if length < drawn or length == 0:
@@ -113,7 +152,7 @@ def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weig
     if request.prompt_logprobs is not None:
         prompt_lp = [None, *(-rng.exponential(2.0, len(request.input_ids) - 1)).astype(np.float32).tolist()]
     return SampleOutput(token_ids=ids, finish=finish, logprobs=logprobs, top_logprobs=tops,
-                        prompt_logprobs=prompt_lp, weight_version=weight_version)
+                        prompt_logprobs=prompt_lp)
 
 
 class SimEngine(EngineIdentity):
@@ -129,8 +168,8 @@ class SimEngine(EngineIdentity):
             has_tokenizer=False,
         )
         self._cond = threading.Condition()
-        self._waiting: deque[tuple[int, _Batch]] = deque()  # (length, batch) per sequence
-        self._running: list[tuple[float, int, _Batch]] = []  # heap of (finish step, seq no, batch)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[tuple[float, int, _Seq]] = []  # heap of (finish step, seq no, sequence)
         self._load = 0
         self._seq = 0
         self._step = 0.0
@@ -169,9 +208,9 @@ class SimEngine(EngineIdentity):
             if self.config.infinite_speed or batch.left == 0:
                 future.set_result(outputs)
                 return future
-            for samples in outputs:
-                for sample in samples:
-                    self._waiting.append((max(1, len(sample.token_ids)), batch))
+            for r, samples in enumerate(outputs):
+                for i, sample in enumerate(samples):
+                    self._waiting.append(_Seq(batch, r, i, max(1, len(sample.token_ids))))
             self._load += batch.left
             self._cond.notify_all()
         future.add_done_callback(lambda f: self._on_cancel(batch) if f.cancelled() else None)
@@ -181,6 +220,34 @@ class SimEngine(EngineIdentity):
         if self.config.load_s:
             time.sleep(self.config.load_s)
         self._weight_version = version
+
+    def interrupt(self) -> int:
+        """Stop every sequence at the current step; each batch resolves with what it generated."""
+        with self._cond:
+            stopped = [seq for _, _, seq in self._running] + list(self._waiting)
+            self._running = []
+            self._waiting.clear()
+            self._load -= len(stopped)
+            batches: dict[int, _Batch] = {}
+            for seq in stopped:
+                output = seq.batch.outputs[seq.request][seq.sample]
+                generated = 0 if seq.started is None else int(self._step - seq.started)
+                kept = min(max(0, generated), len(output.token_ids) - 1)
+                seq.batch.outputs[seq.request][seq.sample] = SampleOutput(
+                    token_ids=output.token_ids[:kept], finish=Finish("abort", message=INTERRUPTED),
+                    logprobs=None if output.logprobs is None else output.logprobs[:kept],
+                    top_logprobs=None if output.top_logprobs is None else output.top_logprobs[:kept],
+                    prompt_logprobs=output.prompt_logprobs, weight_version=output.weight_version,
+                )
+                seq.batch.left -= 1
+                batches[id(seq.batch)] = seq.batch
+        for batch in batches.values():
+            if not batch.cancelled and batch.left == 0:
+                batch.future.set_result(batch.outputs)
+        return len(stopped)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
+        return None  # no tokenizer: stop strings are refused before they reach this engine
 
     def close(self) -> None:
         with self._cond:
@@ -203,8 +270,8 @@ class SimEngine(EngineIdentity):
         with self._cond:
             batch.cancelled = True
             self._load -= batch.left
-            self._waiting = deque(item for item in self._waiting if item[1] is not batch)
-            self._running = [item for item in self._running if item[2] is not batch]
+            self._waiting = deque(seq for seq in self._waiting if seq.batch is not batch)
+            self._running = [item for item in self._running if item[2].batch is not batch]
             heapq.heapify(self._running)
 
     def _step_time(self, running: int) -> float:
@@ -212,9 +279,10 @@ class SimEngine(EngineIdentity):
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.capacity:
-            length, batch = self._waiting.popleft()
+            seq = self._waiting.popleft()
+            seq.started = self._step
             self._seq += 1
-            heapq.heappush(self._running, (self._step + length, self._seq, batch))
+            heapq.heappush(self._running, (self._step + seq.length, self._seq, seq))
 
     def _loop(self) -> None:
         last = time.monotonic()
@@ -248,7 +316,8 @@ class SimEngine(EngineIdentity):
 
     def _finish_due(self) -> None:
         while self._running and self._running[0][0] <= self._step + 1e-9:
-            _, _, batch = heapq.heappop(self._running)
+            _, _, seq = heapq.heappop(self._running)
+            batch = seq.batch
             self._load -= 1
             batch.left -= 1
             if batch.left == 0 and not batch.cancelled:
