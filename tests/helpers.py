@@ -1,8 +1,9 @@
-"""Small helpers the tests share: a free loopback port, waiting for a condition."""
+"""Small helpers the tests share: a free loopback port, waiting for a condition, stopping a process."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -21,3 +22,13 @@ def wait_until(check: Callable[[], bool], timeout: float = 10, what: str = "the 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def terminate(process: subprocess.Popen, timeout: float = 5) -> None:
+    """SIGTERM `process` and reap it; SIGKILL if it has not exited after `timeout` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,7 +1,7 @@
 """A stand-in SGLang server for tests: real HTTP, SGLang 0.5.x shapes, generation by `HFEngine`.
 
 Run: `python -m tests.sglang_standin --model DIR --port P [--weight-version V]
-[--routed-experts LAYERS,TOP_K,NUM_EXPERTS]`.
+[--routed-experts LAYERS,TOP_K,NUM_EXPERTS] [--only-get-info]`.
 
 Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
 - `POST /generate` request: `srt/managers/io_struct.py: GenerateReqInput` (fields, `rid`
@@ -19,12 +19,15 @@ Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
   (`FINISH_MATCHED_TOKEN`, `FINISH_MATCHED_STR`, `FINISH_LENGTH`, `FINISH_ABORT`). Text trimming:
   `srt/managers/detokenizer_manager.py: trim_matched_stop` (cut before a matched string, drop a
   matched stop token's text, unless `no_stop_trim`).
-- Lifecycle: `srt/entrypoints/http_server.py` (`/health`, `/health_generate`, `/model_info`,
-  `/server_info`, `/update_weights_from_disk` → `{"success", "message", "num_paused_requests"}`
+- Lifecycle: `srt/entrypoints/http_server.py` (`/health`, `/health_generate`, `/model_info` and
+  its deprecated alias `/get_model_info`, `/server_info` and `/get_server_info`,
+  `/update_weights_from_disk` → `{"success", "message", "num_paused_requests"}`
   200/400, `/pause_generation`, `/continue_generation`, `/flush_cache`, `/abort_request`).
 - Routed experts (`--routed-experts L,K,E`, like `--enable-return-routed-experts`): rows =
   prompt + completion − 1 − start (`scheduler_components/batch_result_processor.py`); the ids
   are synthetic (a function of position, layer and slot), since the test models are dense.
+- `--only-get-info`: only `/get_model_info` and `/get_server_info`, as SGLang 0.4.6 serves them.
+- `GET /workers` answers 404, as on an SGLang server (gateways serve it).
 
 Stand-in choices, not SGLang's: generation is serialised (one request at a time, continuous
 batching is not simulated); prompt ids outside the vocabulary answer 400 (SGLang clamps);
@@ -36,7 +39,8 @@ calls fail: `503`, `drop` (close the connection without answering), `truncated` 
 body), `no_meta`, `unknown_finish`, `short_logprobs` (only rids starting with `fault_prefix`,
 when given); `{"delay_s": x}` delays each generation, `{"delays": {"rid-prefix": x}}` (replacing earlier ones) some.
 `GET /_standin/stats` returns counters (`http_generate`: /generate calls received; `generate`:
-those that passed validation; `answered`, `answered_aborted`), received rids, `/abort_request` bodies.
+those that passed validation; `answered`, `answered_aborted`), received rids, `/abort_request` bodies,
+and `lifecycle`: every lifecycle call received, `[method, path, body]` in order.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ SAMPLING_TYPES = {
     "spaces_between_special_tokens": _BOOL, "no_stop_trim": _BOOL, "sampling_seed": _INT,
     "regex": _STR, "json_schema": _STR, "ebnf": _STR,
 }
+LIFECYCLE_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
+                   "/abort_request")
 FAULT_KINDS = ("503", "drop", "truncated", "no_meta", "unknown_finish", "short_logprobs")
 
 
@@ -198,11 +204,13 @@ class Standin:
     """The server's state: the engine, the weight version, pause, aborts, faults, counters."""
 
     def __init__(self, model: Path, *, weight_version: str = "default",
-                 routed_experts: tuple[int, int, int] | None = None) -> None:
+                 routed_experts: tuple[int, int, int] | None = None, only_get_info: bool = False) -> None:
         self.model_path = str(model)
         self.engine = HFEngine(model)
         self.weight_version = weight_version
         self.routed_experts = routed_experts
+        self.info_paths = ("/get_model_info",) if only_get_info else ("/model_info", "/get_model_info")
+        self.server_info_paths = ("/get_server_info",) if only_get_info else ("/server_info", "/get_server_info")
         self.generate_lock = threading.Lock()
         self.state_lock = threading.Lock()
         self.running = threading.Event()
@@ -214,7 +222,8 @@ class Standin:
         self.abort_generation = 0  # bumped by abort_all / pause(abort)
         self.seen_prompts: list[tuple[int, ...]] = []
         self.stats: dict[str, Any] = {"http_generate": 0, "generate": 0, "answered": 0, "answered_aborted": 0,
-                                      "rids": [], "abort_requests": [], "faults": []}
+                                      "rids": [], "abort_requests": [], "faults": [],
+                                      "lifecycle": []}
 
     def take_fault(self, rid: str) -> str | None:
         with self.state_lock:
@@ -518,15 +527,18 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         try:
             body = self._body() if method == "POST" else None
+            if path in LIFECYCLE_PATHS:
+                with standin.state_lock:
+                    standin.stats["lifecycle"].append([method, path, body])
             if path == "/generate" and method == "POST":
                 self._generate(body)
             elif path in ("/health", "/health_generate"):
                 if path == "/health_generate":
                     standin.health_generate()
                 self._send(200)
-            elif path == "/model_info":
+            elif path in standin.info_paths:
                 self._send(200, standin.model_info())
-            elif path == "/server_info":
+            elif path in standin.server_info_paths:
                 self._send(200, {"model_path": standin.model_path, "tokenizer_path": standin.model_path,
                                  "skip_tokenizer_init": False, "weight_version": "default",
                                  "enable_return_routed_experts": standin.routed_experts is not None,
@@ -594,9 +606,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--routed-experts", default=None, help="LAYERS,TOP_K,NUM_EXPERTS: return synthetic routings")
+    parser.add_argument("--only-get-info", action="store_true",
+                        help="serve /get_model_info and /get_server_info only, like SGLang 0.4.6")
     args = parser.parse_args(argv)
     routed = tuple(int(x) for x in args.routed_experts.split(",")) if args.routed_experts else None
-    standin = Standin(args.model, weight_version=args.weight_version, routed_experts=routed)  # type: ignore[arg-type]
+    standin = Standin(args.model, weight_version=args.weight_version, routed_experts=routed,  # type: ignore[arg-type]
+                      only_get_info=args.only_get_info)
     server = StandinServer((args.host, args.port), standin)
     print(f"sglang stand-in serving {args.model} on http://{args.host}:{args.port}", flush=True)
     try:

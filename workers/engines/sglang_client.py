@@ -6,7 +6,8 @@
 - Connection errors and 5xx answers are retried with exponential backoff (each attempt under a
   fresh rid); 4xx answers and read timeouts are not.
 - A call cancelled while in flight (the batch failed elsewhere, or the worker was interrupted)
-  sends `POST /abort_request` for its rids, so the server stops generating for nobody.
+  sends `POST /abort_request` for its rids, so the server stops generating for nobody; behind a
+  gateway, to every server behind it (`sglang_backends`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from workers.engines.sglang_backends import Backends, error_message
 from workers.engines.sglang_mapping import GenerateCall
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
 
@@ -75,21 +77,6 @@ class ServerPool:
         self._down_until[url] = time.monotonic() + seconds
 
 
-def error_message(response: httpx.Response) -> str:
-    """SGLang's error text: `{"error": {"message"}}`, `{"error": "..."}`, `{"detail"}` or the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        error = body.get("error", body.get("detail", body.get("message")))
-        if isinstance(error, dict):
-            error = error.get("message", error)
-        if error is not None:
-            return str(error)[:500]
-    return str(body)[:500]
-
-
 class SGLangClient:
     """All HTTP traffic of the sglang-http engine. Use from one event loop."""
 
@@ -104,6 +91,7 @@ class SGLangClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.pool = ServerPool(urls)
+        self.backends = Backends(self.pool.urls, lambda: self.client)
         self.retry = retry or RetryPolicy()
         self.max_in_flight = max_in_flight
         self.aborted: list[str] = []  # rids we asked servers to abort (for logs and tests)
@@ -185,26 +173,10 @@ class SGLangClient:
         )
 
     async def _abort_quietly(self, url: str, call: GenerateCall) -> None:
-        """Best effort `/abort_request` for a call's rids; never raises."""
+        """Best effort `/abort_request` for a call's rids on the server(s) behind `url`; never raises."""
         for rid in call.sglang_rids:
             self.aborted.append(rid)
-            try:
-                await asyncio.wait_for(self.client.post(f"{url}/abort_request", json={"rid": rid}), timeout=5.0)
-            except (httpx.HTTPError, TimeoutError, OSError) as exc:
-                log.warning("could not abort %s on %s: %s", rid, url, exc)
-
-    # -- control endpoints, addressed to every URL --------------------------------------------
-
-    async def each(self, method: str, path: str, json: dict[str, Any] | None = None,
-                   timeout_s: float | None = None) -> dict[str, httpx.Response | Exception]:
-        """The same call on every URL at once; the response or the exception per URL."""
-        timeout = httpx.Timeout(timeout_s, connect=self._timeout.connect) if timeout_s else self._timeout
-
-        async def one(url: str) -> httpx.Response | Exception:
-            try:
-                return await self.client.request(method, f"{url}{path}", json=json, timeout=timeout)
-            except httpx.HTTPError as exc:
-                return exc
-
-        answers = await asyncio.gather(*(one(url) for url in self.pool.urls))
-        return dict(zip(self.pool.urls, answers, strict=True))
+            answers = await self.backends.abort(rid, via=url, timeout_s=5.0)
+            for server, answer in answers.items():
+                if not isinstance(answer, httpx.Response):
+                    log.warning("could not abort %s on %s: %s", rid, server, answer)

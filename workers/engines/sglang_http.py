@@ -1,10 +1,10 @@
-"""The `sglang-http` engine: SGLang servers or routers over native `POST /generate`.
+"""The `sglang-http` engine: SGLang servers, or gateways in front of them, over native `POST /generate`.
 
 Every request of a batch is sent at once (bounded by `max_in_flight`) so SGLang's continuous
 batching stays full; see `sglang_client` for URL choice, retries and aborts, and
 `sglang_mapping` for the wire format. The lifecycle calls (`update_weights` → `/update_weights_from_disk`,
-`pause_generation`, `continue_generation`, `flush_cache`, `health`) go to every URL directly,
-since routers need not fan them out.
+`pause_generation`, `continue_generation`, `flush_cache`, `abort`, `health`) go to every SGLang
+server directly, those behind a gateway included (`sglang_backends`): gateways do not serve them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from schemas.worker_info import Capabilities
 from workers.engines.async_bridge import AsyncBridge
 from workers.engines.base import EngineDescription, EngineIdentity, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
-from workers.engines.sglang_client import RetryPolicy, SGLangClient, error_message
+from workers.engines.sglang_backends import Answer, answered, describe, error_message
+from workers.engines.sglang_client import RetryPolicy, SGLangClient
 from workers.engines.sglang_mapping import GenerateCall, parse_call_results, parse_weight_version, run_batch
 from workers.errors import EngineUnavailableError
 
@@ -34,7 +35,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class SGLangHTTPEngine(EngineIdentity):
-    """One worker's view of one or more SGLang servers (or a router in front of them)."""
+    """One worker's view of one or more SGLang servers (or gateways in front of them)."""
 
     def __init__(
         self,
@@ -61,11 +62,12 @@ class SGLangHTTPEngine(EngineIdentity):
             max_in_flight=max_in_flight, retry=retry, transport=transport,
         )
         try:
+            self._bridge.run(self._client.backends.discover())
             infos = self.model_info()
         except BaseException:
             self.close()
             raise
-        first = infos[self.urls[0]]
+        first = infos[self.servers[0]]
         model_path = str(first.get("model_path") or "unknown")
         versions = {url: info.get("weight_version") for url, info in infos.items()}
         if len(set(map(str, versions.values()))) > 1:
@@ -97,7 +99,13 @@ class SGLangHTTPEngine(EngineIdentity):
 
     @property
     def urls(self) -> list[str]:
+        """Where generation goes: the URLs given (servers or gateways)."""
         return self._client.pool.urls
+
+    @property
+    def servers(self) -> list[str]:
+        """Where lifecycle calls go: every SGLang server, those behind a gateway included."""
+        return self._client.backends.servers()
 
     @property
     def client(self) -> SGLangClient:
@@ -132,32 +140,30 @@ class SGLangHTTPEngine(EngineIdentity):
         return future
 
     async def _generate(self, call: GenerateCall) -> list[SampleOutput]:
-        _url, body = await self._client.generate(call)
-        return parse_call_results(call, body, layout=self._layout)
+        url, body = await self._client.generate(call)
+        gateway = url if url in self._client.backends.gateways else None
+        return parse_call_results(call, body, layout=self._layout, gateway=gateway)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _each(self, method: str, path: str, json: dict[str, Any] | None = None,
-              timeout_s: float | None = None) -> dict[str, httpx.Response]:
-        """Call every URL; raise naming each one that failed."""
-        answers = self._bridge.run(self._client.each(method, path, json, timeout_s))
-        failures = []
-        for url, answer in answers.items():
-            if isinstance(answer, Exception):
-                failures.append(
-                    f"{url}: cannot connect ({type(answer).__name__}: {answer}); "
-                    "is the SGLang server running and reachable?"
-                )
-            elif answer.status_code >= 400:
-                failures.append(f"{url}: HTTP {answer.status_code}: {error_message(answer)}")
-        if failures:
-            raise EngineUnavailableError(f"SGLang {method} {path} failed on " + "; ".join(failures))
-        return answers  # type: ignore[return-value]
+    def _each(self, method: str, path: str, json: dict[str, Any] | None = None, *,
+              timeout_s: float | None = None, rediscover: bool = False) -> dict[str, httpx.Response]:
+        """Call every SGLang server; raise naming each one that failed."""
+        answers = self._bridge.run(
+            self._client.backends.fan_out(method, path, json, timeout_s=timeout_s, rediscover=rediscover)
+        )
+        return _all_answered(f"{method} {path}", answers)
 
     def model_info(self) -> dict[str, dict[str, Any]]:
-        """`GET /model_info` of every URL (model_path, weight_version, ...)."""
+        """Every server's `GET /model_info` (model_path, weight_version, ...); `GET /get_model_info`
+        where a server does not serve the former (SGLang before 0.5)."""
+        backends = self._client.backends
+        answers = self._bridge.run(backends.fan_out("GET", "/model_info", timeout_s=30))
+        older = [url for url, a in answers.items() if isinstance(a, httpx.Response) and a.status_code == 404]
+        if older:
+            answers.update(self._bridge.run(backends.each("GET", "/get_model_info", timeout_s=30, servers=older)))
         infos = {}
-        for url, response in self._each("GET", "/model_info", timeout_s=30).items():
+        for url, response in _all_answered("GET /model_info (and /get_model_info)", answers).items():
             try:
                 body = response.json()
             except ValueError:
@@ -168,14 +174,14 @@ class SGLangHTTPEngine(EngineIdentity):
         return infos
 
     def health(self) -> None:
-        """`GET /health_generate` on every URL (a real one-token generation); raises if any fails."""
+        """`GET /health_generate` on every server (a real one-token generation); raises if any fails."""
         self._each("GET", "/health_generate", timeout_s=60)
 
     def update_weights(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
-        """SGLang's `/update_weights_from_disk` on every server, tagging the weights `version`;
-        raises naming the servers that failed."""
+        """SGLang's `/update_weights_from_disk` on every server (the list behind each gateway read
+        again first), tagging the weights `version`; raises naming the servers that failed."""
         body = {"model_path": str(path), "weight_version": str(version), "abort_all_requests": abort_all_requests}
-        answers = self._each("POST", "/update_weights_from_disk", body)
+        answers = self._each("POST", "/update_weights_from_disk", body, rediscover=True)
         failures = []
         for url, response in answers.items():
             try:
@@ -189,9 +195,10 @@ class SGLangHTTPEngine(EngineIdentity):
         self._weight_version = version
 
     def pause_generation(self, mode: str = "abort") -> None:
+        """`/pause_generation` on every server (the list behind each gateway read again first)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
-        self._each("POST", "/pause_generation", {"mode": mode})
+        self._each("POST", "/pause_generation", {"mode": mode}, rediscover=True)
 
     def continue_generation(self) -> None:
         self._each("POST", "/continue_generation", {})
@@ -199,7 +206,25 @@ class SGLangHTTPEngine(EngineIdentity):
     def flush_cache(self) -> None:
         self._each("POST", "/flush_cache")
 
+    def abort(self, rid: str) -> dict[str, Answer]:
+        """Abort the SGLang request `rid` wherever it runs: `/abort_request` on every server, since
+        behind a gateway the worker does not know which one holds it. What each server answered
+        (an `httpx.Response`, or the `httpx.HTTPError` that kept it from answering)."""
+        return self._bridge.run(self._client.backends.abort(rid))
+
+    def abort_all(self) -> dict[str, Answer]:
+        """Abort everything in flight on every server; what each answered, as for `abort`."""
+        return self._bridge.run(self._client.backends.abort_all())
+
     def close(self) -> None:
         with contextlib.suppress(RuntimeError):
             self._bridge.run(self._client.aclose())
         self._bridge.close()
+
+
+def _all_answered(call: str, answers: dict[str, Answer]) -> dict[str, httpx.Response]:
+    """The answers if every server answered without an HTTP error; else raise naming each failure."""
+    failures = [describe(url, answer) for url, answer in answers.items() if not answered(answer)]
+    if failures:
+        raise EngineUnavailableError(f"SGLang {call} failed on " + "; ".join(failures))
+    return answers  # type: ignore[return-value]

@@ -208,8 +208,10 @@ def _count(meta: dict[str, Any], key: str, *, who: str) -> int:
     return value
 
 
-def parse_result(request: RolloutRequest, result: Any, *, layout: ExpertsLayout | None, who: str) -> SampleOutput:
-    """One `{"text", "output_ids", "meta_info"}` result -> `SampleOutput`."""
+def parse_result(request: RolloutRequest, result: Any, *, layout: ExpertsLayout | None, who: str,
+                 gateway: str | None = None) -> SampleOutput:
+    """One `{"text", "output_ids", "meta_info"}` result -> `SampleOutput`; `gateway`: the gateway
+    or router it came through, if any."""
     if not isinstance(result, dict) or not isinstance(result.get("meta_info"), dict):
         raise ContractViolation(f"{who}: result is not an object with meta_info")
     meta: dict[str, Any] = result["meta_info"]
@@ -232,11 +234,8 @@ def parse_result(request: RolloutRequest, result: Any, *, layout: ExpertsLayout 
     if request.prompt_logprobs is not None:
         sample.prompt_logprobs = _prompt_logprobs(meta, request.input_ids, who=who)
     if request.return_routed_experts:
-        if "routed_experts" not in meta:
-            raise ContractViolation(
-                f"{who}: no routed_experts in the result; start the SGLang server with "
-                "--enable-return-routed-experts"
-            )
+        if meta.get("routed_experts") is None:
+            raise ContractViolation(f"{who}: {_no_routed_experts(gateway)}")
         if layout is None:
             raise ContractViolation(f"{who}: routed experts returned but the expert layout is unknown")
         rows = expected_rows(len(request.input_ids), len(tokens), 0)
@@ -245,11 +244,25 @@ def parse_result(request: RolloutRequest, result: Any, *, layout: ExpertsLayout 
     return sample
 
 
-def parse_call_results(call: GenerateCall, body: Any, *, layout: ExpertsLayout | None) -> list[SampleOutput]:
-    """The answer to one call (a dict for one result, a list of `samples` for n > 1)."""
+def _no_routed_experts(gateway: str | None) -> str:
+    """Why a result asked for routed experts has none, most likely cause first."""
+    if gateway is None:
+        return ("no routed_experts in the result although the request asked for them; start the SGLang server "
+                "with --enable-return-routed-experts (or, if a router sits in between, see that it forwards "
+                "return_routed_experts)")
+    return (f"no routed_experts in the result that came through the gateway {gateway} although the request "
+            "asked for them: most likely the gateway dropped return_routed_experts from the request it "
+            "forwarded (sglang-router 0.3.2 does; use smg >= 1.13.0, or give the servers' own URLs), "
+            "or the SGLang servers were started without --enable-return-routed-experts")
+
+
+def parse_call_results(call: GenerateCall, body: Any, *, layout: ExpertsLayout | None,
+                       gateway: str | None = None) -> list[SampleOutput]:
+    """The answer to one call (a dict for one result, a list of `samples` for n > 1); `gateway`:
+    the gateway or router it came through, if any."""
     who = f"request {call.request.id!r} (rid {call.rid})"
     results = body if isinstance(body, list) else [body]
     if len(results) != call.samples:
         raise ContractViolation(f"{who}: {len(results)} results for {call.samples} samples")
-    return [parse_result(call.request, r, layout=layout, who=f"{who} sample {call.first_sample + i}")
+    return [parse_result(call.request, r, layout=layout, who=f"{who} sample {call.first_sample + i}", gateway=gateway)
             for i, r in enumerate(results)]

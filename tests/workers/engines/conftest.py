@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, terminate
 
 ROOT = Path(__file__).resolve().parents[3]
 ROUTED = "2,2,8"  # layers, top-k, experts of the stand-ins' synthetic routings
@@ -68,12 +68,7 @@ def wait_ready(standin: Standin, timeout_s: float = 90.0) -> None:
 
 
 def stop(standin: Standin) -> None:
-    standin.process.terminate()
-    try:
-        standin.process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        standin.process.kill()
-        standin.process.wait()
+    terminate(standin.process)
 
 
 @pytest.fixture(scope="session")

@@ -165,6 +165,25 @@ def test_server_down_at_start_is_a_clear_error() -> None:
         SGLangHTTPEngine([url], connect_timeout_s=2)
 
 
+def test_a_server_older_than_sglang_0_5_is_read_through_get_model_info(
+    scripted_model_dir: Path, tmp_path: Path
+) -> None:
+    from tests.workers.engines.conftest import launch, stop, wait_ready
+
+    old = launch(scripted_model_dir, tmp_path / "old.log", "--only-get-info")
+    try:
+        wait_ready(old)
+        assert httpx.get(f"{old.url}/model_info", timeout=5).status_code == 404
+        engine = SGLangHTTPEngine([old.url])
+        try:
+            assert engine.description.model == str(scripted_model_dir)
+            assert engine.model_info()[old.url]["model_path"] == str(scripted_model_dir)
+        finally:
+            engine.close()
+    finally:
+        stop(old)
+
+
 def test_503_then_success_is_retried(engine: SGLangHTTPEngine, scripted_server: Standin) -> None:
     scripted_server.faults(status_503=2)
     before = scripted_server.stats()

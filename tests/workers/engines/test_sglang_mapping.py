@@ -295,3 +295,10 @@ def test_parse_does_not_mutate_the_body() -> None:
     before = copy.deepcopy(body)
     parse_result(req(), body, layout=None, who="t")
     assert body == before
+
+
+@pytest.mark.parametrize("missing", [{}, {"routed_experts": None}])
+def test_routed_experts_missing_behind_a_gateway_names_the_gateway_first(missing: dict[str, Any]) -> None:
+    body = result([1], **missing)
+    with pytest.raises(ContractViolation, match=r"through the gateway http://gw:1 .*dropped return_routed_experts"):
+        parse_result(req(return_routed_experts=True, logprobs=None), body, layout=LAYOUT, who="t", gateway="http://gw:1")

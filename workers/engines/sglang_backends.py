@@ -1,0 +1,198 @@
+"""The SGLang servers behind the sglang-http engine's URLs, and calls fanned out to each of them.
+
+A URL is either an SGLang server or a gateway/router (`smg`, `sglang-router`) in front of
+several. Gateways forward `/generate` but not the lifecycle calls (`/update_weights_from_disk`,
+`/pause_generation`, `/continue_generation`, `/abort_request` answer 404 there), so those go
+to every server directly. A gateway is recognised by `GET /workers`, which lists its servers
+(`{"workers": [{"url": ...}, ...]}`); an SGLang server answers it 404.
+
+The server list is read at start (`discover`) and read again when a push begins and whenever a
+fanned-out call fails: servers come and go behind a gateway. Before `discover`, every URL
+counts as a server of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from workers.errors import EngineUnavailableError
+
+log = logging.getLogger(__name__)
+
+Answer = httpx.Response | httpx.HTTPError
+"""What one server answered to a fanned-out call, or why it could not be reached."""
+
+NOT_A_GATEWAY = (404, 405)  # what an SGLang server answers to GET /workers
+
+
+def answered(answer: Answer) -> bool:
+    """The server was reached and did not answer an HTTP error."""
+    return isinstance(answer, httpx.Response) and answer.status_code < 400
+
+
+def error_message(response: httpx.Response) -> str:
+    """SGLang's error text: `{"error": {"message"}}`, `{"error": "..."}`, `{"detail"}` or the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body.get("message")))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        if error is not None:
+            return str(error)[:500]
+    return str(body)[:500]
+
+
+def describe(url: str, answer: Answer) -> str:
+    """One failed answer in words, naming the server."""
+    if isinstance(answer, httpx.HTTPError):
+        return (f"{url}: cannot connect ({type(answer).__name__}: {answer or 'connection failed'}); "
+                "is the SGLang server running and reachable from this worker?")
+    return f"{url}: HTTP {answer.status_code}: {error_message(answer)}"
+
+
+class Backends:
+    """Which SGLang servers each engine URL stands for; calls addressed to all of them."""
+
+    def __init__(self, urls: Sequence[str], http: Callable[[], httpx.AsyncClient], *,
+                 discovery_timeout_s: float = 30.0) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self._http = http
+        self._timeout_s = discovery_timeout_s
+        self._behind: dict[str, list[str]] = {u: [u] for u in self.urls}
+        self._discovered = False
+        self.gateways: set[str] = set()
+
+    def servers(self, via: str | None = None) -> list[str]:
+        """Every known server (each once, in URL order), or only those behind the URL `via`."""
+        lists = [self._behind.get(via, [via])] if via is not None else self._behind.values()
+        return list(dict.fromkeys(s for servers in lists for s in servers))
+
+    # -- discovery -----------------------------------------------------------------------------
+
+    async def discover(self) -> None:
+        """Read the servers behind every URL; raises `EngineUnavailableError` naming each URL that
+        cannot be read (unreachable, or a gateway without a usable `GET /workers`)."""
+        targets = sorted(self.gateways) if self._discovered else self.urls
+        found = await asyncio.gather(*(self._servers_behind(url) for url in targets), return_exceptions=True)
+        errors = [str(f) for f in found if isinstance(f, BaseException)]
+        if errors:
+            raise EngineUnavailableError("cannot find the SGLang servers: " + "; ".join(errors))
+        for url, servers in zip(targets, found, strict=True):
+            assert isinstance(servers, list)
+            before = self._behind.get(url)
+            self._behind[url] = servers
+            if servers != [url]:
+                self.gateways.add(url)
+                if self._discovered and set(before or ()) != set(servers):
+                    log.info("the gateway %s now lists %s (was %s)", url, servers, before)
+        self._discovered = True
+
+    async def _servers_behind(self, url: str) -> list[str]:
+        try:
+            response = await self._http().get(f"{url}/workers", timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(describe(url, exc)) from exc
+        if response.status_code in NOT_A_GATEWAY and url not in self.gateways:
+            return [url]
+        if response.status_code >= 400:
+            raise EngineUnavailableError(
+                f"{url}: the gateway's GET /workers answered HTTP {response.status_code}: "
+                f"{error_message(response)}; the worker needs its server list to send weight updates, "
+                "pauses and aborts to each server"
+            )
+        try:
+            servers = _worker_urls(response)
+        except ValueError as exc:
+            raise EngineUnavailableError(f"{url}: GET /workers: {exc}") from exc
+        if not servers:
+            raise EngineUnavailableError(
+                f"{url}: the gateway lists no SGLang servers (GET /workers is empty); start the servers "
+                "or register them (smg launch --worker-urls ..., or POST /workers {\"url\": ...})"
+            )
+        return servers
+
+    # -- calls to every server -----------------------------------------------------------------
+
+    async def each(self, method: str, path: str, json: Any = None, *, timeout_s: float | None = None,
+                   servers: Iterable[str] | None = None) -> dict[str, Answer]:
+        """The same call on every server (or on `servers`) at once, as they are known now."""
+        targets = list(servers) if servers is not None else self.servers()
+        timeout: Any = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+
+        async def one(url: str) -> Answer:
+            try:
+                return await self._http().request(method, f"{url}{path}", json=json, timeout=timeout)
+            except httpx.HTTPError as exc:
+                return exc
+
+        return dict(zip(targets, await asyncio.gather(*(one(u) for u in targets)), strict=True))
+
+    async def fan_out(self, method: str, path: str, json: Any = None, *, timeout_s: float | None = None,
+                      rediscover: bool = False) -> dict[str, Answer]:
+        """`each`, reading the servers behind the gateways again first when `rediscover`, and
+        again after a failure: a server that left is dropped from the answers, one that
+        joined is called too. Failures that remain are in the answers, for the caller to judge."""
+        if rediscover and self.gateways:
+            await self.discover()
+        answers = await self.each(method, path, json, timeout_s=timeout_s)
+        if not self.gateways or all(answered(a) for a in answers.values()):
+            return answers
+        try:
+            await self.discover()
+        except EngineUnavailableError as exc:
+            log.warning("after %s %s failed on some server, the server list could not be read again: %s",
+                        method, path, exc)
+            return answers
+        now = self.servers()
+        gone = [url for url in answers if url not in now]
+        if gone:
+            log.info("%s %s: %s left the gateway meanwhile; not counted", method, path, gone)
+        answers = {url: a for url, a in answers.items() if url in now}
+        joined = [url for url in now if url not in answers]
+        if joined:
+            answers.update(await self.each(method, path, json, timeout_s=timeout_s, servers=joined))
+        return {url: answers[url] for url in now}
+
+    async def abort(self, rid: str, *, via: str | None = None, timeout_s: float | None = None) -> dict[str, Answer]:
+        """`POST /abort_request {"rid"}` on every server (or those behind `via`): behind a gateway
+        the worker does not know which server holds the request. SGLang ignores unknown rids."""
+        if via is None:
+            return await self.fan_out("POST", "/abort_request", {"rid": rid}, timeout_s=timeout_s)
+        return await self.each("POST", "/abort_request", {"rid": rid}, timeout_s=timeout_s,
+                               servers=self.servers(via))
+
+    async def abort_all(self, *, timeout_s: float | None = None) -> dict[str, Answer]:
+        """`POST /abort_request {"abort_all": true}` on every server: everything in flight stops."""
+        return await self.fan_out("POST", "/abort_request", {"abort_all": True}, timeout_s=timeout_s)
+
+
+def _worker_urls(response: httpx.Response) -> list[str]:
+    """The server URLs of a gateway's `GET /workers` answer; ValueError saying what is wrong."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    workers = body.get("workers") if isinstance(body, dict) else None
+    if not isinstance(workers, list) or not all(isinstance(w, dict) and isinstance(w.get("url"), str)
+                                                  for w in workers):
+        raise ValueError(
+            f"answered {response.text[:200]!r}, not a gateway's {{\"workers\": [{{\"url\": ...}}]}}; "
+            "use smg >= 1.13 or sglang-router 0.3, or give the SGLang servers' own URLs"
+        )
+    urls = [w["url"].rstrip("/") for w in workers]
+    other = [u for u in urls if urlsplit(u).scheme not in ("http", "https")]
+    if other:
+        raise ValueError(
+            f"the gateway lists {other}, which the worker cannot call over HTTP; weight updates, "
+            "pauses and aborts need each SGLang server's HTTP URL"
+        )
+    return list(dict.fromkeys(urls))
