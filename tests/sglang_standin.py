@@ -327,7 +327,7 @@ class Standin:
         results = []
         for i, sub_rid in enumerate(rids):
             if samples is None:
-                results.append(self._aborted_result(sub_rid, request))
+                results.append(self._aborted_result(sub_rid, request, body))
             else:
                 results.append(self._result(sub_rid, request, samples[i], body, cached, tic))
         with self.state_lock:
@@ -419,11 +419,17 @@ class Standin:
                + np.arange(layers)[None, :, None] * 5 + np.arange(top_k)[None, None, :]) % experts
         return base64.b64encode(np.ascontiguousarray(ids, dtype="<i4").tobytes()).decode()
 
-    def _aborted_result(self, rid: str, request: RolloutRequest) -> dict[str, Any]:
-        meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill",
+    def _aborted_result(self, rid: str, request: RolloutRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """`tokenizer_manager._handle_abort_req`: aborted while waiting, so nothing generated or
+        prefilled; with `return_logprob`, the (empty) logprob lists all the same."""
+        meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill",
                                               "status_code": None, "err_type": None},
                 "prompt_tokens": len(request.input_ids), "weight_version": self.weight_version,
                 "completion_tokens": 0, "cached_tokens": 0}
+        if body.get("return_logprob"):
+            meta.update(input_token_logprobs=[], output_token_logprobs=[], output_token_logprobs_length=0)
+            if body.get("top_logprobs_num"):
+                meta.update(input_top_logprobs=[], output_top_logprobs=[])
         return {"text": "", "output_ids": [], "meta_info": meta}
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -19,12 +19,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
-LONG_RUNNING = ["redis", "minio", "sglang-0", "sglang-1", "router", "dashboard"]
-WORKERS = ["worker-0", "worker-1", "worker-cpu"]
+LONG_RUNNING = ["redis", "minio", "sglang-0", "sglang-1", "gateway", "dashboard"]
+WORKERS = ["worker-0", "worker-1", "worker-gateway", "worker-cpu"]
 
 
 def test_the_cluster_services_are_there() -> None:
-    assert {"redis", "minio", "minio-init", "sglang-0", "router", "dashboard", *WORKERS} <= set(SERVICES)
+    assert {"redis", "minio", "minio-init", "sglang-0", "gateway", "dashboard", *WORKERS} <= set(SERVICES)
     for name, service in SERVICES.items():
         assert "image" in service or "build" in service, f"{name}: neither image nor build"
     for name in LONG_RUNNING:
@@ -57,9 +57,24 @@ def test_workers_talk_to_their_own_sglang_server_and_shard_to_s3() -> None:
         assert "s3://" in env["PIPELINE_OUTPUT"] and env["AWS_ENDPOINT_URL"] == "http://minio:9000"
         assert "PIPELINE_CONTROL_SECRET" in env and "PIPELINE_METRICS_PORT" in env
         assert "--metrics-host" in SERVICES[name]["command"]
+    behind = SERVICES["worker-gateway"]["command"]
+    assert behind[:3] == ["worker", "--engine", "sglang-http"] and behind[behind.index("--url") + 1] == "http://gateway:30000"
     gpu = SERVICES["sglang-0"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
     assert SERVICES["worker-cpu"]["build"]["args"]["EXTRAS"] == "hf,s3"
+
+
+def test_the_gateway_is_smg_in_front_of_both_servers_which_workers_behind_it_reach_too() -> None:
+    gateway = SERVICES["gateway"]
+    assert "smg==1.13.0" in gateway["build"]["dockerfile_inline"], "the gateway version the tests run against"
+    command = gateway["command"]
+    assert command[:1] == ["launch"]
+    urls = command[command.index("--worker-urls") + 1:]
+    assert urls == ["http://sglang-0:30000", "http://sglang-1:30000"]
+    for name in ("sglang-0", "sglang-1"):
+        assert set(SERVICES[name]["profiles"]) == {"gpu", "gateway"}, name
+    assert SERVICES["gateway"]["profiles"] == SERVICES["worker-gateway"]["profiles"] == ["gateway"]
+    assert SERVICES["worker-0"]["profiles"] == ["gpu"], "per-server workers stay out of the gateway layout"
 
 
 def test_every_compose_variable_is_in_env_example() -> None:
@@ -88,5 +103,5 @@ def test_docker_compose_config(tmp_path: Path) -> None:
     env = tmp_path / ".env"
     env.write_text((ROOT / ".env.example").read_text())
     result = subprocess.run(["docker", "compose", "--env-file", str(env), "--profile", "gpu", "--profile", "cpu",
-                             "--profile", "router", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True)
+                             "--profile", "gateway", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -26,7 +26,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--url", action="append", default=[], dest="urls",
-        help="SGLang server or router URL for --engine sglang-http (repeat for several)",
+        help="SGLang server or gateway (smg) URL for --engine sglang-http (repeat for several)",
     )
     parser.add_argument(
         "--routed-experts", action="store_true",

@@ -18,7 +18,7 @@ class EngineOptions:
     max_top_logprobs: int = 0
     weight_version: int = 0
     max_batch_sequences: int = 64  # hf: samples decoded together
-    urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or routers
+    urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
     routed_experts: bool = False  # sglang engines: serve return_routed_experts
     experts_layout: str | None = None  # "LAYERS,TOP_K,EXPERTS" when no model config is at hand

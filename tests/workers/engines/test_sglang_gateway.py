@@ -7,6 +7,7 @@ import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,15 @@ from typing import Any
 import httpx
 import pytest
 
+import pipeline
 from schemas.request import RolloutRequest
+from tests.conftest import PIPELINE
 from tests.helpers import free_port, terminate, wait_until
 from tests.models import token_id
-from tests.workers.engines.conftest import Standin
+from tests.workers.engines.conftest import Standin, launch, stop, wait_ready
 from workers.engines.routed_experts import ExpertsLayout
 from workers.engines.sglang_http import SGLangHTTPEngine
+from workers.errors import EngineUnavailableError
 
 LIFECYCLE = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/abort_request")
 
@@ -145,3 +149,145 @@ def test_generation_spreads_over_both_servers_and_keeps_routed_experts(
         assert sample.token_ids.tolist() == [token_id(c) for c in "cde"] + [0]
         assert sample.routed_experts is not None
         assert sample.routed_experts.shape == (2 + len(sample.token_ids) - 1, 2, 2)
+
+
+def test_a_worker_process_behind_the_gateway_writes_rows_with_routed_experts(
+    gateway: Gateway, servers: tuple[Standin, Standin], redis_url: str, pipeline_env: dict[str, str], tmp_path: Path
+) -> None:
+    lines = [{"id": f"w{i}", "input_ids": [token_id(c) for c in "ab"], "return_routed_experts": True,
+              "sampling_params": {"max_new_tokens": 8, "temperature": 0}} for i in range(4)]
+    batch = pipeline.connect(redis_url).submit(lines, run="gw", output=f"file://{tmp_path / 'out'}", batch_size=2)
+    worker = subprocess.run(
+        [*PIPELINE, "worker", "--engine", "sglang-http", "--url", gateway.url, "--routed-experts",
+         "--experts-layout", "2,2,8", "--burst", "--log-level", "WARNING"],
+        env=pipeline_env, capture_output=True, text=True, timeout=120,
+    )
+    assert worker.returncode == 0, worker.stderr
+    batch.wait(timeout=30)
+    rows = batch.read().to_pylist()
+    assert sorted(r["rollout_id"] for r in rows) == ["w0:0", "w1:0", "w2:0", "w3:0"]
+    for row in rows:
+        assert row["routed_experts_shape"] == [2 + len(row["completion_token_ids"]) - 1, 2, 2]
+        assert len(row["routed_experts"]) == 2 * 2 * row["routed_experts_shape"][0]
+
+
+def test_a_weight_push_pause_continue_and_flush_reach_both_servers(
+    engine: SGLangHTTPEngine, servers: tuple[Standin, Standin]
+) -> None:
+    marks = [len(s.stats()["lifecycle"]) for s in servers]
+    version = engine.weight_version + 11
+    engine.update_weights(str(servers[0].model_dir), version)
+    samples = [o[0] for o in engine.generate([req(f"v{i}") for i in range(4)])]
+    assert {s.weight_version for s in samples} == {version}
+    assert {info["weight_version"] for info in engine.model_info().values()} == {str(version)}
+
+    engine.pause_generation("in_place")
+    try:
+        future = engine.submit([req("paused")])
+        wait_for_rid(servers, "paused-")
+        assert not future.done(), "a request finished while every server was paused"
+    finally:
+        engine.continue_generation()
+    [[sample]] = future.result(timeout=30)
+    assert sample.finish.kind == "stop"
+    engine.flush_cache()
+
+    for server, mark in zip(servers, marks, strict=True):
+        calls = lifecycle(server, mark)
+        assert [path for path, _ in calls] == [
+            "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache"
+        ], server.url
+        assert calls[0][1]["weight_version"] == str(version) and calls[1][1] == {"mode": "in_place"}
+
+
+def wait_for_rid(servers: tuple[Standin, ...], prefix: str) -> tuple[Standin, str]:
+    """The server the gateway sent the request whose rid starts with `prefix`, and that rid."""
+    found: list[tuple[Standin, str]] = []
+
+    def arrived() -> bool:
+        found[:] = [(s, rid) for s in servers for rid in s.stats()["rids"] if rid.startswith(prefix)]
+        return bool(found)
+
+    wait_until(arrived, timeout=30, what=f"a request {prefix}* to reach a server")
+    [(holder, rid)] = found
+    return holder, rid
+
+
+def held(engine: SGLangHTTPEngine, servers: tuple[Standin, Standin], name: str) -> tuple[Future, Standin, str]:
+    """Request `name` submitted and held on whichever server the gateway picked: its future, that
+    server, its SGLang rid."""
+    for server in servers:
+        server.faults(delays={name: 60.0})
+    future = engine.submit([req(name)])
+    holder, rid = wait_for_rid(servers, f"{name}-")
+    return future, holder, rid
+
+
+def test_an_abort_by_rid_reaches_the_server_holding_the_request(
+    engine: SGLangHTTPEngine, servers: tuple[Standin, Standin]
+) -> None:
+    future, holder, rid = held(engine, servers, "slow")
+    answers = engine.abort(rid)
+    assert set(answers) == {s.url for s in servers}
+    assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers.values())
+    [[sample]] = future.result(timeout=30)
+    assert sample.finish.kind == "abort" and len(sample.token_ids) == 0
+    assert {"rid": rid} in holder.stats()["abort_requests"]
+
+
+def test_a_cancelled_batch_is_aborted_on_the_server_behind_the_gateway(
+    engine: SGLangHTTPEngine, servers: tuple[Standin, Standin]
+) -> None:
+    future, holder, rid = held(engine, servers, "cancel")
+    future.cancel()
+    wait_until(lambda: {"rid": rid} in holder.stats()["abort_requests"], timeout=30,
+               what=f"the abort of {rid} to reach {holder.url}")
+    wait_until(lambda: holder.stats()["answered_aborted"] > 0, timeout=30, what="the server to stop the request")
+
+
+def test_a_gateway_without_servers_is_a_start_up_error(tmp_path: Path) -> None:
+    empty = launch_gateway(tmp_path / "smg.log")
+    try:
+        with pytest.raises(EngineUnavailableError, match=f"{empty.url}: the gateway lists no SGLang servers"):
+            SGLangHTTPEngine([empty.url])
+    finally:
+        stop_gateway(empty)
+
+
+def test_servers_removed_from_and_added_to_the_gateway_mid_run(
+    engine: SGLangHTTPEngine, gateway: Gateway, servers: tuple[Standin, Standin], tmp_path: Path
+) -> None:
+    a, b = servers
+    doomed = launch(a.model_dir, tmp_path / "doomed.log")
+    try:
+        wait_ready(doomed)
+        gateway.add(doomed.url)
+        wait_until(lambda: gateway.ready({a.url, b.url, doomed.url}), timeout=60, what="the gateway to add it")
+        behind_three = SGLangHTTPEngine([gateway.url])
+        try:
+            assert sorted(behind_three.servers) == sorted([a.url, b.url, doomed.url])
+            # The server dies and leaves the gateway: the failed call reads the list again.
+            stop(doomed)
+            gateway.remove(doomed.url)
+            behind_three.flush_cache()
+            assert sorted(behind_three.servers) == sorted([a.url, b.url])
+            assert all(o[0].finish.kind == "stop" for o in behind_three.generate([req(f"left{i}") for i in range(4)]))
+        finally:
+            behind_three.close()
+    finally:
+        stop(doomed)
+
+    # A live server taken out gets no push; put back, the next push reaches it again.
+    marks = [len(s.stats()["lifecycle"]) for s in servers]
+    gateway.remove(b.url)
+    try:
+        engine.update_weights(str(a.model_dir), engine.weight_version + 1)
+        assert engine.servers == [a.url]
+        assert [p for p, _ in lifecycle(a, marks[0])] == ["/update_weights_from_disk"]
+        assert lifecycle(b, marks[1]) == []
+    finally:
+        gateway.add(b.url)
+        wait_until(lambda: gateway.ready({a.url, b.url}), timeout=60, what="the gateway to take b back")
+    engine.update_weights(str(a.model_dir), engine.weight_version + 1)
+    assert sorted(engine.servers) == sorted([a.url, b.url])
+    assert [p for p, _ in lifecycle(b, marks[1])] == ["/update_weights_from_disk"]
