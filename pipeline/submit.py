@@ -31,11 +31,22 @@ JOB_FUNCTION = "workers.batch_job.run_rollout_batch"
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_JOB_TIMEOUT_S = 6 * 3600
 DEFAULT_RETRIES = 2
+# A failed job's retries wait 2, 4, 8 ... s (at most a minute): a fault that outlasted the
+# worker's own retries (a shard write is retried for a minute first) gets time to clear before
+# the engine runs the batch again. Workers enqueue due retries (`workers.maintenance`).
+RETRY_BACKOFF_S = 2
+RETRY_BACKOFF_CAP_S = 60
+
 RESULT_TTL_S = 7 * 24 * 3600
 # Prompt ids stored beside their job (`pipeline:prompts:<job id>`) outlive any job that is still
 # queued or retried in this time; a worker that finds them gone fails the job saying so.
 PROMPTS_TTL_S = 30 * 24 * 3600
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def retry_intervals(retries: int) -> list[int]:
+    """Seconds before each retry, first to last (RQ takes the list's tail when retries are left)."""
+    return [min(RETRY_BACKOFF_CAP_S, RETRY_BACKOFF_S * 2**i) for i in range(retries)]
 
 
 def default_output() -> str:
@@ -230,7 +241,7 @@ class _Jobs:
                 result_ttl=RESULT_TTL_S,
                 failure_ttl=RESULT_TTL_S,
                 description=f"rollouts run={self.run} job={index} requests={len(chunk)}",
-                retry=Retry(max=self.retries) if self.retries else None,
+                retry=Retry(max=self.retries, interval=retry_intervals(self.retries)) if self.retries else None,
                 meta={"batch_id": self.batch_id, "run": self.run},
             )
         )

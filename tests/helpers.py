@@ -1,4 +1,5 @@
-"""Small helpers the tests share: a free loopback port, waiting for a condition, stopping a process."""
+"""Small helpers the tests share: a free loopback port, waiting for a condition, stopping a process,
+a flaky object store."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 
 
 def free_port() -> int:
@@ -32,3 +38,29 @@ def terminate(process: subprocess.Popen, timeout: float = 5) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+class FlakyStore(MemoryFileSystem):
+    """`flakystore://`: an in-memory object store whose first `failures` puts fail like a 503 from S3.
+
+    `attempts` lists, per put, the files in `spill_dir` at that moment (empty when none is watched).
+    """
+
+    protocol = "flakystore"
+    failures: ClassVar[int] = 0
+    attempts: ClassVar[list[list[str]]] = []
+    spill_dir: ClassVar[Path | None] = None
+
+    @classmethod
+    def install(cls, *, failures: int, spill_dir: Path | None = None) -> type[FlakyStore]:
+        fsspec.register_implementation(cls.protocol, cls, clobber=True)
+        cls.failures, cls.attempts, cls.spill_dir = failures, [], spill_dir
+        cls.store, cls.pseudo_dirs = {}, [""]  # MemoryFileSystem keeps its files on the class
+        return cls
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: object) -> None:
+        cls = type(self)
+        cls.attempts.append(sorted(p.name for p in cls.spill_dir.iterdir()) if cls.spill_dir else [])
+        if len(cls.attempts) <= cls.failures:
+            raise OSError("503 Slow Down: the object store refused the put")
+        super().pipe_file(path, value, **kwargs)

@@ -14,10 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
 import redis
-from fsspec.implementations.memory import MemoryFileSystem
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -28,7 +26,7 @@ from pipeline.errors import JobsFailedError
 from pipeline.status import collect
 from pipeline.submit import submit_requests
 from schemas.request import RolloutRequest
-from tests.helpers import wait_until
+from tests.helpers import FlakyStore, wait_until
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
@@ -198,28 +196,41 @@ def test_failing_engine_makes_the_worker_unhealthy_until_it_recovers(
     wait_until(lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"], 10, "recovery")
 
 
-class FailingStore(MemoryFileSystem):
-    """An object store whose every write fails like a 503 from S3."""
-
-    protocol = "failstore"
-
-    def pipe_file(self, path: str, value: bytes, **kwargs: object) -> None:
-        raise OSError("503 Slow Down: the object store refused the put")
+def test_a_flaky_object_store_costs_the_engine_nothing(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two puts fail like S3's 503s: the worker retries the write itself with the rows it has.
+    store = FlakyStore.install(failures=2)
+    monkeypatch.setenv("PIPELINE_SHARD_WRITE_RETRY_S", "30")
+    plan = submit_requests(redis_client, REQUESTS, run="flaky", output="flakystore://bucket/rollouts", retries=2)
+    batch = Batch(redis_client, plan)
+    engine = FakeEngine()
+    RolloutWorker(redis_client, engine, maintenance_interval_s=1).work(burst=True, with_scheduler=False,
+                                                                         logging_level="ERROR")
+    assert batch.wait(timeout=5).counts["finished"] == 1
+    assert len(engine.calls) == 1  # generated once, written at the third attempt
+    assert len(store.attempts) == 3
+    assert _job(redis_client, batch).retries_left == 2  # no job retry spent
+    [commit] = commit_log.read_all(redis_client, "flaky")
+    assert commit.rows == 3 and batch.read().num_rows == 3
 
 
 def test_object_store_failure_fails_the_job_with_the_reason_and_commits_nothing(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fsspec.register_implementation("failstore", FailingStore, clobber=True)
+    store = FlakyStore.install(failures=10**6)  # down for good
+    monkeypatch.setenv("PIPELINE_SHARD_WRITE_RETRY_S", "0.3")
     client = pipeline.Client(redis_client)
-    plan = submit_requests(redis_client, REQUESTS, run="store", output="failstore://bucket/rollouts", retries=1)
+    plan = submit_requests(redis_client, REQUESTS, run="store", output="flakystore://bucket/rollouts", retries=1)
     batch = Batch(redis_client, plan)
+    assert _job(redis_client, batch).retry_intervals == [2]  # the job's retry waits out a backoff
     engine = FakeEngine()
     RolloutWorker(redis_client, engine, maintenance_interval_s=1).work(burst=True, with_scheduler=False,
                                                                          logging_level="ERROR")
     with pytest.raises(JobsFailedError, match="503 Slow Down"):
         batch.wait(timeout=5)
-    assert len(engine.calls) == 2  # tried, retried once, then failed
+    assert len(engine.calls) == 2  # tried (the write retried for 0.3 s), retried once after 2 s, then failed
+    assert len(store.attempts) > 2
     assert commit_log.read_all(redis_client, "store") == []
-    assert not FailingStore().exists("/bucket/rollouts/store")
+    assert not store().exists("flakystore://bucket/rollouts/store")
     assert client.workers() == []

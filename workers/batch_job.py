@@ -23,7 +23,7 @@ from workers.contracts import check_request_supported
 from workers.engines.base import Engine, SampleOutput
 from workers.errors import WorkerError
 from workers.rows import RowContext, build_table, utc_from_ms
-from workers.shard_writer import write_shard
+from workers.shard_writer import PendingShard
 
 PROMPTS_AFTER_SUCCESS_TTL_S = 3600
 
@@ -88,16 +88,19 @@ def commit_batch(
             num_experts=description.num_experts,
         ),
     )
-    url = write_shard(table, job.output, job.run, job.job_id)
-    tokens = int(table.column("completion_tokens").to_numpy().sum()) if table.num_rows else 0
-    prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if table.num_rows else 0
+    rows = table.num_rows
+    tokens = int(table.column("completion_tokens").to_numpy().sum()) if rows else 0
+    prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if rows else 0
     # The oldest version of any token in the shard (the job's only one in drain mode).
-    oldest = int(table.column("weight_version").to_numpy().min()) if table.num_rows else batch.weight_version
+    oldest = int(table.column("weight_version").to_numpy().min()) if rows else batch.weight_version
+    shard = PendingShard.encode(table, job.output, job.run, job.job_id)
+    del table  # only the encoded shard is kept (spilled to local disk if large) while storage is retried
+    url = shard.store()
     commit = commit_log.Commit(
         job_id=job.job_id,
         batch_id=job.batch_id,
         url=url,
-        rows=table.num_rows,
+        rows=rows,
         tokens=tokens,
         weight_version=oldest,
     )
@@ -106,7 +109,7 @@ def commit_batch(
         if job.prompt_key is not None:
             # Done: the ids need only outlive a late duplicate of this job briefly.
             conn.expire(job.prompt_key, PROMPTS_AFTER_SUCCESS_TTL_S)
-    return {"url": url, "rows": table.num_rows, "tokens": tokens, "prompt_tokens": prompt_tokens,
+    return {"url": url, "rows": rows, "tokens": tokens, "prompt_tokens": prompt_tokens,
             "weight_version": oldest, "seconds": (finished_at - batch.started_at).total_seconds()}
 
 

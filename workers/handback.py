@@ -45,7 +45,7 @@ def hand_back_started(
     with worker.connection.pipeline() as pipe:
         worker.cleanup_execution(job, pipeline=pipe, execution=execution)
         job.set_status(JobStatus.QUEUED, pipeline=pipe)
-        rq_seam.enqueue_at_front(queue, job, pipe)
+        rq_seam.enqueue(queue, job, pipe, at_front=True)
         pipe.execute()
     log.warning("job %s handed back to queue %s (%d/%d): %s", job.id, queue.name, count, max_handbacks(), reason)
     return True

@@ -11,7 +11,9 @@ intermediate queue. Here:
 - a thread runs the cleanup every `maintenance_interval` seconds, busy or idle;
 - the lock expires after `2 × maintenance_interval` (a worker killed holding it delays
   the next cleanup by that much, not 15 minutes);
-- jobs stuck in the intermediate queue are recovered after `stuck_after_s`.
+- jobs stuck in the intermediate queue are recovered after `stuck_after_s`;
+- retries RQ scheduled for later (jobs submitted with backoff between attempts) are enqueued
+  once due: the same cleanup is RQ's scheduler here, so workers need no scheduler process.
 
 So a dead worker's job runs again within about heartbeat TTL + maintenance interval.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,6 +33,8 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.registry import clean_registries
 from rq.utils import now
+
+from workers import rq_seam
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,7 @@ class RegistryMaintenance:
                 clean_registries(queue, self.exception_handlers)
                 worker_registration.clean_worker_registry(queue)
                 self._recover_intermediate(queue)
+                self._enqueue_due_retries(queue)
             finally:
                 self.connection.delete(queue.registry_cleaning_key)
 
@@ -86,6 +92,29 @@ class RegistryMaintenance:
             log.warning("job %s was dequeued but never started (worker died?); recovering it", job_id)
             self.fail_job(job, queue, "Job was stuck in intermediate queue (worker died?).")
             intermediate.remove(job_id)
+
+    def _enqueue_due_retries(self, queue: Queue) -> None:
+        """Retries whose backoff has passed go to the queue (what RQ's scheduler process would do)."""
+        registry = queue.scheduled_job_registry
+        job_ids = registry.get_jobs_to_schedule(int(time.time()))
+        if not job_ids:
+            return
+        jobs = Job.fetch_many(job_ids, connection=self.connection, serializer=queue.serializer)
+        with self.connection.pipeline() as pipe:
+            for job_id, job in zip(job_ids, jobs, strict=True):
+                if job is not None:
+                    rq_seam.enqueue(queue, job, pipe, at_front=False)
+                registry.remove(job_id, pipeline=pipe)
+            pipe.execute()
+
+    def next_retry_in(self) -> float | None:
+        """Seconds until the earliest scheduled retry of these queues is due (None: there is none)."""
+        due = []
+        for queue in self.queues:
+            earliest = self.connection.zrange(queue.scheduled_job_registry.key, 0, 0, withscores=True)
+            if earliest:
+                due.append(earliest[0][1])
+        return max(0.0, min(due) - time.time()) if due else None
 
     def start(self) -> None:
         self._stop.clear()

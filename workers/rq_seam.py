@@ -71,9 +71,9 @@ def finalize_failure(worker: BaseWorker, job: Job, queue: Queue, execution: Exec
     worker._finalize_failure(job, queue, execution, exc_info)
 
 
-def enqueue_at_front(queue: Queue, job: Job, pipeline: Pipeline) -> None:
-    """Put an existing job back at the front of `queue` (what RQ's own `Job.retry` does)."""
-    queue._enqueue_job(job, pipeline=pipeline, at_front=True)
+def enqueue(queue: Queue, job: Job, pipeline: Pipeline, *, at_front: bool) -> None:
+    """Put an existing job (back) on `queue` (what RQ's own `Job.retry` and scheduler do)."""
+    queue._enqueue_job(job, pipeline=pipeline, at_front=at_front)
 
 
 def shutdown_requested_at(worker: BaseWorker) -> datetime | None:

@@ -2,18 +2,37 @@
 
 A retried job rewrites the same path instead of adding a second shard. Local filesystems
 get a temporary name and a rename; object stores get a single put.
+
+A failed write is retried by itself, with backoff, for `$PIPELINE_SHARD_WRITE_RETRY_S` seconds
+(default 60) before the job fails: the generated rows are kept (encoded, in memory; spilled to
+a local temporary file while retrying when larger than `$PIPELINE_SHARD_SPILL_BYTES`, default
+64 MiB, in `$PIPELINE_SPILL_DIR` or the system's temporary directory), so a storage fault never
+sends the batch back to the engine unless storage stays down.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
+import time
 import uuid
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.storage import is_local, join, url_to_fs
+from workers.backoff import backoff_s
 from workers.errors import ShardWriteError
+
+log = logging.getLogger(__name__)
+
+ENV_RETRY_S = "PIPELINE_SHARD_WRITE_RETRY_S"
+ENV_SPILL_BYTES = "PIPELINE_SHARD_SPILL_BYTES"
+ENV_SPILL_DIR = "PIPELINE_SPILL_DIR"
+DEFAULT_RETRY_S = 60.0
+DEFAULT_SPILL_BYTES = 64 << 20
 
 COMPRESSION = "zstd"
 
@@ -70,27 +89,112 @@ def encode(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def write_shard(table: pa.Table, output: str, run: str, job_id: str) -> str:
-    """Write the table and return the shard's URL; on failure nothing is left behind."""
-    url = shard_url(output, run, job_id)
+@dataclass(frozen=True)
+class WriteRetry:
+    """How long a failing shard write is retried, and the backoff between attempts."""
+
+    within_s: float = DEFAULT_RETRY_S  # keep trying this long after the first failure
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+
+    @classmethod
+    def from_env(cls) -> WriteRetry:
+        return cls(within_s=float(os.environ.get(ENV_RETRY_S, DEFAULT_RETRY_S)))
+
+
+class PendingShard:
+    """A shard's encoded bytes on their way to storage; spilled to local disk if large while retrying."""
+
+    def __init__(self, url: str, data: bytes) -> None:
+        self.url = url
+        self.size = len(data)
+        self._data: bytes | None = data
+        self._spilled: str | None = None
+
+    @classmethod
+    def encode(cls, table: pa.Table, output: str, run: str, job_id: str) -> PendingShard:
+        return cls(shard_url(output, run, job_id), encode(table))
+
+    @property
+    def spilled(self) -> str | None:
+        """The local file holding the bytes while they are spilled."""
+        return self._spilled
+
+    def data(self) -> bytes:
+        if self._data is not None:
+            return self._data
+        assert self._spilled is not None
+        with open(self._spilled, "rb") as handle:
+            return handle.read()
+
+    def spill(self) -> None:
+        """Move the bytes to a local temporary file (memory is freed until the next attempt)."""
+        if self._spilled is not None or self._data is None:
+            return
+        handle, path = tempfile.mkstemp(prefix="shard-", suffix=".parquet", dir=os.environ.get(ENV_SPILL_DIR))
+        with os.fdopen(handle, "wb") as out:
+            out.write(self._data)
+        self._spilled, self._data = path, None
+
+    def discard(self) -> None:
+        if self._spilled is not None:
+            os.unlink(self._spilled)
+            self._spilled = None
+        self._data = None
+
+    def store(self, retry: WriteRetry | None = None) -> str:
+        """Write to `url`, retrying with backoff while storage fails; the URL, or `ShardWriteError`."""
+        retry = retry or WriteRetry.from_env()
+        spill_over = int(os.environ.get(ENV_SPILL_BYTES, DEFAULT_SPILL_BYTES))
+        first_failure: float | None = None
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                try:
+                    _put(self.url, self.data())
+                    if attempt > 1:
+                        log.warning("shard %s written at attempt %d", self.url, attempt)
+                    return self.url
+                except OSError as exc:
+                    moment = time.monotonic()
+                    first_failure = first_failure if first_failure is not None else moment
+                    left = retry.within_s - (moment - first_failure)
+                    delay = min(left, backoff_s(attempt, retry.backoff_s, retry.max_backoff_s))
+                    if left <= 0:
+                        raise ShardWriteError(
+                            f"could not write shard {self.url} ({attempt} attempt(s) over "
+                            f"{moment - first_failure:.1f} s; ${ENV_RETRY_S}={retry.within_s:g}): {exc}"
+                        ) from exc
+                    log.warning("could not write shard %s (attempt %d): %s; retrying in %.2f s",
+                                self.url, attempt, exc, delay)
+                    if self.size > spill_over:
+                        self.spill()
+                    time.sleep(delay)
+        finally:
+            self.discard()
+
+
+def _put(url: str, data: bytes) -> None:
+    """One attempt: atomic on a local filesystem (temporary name, fsync, rename), one put elsewhere."""
     fs, path = url_to_fs(url)
-    data = encode(table)
-    try:
-        if is_local(fs):
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-            try:
-                with open(tmp, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        else:
-            fs.pipe_file(path, data)
-    except OSError as exc:
-        raise ShardWriteError(f"could not write shard {url}: {exc}") from exc
-    return url
+    if is_local(fs):
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:
+        fs.pipe_file(path, data)
+
+
+def write_shard(table: pa.Table, output: str, run: str, job_id: str, *, retry: WriteRetry | None = None) -> str:
+    """Write the table and return the shard's URL; on failure nothing is left behind."""
+    return PendingShard.encode(table, output, run, job_id).store(retry)

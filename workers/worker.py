@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -91,12 +92,23 @@ class RolloutWorker(EngineWorker):
             if not healthy:
                 return None
             result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            if result is None and timeout is None and self._await_scheduled_retry():
+                continue  # burst mode: a retry waiting out its backoff is still this worker's to run
             if result is None or self.health.reason is None:
                 return result
             # The engine failed while this worker was blocked in its dequeue (another job in flight
             # failed): give the job back untouched and wait for the engine.
             job, queue = result
             control.hand_back(self.connection, job, queue, at_front=True)
+
+    def _await_scheduled_retry(self) -> bool:
+        """Sleep until the earliest scheduled retry is due and enqueue it; False when there is none."""
+        wait = self.maintenance.next_retry_in()
+        if wait is None or rq_seam.stop_requested(self):
+            return False
+        time.sleep(min(wait, self.maintenance.interval_s) + 0.05)
+        self.maintenance.clean()
+        return True
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         self._failing.exception = exc_info[1] if len(exc_info) > 1 else None

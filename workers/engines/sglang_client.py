@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from workers.backoff import backoff_s
 from workers.engines.sglang_backends import Backends, error_message
 from workers.engines.sglang_mapping import GenerateCall
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
@@ -43,7 +43,7 @@ class RetryPolicy:
 
     def delay(self, retry: int) -> float:
         """Seconds before retry number `retry` (1-based): exponential, with jitter."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1)) * random.uniform(0.5, 1.0)
+        return backoff_s(retry, self.backoff_s, self.max_backoff_s)
 
 
 class ServerPool:
