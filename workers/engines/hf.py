@@ -358,12 +358,14 @@ class _Rows:
         self.any_presence = any(p.presence_penalty for p in every)
         self.any_top_p = any(p.top_p < 1.0 for p in every)
         self.any_min_p = any(p.min_p > 0 for p in every)
+        # min_new_tokens holds back every stop token, ignore_eos or not (SGLang's min-new-tokens
+        # penalizer does not look at ignore_eos).
         self.stop_mask = None
         if any(p.min_new_tokens for p in every):
             self.stop_mask = torch.zeros((self.count, vocab), dtype=torch.bool, device=device)
-            for row, stops in enumerate(self.token_stops):
-                if stops:
-                    self.stop_mask[row, [t for t in stops if t < vocab]] = True
+            for row, p in enumerate(every):
+                if p.min_new_tokens:
+                    self.stop_mask[row, [t for t in hidden_stops | set(p.user_stop_token_ids) if t < vocab]] = True
 
     def penalise(self, logits: Any, counts: Any, step: int) -> Any:
         """SGLang's penalties from the tokens each row generated so far (never the prompt's):
