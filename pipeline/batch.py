@@ -10,15 +10,20 @@ from dataclasses import dataclass
 import pyarrow as pa
 import redis
 from rq.job import Job
+from rq.results import Result
 from tqdm import tqdm
 
-from pipeline import commit_log
+from pipeline import commit_log, keys
 from pipeline.errors import JobsFailedError, WaitTimeoutError
 from pipeline.reader import read_rollouts
 from pipeline.status import failure_reason
 from pipeline.submit import SubmitPlan
 
 TERMINAL = {"finished", "failed", "stopped", "canceled"}
+# `wait` blocks on the result streams of this many unfinished jobs (and on the commit log).
+WATCHED_JOBS = 64
+DEFAULT_RECHECK_S = 1.0
+_READ_COUNT = 1000
 
 
 @dataclass
@@ -71,8 +76,7 @@ class Batch:
         return {j: (s.decode() if s else "missing") for j, s in zip(self.job_ids, raw, strict=True)}
 
     def status(self) -> BatchStatus:
-        states = self.job_states()
-        return BatchStatus(Counter(states.values()), len(states))
+        return self._status_and_states()[0]
 
     def failures(self) -> dict[str, str]:
         """Failed jobs with the last line of their error."""
@@ -80,45 +84,72 @@ class Batch:
         return {job_id: failure_reason(self.conn, job_id) for job_id in failed}
 
     def wait(self, timeout: float | None = None, *, progress: bool | None = None,
-             poll_s: float = 0.2) -> BatchStatus:
-        """Block until every job finished; raise `JobsFailedError` naming the failed ones."""
+             poll_s: float = DEFAULT_RECHECK_S) -> BatchStatus:
+        """Block until every job finished; raise `JobsFailedError` naming the failed ones.
+
+        Blocks on Redis (`XREAD BLOCK`) rather than polling: on the run's commit log, which wakes
+        it at every commit, and on RQ's result streams of the first `WATCHED_JOBS` unfinished
+        jobs, which wake it when one of them finishes or fails. `poll_s` bounds the sleep between
+        checks otherwise (a failure of a job not watched yet is seen within it).
+        """
         show = sys.stderr.isatty() if progress is None else progress
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = tqdm(total=len(self.job_ids), unit="job", disable=not show, desc=self.run)
+        results: dict[str, str] = {}  # job id -> last RQ result entry read
+        caught_up = True
         try:
             while True:
-                status = self.status()
+                status, states = self._status_and_states()
                 bar.n = status.done
                 if show:
-                    bar.set_postfix(rows=self._rows_so_far(), failed=status.counts["failed"])
+                    bar.set_postfix(rows=sum(self._rows.values()), failed=status.counts["failed"])
                 bar.refresh()
                 if status.complete:
                     break
-                if deadline is not None and time.monotonic() > deadline:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise WaitTimeoutError(
                         f"batch of run {self.run}: {status.done}/{status.total} jobs done after "
                         f"{timeout}s ({dict(status.counts)}); are workers running? "
                         "(`pipeline status`)"
                     )
-                time.sleep(poll_s)
+                watched = [j for j, s in states.items() if s not in TERMINAL][:WATCHED_JOBS]
+                block_s = poll_s if left is None else min(poll_s, left)
+                caught_up = self._block(watched, results, block_ms=max(1, int(block_s * 1000)) if caught_up else None)
         finally:
             bar.close()
         if status.counts["finished"] != status.total:
             raise JobsFailedError(self.failures())
         return status
 
+    def _status_and_states(self) -> tuple[BatchStatus, dict[str, str]]:
+        states = self.job_states()
+        return BatchStatus(Counter(states.values()), len(states)), states
+
+    def _block(self, watched: list[str], results: dict[str, str], *, block_ms: int | None) -> bool:
+        """One XREAD on the commit log and the watched jobs' result streams; True when caught up."""
+        streams = {keys.commit_log(self.run): self._last_entry or "0-0"}
+        for job_id in watched:
+            streams[Result.get_key(job_id)] = results.get(job_id, "0-0")
+        reply = self.conn.xread(streams, count=_READ_COUNT, block=block_ms)  # type: ignore[arg-type]
+        caught_up = True
+        ours = set(self.job_ids)
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            caught_up = caught_up and len(entries) < _READ_COUNT
+            if name == keys.commit_log(self.run):
+                for entry_id, fields in entries:
+                    commit = commit_log.Commit.from_fields(entry_id.decode(), fields)
+                    self._last_entry = commit.entry_id
+                    if commit.job_id in ours:
+                        self._rows[commit.job_id] = commit.rows
+            elif entries:
+                results[name.rsplit(":", 1)[1]] = entries[-1][0].decode()
+        return caught_up
+
     def commits(self) -> list[commit_log.Commit]:
         ours = set(self.job_ids)
         return [c for c in commit_log.read_all(self.conn, self.run) if c.job_id in ours]
-
-    def _rows_so_far(self) -> int:
-        """Committed rows, reading only the commit-log entries appended since the last call."""
-        ours = set(self.job_ids)
-        for commit in commit_log.read_after(self.conn, self.run, self._last_entry):
-            self._last_entry = commit.entry_id
-            if commit.job_id in ours:
-                self._rows[commit.job_id] = commit.rows
-        return sum(self._rows.values())
 
     def committed_rows(self) -> int:
         return sum(c.rows for c in self.commits())

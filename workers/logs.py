@@ -106,6 +106,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
+class DemoteToDebug(logging.Filter):
+    """A chatty library's INFO records become DEBUG: shown only when the root logs DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def demote_to_debug(name: str) -> None:
+    """Log `name`'s INFO records at DEBUG (httpx logs every request at INFO); idempotent."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, DemoteToDebug) for f in logger.filters):
+        logger.addFilter(DemoteToDebug())
+
+
 def default_format() -> str:
     value = os.environ.get(ENV_LOG_FORMAT, "text").strip().lower() or "text"
     return value if value in FORMATS else "text"

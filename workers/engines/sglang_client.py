@@ -21,12 +21,15 @@ from typing import Any
 
 import httpx
 
+from workers import logs
 from workers.backoff import backoff_s
 from workers.engines.sglang_backends import Backends, error_message
 from workers.engines.sglang_mapping import GenerateCall
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
 
 log = logging.getLogger(__name__)
+# httpx logs every request at INFO (thousands a second on a busy worker): DEBUG here.
+logs.demote_to_debug("httpx")
 
 # Transport failures worth another attempt: nothing was generated, or the answer was lost.
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,

@@ -153,3 +153,14 @@ def test_backoff_doubles_up_to_its_cap_with_jitter() -> None:
     for retry, full in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 3.0), (9, 3.0)]:
         delays = [policy.delay(retry) for _ in range(50)]
         assert all(full / 2 <= d <= full for d in delays), (retry, min(delays), max(delays))
+
+
+def test_requests_are_logged_at_debug_not_info(caplog: pytest.LogCaptureFixture) -> None:
+    servers = Servers({(A, "/generate"): [respond(200)]})
+    caplog.set_level("INFO")
+    run(servers, call())
+    assert not [r for r in caplog.records if r.name == "httpx"]  # a busy worker sends thousands a second
+    caplog.set_level("DEBUG")
+    run(servers, call())
+    [record] = [r for r in caplog.records if r.name == "httpx"]
+    assert record.levelname == "DEBUG" and "POST http://a:30000/generate" in record.getMessage()
