@@ -31,10 +31,10 @@ JOB_FUNCTION = "workers.batch_job.run_rollout_batch"
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_JOB_TIMEOUT_S = 6 * 3600
 DEFAULT_RETRIES = 2
-# A failed job's retries wait 2, 4, 8 ... s (at most a minute): a fault that outlasted the
+# A failed job's retries wait 1, 2, 4 ... s (at most a minute): a fault that outlasted the
 # worker's own retries (a shard write is retried for a minute first) gets time to clear before
 # the engine runs the batch again. Workers enqueue due retries (`workers.maintenance`).
-RETRY_BACKOFF_S = 2
+RETRY_BACKOFF_S = 1
 RETRY_BACKOFF_CAP_S = 60
 
 RESULT_TTL_S = 7 * 24 * 3600

@@ -68,6 +68,9 @@ def pipeline_env(tmp_path: Path, redis_url: str) -> dict[str, str]:
     env["PIPELINE_REDIS_URL"] = redis_url
     env["PIPELINE_HOME"] = str(tmp_path / "state")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    # Workers retry a failing shard write for a minute by default; tests whose storage stays down
+    # (tests/test_faults.py checks the retry itself) give up after half a second.
+    env["PIPELINE_SHARD_WRITE_RETRY_S"] = "0.5"
     return env
 
 

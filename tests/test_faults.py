@@ -223,13 +223,13 @@ def test_object_store_failure_fails_the_job_with_the_reason_and_commits_nothing(
     client = pipeline.Client(redis_client)
     plan = submit_requests(redis_client, REQUESTS, run="store", output="flakystore://bucket/rollouts", retries=1)
     batch = Batch(redis_client, plan)
-    assert _job(redis_client, batch).retry_intervals == [2]  # the job's retry waits out a backoff
+    assert _job(redis_client, batch).retry_intervals == [1]  # the job's retry waits out a backoff
     engine = FakeEngine()
     RolloutWorker(redis_client, engine, maintenance_interval_s=1).work(burst=True, with_scheduler=False,
                                                                          logging_level="ERROR")
     with pytest.raises(JobsFailedError, match="503 Slow Down"):
         batch.wait(timeout=5)
-    assert len(engine.calls) == 2  # tried (the write retried for 0.3 s), retried once after 2 s, then failed
+    assert len(engine.calls) == 2  # tried (the write retried for 0.3 s), retried once after 1 s, then failed
     assert len(store.attempts) > 2
     assert commit_log.read_all(redis_client, "store") == []
     assert not store().exists("flakystore://bucket/rollouts/store")

@@ -12,8 +12,8 @@ intermediate queue. Here:
 - the lock expires after `2 × maintenance_interval` (a worker killed holding it delays
   the next cleanup by that much, not 15 minutes);
 - jobs stuck in the intermediate queue are recovered after `stuck_after_s`;
-- retries RQ scheduled for later (jobs submitted with backoff between attempts) are enqueued
-  once due: the same cleanup is RQ's scheduler here, so workers need no scheduler process.
+- retries RQ scheduled for later (jobs are submitted with backoff between attempts) are
+  enqueued once due, looked for every second: workers need no RQ scheduler process.
 
 So a dead worker's job runs again within about heartbeat TTL + maintenance interval.
 """
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAINTENANCE_INTERVAL_S = 10
 DEFAULT_STUCK_AFTER_S = 60.0
+RETRY_CHECK_S = 1.0  # how often due retries are looked for (one ZRANGEBYSCORE per queue)
+RETRY_LOCK_S = 10
 
 
 class RegistryMaintenance:
@@ -69,7 +71,6 @@ class RegistryMaintenance:
                 clean_registries(queue, self.exception_handlers)
                 worker_registration.clean_worker_registry(queue)
                 self._recover_intermediate(queue)
-                self._enqueue_due_retries(queue)
             finally:
                 self.connection.delete(queue.registry_cleaning_key)
 
@@ -93,19 +94,27 @@ class RegistryMaintenance:
             self.fail_job(job, queue, "Job was stuck in intermediate queue (worker died?).")
             intermediate.remove(job_id)
 
-    def _enqueue_due_retries(self, queue: Queue) -> None:
-        """Retries whose backoff has passed go to the queue (what RQ's scheduler process would do)."""
-        registry = queue.scheduled_job_registry
-        job_ids = registry.get_jobs_to_schedule(int(time.time()))
-        if not job_ids:
-            return
-        jobs = Job.fetch_many(job_ids, connection=self.connection, serializer=queue.serializer)
-        with self.connection.pipeline() as pipe:
-            for job_id, job in zip(job_ids, jobs, strict=True):
-                if job is not None:
-                    rq_seam.enqueue(queue, job, pipe, at_front=False)
-                registry.remove(job_id, pipeline=pipe)
-            pipe.execute()
+    def enqueue_due_retries(self) -> None:
+        """Retries whose backoff has passed go to their queue (what RQ's scheduler process would do);
+        one worker at a time per queue, so none is enqueued twice."""
+        for queue in self.queues:
+            registry = queue.scheduled_job_registry
+            if not registry.get_jobs_to_schedule(int(time.time()), chunk_size=1):
+                continue
+            lock = f"{registry.key}:enqueuing"
+            if not self.connection.set(lock, 1, nx=True, ex=RETRY_LOCK_S):
+                continue
+            try:
+                job_ids = registry.get_jobs_to_schedule(int(time.time()))
+                jobs = Job.fetch_many(job_ids, connection=self.connection, serializer=queue.serializer)
+                with self.connection.pipeline() as pipe:
+                    for job_id, job in zip(job_ids, jobs, strict=True):
+                        if job is not None:
+                            rq_seam.enqueue(queue, job, pipe, at_front=False)
+                        registry.remove(job_id, pipeline=pipe)
+                    pipe.execute()
+            finally:
+                self.connection.delete(lock)
 
     def next_retry_in(self) -> float | None:
         """Seconds until the earliest scheduled retry of these queues is due (None: there is none)."""
@@ -128,9 +137,13 @@ class RegistryMaintenance:
             self._thread = None
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        next_clean = time.monotonic() + self.interval_s
+        while not self._stop.wait(min(RETRY_CHECK_S, self.interval_s)):
             try:
-                self.clean()
+                self.enqueue_due_retries()
+                if time.monotonic() >= next_clean:
+                    next_clean = time.monotonic() + self.interval_s
+                    self.clean()
             except redis.RedisError as exc:
                 log.warning("registry maintenance failed: %s", exc)
             except Exception:  # the thread must outlive any one failure

@@ -29,6 +29,7 @@ from schemas.worker_info import WorkerState
 from workers import control, rq_seam
 from workers.engine_worker import EngineWorker
 from workers.engines.base import Engine
+from workers.errors import NotAllowedJobError, UnsupportedRequestError
 from workers.handback import hand_back_started
 from workers.health import PROBE_MAX_S, EngineHealth
 from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, RegistryMaintenance
@@ -107,7 +108,7 @@ class RolloutWorker(EngineWorker):
         if wait is None or rq_seam.stop_requested(self):
             return False
         time.sleep(min(wait, self.maintenance.interval_s) + 0.05)
-        self.maintenance.clean()
+        self.maintenance.enqueue_due_retries()
         return True
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
@@ -134,6 +135,8 @@ class RolloutWorker(EngineWorker):
             if reason and hand_back_started(self, job, queue, execution, reason=reason):
                 self.metrics.job_handed_back()
                 return
+            if isinstance(exc, UnsupportedRequestError | NotAllowedJobError) and job.retries_left:
+                job.retries_left = 0  # the request's fault: every retry would be refused the same way
             self.metrics.job_failed(retried=job.should_retry and rq_seam.stopped_job_id(self) != job.id)
         super().handle_job_failure(job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
                                    execution=execution)
