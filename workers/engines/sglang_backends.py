@@ -51,7 +51,7 @@ def error_message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
-def describe(url: str, answer: Answer) -> str:
+def describe_answer(url: str, answer: Answer) -> str:
     """One failed answer in words, naming the server."""
     if isinstance(answer, httpx.HTTPError):
         return (f"{url}: cannot connect ({type(answer).__name__}: {answer or 'connection failed'}); "
@@ -68,6 +68,7 @@ class Backends:
         self._http = http
         self._timeout_s = discovery_timeout_s
         self._behind: dict[str, list[str]] = {u: [u] for u in self.urls}
+        self._listed: dict[str, dict[str, Any]] = {}  # server URL -> its gateway's /workers entry
         self._discovered = False
         self.gateways: set[str] = set()
 
@@ -86,23 +87,37 @@ class Backends:
         errors = [str(f) for f in found if isinstance(f, BaseException)]
         if errors:
             raise EngineUnavailableError("cannot find the SGLang servers: " + "; ".join(errors))
-        for url, servers in zip(targets, found, strict=True):
-            assert isinstance(servers, list)
+        for url, listed in zip(targets, found, strict=True):
+            assert isinstance(listed, dict)
             before = self._behind.get(url)
-            self._behind[url] = servers
-            if servers != [url]:
+            self._behind[url] = list(listed)
+            if listed != {url: {}}:
                 self.gateways.add(url)
-                if self._discovered and set(before or ()) != set(servers):
-                    log.info("the gateway %s now lists %s (was %s)", url, servers, before)
+                self._listed.update(listed)
+                if self._discovered and set(before or ()) != set(listed):
+                    log.info("the gateway %s now lists %s (was %s)", url, list(listed), before)
         self._discovered = True
 
-    async def _servers_behind(self, url: str) -> list[str]:
+    def describe(self, url: str, answer: Answer) -> str:
+        """A server's failed answer in words; for a server behind a gateway, how the gateway lists
+        it and how to take it out if it is gone for good."""
+        text = describe_answer(url, answer)
+        gateway = next((g for g in sorted(self.gateways) if url in self._behind[g]), None)
+        if gateway is None:
+            return text
+        entry = self._listed.get(url, {})
+        state = ", ".join(f"{key}={entry[key]}" for key in ("status", "is_healthy") if key in entry)
+        return (f"{text} (the gateway {gateway} lists it{': ' + state if state else ''}; if it is gone for good, "
+                f"take it out of the gateway: DELETE {gateway}/workers/{entry.get('id', '<id>')})")
+
+    async def _servers_behind(self, url: str) -> dict[str, dict[str, Any]]:
+        """The servers a gateway lists (URL -> its `/workers` entry), or `{url: {}}` for a server."""
         try:
             response = await self._http().get(f"{url}/workers", timeout=self._timeout_s)
         except httpx.HTTPError as exc:
-            raise EngineUnavailableError(describe(url, exc)) from exc
+            raise EngineUnavailableError(describe_answer(url, exc)) from exc
         if response.status_code in NOT_A_GATEWAY and url not in self.gateways:
-            return [url]
+            return {url: {}}
         if response.status_code >= 400:
             raise EngineUnavailableError(
                 f"{url}: the gateway's GET /workers answered HTTP {response.status_code}: "
@@ -175,8 +190,8 @@ class Backends:
         return await self.fan_out("POST", "/abort_request", {"abort_all": True}, timeout_s=timeout_s)
 
 
-def _worker_urls(response: httpx.Response) -> list[str]:
-    """The server URLs of a gateway's `GET /workers` answer; ValueError saying what is wrong."""
+def _worker_urls(response: httpx.Response) -> dict[str, dict[str, Any]]:
+    """The servers of a gateway's `GET /workers` answer (URL -> entry); ValueError saying what is wrong."""
     try:
         body = response.json()
     except ValueError:
@@ -188,11 +203,11 @@ def _worker_urls(response: httpx.Response) -> list[str]:
             f"answered {response.text[:200]!r}, not a gateway's {{\"workers\": [{{\"url\": ...}}]}}; "
             "use smg >= 1.13 or sglang-router 0.3, or give the SGLang servers' own URLs"
         )
-    urls = [w["url"].rstrip("/") for w in workers]
-    other = [u for u in urls if urlsplit(u).scheme not in ("http", "https")]
+    listed = {w["url"].rstrip("/"): w for w in workers}
+    other = [u for u in listed if urlsplit(u).scheme not in ("http", "https")]
     if other:
         raise ValueError(
             f"the gateway lists {other}, which the worker cannot call over HTTP; weight updates, "
             "pauses and aborts need each SGLang server's HTTP URL"
         )
-    return list(dict.fromkeys(urls))
+    return listed

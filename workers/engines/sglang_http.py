@@ -24,7 +24,7 @@ from schemas.worker_info import Capabilities
 from workers.engines.async_bridge import AsyncBridge
 from workers.engines.base import EngineDescription, EngineIdentity, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
-from workers.engines.sglang_backends import Answer, answered, describe, error_message
+from workers.engines.sglang_backends import Answer, answered, error_message
 from workers.engines.sglang_client import RetryPolicy, SGLangClient
 from workers.engines.sglang_mapping import GenerateCall, parse_call_results, parse_weight_version, run_batch
 from workers.errors import EngineUnavailableError
@@ -152,7 +152,14 @@ class SGLangHTTPEngine(EngineIdentity):
         answers = self._bridge.run(
             self._client.backends.fan_out(method, path, json, timeout_s=timeout_s, rediscover=rediscover)
         )
-        return _all_answered(f"{method} {path}", answers)
+        return self._all_answered(f"{method} {path}", answers)
+
+    def _all_answered(self, call: str, answers: dict[str, Answer]) -> dict[str, httpx.Response]:
+        """The answers if every server answered without an HTTP error; else raise naming each failure."""
+        failures = [self._client.backends.describe(url, a) for url, a in answers.items() if not answered(a)]
+        if failures:
+            raise EngineUnavailableError(f"SGLang {call} failed on " + "; ".join(failures))
+        return answers  # type: ignore[return-value]
 
     def model_info(self) -> dict[str, dict[str, Any]]:
         """Every server's `GET /model_info` (model_path, weight_version, ...); `GET /get_model_info`
@@ -163,7 +170,7 @@ class SGLangHTTPEngine(EngineIdentity):
         if older:
             answers.update(self._bridge.run(backends.each("GET", "/get_model_info", timeout_s=30, servers=older)))
         infos = {}
-        for url, response in _all_answered("GET /model_info (and /get_model_info)", answers).items():
+        for url, response in self._all_answered("GET /model_info (and /get_model_info)", answers).items():
             try:
                 body = response.json()
             except ValueError:
@@ -221,10 +228,3 @@ class SGLangHTTPEngine(EngineIdentity):
             self._bridge.run(self._client.aclose())
         self._bridge.close()
 
-
-def _all_answered(call: str, answers: dict[str, Answer]) -> dict[str, httpx.Response]:
-    """The answers if every server answered without an HTTP error; else raise naming each failure."""
-    failures = [describe(url, answer) for url, answer in answers.items() if not answered(answer)]
-    if failures:
-        raise EngineUnavailableError(f"SGLang {call} failed on " + "; ".join(failures))
-    return answers  # type: ignore[return-value]

@@ -35,7 +35,10 @@ class Cluster:
             if request.url.path == "/workers":
                 if self.workers_answer is not None:
                     return self.workers_answer()
-                return httpx.Response(200, json={"workers": [{"url": u, "is_healthy": True} for u in self.listed]})
+                return httpx.Response(200, json={"workers": [
+                    {"id": f"id-{u[7:9]}", "url": u, "status": "not_ready" if u in self.down else "ready",
+                     "is_healthy": u not in self.down} for u in self.listed
+                ]})
             return httpx.Response(404, json={"error": {"code": "unknown_url"}})
         if request.url.path == "/workers":
             return httpx.Response(404, json={"detail": "Not Found"})
@@ -106,6 +109,10 @@ def test_a_server_still_listed_that_fails_stays_a_failure() -> None:
     cluster.down.add(S2)
     answers = run(backends.fan_out("POST", "/pause_generation", {"mode": "abort"}))
     assert isinstance(answers[S2], httpx.ConnectError) and answers[S1].status_code == 200
+    said = backends.describe(S2, answers[S2])
+    assert said.startswith(f"{S2}: cannot connect")
+    assert f"the gateway {GW} lists it: status=not_ready, is_healthy=False" in said
+    assert f"DELETE {GW}/workers/id-s2" in said
 
 
 def test_rediscover_reads_the_list_before_the_call() -> None:

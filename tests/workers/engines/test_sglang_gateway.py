@@ -266,8 +266,12 @@ def test_servers_removed_from_and_added_to_the_gateway_mid_run(
         behind_three = SGLangHTTPEngine([gateway.url])
         try:
             assert sorted(behind_three.servers) == sorted([a.url, b.url, doomed.url])
-            # The server dies and leaves the gateway: the failed call reads the list again.
+            # A dead server the gateway still lists fails the call, naming what to do.
             stop(doomed)
+            with pytest.raises(EngineUnavailableError,
+                               match=f"{doomed.url}: cannot connect.*the gateway {gateway.url} lists it.*DELETE"):
+                behind_three.flush_cache()
+            # Taken out of the gateway, it is dropped: the failed call reads the list again.
             gateway.remove(doomed.url)
             behind_three.flush_cache()
             assert sorted(behind_three.servers) == sorted([a.url, b.url])
