@@ -3,8 +3,9 @@
 Every request of a batch is sent at once (bounded by `max_in_flight`) so SGLang's continuous
 batching stays full; see `sglang_client` for URL choice, retries and aborts, and
 `sglang_mapping` for the wire format. The lifecycle calls (`update_weights` → `/update_weights_from_disk`,
-`pause_generation`, `continue_generation`, `flush_cache`, `abort`, `health`) go to every SGLang
-server directly, those behind a gateway included (`sglang_backends`): gateways do not serve them.
+`pause_generation`, `continue_generation`, `flush_cache`, `abort`) go to every SGLang server
+directly, those behind a gateway included (`sglang_backends`): gateways do not serve them. The
+`health` probe goes where generation goes.
 """
 
 from __future__ import annotations
@@ -181,8 +182,12 @@ class SGLangHTTPEngine(EngineIdentity):
         return infos
 
     def health(self) -> None:
-        """`GET /health_generate` on every server (a real one-token generation); raises if any fails."""
-        self._each("GET", "/health_generate", timeout_s=60)
+        """`GET /health_generate` (a real one-token generation) on every URL generation goes to:
+        each server, or the gateway (which picks a server); raises if any fails."""
+        answers = self._bridge.run(
+            self._client.backends.each("GET", "/health_generate", timeout_s=60, servers=self.urls)
+        )
+        self._all_answered("GET /health_generate", answers)
 
     def update_weights(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
         """SGLang's `/update_weights_from_disk` on every server (the list behind each gateway read

@@ -191,6 +191,7 @@ def test_a_weight_push_pause_continue_and_flush_reach_both_servers(
     [[sample]] = future.result(timeout=30)
     assert sample.finish.kind == "stop"
     engine.flush_cache()
+    engine.health()  # through the gateway, which serves /health_generate
 
     for server, mark in zip(servers, marks, strict=True):
         calls = lifecycle(server, mark)
