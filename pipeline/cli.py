@@ -64,6 +64,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         output=args.output,
         batch_size=args.batch_size,
         min_weight_version=args.min_weight_version,
+        max_staleness=args.max_staleness,
     )
     plan = batch.plan
     print(f"run: {plan.run} (pool {plan.pool})")
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="fsspec URL for shards (default: $PIPELINE_OUTPUT or the state dir)")
     p.add_argument("--batch-size", type=int, default=64, help="requests per job (default 64)")
     p.add_argument("--min-weight-version", type=int, default=None)
+    p.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                   help="no committed sample keeps a token from a weight version more than K behind its worker's "
+                        "at commit; one that would is generated again from the start (partial swaps)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="render `messages`/`prompt` lines into token ids with this tokenizer (as SGLang would)")

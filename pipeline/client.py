@@ -60,10 +60,14 @@ class Client:
         output: str | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
         min_weight_version: int | None = None,
+        max_staleness: int | None = None,
         tokenizer: Any = None,
         pool: str | None = None,
     ) -> Batch:
         """Validate and enqueue requests (dicts or models); all or nothing.
+
+        `max_staleness=K`: no committed sample holds a token from a weight version more than K
+        behind the version its worker serves at commit (README "Staleness bound").
 
         With `tokenizer` (a path, a transformers tokenizer or a `pipeline.chat.ChatRenderer`), dicts
         carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
@@ -79,6 +83,7 @@ class Client:
             output=output,
             batch_size=batch_size,
             min_weight_version=min_weight_version,
+            max_staleness=max_staleness,
             pool=self._pool(pool),
         )
         return Batch(self.conn, plan)

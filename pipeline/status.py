@@ -54,18 +54,27 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
     now = time.time()
     # Counts and ids without RQ's cleanup: looking at the status must not retry abandoned jobs.
     failed_ids = failed.get_job_ids(0, FAILURES_SHOWN - 1, cleanup=False)
+    desired = _desired(conn, where.name)
     return {
-        "desired": _desired(conn, where.name),
+        "desired": desired,
         "queue": {"name": queue.name, "queued": queue.count, "started": started.get_job_count(cleanup=False),
                   "failed": failed.get_job_count(cleanup=False)},
         "workers": [
             {**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)}
             for w in registry.live_workers(conn, where.name)
         ],
-        "runs": {name: dataclasses.asdict(commit_log.totals(conn, name)) for name in runs},
+        "runs": {name: _run(conn, name, desired.get("weight_version", 0)) for name in runs},
         "failed_jobs": failed_ids,
         "failure_reasons": {job_id: failure_reason(conn, job_id) for job_id in failed_ids},
     }
+
+
+def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
+    """A run's totals and its staleness: how many versions the oldest token it committed is behind
+    the pool's latest pushed version (each shard records its oldest token's version)."""
+    totals = dataclasses.asdict(commit_log.totals(conn, run))
+    versions = totals["weight_versions"]
+    return {**totals, "staleness": max(0, current - min(versions)) if versions else None}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -97,6 +106,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         lines.append(
             f"  {run}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
             f"weights {r['weight_versions']}"
+            + (f", staleness {r['staleness']} (oldest token v{min(r['weight_versions'])} vs pushed "
+               f"v{desired['weight_version']})" if r.get("staleness") is not None else "")
         )
     if desired.get("error"):
         lines.insert(2, f"  REFUSED: {desired['error']}")

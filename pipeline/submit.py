@@ -82,6 +82,7 @@ class SubmitOptions(TypedDict, total=False):
     output: str | None
     batch_size: int
     min_weight_version: int | None
+    max_staleness: int | None
     job_timeout_s: int
     retries: int
     pool: str | None
@@ -126,6 +127,7 @@ def submit_blocks(
     output: str | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     min_weight_version: int | None = None,
+    max_staleness: int | None = None,
     job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     retries: int = DEFAULT_RETRIES,
     pool: str | None = None,
@@ -140,6 +142,8 @@ def submit_blocks(
     """
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be at least 1, not {batch_size}")
+    if max_staleness is not None and max_staleness < 0:
+        raise PipelineError(f"--max-staleness must be 0 or more weight versions, not {max_staleness}")
     run = run or new_run_name()
     if not _RUN_NAME.match(run):
         raise PipelineError(
@@ -151,7 +155,8 @@ def submit_blocks(
     where = keys.pool(pool)
     workers = registry.live_workers(conn, where.name)
     jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
-                 min_weight_version=min_weight_version, job_timeout_s=job_timeout_s, retries=retries)
+                 min_weight_version=min_weight_version, max_staleness=max_staleness, job_timeout_s=job_timeout_s,
+                 retries=retries)
     stager = PromptStager(conn)
     try:
         pending: list[RolloutRequest | ParsedRequest] = []
@@ -208,6 +213,7 @@ class _Jobs:
     output: str
     submitted_at_ms: int
     min_weight_version: int | None
+    max_staleness: int | None
     job_timeout_s: int
     retries: int
     datas: list[Any] = field(default_factory=list)
@@ -225,7 +231,8 @@ class _Jobs:
         job_id = f"{self.batch_id}-{index:05d}"
         key = keys.prompts(job_id)
         common = JobHeader(run=self.run, job_id=job_id, batch_id=self.batch_id, output=self.output,
-                           submitted_at_ms=self.submitted_at_ms, min_weight_version=self.min_weight_version)
+                           submitted_at_ms=self.submitted_at_ms, min_weight_version=self.min_weight_version,
+                           max_staleness=self.max_staleness)
         payload, prompt_bytes = JobPayload.pack_beside(chunk, prompt_key=key, **common)
         stager.stage(key, prompt_bytes)
         self.job_ids.append(job_id)

@@ -64,6 +64,7 @@ class JobHeader(TypedDict):
     output: str
     submitted_at_ms: int
     min_weight_version: NotRequired[int | None]
+    max_staleness: NotRequired[int | None]
 
 
 def _job_fields(request: RolloutRequest | PromptRequest) -> dict[str, Any]:
@@ -84,6 +85,9 @@ class JobPayload(BaseModel):
     output: Annotated[StrictStr, Field(min_length=1)]
     submitted_at_ms: StrictInt
     min_weight_version: StrictInt | None = None
+    # The staleness bound: no committed sample holds a token from a version more than this many
+    # behind the worker's current one (samples that would are generated again from the start).
+    max_staleness: Annotated[StrictInt, Field(ge=0)] | None = None
     prompt_tokens: StrictStr = ""
     # Set instead of prompt_tokens: the Redis key holding the raw ids, and their dtype.
     prompt_key: StrictStr | None = None

@@ -22,7 +22,10 @@ held over the whole completion:
 - routed experts: the last segment's. The continuation's prefill routes every earlier position
   again under the newest weights, so the stored routing is one version's for the whole sequence
   (what routing replay of that version uses), not a splice of several;
-- prompt logprobs and cached tokens: the first segment's (continuations do not ask again).
+- prompt logprobs and cached tokens: the first segment's (continuations do not ask again);
+- the staleness bound (`max_staleness` K, per job): a sample is never continued, nor committed,
+  holding a token from a version more than K behind the one the worker serves; it is generated
+  again from the start instead (`Progress.stale`, counted in `restarted`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Progress:
     """Every sample of one job's requests, across however many partial swaps."""
 
     requests: list[RolloutRequest]
+    max_staleness: int | None = None
     _parts: list[list[list[_Part]]] = field(init=False)
     _finished: list[list[bool]] = field(init=False)
     _interrupted: list[list[bool]] = field(init=False)
@@ -104,12 +108,15 @@ class Progress:
                     raise ContractViolation(f"request {request.id!r}: sample {i} came back twice")
                 parts = self._parts[r][i]
                 version = submission.version if sample.weight_version is None else sample.weight_version
-                parts.append(_Part(sample, version))
                 original = self.requests[r]
                 if not sample.finish.interrupted:
+                    parts.append(_Part(sample, version))
                     self._finish(r, i)
                     continue
                 self._interrupted[r][i] = True
+                if not len(sample.token_ids):  # stopped before its first token: nothing to keep
+                    continue
+                parts.append(_Part(sample, version))
                 kept = sum(len(p.output.token_ids) for p in parts)
                 if kept >= original.sampling_params.max_new_tokens:  # stopped on its last token: done
                     parts[-1].output = _with_finish(sample, Finish("length"))
@@ -125,8 +132,29 @@ class Progress:
         self._finished[r][i] = True
         self.unfinished -= 1
 
+    def _too_old(self, r: int, i: int, version: int) -> bool:
+        parts = [p for p in self._parts[r][i] if len(p.output.token_ids)]
+        return (self.max_staleness is not None and bool(parts)
+                and version - min(p.version for p in parts) > self.max_staleness)
+
+    def stale(self, version: int) -> int:
+        """Restart every finished sample holding a token more than `max_staleness` versions behind
+        `version` (the weights the worker serves now); the number restarted. Check before commit."""
+        count = 0
+        for r, request in enumerate(self.requests):
+            for i in range(request.sampling_params.n):
+                if self._finished[r][i] and self._too_old(r, i, version):
+                    self._parts[r][i].clear()
+                    self._finished[r][i] = False
+                    self._interrupted[r][i] = True
+                    self.unfinished += 1
+                    count += 1
+        self.restarted += count
+        return count
+
     def resume(self, version: int) -> Submission:
-        """Every unfinished sample as a continuation (or from the start, when restarted)."""
+        """Every unfinished sample as a continuation on `version` (from the start when it has
+        nothing to keep, has penalties, or would break the staleness bound)."""
         requests: list[RolloutRequest] = []
         slots: list[list[Slot]] = []
         for r, request in enumerate(self.requests):
@@ -134,6 +162,9 @@ class Progress:
                 if self._finished[r][i]:
                     continue
                 parts = self._parts[r][i]
+                if self._too_old(r, i, version):
+                    parts.clear()
+                    self.restarted += 1
                 generated = (np.concatenate([p.output.token_ids for p in parts]).astype(np.int32)
                              if parts else np.empty(0, np.int32))
                 requests.append(continuation(request, i, generated, first=not parts))

@@ -201,7 +201,7 @@ class Feeder:
             batch = prepare_batch(job.args[0], worker.connection)
             entry.batch = batch
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
-            entry.progress = Progress(batch.requests)
+            entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
             with self._submit_lock:
                 self._submit(entry, entry.progress.first(self.engine.weight_version))
             self.admitted.append((time.monotonic(), job.id))
@@ -286,7 +286,9 @@ class Feeder:
             assert entry.batch is not None and entry.progress is not None and entry.submission is not None
             progress = entry.progress
             progress.record(entry.submission, outputs)
-            if not progress.done:  # stopped by a partial swap: continues on the new weights
+            if progress.done:  # the staleness bound, against the weights served now
+                progress.stale(self.engine.weight_version)
+            if not progress.done:  # stopped by a partial swap (or too stale): continues on the new weights
                 self._continue(entry)
                 return
             decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]

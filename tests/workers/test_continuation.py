@@ -172,3 +172,27 @@ def test_sim_interrupt_keeps_generated_tokens_and_continues_the_plan() -> None:
         assert merged.version_segments == [(0, 0), (len(a.token_ids), 1)]
     finally:
         engine.close()
+
+
+def test_staleness_bound_restarts_a_sample_too_far_behind_instead_of_continuing_it() -> None:
+    for bound, expected_inputs in ((0, [1, 2, 3]), (1, [1, 2, 3, *ids("abc").tolist()])):
+        progress = Progress([request()], max_staleness=bound)
+        progress.record(progress.first(0), [[out("abc", STOPPED, 0)]])
+        (resumed,) = progress.resume(1).requests
+        assert resumed.input_ids == expected_inputs
+        assert progress.restarted == (1 if bound == 0 else 0)
+
+
+def test_staleness_bound_at_commit_restarts_finished_samples_that_fell_behind() -> None:
+    progress = Progress([request(n=2)], max_staleness=1)
+    progress.record(progress.first(0), [[out("ab", Finish("length"), 0), out("cd", STOPPED, 0)]])
+    progress.record(progress.resume(1), [[out("e", Finish("length"), 1)]])
+    assert progress.done
+    assert progress.stale(1) == 0  # one version behind: within the bound
+    assert progress.stale(2) == 2 and not progress.done and progress.restarted == 2
+    again = progress.resume(2)
+    assert [r.input_ids for r in again.requests] == [[1, 2, 3], [1, 2, 3]]  # from the start, both
+    progress.record(again, [[out("xy", Finish("length"), 2)], [out("zz", Finish("length"), 2)]])
+    assert progress.stale(2) == 0
+    (first, second), = progress.outputs(decode)
+    assert first.version_segments == [(0, 2)] and second.version_segments == [(0, 2)]

@@ -15,10 +15,16 @@ For mixture-of-experts models it captures routed experts (`return_routed_experts
 forward hooks on the routers (`workers.engines.hf_routing`), in SGLang's layout: start 0,
 one row per position fed through the model — every prompt position and every completion
 position but the last sampled token, which was never fed — so `prompt + completion - 1` rows.
+
+It has the concurrent and interruptible interfaces (`workers.engines.serial.SerialFeed`): batches
+run one after another on the engine's own thread, and `interrupt()` ends the running decode loop
+at its next step keeping every sample's tokens (a partial weight swap). A `ContinuedRequest`
+decodes the original prompt + generated ids as its prompt and draws from its continuation seed.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,16 +33,17 @@ import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
+from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
 from workers.engines.hf_routing import RoutingCapture
-from workers.engines.seeds import sample_seed
+from workers.engines.seeds import request_sample_seed
+from workers.engines.serial import SerialFeed
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 # Samples decoded together: a job's requests are batched (left-padded) up to this many sequences.
 DEFAULT_MAX_BATCH_SEQUENCES = 64
 
 
-class HFEngine(EngineIdentity):
+class HFEngine(SerialFeed, EngineIdentity):
     """A transformers causal LM loaded once from a local directory."""
 
     def __init__(
@@ -54,6 +61,7 @@ class HFEngine(EngineIdentity):
 
         self._torch = torch
         self.max_batch_sequences = max(1, max_batch_sequences)
+        self._feed_capacity = self.max_batch_sequences
         path = Path(model_path)
         if not (path / "config.json").exists():
             raise EngineUnavailableError(f"{path} is not a transformers model directory (no config.json)")
@@ -133,12 +141,21 @@ class HFEngine(EngineIdentity):
         self._weight_version = version
 
     def close(self) -> None:
+        self._close_feed()
         if self._routing is not None:
             self._routing.remove()
             self._routing = None
         self.model = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        return self._run_batch(requests, None)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def _run_batch(self, requests: Sequence[RolloutRequest], stop: threading.Event | None) -> list[list[SampleOutput]]:
         for request in requests:
             if request.return_routed_experts and self._routing is None:
                 raise UnsupportedRequestError(
@@ -148,24 +165,28 @@ class HFEngine(EngineIdentity):
         out: list[list[SampleOutput]] = []
         with self._torch.inference_mode():
             for group in _groups(requests, self.max_batch_sequences):
-                out.extend(self._generate_group(group))
+                out.extend(self._generate_group(group, stop))
         return out
 
     # -- a group of requests, all their samples as one left-padded batch ----------------------
 
-    def _generate_group(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+    def _generate_group(
+        self, requests: Sequence[RolloutRequest], stop: threading.Event | None
+    ) -> list[list[SampleOutput]]:
         routing = self._routing if any(r.return_routed_experts for r in requests) else None
         if routing is None:
-            return self._decode_group(requests, None)
+            return self._decode_group(requests, None, stop)
         routing.start(sum(r.sampling_params.n for r in requests))
         try:
-            return self._decode_group(requests, routing)
+            return self._decode_group(requests, routing, stop)
         finally:
             routing.stop()
 
     def _decode_group(
-        self, requests: Sequence[RolloutRequest], routing: RoutingCapture | None
+        self, requests: Sequence[RolloutRequest], routing: RoutingCapture | None, stop: threading.Event | None
     ) -> list[list[SampleOutput]]:
+        """Decode every sample of `requests`; when `stop` is set, end at the next step with the
+        unfinished samples interrupted (`Finish("abort", message=INTERRUPTED)`, tokens kept)."""
         torch = self._torch
         device = self.device
         rows = _Rows(requests, self.hidden_stop_ids, self.vocab_size, torch, device)
@@ -200,6 +221,9 @@ class HFEngine(EngineIdentity):
         last_position = positions[:, -1:]
 
         for step in range(max(r.sampling_params.max_new_tokens for r in requests)):
+            if stop is not None and stop.is_set():
+                finishes = [f or Finish("abort", message=INTERRUPTED) for f in finishes]
+                break
             scores = rows.penalise(logits, counts, step)
             step_logprobs = torch.log_softmax(scores / rows.temperature[:, None], dim=-1)
             chosen = rows.sample(scores, step_logprobs)
@@ -247,7 +271,7 @@ class HFEngine(EngineIdentity):
                 finish = finishes[row] or Finish("length")
                 # As SGLang's detokenizer: a matched stop token's text is dropped unless no_stop_trim.
                 token_stopped = isinstance(finish.matched, int) and not params.no_stop_trim
-                text = self._decode(tokens[row][:-1] if token_stopped else tokens[row], params)
+                text = self.decode(tokens[row][:-1] if token_stopped else tokens[row], params.skip_special_tokens)
                 samples.append(
                     SampleOutput(
                         token_ids=np.asarray(tokens[row], dtype=np.int32),
@@ -289,11 +313,6 @@ class HFEngine(EngineIdentity):
             return Finish("length")
         return None
 
-    def _decode(self, tokens: list[int], params: SamplingParams) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
-
 
 def _groups(requests: Sequence[RolloutRequest], max_sequences: int) -> list[list[RolloutRequest]]:
     """Consecutive requests batched together up to `max_sequences` samples (a larger request alone)."""
@@ -333,7 +352,7 @@ class _Rows:
             self.first_row.append(len(self.request_of))
             for i in range(params.n):
                 self.request_of.append(request)
-                self.generators.append(torch.Generator(device=device).manual_seed(sample_seed(params.seed, i)))
+                self.generators.append(torch.Generator(device=device).manual_seed(request_sample_seed(request, i)))
                 self.token_stops.append(stops)
         self.count = len(self.request_of)
         every = [r.sampling_params for r in self.request_of]

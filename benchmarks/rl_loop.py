@@ -1,0 +1,129 @@
+"""An RL loop on the sim engine: how busy the engine stays across weight swaps, partial vs drain.
+
+    .venv/bin/python benchmarks/rl_loop.py [--steps 10] [--samples 512] [--repeats 1] [--step-ms 2] [--job-size 4]
+
+A real `RolloutWorker` on an embedded Redis serves a sim engine with 256 slots and lognormal
+output lengths (median 300, p99 4000 tokens: `occupancy.py`'s configuration), weight loads of
+50 ms. A trainer thread runs the loop as asynchronous RL trainers do: each step consumes the
+next `--samples` finished samples (n=1, in commit order, whichever request they answer), then
+pushes the next weight version. It submits the next step's requests as soon as the current
+step's are all submitted (one step ahead), so a long sample that is not done when its step
+closes carries over to a later one (with tokens of several versions in partial mode).
+
+Jobs are small (`--job-size 4`): a job commits when its last sample finishes, so with 64
+requests a job the step would wait for the longest of 64 and the trainer could not consume
+finished samples early, whatever the swap mode. The worker keeps up to 256 jobs in flight (a
+job waiting for its long sample holds its place). Decode steps are 2 ms so that the per-job
+bookkeeping of this 2-core VM (RQ, a shard per job) does not throttle the engine.
+
+- partial: `push_weights(..., mode="partial")`: samples in flight stop, the weights load, the
+  samples continue on the new weights;
+- baseline drain (today's default): every sample in flight finishes on the old weights first.
+
+Busy fraction = the engine's busy slot-steps / capacity slot-steps over the whole loop (the
+first submit until the last step's samples are in and its push is acknowledged), swaps
+included. Also samples/s over the same window, and how many rows hold tokens of two or more
+versions. Prints
+medians over repeats and the ratio. Goal: >= 90 % busy in partial mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+import pipeline
+from pipeline import commit_log
+from pipeline.reader import read_rollouts
+from pipeline.redis_server import RedisServer
+from workers.engines.sim import SimConfig, SimEngine
+from workers.worker import RolloutWorker
+
+
+def run(conn: redis.Redis, output: str, mode: str, steps: int, samples: int, job_size: int, step_s: float,
+        seed: int, max_jobs: int) -> tuple[float, float, float, int]:
+    """(busy fraction, samples/s, seconds, rows with tokens of several versions) of one loop."""
+    conn.flushall()
+    client = pipeline.Client(conn)
+    engine = SimEngine(SimConfig(capacity=256, step_s=step_s, median_tokens=300, p99_tokens=4000, load_s=0.05))
+    run_name = f"rl-{mode}-{seed}"
+    result: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def submit(step: int) -> None:
+        lines = [{"id": f"s{step}-q{i}", "input_ids": [1 + i % 1000] * 16,
+                  "sampling_params": {"max_new_tokens": 100_000, "seed": seed * 1_000_000 + step * 10_000 + i}}
+                 for i in range(samples)]
+        client.submit(lines, run=run_name, output=output, batch_size=job_size)
+
+    def trainer() -> None:
+        try:
+            engine.reset_stats()
+            started = time.perf_counter()
+            submit(0)
+            for step in range(steps):
+                submit(step + 1)  # one step ahead
+                needed = (step + 1) * samples
+                while commit_log.totals(conn, run_name).rows < needed:
+                    time.sleep(0.005)
+                client.push_weights(f"/ckpt/v{step + 1}", version=step + 1, mode=mode, timeout=60)  # type: ignore[arg-type]
+            result["seconds"] = time.perf_counter() - started
+            result["busy"] = engine.stats().utilisation
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        RolloutWorker(conn, engine, control_poll_s=0.05, max_jobs_in_flight=max_jobs).work(
+            burst=False, max_idle_time=1, with_scheduler=False, logging_level="WARNING")
+    finally:
+        thread.join(timeout=900)
+        engine.close()
+    if errors:
+        raise errors[0]
+    table = read_rollouts(output, run_name, columns=["weight_version_segments"])
+    mixed = table.num_rows - table.column("weight_version_segments").null_count
+    return result["busy"], steps * samples / result["seconds"], result["seconds"], mixed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=2.0)
+    parser.add_argument("--job-size", type=int, default=4, help="requests per job (a job commits as one shard)")
+    parser.add_argument("--max-jobs-in-flight", type=int, default=256,
+                        help="the worker's limit (a job waiting for its long sample keeps its place)")
+    args = parser.parse_args()
+    figures: dict[str, list[tuple[float, float, float, int]]] = {"partial": [], "drain": []}
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
+        conn = redis.Redis.from_url(server.url)
+        output = f"file://{tmp}/shards"
+        for repeat in range(args.repeats):
+            for mode in ("partial", "drain"):
+                figures[mode].append(run(conn, output, mode, args.steps, args.samples, args.job_size,
+                                         args.step_ms / 1000, repeat, args.max_jobs_in_flight))
+
+    def median(mode: str, at: int) -> float:
+        return statistics.median(f[at] for f in figures[mode])
+
+    setup = (f"{args.steps} steps x {args.samples} samples (n=1, jobs of {args.job_size}), 256 slots, lognormal median "
+             f"300 p99 4000, {args.step_ms:g} ms steps, 50 ms loads, median of {args.repeats}")
+    print(f"rl loop ({setup})")
+    for mode in ("partial", "drain"):
+        print(f"  {mode:7s}: {median(mode, 0):.1%} busy, {median(mode, 1):.0f} samples/s, "
+              f"{median(mode, 2):.1f} s, {median(mode, 3):.0f} rows with tokens of two or more versions")
+    print(f"ratio partial/drain: busy {median('partial', 0) / median('drain', 0):.1f}x, "
+          f"samples/s {median('partial', 1) / median('drain', 1):.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The concurrent, interruptible interface for an engine that decodes one batch at a time.
+
+`SerialFeed` runs submitted batches in order on one thread (`_run_batch(requests, stop)`), so a
+worker feeds such an engine like a continuous-batching one: the next job waits inside the engine
+instead of in Redis. `stop` is an event the engine's decode loop checks at every step: set by
+`interrupt()` (a partial weight swap: the running batch ends at its next step, every unfinished
+sample with `Finish("abort", message=INTERRUPTED)` and the tokens it has) or by cancelling the
+batch's future (a job timeout: the result is dropped). Batches still queued at an interrupt
+resolve at once with empty interrupted samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schemas.request import RolloutRequest
+from workers.engines.base import INTERRUPTED, Finish, SampleOutput
+
+
+@dataclass(eq=False)
+class _Queued:
+    requests: list[RolloutRequest]
+    future: Future
+    samples: int
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def interrupted_before_start(requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+    """Outputs of a batch stopped before its first step: no tokens, every sample interrupted."""
+    return [[SampleOutput(token_ids=np.empty(0, np.int32), finish=Finish("abort", message=INTERRUPTED),
+                          logprobs=np.empty(0, np.float32) if r.logprobs is not None else None,
+                          top_logprobs=[] if r.logprobs else None)
+             for _ in range(r.sampling_params.n)] for r in requests]
+
+
+def _resolve(future: Future, outputs: list[list[SampleOutput]]) -> None:
+    """Set the result unless the future was cancelled meanwhile (the future stays pending while its
+    batch runs, so a job timeout can still cancel it: `stop` then ends the batch early)."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(outputs)
+
+
+class SerialFeed:
+    """Mixin: `capacity`, `load()`, `submit()` and `interrupt()` over `_run_batch`."""
+
+    _feed_capacity: int
+
+    def _run_batch(self, requests: Sequence[RolloutRequest], stop: threading.Event) -> list[list[SampleOutput]]:
+        raise NotImplementedError
+
+    def _feed_state(self) -> tuple[threading.Condition, deque[_Queued]]:
+        if not hasattr(self, "_feed_cond"):
+            self._feed_cond = threading.Condition()
+            self._feed_queue: deque[_Queued] = deque()
+            self._feed_running: _Queued | None = None
+            self._feed_closed = False
+            self._feed_thread = threading.Thread(target=self._feed_loop, name="engine-feed", daemon=True)
+            self._feed_thread.start()
+        return self._feed_cond, self._feed_queue
+
+    @property
+    def capacity(self) -> int:
+        return self._feed_capacity
+
+    def load(self) -> int:
+        cond, queue = self._feed_state()
+        with cond:
+            running = self._feed_running.samples if self._feed_running is not None else 0
+            return running + sum(item.samples for item in queue)
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
+        cond, queue = self._feed_state()
+        item = _Queued(list(requests), Future(), sum(r.sampling_params.n for r in requests))
+        item.future.add_done_callback(lambda f: item.stop.set() if f.cancelled() else None)
+        with cond:
+            if self._feed_closed:
+                raise RuntimeError("the engine is closed")
+            queue.append(item)
+            cond.notify_all()
+        return item.future
+
+    def interrupt(self) -> int:
+        """Stop the running batch at its next step; resolve the queued ones as not started."""
+        cond, queue = self._feed_state()
+        with cond:
+            queued = list(queue)
+            queue.clear()
+            running = self._feed_running
+            if running is not None:
+                running.stop.set()
+        for item in queued:
+            _resolve(item.future, interrupted_before_start(item.requests))
+        with cond:
+            cond.wait_for(lambda: self._feed_running is None or self._feed_running is not running)
+        return sum(item.samples for item in queued) + (running.samples if running is not None else 0)
+
+    def _feed_loop(self) -> None:
+        cond, queue = self._feed_cond, self._feed_queue
+        while True:
+            with cond:
+                while not queue and not self._feed_closed:
+                    cond.wait()
+                if self._feed_closed:
+                    return
+                item = queue.popleft()
+                if item.future.done():  # cancelled while queued
+                    continue
+                self._feed_running = item
+            try:
+                _resolve(item.future, self._run_batch(item.requests, item.stop))
+            except BaseException as exc:
+                with contextlib.suppress(InvalidStateError):
+                    item.future.set_exception(exc)
+            finally:
+                with cond:
+                    self._feed_running = None
+                    cond.notify_all()
+
+    def _close_feed(self) -> None:
+        if not hasattr(self, "_feed_cond"):
+            return
+        with self._feed_cond:
+            self._feed_closed = True
+            pending = list(self._feed_queue)
+            self._feed_queue.clear()
+            self._feed_cond.notify_all()
+        for item in pending:
+            item.future.cancel()
