@@ -7,7 +7,10 @@ control channel, feeding; `workers.engine_worker`) plus fault handling:
   dequeuing until a health probe passes (`workers.health`).
 
 Hand-backs (`workers.handback`) requeue the job at the front of its queue without spending
-one of its retries; other failures take RQ's ordinary path (retries, then failed).
+one of its retries; other failures take RQ's ordinary path: retries after a backoff (RQ's
+scheduled registry, enqueued when due by `workers.maintenance`; a burst worker waits for
+them), then failed. A job refused for what it asks (`UnsupportedRequestError`,
+`NotAllowedJobError`) is not retried: every retry would be refused the same way.
 """
 
 from __future__ import annotations

@@ -132,16 +132,27 @@ def test_scraping_a_running_worker_sees_the_counters_move(
     assert sum(states.values()) == 1 and set(states) >= {"idle", "busy", "paused", "updating", "unhealthy"}
 
 
+class Broken(FakeEngine):
+    """Every batch with a request named "boom" fails like a bug in the engine."""
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        if any(r.id == "boom" for r in requests):
+            raise RuntimeError("the engine fell over")
+        return super().generate(requests)
+
+
 def test_failed_jobs_are_counted(redis_client: redis.Redis, tmp_path: Path) -> None:
     client = pipeline.Client(redis_client)
     client.submit([{"id": "x", "input_ids": [1], "logprobs": 3}], run="bad", output=f"file://{tmp_path}")
-    worker = RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0))
-    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    client.submit([{"id": "boom", "input_ids": [1]}], run="bad", output=f"file://{tmp_path}")
+    worker = RolloutWorker(redis_client, Broken(max_top_logprobs=0))
+    worker.work(burst=True, with_scheduler=False, logging_level="CRITICAL")
     registry = worker.metrics.registry
     labels = {"worker": worker.worker_id, "engine": "fake"}
-    # RQ's default: two retries, then failed for good.
+    # The engine's failure: two retries (after their backoff), then failed for good. The refused
+    # request (top-3 logprobs on a worker allowing none) fails at once: a retry would be refused too.
     assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "retried"}) == 2
-    assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "failed"}) == 1
+    assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "failed"}) == 2
     assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "finished"}) == 0
 
 
