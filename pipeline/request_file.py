@@ -152,6 +152,14 @@ class ParsedRequest:
     def input_ids(self) -> list[int]:
         return self.prompt_ids.tolist()
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.job_fields.get("prompt_logprobs")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self._shape.params.stop_strings
+
     def max_token_id(self) -> int:
         """The largest token id the request names (prompt and token-id stops)."""
         if self._max_id is None:

@@ -1,9 +1,12 @@
-"""`pipeline status`: per pool, its queue, workers, desired state, runs, shards and failures."""
+"""`pipeline status`: per pool, its queue, workers and their capability classes, jobs no live worker
+can serve, desired state, runs, shards and failures."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from collections import Counter
 from typing import Any
 
 import redis
@@ -13,6 +16,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline import commit_log, control, keys, registry
 from pipeline.submit import rollout_queue
+from schemas.capabilities import describe
 from schemas.control import DesiredState
 
 FAILURES_SHOWN = 20
@@ -36,6 +40,17 @@ def _desired(conn: redis.Redis, pool: str) -> dict[str, Any]:
         return {**DesiredState().model_dump(), "error": str(exc)}
 
 
+def unservable(conn: redis.Redis, pool: str) -> dict[str, Any]:
+    """Jobs of `pool` waiting for a capability no live worker has: job id → {since, reason}."""
+    waiting: dict[str, Any] = {}
+    for job_id, raw in conn.hgetall(keys.pool(pool).unservable).items():
+        try:
+            waiting[job_id.decode(errors="replace")] = json.loads(raw)
+        except ValueError:
+            continue
+    return waiting
+
+
 def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) -> dict[str, Any]:
     """Every pool's status (`pools`: name → status), or only `pool`'s when one is named."""
     names = [keys.pool_name(pool)] if pool else registry.pools(conn)
@@ -43,7 +58,8 @@ def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) 
 
 
 def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
-    """One pool: its desired state, queue, live workers, runs and failed jobs."""
+    """One pool: its desired state, queue, live workers and the capability classes they serve, jobs
+    waiting for a capability no live worker has (`workers.routing`), runs and failed jobs."""
     where = keys.pool(pool)
     queue = rollout_queue(conn, where.name)
     failed = FailedJobRegistry(queue=queue, serializer=JSONSerializer)
@@ -52,6 +68,7 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
     if run:
         runs = [name for name in runs if name == run]
     now = time.time()
+    workers = registry.live_workers(conn, where.name)
     # Counts and ids without RQ's cleanup: looking at the status must not retry abandoned jobs.
     failed_ids = failed.get_job_ids(0, FAILURES_SHOWN - 1, cleanup=False)
     desired = _desired(conn, where.name)
@@ -59,10 +76,12 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
         "desired": desired,
         "queue": {"name": queue.name, "queued": queue.count, "started": started.get_job_count(cleanup=False),
                   "failed": failed.get_job_count(cleanup=False)},
-        "workers": [
-            {**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)}
-            for w in registry.live_workers(conn, where.name)
+        "workers": [{**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)} for w in workers],
+        "capability_classes": [
+            {"serves": describe(capabilities), "capabilities": capabilities.model_dump(), "workers": count}
+            for capabilities, count in Counter(w.capabilities for w in workers).most_common()
         ],
+        "unservable": unservable(conn, where.name),
         "runs": {name: _run(conn, name, desired.get("weight_version", 0)) for name in runs},
         "failed_jobs": failed_ids,
         "failure_reasons": {job_id: failure_reason(conn, job_id) for job_id in failed_ids},
@@ -101,6 +120,11 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             f" top_logprobs<={caps['max_top_logprobs']} routed_experts={caps['routed_experts']}"
             + (f" error={w['error']}" if w.get("error") else "")
         )
+    for c in status["capability_classes"]:
+        lines.append(f"  {c['workers']} worker(s) serve: {c['serves']}")
+    if status["unservable"]:
+        lines.append(f"waiting for a capability no live worker has: {len(status['unservable'])} job(s)")
+        lines += [f"  {job_id}: {w.get('reason')}" for job_id, w in sorted(status["unservable"].items())]
     lines.append(f"runs: {len(status['runs'])}")
     for run, r in status["runs"].items():
         lines.append(

@@ -7,7 +7,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -17,12 +17,13 @@ from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
 from pipeline import keys, registry
-from pipeline.capabilities import check_requests
+from pipeline.capabilities import Placement
 from pipeline.errors import PipelineError
 from pipeline.prompt_staging import PromptStager
 from pipeline.redis_server import state_dir
 from pipeline.request_file import ParsedRequest, iter_request_blocks
 from pipeline.security import check_output_url
+from schemas.capabilities import Needs
 from schemas.job_payload import JobHeader, JobPayload
 from schemas.request import RolloutRequest
 
@@ -139,6 +140,10 @@ def submit_blocks(
     instead of base64 inside the job data (which RQ zlib-compresses, slowly and to little effect).
     They are staged as each job fills (`pipeline.prompt_staging`); one MULTI/EXEC at the end,
     WATCHing the staged keys, enqueues every job and records the batch.
+
+    Jobs go to `pool`'s queue (`pipeline.keys.pool`). Every request is checked against each
+    live worker of the pool, and requests are packed by the worker classes that can serve them
+    (`pipeline.capabilities.Placement`); each job carries what it needs in its RQ meta.
     """
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be at least 1, not {batch_size}")
@@ -157,17 +162,23 @@ def submit_blocks(
     jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
                  min_weight_version=min_weight_version, max_staleness=max_staleness, job_timeout_s=job_timeout_s,
                  retries=retries)
+    placement = Placement(workers, where.name)
     stager = PromptStager(conn)
     try:
-        pending: list[RolloutRequest | ParsedRequest] = []
+        # Requests the same worker classes can serve share jobs (`pipeline.capabilities`).
+        pending: dict[Hashable, _Group] = {}
         for block in blocks:
-            check_requests(block, workers)
-            pending.extend(block)
-            while len(pending) >= batch_size:
-                jobs.add(pending[:batch_size], stager)
-                del pending[:batch_size]
-        if pending:
-            jobs.add(pending, stager)
+            placed = [placement.place(request, request.id) for request in block]
+            placement.check()
+            for request, (needs, key) in zip(block, placed, strict=True):
+                group = pending.setdefault(key, _Group())
+                group.requests.append(request)
+                group.needs |= needs
+                if len(group.requests) >= batch_size:
+                    jobs.add(group.requests, stager, group.needs)
+                    del pending[key]
+        for group in pending.values():
+            jobs.add(group.requests, stager, group.needs)
         if not jobs.job_ids:
             raise PipelineError("nothing to submit: no requests")
         with conn.pipeline(transaction=True) as pipe:
@@ -205,6 +216,14 @@ def submit_blocks(
 
 
 @dataclass
+class _Group:
+    """Requests waiting to fill a job, and what they need of its worker together."""
+
+    requests: list[RolloutRequest | ParsedRequest] = field(default_factory=list)
+    needs: Needs = field(default_factory=Needs)
+
+
+@dataclass
 class _Jobs:
     """The jobs of one submit as they fill: RQ job data, ids, counts; prompt ids staged as each is packed."""
 
@@ -222,7 +241,7 @@ class _Jobs:
     samples: int = 0
     _seen: set[str] = field(default_factory=set)
 
-    def add(self, chunk: Sequence[RolloutRequest | ParsedRequest], stager: PromptStager) -> None:
+    def add(self, chunk: Sequence[RolloutRequest | ParsedRequest], stager: PromptStager, needs: Needs) -> None:
         for request in chunk:
             if request.id in self._seen:
                 raise PipelineError(f"request id {request.id!r} appears twice; ids must be unique within a submit")
@@ -249,6 +268,7 @@ class _Jobs:
                 failure_ttl=RESULT_TTL_S,
                 description=f"rollouts run={self.run} job={index} requests={len(chunk)}",
                 retry=Retry(max=self.retries, interval=retry_intervals(self.retries)) if self.retries else None,
-                meta={"batch_id": self.batch_id, "run": self.run},
+                # What the job needs of its worker, read before it runs (`workers.routing`).
+                meta={"batch_id": self.batch_id, "run": self.run, "needs": needs.as_dict()},
             )
         )

@@ -207,3 +207,8 @@ class RolloutRequest(_Strict):
     def max_token_id(self) -> int:
         """The largest token id the request names (prompt and token-id stops)."""
         return max((*self.input_ids, *self.sampling_params.user_stop_token_ids))
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The user's string stops (`sampling_params.stop_strings`)."""
+        return self.sampling_params.stop_strings

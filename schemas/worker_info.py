@@ -13,13 +13,16 @@ WorkerState = Literal["starting", "idle", "busy", "paused", "updating", "failed"
 
 
 class Capabilities(BaseModel):
-    """What a worker can serve; submit checks requests against the live workers' entries."""
+    """What a worker can serve (the rules: `schemas.capabilities`); submit checks requests against
+    the live workers' entries, the worker checks each job against its own."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_top_logprobs: int = 0
     prompt_logprobs: bool = True
     routed_experts: bool = False
+    # A tokenizer to match stop strings with (set by the worker from its engine's description).
+    stop_strings: bool = True
     vocab_size: int | None = None
 
 

@@ -58,9 +58,9 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
             )
     requests = job.unpack(prompt_bytes)
     engine = ctx.engine
-    description = engine.description
+    capabilities = engine.description.served
     for request in requests:
-        check_request_supported(request, description.capabilities, has_tokenizer=description.has_tokenizer)
+        check_request_supported(request, capabilities)
     return PreparedBatch(job, requests, engine, ctx.worker_id, engine.weight_version, datetime.now(UTC))
 
 

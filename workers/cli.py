@@ -31,6 +31,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routed-experts", action="store_true",
         help="sglang engines: serve return_routed_experts (the servers need --enable-return-routed-experts); "
+             "sim: simulate a mixture-of-experts model of --experts-layout; "
              "the layout comes from --model's config.json (for sglang-http, --model is then the model directory "
              "the servers load) or --experts-layout",
     )

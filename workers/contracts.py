@@ -17,6 +17,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from schemas.capabilities import missing, needs_of
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines.base import Finish, SampleOutput
@@ -69,32 +70,16 @@ def trim_stop_text(text: str | None, stop_text: str | None, no_stop_trim: bool) 
     return text[: cut + len(stop_text)] if no_stop_trim else text[:cut]
 
 
-def check_request_supported(
-    request: RolloutRequest, capabilities: Capabilities, *, has_tokenizer: bool
-) -> None:
-    """Refuse what the worker cannot serve, instead of silently dropping a field."""
-    top = request.logprobs or 0
-    if top > capabilities.max_top_logprobs:
-        raise UnsupportedRequestError(
-            f"request {request.id!r} asks for top-{top} logprobs; this worker allows at most "
-            f"{capabilities.max_top_logprobs} (start it with --max-top-logprobs {top})"
-        )
-    if request.prompt_logprobs is not None and not capabilities.prompt_logprobs:
-        raise UnsupportedRequestError(f"request {request.id!r}: this engine has no prompt logprobs")
-    if request.return_routed_experts and not capabilities.routed_experts:
-        raise UnsupportedRequestError(
-            f"request {request.id!r} asks for routed experts; this worker's model/engine has none"
-        )
-    vocab = capabilities.vocab_size
-    if vocab is not None and request.max_token_id() >= vocab:
-        raise UnsupportedRequestError(
-            f"request {request.id!r}: token id {request.max_token_id()} is outside the "
-            f"model's vocabulary of {vocab}"
-        )
-    if request.sampling_params.stop_strings and not has_tokenizer:
-        raise UnsupportedRequestError(
-            f"request {request.id!r} has stop strings but this engine has no tokenizer"
-        )
+def check_request_supported(request: RolloutRequest, capabilities: Capabilities) -> None:
+    """Refuse what the worker cannot serve (the rules: `schemas.capabilities`), instead of silently
+    dropping a field."""
+    lacks = missing(needs_of(request), capabilities)
+    if lacks:
+        hint = ""
+        if request.logprobs and f"top-{request.logprobs} logprobs" in lacks:
+            hint = f" (this worker allows at most {capabilities.max_top_logprobs}; start it with --max-top-logprobs " \
+                   f"{request.logprobs})"
+        raise UnsupportedRequestError(f"request {request.id!r}: this worker cannot serve {', '.join(lacks)}{hint}")
 
 
 def check_sample(request: RolloutRequest, sample: SampleOutput) -> None:

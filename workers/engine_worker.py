@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from rq import Queue, SimpleWorker
@@ -42,7 +42,7 @@ from pipeline import control as pipeline_control
 from pipeline import keys, registry
 from schemas.control import DesiredState, SwapMode, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
-from workers import context, control, logs, rq_seam
+from workers import context, control, logs, routing, rq_seam
 from workers.allowed_job import RolloutJob
 from workers.engines.base import Engine, is_concurrent
 from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
@@ -101,7 +101,7 @@ class EngineWorker(SimpleWorker):
             engine=description.name,
             model=description.model,
             weight_version=engine.weight_version,
-            capabilities=description.capabilities,
+            capabilities=description.served,
             started_at=now,
             heartbeat_at=now,
         )
@@ -122,6 +122,7 @@ class EngineWorker(SimpleWorker):
         self._last_ack: WeightAck | None = None
         self._weight_error: str | None = None
         self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
+        self._passed: set[str] = set()  # jobs handed back since the last one run: this worker cannot serve them
         self._changed = threading.Event()
         self._listener = control.ControlListener(conn, self.pool.control_channel, self.sync_control,
                                                  poll_s=control_poll_s)
@@ -294,6 +295,15 @@ class EngineWorker(SimpleWorker):
                 control.hand_back(self.connection, job, queue, at_front=True)
                 log.info("worker %s: paused; job %s handed back", self.worker_id, job.id)
                 continue
+            route = self._route(job, queue)
+            if route == "rounded":  # every job left is one this worker passes over: wait for a change
+                if burst:
+                    return None
+                self._changed.clear()
+                self._changed.wait(self._listener.poll_s)
+                continue
+            if route != "run":
+                continue
             needed = control.min_weight_version(job)
             if needed is not None and self.engine.weight_version < needed:
                 control.hand_back(self.connection, job, queue, at_front=False)
@@ -309,6 +319,27 @@ class EngineWorker(SimpleWorker):
                 self._changed.wait(self._listener.poll_s)
                 continue
             return result
+
+    def _route(self, job: Job, queue: Queue) -> Literal["run", "passed", "failed", "rounded"]:
+        """Whether this worker runs `job` (`workers.routing`); if not, the job is handed back to the
+        end of the queue ("passed"; "rounded" when passed over before since the last job run: the
+        worker has been round the queue) or failed ("failed"), nothing ran."""
+        verdict = routing.decide(self.connection, job, self.worker_id, self.info.capabilities, self.pool.name)
+        if verdict.action == "run":
+            self._passed.clear()
+            return "run"
+        if verdict.action == "fail":
+            log.warning("worker %s: failing job %s, nothing ran: %s", self.worker_id, job.id, verdict.reason)
+            routing.fail(self, job, queue, self.pool.name, verdict.reason)
+            self.metrics.job_failed()
+            return "failed"
+        control.hand_back(self.connection, job, queue, at_front=False)
+        log.info("worker %s: job %s handed back: %s", self.worker_id, job.id, verdict.reason)
+        if job.id not in self._passed:
+            self._passed.add(job.id)
+            return "passed"
+        self._passed.clear()
+        return "rounded"
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         feeder = self.feeder

@@ -29,7 +29,7 @@ from rq.job import Job
 from rq.utils import now
 
 from schemas.worker_info import WorkerState
-from workers import control, rq_seam
+from workers import control, routing, rq_seam
 from workers.engine_worker import EngineWorker
 from workers.engines.base import Engine
 from workers.errors import NotAllowedJobError, UnsupportedRequestError
@@ -134,6 +134,13 @@ class RolloutWorker(EngineWorker):
     ) -> None:
         if execution is not None:  # a job this worker ran (not a dead worker's, found by maintenance)
             exc = self._take_job_exception()
+            if isinstance(exc, UnsupportedRequestError):
+                # Deterministic: never retried here. Another worker may serve it (workers.routing
+                # decides when it is dequeued again); no retry is spent.
+                routing.note_refusal(job, self.worker_id, str(exc))
+                if hand_back_started(self, job, queue, execution, reason=f"refused by {self.worker_id}: {exc}"):
+                    self.metrics.job_handed_back()
+                    return
             reason = self.shutdown.handback_reason(exc) or self.health.job_failed(exc)
             if reason and hand_back_started(self, job, queue, execution, reason=reason):
                 self.metrics.job_handed_back()

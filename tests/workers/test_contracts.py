@@ -166,11 +166,11 @@ def test_token_id_beyond_vocabulary_is_rejected_when_known() -> None:
 def test_top_k_is_gated_by_the_worker() -> None:
     request = RolloutRequest(id="a", input_ids=[1], logprobs=4)
     with pytest.raises(UnsupportedRequestError, match="at most 0"):
-        check_request_supported(request, Capabilities(max_top_logprobs=0), has_tokenizer=True)
-    check_request_supported(request, Capabilities(max_top_logprobs=4), has_tokenizer=True)
-    with pytest.raises(UnsupportedRequestError, match="no tokenizer"):
+        check_request_supported(request, Capabilities(max_top_logprobs=0))
+    check_request_supported(request, Capabilities(max_top_logprobs=4))
+    with pytest.raises(UnsupportedRequestError, match="cannot serve stop strings"):
         check_request_supported(RolloutRequest(id="a", input_ids=[1], sampling_params={"stop": "x"}),
-                                Capabilities(), has_tokenizer=False)
+                                Capabilities(stop_strings=False))
 
 
 @pytest.mark.parametrize(

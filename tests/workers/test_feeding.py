@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 import redis
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -117,7 +118,8 @@ def test_without_feeding_each_job_waits_for_the_last(redis_client: redis.Redis, 
     assert engine.at("submit", "b0") > engine.at("done", "a0")
 
 
-def test_a_failing_job_fails_alone(redis_client: redis.Redis, tmp_path: Path) -> None:
+def test_a_failing_job_fails_alone(redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")  # no worker can serve it: fail at once
     client = pipeline.Client(redis_client)
     bad = client.submit([{"id": "x", "input_ids": [1], "logprobs": 3}], run="mixed", output=f"file://{tmp_path}")
     good = client.submit(job("g", [5, 5]), run="mixed", output=f"file://{tmp_path}")

@@ -141,9 +141,10 @@ class Broken(FakeEngine):
         return super().generate(requests)
 
 
-def test_failed_jobs_are_counted(redis_client: redis.Redis, tmp_path: Path) -> None:
+def test_failed_jobs_are_counted(redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")  # no worker serves top-3: fail at once
     client = pipeline.Client(redis_client)
-    client.submit([{"id": "x", "input_ids": [1], "logprobs": 3}], run="bad", output=f"file://{tmp_path}")
+    refused = client.submit([{"id": "x", "input_ids": [1], "logprobs": 3}], run="bad", output=f"file://{tmp_path}")
     client.submit([{"id": "boom", "input_ids": [1]}], run="bad", output=f"file://{tmp_path}")
     worker = RolloutWorker(redis_client, Broken(max_top_logprobs=0))
     worker.work(burst=True, with_scheduler=False, logging_level="CRITICAL")
@@ -151,6 +152,7 @@ def test_failed_jobs_are_counted(redis_client: redis.Redis, tmp_path: Path) -> N
     labels = {"worker": worker.worker_id, "engine": "fake"}
     # The engine's failure: two retries (after their backoff), then failed for good. The refused
     # request (top-3 logprobs on a worker allowing none) fails at once: a retry would be refused too.
+    assert "UnservableJobError" in refused.failures()[refused.job_ids[0]]
     assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "retried"}) == 2
     assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "failed"}) == 2
     assert registry.get_sample_value("pipeline_worker_jobs_total", {**labels, "outcome": "finished"}) == 0

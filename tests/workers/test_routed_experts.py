@@ -122,7 +122,7 @@ def test_dense_model_rejects_routed_experts(tiny_model_dir: Path) -> None:
     assert engine.description.capabilities.routed_experts is False
     assert engine.description.num_experts is None
     with pytest.raises(UnsupportedRequestError, match="routed experts"):
-        check_request_supported(request("ab"), engine.description.capabilities, has_tokenizer=True)
+        check_request_supported(request("ab"), engine.description.served)
     with pytest.raises(UnsupportedRequestError, match="not a mixture-of-experts model"):
         engine.generate([request("ab")])
 

@@ -102,7 +102,10 @@ def test_jobs_queued_under_the_legacy_function_name_still_run(
     assert batch.read().num_rows == 2
 
 
-def test_worker_refuses_top_k_it_was_not_started_with(redis_client: redis.Redis, tmp_path: Path) -> None:
+def test_worker_refuses_top_k_it_was_not_started_with(
+    redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")  # no worker can serve it: fail at once
     # Submitted while no worker was live (so submit could not check), then served by one without top-k.
     client = pipeline.Client(redis_client)
     batch = client.submit([{"id": "a", "input_ids": [1], "logprobs": 3}], run="topk", output=f"file://{tmp_path}")

@@ -91,6 +91,14 @@ class EngineDescription:
     num_experts: int | None = None
     has_tokenizer: bool = True
 
+    @property
+    def served(self) -> Capabilities:
+        """What a worker around this engine serves (registered, and checked against each job):
+        `capabilities`, with stop strings only when the engine has a tokenizer."""
+        if self.has_tokenizer or not self.capabilities.stop_strings:
+            return self.capabilities
+        return self.capabilities.model_copy(update={"stop_strings": False})
+
 
 class EngineIdentity:
     """What every engine reports from its own state: `description` from `_description` and

@@ -20,7 +20,7 @@ class EngineOptions:
     max_batch_sequences: int = 64  # hf: samples decoded together
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
-    routed_experts: bool = False  # sglang engines: serve return_routed_experts
+    routed_experts: bool = False  # sglang and sim engines: serve return_routed_experts
     experts_layout: str | None = None  # "LAYERS,TOP_K,EXPERTS" when no model config is at hand
 
 
@@ -77,7 +77,11 @@ def build_engine(options: EngineOptions) -> Engine:
     if options.engine == "sim":
         from workers.engines.sim import SimConfig, SimEngine
 
-        return SimEngine(SimConfig(**{"max_top_logprobs": options.max_top_logprobs,
+        experts = None
+        if options.routed_experts:
+            layout = _sglang_model_facts(options)["experts_layout"]
+            experts = (layout.layers, layout.top_k, layout.num_experts or 2 * layout.top_k)  # type: ignore[attr-defined]
+        return SimEngine(SimConfig(**{"max_top_logprobs": options.max_top_logprobs, "experts": experts,
                                       "weight_version": options.weight_version, **options.sim}))
     if options.engine == "sglang-http":
         from workers.engines.sglang_http import SGLangHTTPEngine

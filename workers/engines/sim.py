@@ -57,6 +57,8 @@ class SimConfig:
     max_top_logprobs: int = 0
     weight_version: int = 0
     load_s: float = 0.0  # weight load time
+    # (layers, top_k, experts): a simulated mixture-of-experts model that serves routed experts.
+    experts: tuple[int, int, int] | None = None
     tick_s: float = 0.002  # how often the step thread wakes (admission latency)
 
     @property
@@ -151,8 +153,15 @@ def _planned(config: SimConfig, request: RolloutRequest, index: int, max_new_tok
     prompt_lp = None
     if request.prompt_logprobs is not None:
         prompt_lp = [None, *(-rng.exponential(2.0, len(request.input_ids) - 1)).astype(np.float32).tolist()]
+    routed = None
+    if request.return_routed_experts and config.experts is not None:
+        layers, top_k, experts = config.experts
+        rows = max(0, len(request.input_ids) + length - 1)
+        # top_k distinct experts per (position, layer), ascending as the contract stores them.
+        picks = np.argsort(rng.random((rows, layers, experts)), axis=-1)[..., :top_k]
+        routed = np.sort(picks, axis=-1).astype(np.uint16)
     return SampleOutput(token_ids=ids, finish=finish, logprobs=logprobs, top_logprobs=tops,
-                        prompt_logprobs=prompt_lp)
+                        prompt_logprobs=prompt_lp, routed_experts=routed)
 
 
 class SimEngine(EngineIdentity):
@@ -164,7 +173,9 @@ class SimEngine(EngineIdentity):
         self._description = EngineDescription(
             name="sim", model=f"sim-c{self.config.capacity}",
             capabilities=Capabilities(max_top_logprobs=self.config.max_top_logprobs,
+                                      routed_experts=self.config.experts is not None,
                                       vocab_size=self.config.vocab_size),
+            num_experts=None if self.config.experts is None else self.config.experts[2],
             has_tokenizer=False,
         )
         self._cond = threading.Condition()
