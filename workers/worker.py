@@ -134,13 +134,8 @@ class RolloutWorker(EngineWorker):
     ) -> None:
         if execution is not None:  # a job this worker ran (not a dead worker's, found by maintenance)
             exc = self._take_job_exception()
-            if isinstance(exc, UnsupportedRequestError):
-                # Deterministic: never retried here. Another worker may serve it (workers.routing
-                # decides when it is dequeued again); no retry is spent.
-                routing.note_refusal(job, self.worker_id, str(exc))
-                if hand_back_started(self, job, queue, execution, reason=f"refused by {self.worker_id}: {exc}"):
-                    self.metrics.job_handed_back()
-                    return
+            if isinstance(exc, UnsupportedRequestError) and self._hand_back_refused(job, queue, execution, exc):
+                return
             reason = self.shutdown.handback_reason(exc) or self.health.job_failed(exc)
             if reason and hand_back_started(self, job, queue, execution, reason=reason):
                 self.metrics.job_handed_back()
@@ -150,6 +145,16 @@ class RolloutWorker(EngineWorker):
             self.metrics.job_failed(retried=job.should_retry and rq_seam.stopped_job_id(self) != job.id)
         super().handle_job_failure(job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
                                    execution=execution)
+
+    def _hand_back_refused(self, job: Job, queue: Queue, execution: Execution, exc: BaseException) -> bool:
+        """A deterministic refusal: never retried on this worker. The job is handed back, no retry
+        spent, and `workers.routing` finds it another worker (or fails it) when it is dequeued
+        again. False past the hand-back limit."""
+        routing.note_refusal(job, self.worker_id, str(exc))
+        if hand_back_started(self, job, queue, execution, reason=f"refused by {self.worker_id}: {exc}"):
+            self.metrics.job_handed_back()
+            return True
+        return False
 
     # -- shutdown and maintenance ---------------------------------------------------------------
 
