@@ -63,14 +63,18 @@ class Backends:
     """Which SGLang servers each engine URL stands for; calls addressed to all of them."""
 
     def __init__(self, urls: Sequence[str], http: Callable[[], httpx.AsyncClient], *,
-                 discovery_timeout_s: float = 30.0) -> None:
+                 discovery_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self._http = http
-        self._timeout_s = discovery_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._discovery_timeout = self._timeout(discovery_timeout_s)
         self._behind: dict[str, list[str]] = {u: [u] for u in self.urls}
         self._listed: dict[str, dict[str, Any]] = {}  # server URL -> its gateway's /workers entry
         self._discovered = False
         self.gateways: set[str] = set()
+
+    def _timeout(self, seconds: float) -> httpx.Timeout:
+        return httpx.Timeout(seconds, connect=min(seconds, self._connect_timeout_s))
 
     def servers(self, via: str | None = None) -> list[str]:
         """Every known server (each once, in URL order), or only those behind the URL `via`."""
@@ -113,7 +117,7 @@ class Backends:
     async def _servers_behind(self, url: str) -> dict[str, dict[str, Any]]:
         """The servers a gateway lists (URL -> its `/workers` entry), or `{url: {}}` for a server."""
         try:
-            response = await self._http().get(f"{url}/workers", timeout=self._timeout_s)
+            response = await self._http().get(f"{url}/workers", timeout=self._discovery_timeout)
         except httpx.HTTPError as exc:
             raise EngineUnavailableError(describe_answer(url, exc)) from exc
         if response.status_code in NOT_A_GATEWAY and url not in self.gateways:
@@ -141,7 +145,7 @@ class Backends:
                    servers: Iterable[str] | None = None) -> dict[str, Answer]:
         """The same call on every server (or on `servers`) at once, as they are known now."""
         targets = list(servers) if servers is not None else self.servers()
-        timeout: Any = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        timeout: Any = httpx.USE_CLIENT_DEFAULT if timeout_s is None else self._timeout(timeout_s)
 
         async def one(url: str) -> Answer:
             try:

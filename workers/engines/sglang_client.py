@@ -94,7 +94,7 @@ class SGLangClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.pool = ServerPool(urls)
-        self.backends = Backends(self.pool.urls, lambda: self.client)
+        self.backends = Backends(self.pool.urls, lambda: self.client, connect_timeout_s=connect_timeout_s)
         self.retry = retry or RetryPolicy()
         self.max_in_flight = max_in_flight
         self.aborted: list[str] = []  # rids we asked servers to abort (for logs and tests)

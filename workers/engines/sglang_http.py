@@ -167,9 +167,15 @@ class SGLangHTTPEngine(EngineIdentity):
         where a server does not serve the former (SGLang before 0.5)."""
         backends = self._client.backends
         answers = self._bridge.run(backends.fan_out("GET", "/model_info", timeout_s=30))
-        older = [url for url, a in answers.items() if isinstance(a, httpx.Response) and a.status_code == 404]
+        older = [url for url, answer in answers.items() if _is_404(answer)]
         if older:
             answers.update(self._bridge.run(backends.each("GET", "/get_model_info", timeout_s=30, servers=older)))
+        unknown = [url for url in older if _is_404(answers[url])]
+        if unknown:
+            raise EngineUnavailableError(
+                f"{', '.join(unknown)} serve(s) neither GET /model_info nor GET /get_model_info (404): not an "
+                "SGLang server, and not a gateway either (a gateway serves GET /workers); check the --url"
+            )
         infos = {}
         for url, response in self._all_answered("GET /model_info (and /get_model_info)", answers).items():
             try:
@@ -233,3 +239,6 @@ class SGLangHTTPEngine(EngineIdentity):
             self._bridge.run(self._client.aclose())
         self._bridge.close()
 
+
+def _is_404(answer: Answer) -> bool:
+    return isinstance(answer, httpx.Response) and answer.status_code == 404

@@ -135,3 +135,10 @@ def test_abort_goes_to_every_server_behind_the_gateway() -> None:
     cluster.calls.clear()
     run(backends.abort_all())
     assert {(url, body["abort_all"]) for url, _, body in cluster.calls} == {(S1, True), (S2, True), (S3, True)}
+
+
+def test_a_url_that_is_neither_a_server_nor_a_gateway_is_a_clear_start_up_error() -> None:
+    from workers.engines.sglang_http import SGLangHTTPEngine
+
+    with pytest.raises(EngineUnavailableError, match=f"{S1} serve.* neither GET /model_info nor GET /get_model_info"):
+        SGLangHTTPEngine([S1], transport=httpx.MockTransport(lambda request: httpx.Response(404)))
