@@ -183,8 +183,9 @@ def test_a_weight_push_pause_continue_and_flush_reach_both_servers(
 
     engine.pause_generation("in_place")
     try:
+        since = rid_counts(servers)
         future = engine.submit([req("paused")])
-        wait_for_rid(servers, "paused-")
+        wait_for_rid(servers, "paused-", since)
         assert not future.done(), "a request finished while every server was paused"
     finally:
         engine.continue_generation()
@@ -201,12 +202,18 @@ def test_a_weight_push_pause_continue_and_flush_reach_both_servers(
         assert calls[0][1]["weight_version"] == str(version) and calls[1][1] == {"mode": "in_place"}
 
 
-def wait_for_rid(servers: tuple[Standin, ...], prefix: str) -> tuple[Standin, str]:
-    """The server the gateway sent the request whose rid starts with `prefix`, and that rid."""
+def rid_counts(servers: tuple[Standin, ...]) -> list[int]:
+    return [len(s.stats()["rids"]) for s in servers]
+
+
+def wait_for_rid(servers: tuple[Standin, ...], prefix: str, since: list[int]) -> tuple[Standin, str]:
+    """The server the gateway sent the request whose rid starts with `prefix` (among the rids the
+    servers received after `since`, from `rid_counts`), and that rid."""
     found: list[tuple[Standin, str]] = []
 
     def arrived() -> bool:
-        found[:] = [(s, rid) for s in servers for rid in s.stats()["rids"] if rid.startswith(prefix)]
+        found[:] = [(s, rid) for s, mark in zip(servers, since, strict=True)
+                    for rid in s.stats()["rids"][mark:] if rid.startswith(prefix)]
         return bool(found)
 
     wait_until(arrived, timeout=30, what=f"a request {prefix}* to reach a server")
@@ -219,15 +226,16 @@ def held(engine: SGLangHTTPEngine, servers: tuple[Standin, Standin], name: str) 
     server, its SGLang rid."""
     for server in servers:
         server.faults(delays={name: 60.0})
+    since = rid_counts(servers)
     future = engine.submit([req(name)])
-    holder, rid = wait_for_rid(servers, f"{name}-")
+    holder, rid = wait_for_rid(servers, f"{name}-", since)
     return future, holder, rid
 
 
 def test_an_abort_by_rid_reaches_the_server_holding_the_request(
     engine: SGLangHTTPEngine, servers: tuple[Standin, Standin]
 ) -> None:
-    future, holder, rid = held(engine, servers, "slow")
+    future, holder, rid = held(engine, servers, "held")
     answers = engine.abort(rid)
     assert set(answers) == {s.url for s in servers}
     assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers.values())
@@ -239,7 +247,7 @@ def test_an_abort_by_rid_reaches_the_server_holding_the_request(
 def test_a_cancelled_batch_is_aborted_on_the_server_behind_the_gateway(
     engine: SGLangHTTPEngine, servers: tuple[Standin, Standin]
 ) -> None:
-    future, holder, rid = held(engine, servers, "cancel")
+    future, holder, rid = held(engine, servers, "cancelled")
     future.cancel()
     wait_until(lambda: {"rid": rid} in holder.stats()["abort_requests"], timeout=30,
                what=f"the abort of {rid} to reach {holder.url}")
