@@ -23,6 +23,7 @@ TERMINAL = {"finished", "failed", "stopped", "canceled"}
 # `wait` blocks on the result streams of this many unfinished jobs (and on the commit log).
 WATCHED_JOBS = 64
 DEFAULT_RECHECK_S = 1.0
+MIN_CHECK_S = 0.05
 _READ_COUNT = 1000
 
 
@@ -67,16 +68,18 @@ class Batch:
         """Where this batch's shards are written."""
         return f"{self.plan.output}/{self.plan.run}"
 
-    def job_states(self) -> dict[str, str]:
+    def job_states(self, job_ids: list[str] | None = None) -> dict[str, str]:
         """Each job's RQ status (`missing` when its record expired or was deleted)."""
+        job_ids = self.job_ids if job_ids is None else job_ids
         with self.conn.pipeline(transaction=False) as pipe:
-            for job_id in self.job_ids:
+            for job_id in job_ids:
                 pipe.hget(Job.key_for(job_id), "status")
             raw = pipe.execute()
-        return {j: (s.decode() if s else "missing") for j, s in zip(self.job_ids, raw, strict=True)}
+        return {j: (s.decode() if s else "missing") for j, s in zip(job_ids, raw, strict=True)}
 
     def status(self) -> BatchStatus:
-        return self._status_and_states()[0]
+        states = self.job_states()
+        return BatchStatus(Counter(states.values()), len(states))
 
     def failures(self) -> dict[str, str]:
         """Failed jobs with the last line of their error."""
@@ -90,16 +93,21 @@ class Batch:
         Blocks on Redis (`XREAD BLOCK`) rather than polling: on the run's commit log, which wakes
         it at every commit, and on RQ's result streams of the first `WATCHED_JOBS` unfinished
         jobs, which wake it when one of them finishes or fails. `poll_s` bounds the sleep between
-        checks otherwise (a failure of a job not watched yet is seen within it).
+        checks otherwise (a failure of a job not watched yet is seen within it). Only unfinished
+        jobs' states are read, at most once per `MIN_CHECK_S` however fast jobs commit.
         """
         show = sys.stderr.isatty() if progress is None else progress
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = tqdm(total=len(self.job_ids), unit="job", disable=not show, desc=self.run)
         results: dict[str, str] = {}  # job id -> last RQ result entry read
+        final: dict[str, str] = {}  # jobs in a terminal state: not asked about again
         caught_up = True
         try:
             while True:
-                status, states = self._status_and_states()
+                checked_at = time.monotonic()
+                states = {**final, **self.job_states([j for j in self.job_ids if j not in final])}
+                final.update((j, s) for j, s in states.items() if s in TERMINAL)
+                status = BatchStatus(Counter(states.values()), len(states))
                 bar.n = status.done
                 if show:
                     bar.set_postfix(rows=sum(self._rows.values()), failed=status.counts["failed"])
@@ -116,15 +124,15 @@ class Batch:
                 watched = [j for j, s in states.items() if s not in TERMINAL][:WATCHED_JOBS]
                 block_s = poll_s if left is None else min(poll_s, left)
                 caught_up = self._block(watched, results, block_ms=max(1, int(block_s * 1000)) if caught_up else None)
+                # Many jobs committing at once: check their states at most every MIN_CHECK_S.
+                since = time.monotonic() - checked_at
+                if caught_up and since < MIN_CHECK_S:
+                    time.sleep(MIN_CHECK_S - since)
         finally:
             bar.close()
         if status.counts["finished"] != status.total:
             raise JobsFailedError(self.failures())
         return status
-
-    def _status_and_states(self) -> tuple[BatchStatus, dict[str, str]]:
-        states = self.job_states()
-        return BatchStatus(Counter(states.values()), len(states)), states
 
     def _block(self, watched: list[str], results: dict[str, str], *, block_ms: int | None) -> bool:
         """One XREAD on the commit log and the watched jobs' result streams; True when caught up."""
