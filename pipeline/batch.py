@@ -139,6 +139,9 @@ class Batch:
         streams = {keys.commit_log(self.run): self._last_entry or "0-0"}
         for job_id in watched:
             streams[Result.get_key(job_id)] = results.get(job_id, "0-0")
+        socket_timeout = self.conn.connection_pool.connection_kwargs.get("socket_timeout")
+        if block_ms is not None and socket_timeout:  # a block past the client's read timeout would fail
+            block_ms = max(1, min(block_ms, int(socket_timeout * 1000) // 2))
         reply = self.conn.xread(streams, count=_READ_COUNT, block=block_ms)  # type: ignore[arg-type]
         caught_up = True
         ours = set(self.job_ids)

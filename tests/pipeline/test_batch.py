@@ -7,6 +7,7 @@ the job's end would raise `WaitTimeoutError` instead of returning.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from pipeline.batch import Batch
 from pipeline.submit import submit_requests
 from schemas.request import RolloutRequest
 from tests.helpers import wait_until
+from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.worker import RolloutWorker
 
@@ -40,22 +42,40 @@ def blocked_in_xread(conn: redis.Redis) -> bool:
     return any(client.get("cmd") == "xread" and "b" in client.get("flags", "") for client in conn.client_list())
 
 
-@pytest.mark.parametrize("logprobs,expected", [(None, "finished"), (3, "failed")])
+class Broken(FakeEngine):
+    """Fails every batch with a request named "boom"."""
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
+        if any(r.id == "boom" for r in requests):
+            raise RuntimeError("the engine fell over")
+        return super().generate(requests)
+
+
+@pytest.mark.parametrize("request_id,expected", [("a", "finished"), ("boom", "failed")])
 def test_wait_wakes_when_the_job_ends(
-    redis_client: redis.Redis, tmp_path: Path, logprobs: int | None, expected: str,
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, request_id: str, expected: str,
 ) -> None:
-    request = RolloutRequest.model_validate({"id": "a", "input_ids": [1], "logprobs": logprobs})
-    batch = Batch(redis_client, submit_requests(redis_client, [request], run="wake", output=f"file://{tmp_path}",
-                                                retries=0))
+    trainer = redis.Redis.from_url(redis_url)  # its own client, no read timeout (RQ sets one on the worker's)
+    request = RolloutRequest.model_validate({"id": request_id, "input_ids": [1]})
+    batch = Batch(trainer, submit_requests(trainer, [request], run="wake", output=f"file://{tmp_path}", retries=0))
     outcome: dict[str, Any] = {}
     waiter = wait_in_thread(batch, outcome)
     wait_until(lambda: blocked_in_xread(redis_client), 10, "the wait to block in XREAD")
-    # The worker (top-k 0) serves the plain request and fails the one asking for top-3 logprobs.
-    RolloutWorker(redis_client, FakeEngine()).work(burst=True, with_scheduler=False, logging_level="ERROR")
+    RolloutWorker(redis_client, Broken()).work(burst=True, with_scheduler=False, logging_level="ERROR")
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     if expected == "finished":
         assert "error" not in outcome and outcome["status"].counts["finished"] == 1
     else:
         assert isinstance(outcome.get("error"), pipeline.JobsFailedError), outcome
-        assert "top-3 logprobs" in str(outcome["error"])
+        assert "the engine fell over" in str(outcome["error"])
+
+
+def test_wait_never_blocks_past_the_clients_read_timeout(redis_url: str, tmp_path: Path) -> None:
+    # A client with a 1 s read timeout: blocking reads are cut to fit, so the wait times out as a
+    # wait (WaitTimeoutError), not as a dropped connection (redis.TimeoutError).
+    conn = redis.Redis.from_url(redis_url, socket_timeout=1.0)
+    request = RolloutRequest.model_validate({"id": "a", "input_ids": [1]})
+    batch = Batch(conn, submit_requests(conn, [request], run="slow", output=f"file://{tmp_path}"))
+    with pytest.raises(pipeline.WaitTimeoutError, match="0/1 jobs done"):
+        batch.wait(timeout=2.5, poll_s=NEVER, progress=False)  # no worker
