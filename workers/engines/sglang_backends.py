@@ -88,7 +88,10 @@ class Backends:
         cannot be read (unreachable, or a gateway without a usable `GET /workers`)."""
         targets = sorted(self.gateways) if self._discovered else self.urls
         found = await asyncio.gather(*(self._servers_behind(url) for url in targets), return_exceptions=True)
-        errors = [str(f) for f in found if isinstance(f, BaseException)]
+        for failure in found:
+            if isinstance(failure, BaseException) and not isinstance(failure, EngineUnavailableError):
+                raise failure
+        errors = [str(f) for f in found if isinstance(f, EngineUnavailableError)]
         if errors:
             raise EngineUnavailableError("cannot find the SGLang servers: " + "; ".join(errors))
         for url, listed in zip(targets, found, strict=True):
@@ -100,6 +103,8 @@ class Backends:
                 self._listed.update(listed)
                 if self._discovered and set(before or ()) != set(listed):
                     log.info("the gateway %s now lists %s (was %s)", url, list(listed), before)
+        known = self.servers()
+        self._listed = {server: entry for server, entry in self._listed.items() if server in known}
         self._discovered = True
 
     def describe(self, url: str, answer: Answer) -> str:
