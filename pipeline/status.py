@@ -74,8 +74,10 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
     desired = _desired(conn, where.name)
     return {
         "desired": desired,
-        "queue": {"name": queue.name, "queued": queue.count, "started": started.get_job_count(cleanup=False),
-                  "failed": failed.get_job_count(cleanup=False)},
+        # retrying: failed jobs waiting out their backoff before they are queued again
+        "queue": {"name": queue.name, "queued": queue.count,
+                  "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
+                  "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
         "workers": [{**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)} for w in workers],
         "capability_classes": [
             {"serves": describe(capabilities), "capabilities": capabilities.model_dump(), "workers": count}
@@ -108,7 +110,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         f"desired: {'paused' if desired['paused'] else 'running'}, weights v{desired['weight_version']}"
         + (f" from {desired['weight_path']}" if desired["weight_path"] else "")
         + f" (generation {desired['generation']})",
-        f"queue {q['name']}: {q['queued']} queued, {q['started']} running, {q['failed']} failed",
+        f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
+        f"{q['failed']} failed",
     ]
     workers = status["workers"]
     lines.append(f"workers: {len(workers)} live")

@@ -111,7 +111,8 @@ def test_queues_runs_and_status_are_per_pool(redis_client: redis.Redis, tmp_path
     actor.pause()
     status = collect(redis_client)
     assert list(status["pools"]) == ["default", "actor", "ref"]
-    assert status["pools"]["actor"]["queue"] == {"name": "rollouts.actor", "queued": 1, "started": 0, "failed": 0}
+    assert status["pools"]["actor"]["queue"] == {"name": "rollouts.actor", "queued": 1, "retrying": 0, "started": 0,
+                                                 "failed": 0}
     assert status["pools"]["ref"]["queue"]["queued"] == 2
     assert list(status["pools"]["actor"]["runs"]) == ["step-a"] and list(status["pools"]["ref"]["runs"]) == ["step-b"]
     assert status["pools"]["actor"]["desired"]["paused"] and not status["pools"]["ref"]["desired"]["paused"]

@@ -1,12 +1,15 @@
-"""`pipeline status`: per-run staleness against the pool's latest pushed weights."""
+"""`pipeline status`: per-run staleness against the pool's latest pushed weights; jobs waiting to retry."""
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import redis
 
 import pipeline
 from pipeline import commit_log, keys
 from pipeline.status import collect, format_status
+from pipeline.submit import JOB_FUNCTION, rollout_queue
 
 
 def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(redis_client: redis.Redis) -> None:
@@ -19,3 +22,11 @@ def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(red
     run = status["pools"]["default"]["runs"]["r"]
     assert run["weight_versions"] == [1, 3] and run["staleness"] == 3
     assert "staleness 3 (oldest token v1 vs pushed v4)" in format_status(status)
+
+
+def test_jobs_waiting_out_their_retry_backoff_are_shown(redis_client: redis.Redis) -> None:
+    queue = rollout_queue(redis_client)
+    queue.enqueue_in(timedelta(minutes=5), JOB_FUNCTION, {"n": 1})  # where RQ puts a retry with an interval
+    status = collect(redis_client)
+    assert status["pools"]["default"]["queue"]["retrying"] == 1
+    assert "0 queued, 1 waiting to retry, 0 running, 0 failed" in format_status(status)
