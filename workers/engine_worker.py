@@ -256,6 +256,12 @@ class EngineWorker(SimpleWorker):
             log.error("worker %s: %s; still serving v%d", self.worker_id, self._weight_error,
                       self.engine.weight_version)
         self._last_ack = ack
+        # The registry shows the version served before the ack says so: whoever waits on the ack
+        # and then reads the registry must see the new version.
+        with self._lock:
+            self.info.weight_version = self.engine.weight_version
+            self.info.error = self._weight_error
+        self._publish()
         control.write_ack(self.connection, ack, self.pool.name)
 
     def _wait_until_resumed(self, burst: bool) -> bool:
