@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings
 
 from pipeline.redis_server import RedisServer
 from tests.helpers import free_port
 from tests.models import build_random_model, build_random_moe_model, build_scripted_model
 from workers.demo_model import ensure_demo_model
+
+# Property tests judge values, not speed: no per-example wall-clock deadline (a loaded machine
+# would fail them by chance).
+settings.register_profile("pipeline", deadline=None)
+settings.load_profile("pipeline")
 
 # Scripted transitions shared by the contract tests: a→b→c→d, then d branches to e (→ EOS)
 # or to the x/y loop; "!" loops forever; "h" says "hello world" then EOS.

@@ -304,10 +304,18 @@ def test_packed_batches_filters_and_dataloader_workers(tmp_path: Path) -> None:
     assert sorted(got) == sorted(expected)
 
 
-def test_import_pipeline_does_not_import_torch() -> None:
+def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:
+    """Every module of `pipeline` but `torch_data` loads without torch, transformers or sglang
+    (a trainer-side install has none of them); `pipeline.torch_data` does load torch."""
     code = (
-        "import sys, pipeline, pipeline.reader, pipeline.follow\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import importlib, pkgutil, sys, pipeline\n"
+        "names = [m.name for m in pkgutil.walk_packages(pipeline.__path__, 'pipeline.')]\n"
+        "assert 'pipeline.cli' in names and 'pipeline.torch_data' in names, names\n"
+        "for name in names:\n"
+        "    if name != 'pipeline.torch_data':\n"
+        "        importlib.import_module(name)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'sglang'))\n"
+        "assert not heavy, heavy[:5]\n"
         "import pipeline.torch_data\n"
         "assert 'torch' in sys.modules\n"
     )

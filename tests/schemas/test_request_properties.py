@@ -58,17 +58,48 @@ def test_valid_lines_round_trip_through_a_job(lines: list[dict]) -> None:
     assert [r.input_ids for r in requests] == [line["input_ids"] for line in lines]
 
 
-FIELDS = ["id", "input_ids", "sampling_params", "logprobs", "prompt_logprobs", "metadata", "unknown"]
+# Values each field must accept and values it must refuse, so every generated line has a verdict
+# known in advance (any JSON under an unknown field is refused).
+ACCEPTED: dict[str, list[object]] = {
+    "id": ["q1", "x" * 512, "é"],
+    "input_ids": [[0], [1, 2, 3], [MAX_TOKEN_ID]],
+    "sampling_params": [{}, {"n": 2, "temperature": 0}, {"stop": ["a"], "top_k": 5}],
+    "logprobs": [None, 0, 5, 1024],
+    "prompt_logprobs": [None, 0],
+    "metadata": [{}, {"a": [1, None, "x"]}, {"nested": {"k": True}}],
+}
+REFUSED: dict[str, list[object]] = {
+    "id": ["", 5, None, ["q"], "x" * 513],
+    "input_ids": [[], [-1], ["1"], [True], [MAX_TOKEN_ID + 1], 3, [1.5], None],
+    "sampling_params": [{"bogus": 1}, {"n": 0}, {"top_k": 0}, {"temperature": -1}, "greedy", [1], {"stop": 5}],
+    "logprobs": [-1, True, "1", 1.5, 1025],
+    "prompt_logprobs": [1, True, "0", -1],
+    "metadata": ["x", [1], 3],
+}
+field_values = st.one_of(
+    *[st.tuples(st.just(f), st.sampled_from(v), st.just(True)) for f, v in ACCEPTED.items()],
+    *[st.tuples(st.just(f), st.sampled_from(v), st.just(False)) for f, v in REFUSED.items()],
+    st.tuples(st.just("unknown"), json_values, st.just(False)),
+)
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from(FIELDS), json_values), max_size=4), st.integers(1, 3))
-def test_any_line_is_accepted_or_refused_with_its_line_number(fields: list[tuple[str, object]], position: int) -> None:
-    line = {"id": "x", "input_ids": [1]}
-    line.update(dict(fields))
+@given(st.lists(field_values, max_size=4, unique_by=lambda t: t[0]), st.integers(1, 3))
+def test_a_line_is_accepted_or_refused_as_its_fields_say_with_its_line_number(
+    fields: list[tuple[str, object, bool]], position: int
+) -> None:
+    line: dict[str, object] = {"id": "x", "input_ids": [1]}
+    line.update({field: value for field, value, _ in fields})
+    valid = all(ok for _, _, ok in fields)
     lines = [json.dumps({"id": f"ok{i}", "input_ids": [1]}) for i in range(position - 1)] + [json.dumps(line)]
     try:
-        parse_lines(lines, path="p.jsonl")
+        requests = parse_lines(lines, path="p.jsonl")
     except RequestFileError as exc:
+        assert not valid, f"a valid line was refused: {line}: {exc}"
         assert exc.errors and all(e.line == position for e in exc.errors)
         assert all(str(e).startswith(f"p.jsonl:{position}: ") for e in exc.errors)
+        named = {field for field, _, ok in fields if not ok}
+        assert any(any(f in str(e) for f in named) for e in exc.errors), (named, str(exc))
+    else:
+        assert valid, f"an invalid line was accepted: {line}"
+        assert requests[-1].id == line["id"] and requests[-1].input_ids == line["input_ids"]

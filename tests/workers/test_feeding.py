@@ -38,8 +38,12 @@ class Recorded(SimEngine):
     def submit(self, requests: Sequence[RolloutRequest]) -> Future:
         first = requests[0].id
         self.events.append((time.monotonic(), "submit", first))
-        future = super().submit(requests)
+        future = self._answer(first, super().submit(requests))
         future.add_done_callback(lambda _: self.events.append((time.monotonic(), "done", first)))
+        return future
+
+    def _answer(self, first: str, future: Future) -> Future:
+        """The future the worker gets for the batch starting with request `first`."""
         return future
 
     def update_weights(self, path: str, version: int) -> None:
@@ -48,6 +52,32 @@ class Recorded(SimEngine):
 
     def at(self, what: str, first: str) -> float:
         return next(t for t, w, f in self.events if w == what and f == first)
+
+
+class HeldUntil(Recorded):
+    """Holds the answer of the batch starting with `held` until the batch starting with `until`
+    has been answered (60 s at most, then the test's order assertions fail): an ordering that
+    does not depend on how fast the machine is."""
+
+    def __init__(self, held: str, until: str, **config: float) -> None:
+        super().__init__(**config)
+        self.held, self.until = held, until
+        self.released = threading.Event()
+
+    def _answer(self, first: str, future: Future) -> Future:
+        if first == self.until:
+            future.add_done_callback(lambda _: self.released.set())
+        if first != self.held:
+            return future
+        outer: Future = Future()
+
+        def hold() -> None:
+            result = future.result()
+            self.released.wait(60)
+            outer.set_result(result)
+
+        threading.Thread(target=hold, daemon=True).start()
+        return outer
 
 
 def job(prefix: str, tokens: Sequence[int]) -> list[dict]:
@@ -89,7 +119,9 @@ def test_next_job_reaches_the_engine_before_the_last_sequence_ends(redis_client:
     client = pipeline.Client(redis_client)
     long = client.submit(job("a", [3, 3, 3, 150]), run="feed", output=f"file://{tmp_path}", batch_size=4)
     short = client.submit(job("b", [3, 3, 3, 3]), run="feed", output=f"file://{tmp_path}", batch_size=4)
-    engine = Recorded(capacity=16)
+    # Job a stays in flight until job b is answered: a worker that waited for a before taking b
+    # would leave b unsubmitted until the hold gives up, and the order below would fail.
+    engine = HeldUntil("a0", "b0", capacity=16)
     try:
         worker = _burst(redis_client, engine)
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -268,19 +267,14 @@ def test_a_failure_cancels_the_rest_of_the_batch_and_aborts_it(
 ) -> None:
     scripted_server.faults(delays={"slow": 5.0, "bad": 0.5}, fault_prefix="bad", unknown_finish=1)
     before = scripted_server.stats()
-    started = time.monotonic()
     with pytest.raises(ContractViolation, match="unknown finish_reason type"):
         engine.generate([req("slow", "ab"), req("bad", "ab")])
-    assert time.monotonic() - started < 3.0, "the failing batch waited for the slow request"
     after = scripted_server.stats()
     aborted = [a["rid"] for a in after["abort_requests"][len(before["abort_requests"]):]]
     assert len(aborted) == 1 and aborted[0].startswith("slow-")
     assert aborted == engine.client.aborted[-1:]
     # The server saw the abort and dropped the request instead of generating it.
-    deadline = time.monotonic() + 2.0
-    while scripted_server.stats()["answered"] - before["answered"] < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: scripted_server.stats()["answered"] - before["answered"] >= 2, 30, "both calls answered")
     assert scripted_server.stats()["answered_aborted"] - before["answered_aborted"] == 1
 
 
