@@ -2,8 +2,10 @@
 
 The reference is transformers' `apply_chat_template` fed by a line-by-line port of SGLang's
 message preparation (0.5.x `srt/entrypoints/openai/serving_chat.py` and `protocol.py`, the
-plain Jinja path), written here independently of `pipeline.chat`, which the parity test
-(tests/pipeline/test_chat_parity.py) then checks against these files. Each case records the
+plain Jinja path), written here independently of `pipeline.chat`: nothing of `pipeline` is
+imported, and the content-format detection is SGLang's own, loaded from its wheel by
+`tests.sglang_wheel`. The parity test (tests/pipeline/test_chat_parity.py) checks
+`pipeline.chat` against these files, and re-records them to check they are reproducible. Each case records the
 request line, the prompt text, the token ids with their count and sha256, or SGLang's reason
 for rejecting the request. A case where the pipeline knowingly differs carries `known_gap`.
 
@@ -183,7 +185,7 @@ def _normalize_tool_content(role: str, content: Any) -> Any:
 
 def reference_render(tokenizer: Any, request: dict[str, Any]) -> tuple[str, list[int]]:
     """(prompt text, ids) as SGLang's chat endpoint computes them, or `Rejected`."""
-    from pipeline.chat import content_format  # the AST detection only; ported from SGLang 1:1
+    from tests.sglang_wheel import jinja_content_format  # SGLang's own code, from its wheel
 
     request = copy.deepcopy(request)
     if request.get("tool_choice") is None:
@@ -214,7 +216,7 @@ def reference_render(tokenizer: Any, request: dict[str, Any]) -> tuple[str, list
                     if not isinstance(parsed, dict):
                         raise Rejected(f"messages[{i}]", "must be a JSON object.")
                     call["function"]["arguments"] = parsed
-    fmt = content_format(tokenizer.chat_template)
+    fmt = jinja_content_format(tokenizer.chat_template)
     prepared = []
     for msg in copy.deepcopy(messages):
         if msg.get("content") is None:
@@ -445,18 +447,19 @@ def record(name: str, tokenizer: Any, cases: list[dict[str, Any]]) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build-tiny-tokenizer", action="store_true")
+    parser.add_argument("--output", type=Path, default=PARITY, help="fixtures directory (default: %(default)s)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
     if args.build_tiny_tokenizer:
         build_tiny_tokenizer(TOKENIZERS / "tiny-tools")
-    PARITY.mkdir(parents=True, exist_ok=True)
+    args.output.mkdir(parents=True, exist_ok=True)
     for name, build in (("smollm2", smollm2_cases), ("tiny-tools", tiny_tools_cases)):
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZERS / name))
         fixture = record(name, tokenizer, build(tokenizer))
-        (PARITY / f"{name}.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
-        print(f"wrote {PARITY / f'{name}.json'}: {len(fixture['cases'])} cases")
+        (args.output / f"{name}.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {args.output / f'{name}.json'}: {len(fixture['cases'])} cases")
     return 0
 
 

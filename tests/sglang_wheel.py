@@ -7,7 +7,8 @@ zipimport) and only these modules run, from SGLang's own source:
 - `sglang.api.v1.api_types` (msgspec only): `GenerateRequest.from_json_value`, the `/generate`
   JSON contract gate of `srt/entrypoints/api_contract.py` (types, unknown fields);
 - `sglang.srt.sampling.sampling_params`: `SamplingParams(**params)`, `.normalize`, `.verify`;
-- `sglang.srt.managers.io_struct`: `GenerateReqInput(**body).normalize_batch_and_arguments()`.
+- `sglang.srt.managers.io_struct`: `GenerateReqInput(**body).normalize_batch_and_arguments()`;
+- `sglang.srt.parser.jinja_template_utils`: `detect_jinja_template_content_format` (chat goldens).
   It imports the scheduler (`managers.schedule_batch`), the multimodal helpers and zmq for
   other request classes; those few names are stubbed (`_STUBS`), and the stubs refuse what
   they do not model (hidden states, multimodal data), so a request that would need them fails
@@ -105,7 +106,7 @@ _STUBS: dict[str, dict[str, Any]] = {
     },
     "sglang.srt.multimodal.mm_utils": {"has_valid_data": _has_valid_data},
     "sglang.srt.utils": {"ImageData": _Placeholder, "VideoData": _Placeholder, "ConcurrentCounter": _Placeholder,
-                         "flatten_nested_list": _refuse("nested multimodal lists")},
+                         "flatten_nested_list": _refuse("nested multimodal lists"), "GLM_MEDIA_CONFIG_KEYS": ()},
     "sglang.srt.utils.cuda_ipc_transport_utils": {"CudaIpcTensorTransportProxy": _Placeholder},
 }
 
@@ -117,7 +118,7 @@ def load() -> types.SimpleNamespace:
     if not zipfile.is_zipfile(wheel):
         raise WheelMissing(f"{wheel} is not a wheel (zip) file")
     for name in ("sglang", "sglang.api", "sglang.srt", "sglang.srt.sampling", "sglang.srt.managers",
-                 "sglang.srt.lora", "sglang.srt.beam_search", "sglang.srt.multimodal"):
+                 "sglang.srt.lora", "sglang.srt.beam_search", "sglang.srt.multimodal", "sglang.srt.parser"):
         _bare_package(name, wheel)
     for name, attributes in _STUBS.items():
         if name in sys.modules and not name.startswith("sglang"):
@@ -132,6 +133,14 @@ def load() -> types.SimpleNamespace:
         sampling_params=importlib.import_module("sglang.srt.sampling.sampling_params"),
         io_struct=importlib.import_module("sglang.srt.managers.io_struct"),
     )
+
+
+def jinja_content_format(chat_template: str) -> str:
+    """SGLang's own `detect_jinja_template_content_format` ('string' or 'openai'), from
+    `srt/parser/jinja_template_utils.py` (it needs jinja2 and transformers, nothing of the GPU stack)."""
+    load()
+    module = importlib.import_module("sglang.srt.parser.jinja_template_utils")
+    return module.detect_jinja_template_content_format(chat_template)
 
 
 @cache

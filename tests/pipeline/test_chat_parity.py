@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -91,3 +94,23 @@ def test_parity(renderers: dict[str, ChatRenderer], tokenizer: str, case: dict[s
         warnings.warn(f"known gap {tokenizer}/{case['name']}: {case['known_gap']} ({why})", stacklevel=1)
         return
     assert ok, f"{case['rule']}: {why}"
+
+
+def test_the_goldens_come_from_the_independent_recorder_alone(tmp_path: Path) -> None:
+    """Re-recording gives the committed fixtures, without importing anything of `pipeline`."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['record', '--output', {str(tmp_path)!r}]\n"
+        "try:\n"
+        "    runpy.run_path('scripts/record_parity_fixtures.py', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "loaded = sorted(m for m in sys.modules if m == 'pipeline' or m.startswith('pipeline.'))\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                   stdout=subprocess.DEVNULL)
+    for path in PARITY_FILES:
+        assert json.loads((tmp_path / path.name).read_text()) == json.loads(path.read_text()), path.name
+
