@@ -20,6 +20,7 @@ import pipeline
 from pipeline import control
 from schemas.request import RolloutRequest
 from tests.helpers import wait_until
+from tests.models import token_id
 from workers.engines.base import Engine
 from workers.engines.hf import HFEngine
 from workers.engines.sim import SimConfig, SimEngine, simulate_sample
@@ -142,16 +143,18 @@ def teacher_forced_logprobs(model_dir: Path, prompt: list[int], completion: list
 
 
 class CountingHF(HFEngine):
-    """Counts forward passes; the 20th waits for the interrupt, so the swap lands mid-decode."""
+    """Counts forward passes; the `hold_at`th waits for the interrupt, so the swap lands mid-decode
+    (after `hold_at - 1` tokens of every sample)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, hold_at: int = 20, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.forwards = 0
+        self.hold_at = hold_at
         self.interrupting = threading.Event()
 
     def _count(self, *_: object) -> None:
         self.forwards += 1
-        if self.forwards == 20:
+        if self.forwards == self.hold_at:
             assert self.interrupting.wait(timeout=60), "no interrupt came"
 
     def _run_batch(self, requests, stop):  # type: ignore[no-untyped-def]
@@ -319,3 +322,40 @@ def test_staleness_bound_restarts_samples_behind_the_pushed_version(redis_client
 
     result = Job.fetch(batch.job_ids[0], connection=redis_client, serializer=JSONSerializer).return_value()
     assert result["restarted"] == 2 and result["continued"] >= 2
+
+
+def test_hf_stop_string_straddling_the_swap_stops_the_sample(
+    redis_client: redis.Redis, tmp_path: Path, scripted_model_dir: Path
+) -> None:
+    """The scripted model repeats "!". Interrupted after "!!", the continuation begins with "!":
+    the stop "!!!" straddles the boundary and must stop the sample at its third token, as without
+    a swap (the continuation alone would see "!!!" only at its own third token, five in all)."""
+    client = pipeline.Client(redis_client)
+    bang = [{"id": "bang", "input_ids": [token_id("!")],
+             "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": "!!!"}}]
+    batch = client.submit(bang, run="straddle", output=f"file://{tmp_path}")
+    engine = CountingHF(scripted_model_dir, hold_at=3)  # prefill, then two tokens fed: "!!" generated
+    run_with_push(redis_client, engine, "partial", ready=lambda: engine.forwards >= 3,
+                  path=str(scripted_model_dir))
+    assert batch.wait(timeout=30).counts["finished"] == 1
+    (row,) = batch.read().to_pylist()
+    assert row["completion_token_ids"] == [token_id("!")] * 3
+    assert row["finish_reason"] == "stop" and row["stop_reason_text"] == "!!!"
+    assert row["completion_text"] == ""  # trimmed before the stop string, as usual
+    assert row["weight_version_segments"] == [{"start": 0, "version": 0}, {"start": 2, "version": 1}]
+    assert len(row["completion_logprobs"]) == 3
+
+
+def test_penalised_samples_restart_on_the_new_weights(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client)
+    requests = [{"id": "p", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300, "seed": 1,
+                                                                     "repetition_penalty": 1.1}},
+                {"id": "q", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300, "seed": 2}}]
+    batch = client.submit(requests, run="penalised", output=f"file://{tmp_path}", batch_size=2)
+    run_with_push(redis_client, Counting(), "partial")
+    assert batch.wait(timeout=10).counts["finished"] == 1
+    rows = {r["request_id"]: r for r in batch.read().to_pylist()}
+    # Penalties cannot continue exactly: generated again from the prompt, all on v1.
+    assert rows["p"]["weight_version"] == 1 and rows["p"]["weight_version_segments"] is None
+    assert rows["p"]["completion_tokens"] == 300
+    assert [s["version"] for s in rows["q"]["weight_version_segments"]] == [0, 1]  # the other continues
