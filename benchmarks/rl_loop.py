@@ -1,6 +1,6 @@
 """An RL loop on the sim engine: how busy the engine stays across weight swaps, partial vs drain.
 
-    .venv/bin/python benchmarks/rl_loop.py [--steps 10] [--samples 512] [--repeats 1] [--step-ms 2] [--job-size 4]
+    .venv/bin/python benchmarks/rl_loop.py [--steps 10] [--samples 512] [--repeats 1] [--step-ms 4] [--job-size 2]
 
 A real `RolloutWorker` on an embedded Redis serves a sim engine with 256 slots and lognormal
 output lengths (median 300, p99 4000 tokens: `occupancy.py`'s configuration), weight loads of
@@ -10,11 +10,12 @@ pushes the next weight version. It submits the next step's requests as soon as t
 step's are all submitted (one step ahead), so a long sample that is not done when its step
 closes carries over to a later one (with tokens of several versions in partial mode).
 
-Jobs are small (`--job-size 4`): a job commits when its last sample finishes, so with 64
+Jobs are small (`--job-size 2`): a job commits when its last sample finishes, so with 64
 requests a job the step would wait for the longest of 64 and the trainer could not consume
-finished samples early, whatever the swap mode. The worker keeps up to 256 jobs in flight (a
-job waiting for its long sample holds its place). Decode steps are 2 ms so that the per-job
-bookkeeping of this 2-core VM (RQ, a shard per job) does not throttle the engine.
+finished samples early, whatever the swap mode (finished samples waiting for a long sibling
+are work the engine no longer has). The worker keeps up to 256 jobs in flight (a job waiting
+for its long sample holds its place). Decode steps are 4 ms so that the per-job bookkeeping
+(RQ, a shard per job) on a shared 2-core VM does not throttle the simulated engine.
 
 - partial: `push_weights(..., mode="partial")`: samples in flight stop, the weights load, the
   samples continue on the new weights;
@@ -98,8 +99,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--step-ms", type=float, default=2.0)
-    parser.add_argument("--job-size", type=int, default=4, help="requests per job (a job commits as one shard)")
+    parser.add_argument("--step-ms", type=float, default=4.0)
+    parser.add_argument("--job-size", type=int, default=2, help="requests per job (a job commits as one shard)")
     parser.add_argument("--max-jobs-in-flight", type=int, default=256,
                         help="the worker's limit (a job waiting for its long sample keeps its place)")
     args = parser.parse_args()

@@ -203,7 +203,9 @@ class Feeder:
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
             entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
             with self._submit_lock:
-                self._submit(entry, entry.progress.first(self.engine.weight_version))
+                # The version the job starts on: a partial swap may have loaded one since `prepare_batch`.
+                batch.weight_version = self.engine.weight_version
+                self._submit(entry, entry.progress.first(batch.weight_version))
             self.admitted.append((time.monotonic(), job.id))
         except BaseException:
             self._finish(entry, sys.exc_info())

@@ -359,3 +359,39 @@ def test_penalised_samples_restart_on_the_new_weights(redis_client: redis.Redis,
     assert rows["p"]["weight_version"] == 1 and rows["p"]["weight_version_segments"] is None
     assert rows["p"]["completion_tokens"] == 300
     assert [s["version"] for s in rows["q"]["weight_version_segments"]] == [0, 1]  # the other continues
+
+
+def test_sglang_http_partial_swap_aborts_in_flight_and_continues_on_the_new_weights(
+    redis_client: redis.Redis, tmp_path: Path, scripted_model_dir: Path
+) -> None:
+    """Over SGLang's native protocol (a stand-in server): the interrupt is `/abort_request` with
+    `abort_all`, whose answers come back as interrupted samples; the continuation (its own rid,
+    `{id}+{tokens before}-...`) runs after the load and the row is of the new version."""
+    from tests.models import CHARS
+    from tests.workers.engines.conftest import launch, stop, wait_ready
+    from workers.engines.sglang_http import SGLangHTTPEngine
+
+    standin = launch(scripted_model_dir, tmp_path / "standin.log")
+    try:
+        wait_ready(standin)
+        standin.faults(delays={"slow-": 120})  # the first call waits (abortable); the continuation does not
+        client = pipeline.Client(redis_client)
+        prompt = [CHARS.index(c) + 1 for c in "ab"]
+        batch = client.submit([{"id": "slow", "input_ids": prompt,
+                                "sampling_params": {"max_new_tokens": 8, "temperature": 0}}],
+                              run="sglang-partial", output=f"file://{tmp_path}/out")
+        engine = SGLangHTTPEngine([standin.url])
+        acks = run_with_push(redis_client, engine, "partial", ready=lambda: standin.stats()["generate"] >= 1,
+                             path=str(scripted_model_dir))
+        assert [a["mode"] for a in acks] == ["partial"]
+        assert batch.wait(timeout=30).counts["finished"] == 1
+        stats = standin.stats()
+    finally:
+        stop(standin)
+    assert {"abort_all": True} in [{k: v for k, v in b.items() if v} for b in stats["abort_requests"]]
+    assert stats["answered_aborted"] == 1
+    assert [r.split("-")[0] for r in stats["rids"]] == ["slow", "slow+0"]
+    (row,) = batch.read().to_pylist()
+    # Aborted before its first token: generated again on v1, a single-version row.
+    assert row["weight_version"] == 1 and row["weight_version_segments"] is None
+    assert row["completion_text"] == "cde" and row["finish_reason"] == "stop"

@@ -6,6 +6,12 @@ batching stays full; see `sglang_client` for URL choice, retries and aborts, and
 `pause_generation`, `continue_generation`, `flush_cache`, `abort`) go to every SGLang server
 directly, those behind a gateway included (`sglang_backends`): gateways do not serve them. The
 `health` probe goes where generation goes.
+
+Partial weight swaps (`interrupt`): `/abort_request {"abort_all": true}` on every server; SGLang
+answers each aborted `/generate` normally, with the tokens it generated so far and a finish of
+type `abort`, which become interrupted samples here (`Finish("abort", message=INTERRUPTED)`);
+the worker continues them on the new weights. A continued sample's text is decoded with the
+model's tokenizer when this worker can read it (`decode`), else it is null.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import httpx
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines.async_bridge import AsyncBridge
-from workers.engines.base import EngineDescription, EngineIdentity, SampleOutput
+from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
 from workers.engines.sglang_backends import Answer, answered, error_message
 from workers.engines.sglang_client import RetryPolicy, SGLangClient
@@ -57,7 +63,9 @@ class SGLangHTTPEngine(EngineIdentity):
     ) -> None:
         self._bridge = AsyncBridge(name="sglang-http")
         self._in_flight = 0
-        self._in_flight_lock = threading.Lock()
+        self._in_flight_lock = threading.Condition()
+        self._interrupts = 0  # bumped by `interrupt`: aborted answers of calls started before are interrupted
+        self._tokenizer: Any = None  # loaded on first `decode`, False when unreadable
         self._client = SGLangClient(
             urls, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             max_in_flight=max_in_flight, retry=retry, transport=transport,
@@ -70,6 +78,7 @@ class SGLangHTTPEngine(EngineIdentity):
             raise
         first = infos[self.servers[0]]
         model_path = str(first.get("model_path") or "unknown")
+        self._model_path = model_path
         versions = {url: info.get("weight_version") for url, info in infos.items()}
         if len(set(map(str, versions.values()))) > 1:
             log.warning("SGLang servers report different weight versions: %s", versions)
@@ -136,14 +145,53 @@ class SGLangHTTPEngine(EngineIdentity):
         def done(_: Future) -> None:
             with self._in_flight_lock:
                 self._in_flight -= samples
+                self._in_flight_lock.notify_all()
 
         future.add_done_callback(done)
         return future
 
     async def _generate(self, call: GenerateCall) -> list[SampleOutput]:
+        interrupts = self._interrupts
         url, body = await self._client.generate(call)
         gateway = url if url in self._client.backends.gateways else None
-        return parse_call_results(call, body, layout=self._layout, gateway=gateway)
+        samples = parse_call_results(call, body, layout=self._layout, gateway=gateway)
+        if self._interrupts != interrupts:  # aborted by `interrupt`: to be continued, not an abort row
+            for sample in samples:
+                if sample.finish.kind == "abort":
+                    sample.finish = Finish("abort", message=INTERRUPTED)
+        return samples
+
+    # -- the interruptible interface (partial weight swaps) ----------------------------------
+
+    def interrupt(self) -> int:
+        """Abort everything in flight on every server; return once every call has answered (each
+        with its partial output), with the number of samples that were in flight."""
+        with self._in_flight_lock:
+            stopped = self._in_flight
+            self._interrupts += 1
+        if stopped:
+            failed = {url: answer for url, answer in self.abort_all().items() if not answered(answer)}
+            if failed:
+                log.warning("abort_all at a partial swap not answered by %s; their samples finish first",
+                            sorted(failed))
+            with self._in_flight_lock:
+                self._in_flight_lock.wait_for(lambda: self._in_flight == 0)
+        return stopped
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
+        """The text of `token_ids` with the model's tokenizer, if this worker can read it."""
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+            except Exception as exc:  # not readable from here: continued rows get no text
+                log.warning("tokenizer of %s not readable here (%s); continued samples' text is null",
+                            self._model_path, exc)
+                self._tokenizer = False
+        if self._tokenizer is False:
+            return None
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
 from workers.engines.async_bridge import gather_or_cancel
-from workers.engines.base import Finish, SampleOutput
+from workers.engines.base import ContinuedRequest, Finish, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout, decode_routed_experts, expected_rows
-from workers.engines.seeds import sample_seed
+from workers.engines.seeds import request_sample_seed, sample_seed
 from workers.errors import ContractViolation
 
 
@@ -79,7 +79,10 @@ def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) ->
     `n` request the same `sampling_seed`, so they would all be the same sample.
     """
     params = request.sampling_params
-    base = rid_prefix or f"{request.id}-{uuid.uuid4().hex[:16]}"
+    continued = isinstance(request, ContinuedRequest)
+    # A continuation's rid says so: `{id}+{tokens before}-...` (one sample, its continuation seed).
+    suffix = f"+{request.generated}" if isinstance(request, ContinuedRequest) else ""
+    base = rid_prefix or f"{request.id}{suffix}-{uuid.uuid4().hex[:16]}"
     common: dict[str, Any] = {"input_ids": list(request.input_ids)}
     if request.logprobs is not None or request.prompt_logprobs is not None:
         common["return_logprob"] = True
@@ -93,6 +96,8 @@ def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) ->
         payload = {"rid": rid, **common, "sampling_params": sampling_params_payload(params, n=n, seed=seed)}
         return GenerateCall(request, rid, payload, n, first)
 
+    if continued and params.seed is not None:
+        return [call(base, 1, request_sample_seed(request, 0), 0)]
     if params.seed is None or params.n == 1:
         return [call(base, params.n, params.seed, 0)]
     return [call(f"{base}-s{i}", 1, sample_seed(params.seed, i), i) for i in range(params.n)]
