@@ -1,18 +1,23 @@
 """Chaos: worker processes SIGKILLed at random (and Redis restarted) while requests flow.
 
 Starts a real redis-server on a loopback port with its own directory, `--workers` worker
-processes (each a `RolloutWorker` around an in-process fake engine that takes
-`--job-seconds` per job), submits `--requests` requests, then every `--kill-every` seconds
-SIGKILLs a random worker mid-batch and starts a replacement; with `--restart-redis` it also
-shuts Redis down once mid-run and starts it again on the same data. At the end it prints
+processes (each a `RolloutWorker` around an in-process engine: `--engine fake`, one job at a
+time taking `--job-seconds`; or `--engine sim`, the concurrent simulated engine, each worker
+feeding several jobs at once, a step every `--step-seconds`), submits `--requests` requests,
+then every `--kill-every` seconds SIGKILLs a worker mid-batch (with `sim`, the one holding the
+most jobs in flight) and starts a replacement; with `--restart-redis` it also shuts Redis down
+once mid-run and starts it again on the same data. At the end it prints
 
     requested: N samples  rows: R  missing: M  duplicated: D  (... seconds)
 
 counting rows in the committed shards (deduped by job id, as readers do) and, separately,
-every Parquet file under the run's directory. Exit status 0 only for 0 missing, 0 duplicated.
+every Parquet file under the run's directory, the raw commit-log entries (a job re-run after
+its commit appends a second one), the temporary shard files left behind, and how many jobs
+each killed worker held. Exit status 0 only for 0 missing, 0 duplicated.
 The baseline is the same submit served without any kill, in the same process (`--baseline`).
 
     .venv/bin/python benchmarks/chaos.py [--requests 5000] [--workers 4] [--kills 8] [--restart-redis]
+                                         [--engine sim]
 """
 
 from __future__ import annotations
@@ -39,7 +44,11 @@ if str(ROOT) not in sys.path:
 
 import pyarrow.parquet as pq  # noqa: E402
 import redis  # noqa: E402
+from rq.job import Job  # noqa: E402
+from rq.registry import StartedJobRegistry  # noqa: E402
+from rq.serializers import JSONSerializer  # noqa: E402
 
+from pipeline import commit_log, keys  # noqa: E402
 from pipeline.batch import Batch  # noqa: E402
 from pipeline.connection import connect_redis  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
@@ -48,15 +57,29 @@ from schemas.request import RolloutRequest  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402
 
 
-def run_worker(url: str, job_s: float) -> None:
+def run_worker(url: str, job_s: float, engine: str, step_s: float, worker_id: str) -> None:
     """One worker process (the target of `multiprocessing`)."""
+    from workers.engines.sim import SimConfig, SimEngine
     from workers.worker import RolloutWorker
 
+    if engine == "sim":  # every sequence runs its max_new_tokens steps (median far above them)
+        chosen: object = SimEngine(SimConfig(capacity=64, step_s=step_s, median_tokens=10_000, p99_tokens=10_001))
+    else:
+        chosen = FakeEngine(delay_s=job_s)
     worker = RolloutWorker(
-        connect_redis(url, reconnect_for_s=60), FakeEngine(delay_s=job_s),
+        connect_redis(url, reconnect_for_s=60), chosen,  # type: ignore[arg-type]
         heartbeat_interval_s=0.5, maintenance_interval_s=1, stuck_after_s=3, control_poll_s=0.5,
+        worker_id=worker_id,
     )
     worker.work(burst=False, with_scheduler=False, logging_level="ERROR")
+
+
+def jobs_in_flight(conn: redis.Redis) -> Counter[str]:
+    """Started jobs per worker name (RQ's started registry and each job's worker)."""
+    queue = keys.pool().queue_name
+    ids = StartedJobRegistry(queue, connection=conn, serializer=JSONSerializer).get_job_ids()
+    jobs = Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)
+    return Counter(job.worker_name for job in jobs if job is not None and job.worker_name)
 
 
 @dataclass
@@ -70,6 +93,11 @@ class Outcome:
     redis_restarts: int
     failed_jobs: dict[str, str]
     seconds: float
+    jobs: int = 0
+    commit_entries: int = 0  # raw commit-log entries: jobs + re-commits of re-run jobs
+    committed_jobs: int = 0  # distinct job ids among them
+    temp_files: int = 0  # temporary shard files left by writes a kill interrupted
+    in_flight_at_kills: list[int] = dataclasses.field(default_factory=list)  # jobs the victim held
 
     @property
     def ok(self) -> bool:
@@ -79,6 +107,8 @@ class Outcome:
         return (f"requested: {self.requested} samples  rows: {self.rows}  missing: {self.missing}  "
                 f"duplicated: {self.duplicated}  (rows in files: {self.files_rows}, kills: {self.kills}, "
                 f"redis restarts: {self.redis_restarts}, failed jobs: {len(self.failed_jobs)}, "
+                f"commit entries: {self.commit_entries} for {self.committed_jobs} of {self.jobs} jobs, "
+                f"temp files left: {self.temp_files}, jobs held by each victim: {self.in_flight_at_kills}, "
                 f"{self.seconds:.1f} s)")
 
 
@@ -100,7 +130,8 @@ def make_requests(count: int, seed: int) -> list[RolloutRequest]:
 def run(
     *, requests: int = 2000, workers: int = 4, batch_size: int = 25, job_seconds: float = 0.1,
     kills: int = 6, kill_every: float = 0.6, restart_redis: bool = False, seed: int = 0,
-    timeout: float = 120.0, retries: int = 6, directory: Path | None = None,
+    timeout: float = 120.0, retries: int = 6, directory: Path | None = None, engine: str = "fake",
+    step_seconds: float = 0.05,
 ) -> Outcome:
     """Run one chaos round and count what came out."""
     rng = random.Random(seed)
@@ -110,13 +141,34 @@ def run(
     context = mp.get_context("fork")
     processes: list[mp.process.BaseProcess] = []
 
+    names: dict[str, mp.process.BaseProcess] = {}
+
     def start_worker() -> None:
-        process = context.Process(target=run_worker, args=(url, job_seconds), daemon=True)
+        name = f"chaos-{len(processes)}"
+        process = context.Process(target=run_worker, args=(url, job_seconds, engine, step_seconds, name), daemon=True)
         process.start()
         processes.append(process)
+        names[name] = process
+
+    def victim() -> tuple[mp.process.BaseProcess, int]:
+        """A random live worker; with the concurrent engine the one holding the most jobs (waiting
+        a moment for one that holds two or more)."""
+        alive = [p for p in processes if p.is_alive()]
+        if engine != "sim":
+            return rng.choice(alive), 1
+        until = time.monotonic() + 2.0
+        while True:
+            held = {n: c for n, c in jobs_in_flight(conn).items() if n in names and names[n].is_alive()}
+            if held and (max(held.values()) >= 2 or time.monotonic() > until):
+                name = max(held, key=lambda n: held[n])
+                return names[name], held[name]
+            if not held and time.monotonic() > until:
+                return rng.choice(alive), 0
+            time.sleep(0.01)
 
     started = time.monotonic()
     killed = restarts = 0
+    in_flight_at_kills: list[int] = []
     try:
         conn = connect_redis(url)
         wanted = make_requests(requests, seed)
@@ -131,10 +183,10 @@ def run(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chaos: batch not done after {timeout}s: {dict(batch.status().counts)}")
             if killed < kills and time.monotonic() >= next_kill:
-                alive = [p for p in processes if p.is_alive()]
-                victim = rng.choice(alive)
-                os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
-                victim.join()
+                target, held = victim()
+                os.kill(target.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                target.join()
+                in_flight_at_kills.append(held)
                 killed += 1
                 start_worker()
                 next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
@@ -149,6 +201,8 @@ def run(
         got = Counter(batch.read(columns=["rollout_id"]).column("rollout_id").to_pylist())
         files = sorted((work / "shards" / "chaos").glob("*.parquet"))
         files_rows = sum(pq.read_metadata(f).num_rows for f in files)
+        entries = commit_log.read_after(conn, "chaos", None)
+        temp_files = [p for p in (work / "shards" / "chaos").glob(".*") if ".tmp-" in p.name]
         return Outcome(
             requested=sum(expected.values()),
             rows=sum(got.values()),
@@ -159,6 +213,11 @@ def run(
             redis_restarts=restarts,
             failed_jobs=failed,
             seconds=time.monotonic() - started,
+            jobs=len(plan.job_ids),
+            commit_entries=len(entries),
+            committed_jobs=len({e.job_id for e in entries}),
+            temp_files=len(temp_files),
+            in_flight_at_kills=in_flight_at_kills,
         )
     finally:
         for process in processes:
@@ -175,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=25)
-    parser.add_argument("--job-seconds", type=float, default=0.1)
+    parser.add_argument("--job-seconds", type=float, default=0.1, help="fake engine: seconds per job")
+    parser.add_argument("--engine", choices=("fake", "sim"), default="fake",
+                        help="fake: one job at a time per worker; sim: concurrent, several jobs in flight")
+    parser.add_argument("--step-seconds", type=float, default=0.05, help="sim engine: seconds per decode step")
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--kill-every", type=float, default=0.8)
     parser.add_argument("--restart-redis", action="store_true")
@@ -187,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size = args.size or args.requests
     common = dict(requests=size, workers=args.workers, batch_size=args.batch_size, job_seconds=args.job_seconds,
-                  seed=args.seed, timeout=args.timeout)
+                  seed=args.seed, timeout=args.timeout, engine=args.engine, step_seconds=args.step_seconds)
     if args.baseline:
         base = run(**common, kills=0)  # type: ignore[arg-type]
         print("baseline:", base.line(), flush=True)

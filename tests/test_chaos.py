@@ -1,5 +1,5 @@
-"""The chaos script's small configuration, run as a user runs it: random SIGKILLs and a Redis
-restart lose and duplicate nothing."""
+"""The chaos script's small configurations, run as a user runs it: random SIGKILLs (and a Redis
+restart) lose and duplicate nothing, with one job per worker and with several jobs in flight."""
 
 from __future__ import annotations
 
@@ -7,21 +7,46 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_kills_and_a_redis_restart_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+def chaos(tmp_path: Path, *args: str) -> dict[str, Any]:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--requests", "2000", "--workers", "4",
-         "--batch-size", "25", "--job-seconds", "0.2", "--kills", "6", "--kill-every", "0.5", "--restart-redis",
-         "--seed", "1", "--timeout", "90", "--directory", str(tmp_path), "--json"],
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seed", "1", "--timeout", "120",
+         "--directory", str(tmp_path), "--json", *args],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     print(outcome)
-    assert outcome["kills"] >= 4 and outcome["redis_restarts"] == 1  # the batch may finish before the last kill
+    return outcome
+
+
+def assert_exactly_once(outcome: dict[str, Any], requested: int) -> None:
     assert outcome["failed_jobs"] == {}
-    assert (outcome["requested"], outcome["missing"], outcome["duplicated"]) == (2400, 0, 0)
-    assert outcome["rows"] == outcome["files_rows"] == 2400  # one shard per job, even for re-run jobs
+    assert (outcome["requested"], outcome["missing"], outcome["duplicated"]) == (requested, 0, 0)
+    assert outcome["rows"] == outcome["files_rows"] == requested  # one shard per job, even for re-run jobs
+    # The raw commit log: every job committed, a re-run one possibly twice (its reader keeps the last).
+    assert outcome["committed_jobs"] == outcome["jobs"] <= outcome["commit_entries"]
+    # A kill mid-write can leave a temporary file (never read: readers follow the commit log), at most
+    # one per job the killed worker held.
+    assert outcome["temp_files"] <= sum(outcome["in_flight_at_kills"])
+
+
+def test_kills_and_a_redis_restart_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    outcome = chaos(tmp_path, "--requests", "2000", "--workers", "4", "--batch-size", "25", "--job-seconds", "0.2",
+                    "--kills", "6", "--kill-every", "0.5", "--restart-redis")
+    assert outcome["kills"] >= 4 and outcome["redis_restarts"] == 1  # the batch may finish before the last kill
+    assert_exactly_once(outcome, 2400)
+
+
+def test_kills_of_workers_holding_several_jobs_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    """The concurrent sim engine: each worker feeds several jobs at once, and each kill takes the
+    worker holding the most."""
+    outcome = chaos(tmp_path, "--engine", "sim", "--step-seconds", "0.05", "--requests", "2000", "--workers", "3",
+                    "--batch-size", "25", "--kills", "4", "--kill-every", "0.5")
+    assert outcome["kills"] >= 2
+    assert max(outcome["in_flight_at_kills"]) >= 2, outcome["in_flight_at_kills"]
+    assert_exactly_once(outcome, 2400)
