@@ -52,7 +52,7 @@ def lines(prefix: str, tokens: Sequence[int], n: int = 1) -> list[dict]:
 
 
 def run_with_push(conn: redis.Redis, engine: Engine, mode: str, ready: Callable[[], bool] | None = None,
-                  path: str = "/ckpt/v1") -> list[dict]:
+                  path: str = "/ckpt/v1", **worker_options: object) -> list[dict]:
     """Run a worker; once `ready()` (default: the sim engine decoded 40 steps), push `path` as v1 in `mode`."""
     acks: list = []
     errors: list[BaseException] = []
@@ -71,8 +71,8 @@ def run_with_push(conn: redis.Redis, engine: Engine, mode: str, ready: Callable[
     thread = threading.Thread(target=push)
     thread.start()
     try:
-        RolloutWorker(conn, engine, control_poll_s=0.05).work(burst=False, max_idle_time=2, with_scheduler=False,
-                                                              logging_level="WARNING")
+        RolloutWorker(conn, engine, control_poll_s=0.05, **worker_options).work(  # type: ignore[arg-type]
+            burst=False, max_idle_time=2, with_scheduler=False, logging_level="WARNING")
     finally:
         thread.join(timeout=30)
         engine.close()
@@ -112,6 +112,17 @@ def test_partial_swap_continues_samples_on_the_new_weights(redis_client: redis.R
                 assert segments is not None and [s["version"] for s in segments] == [0, 1]
                 assert segments[0]["start"] == 0 and 0 < segments[1]["start"] < row["completion_tokens"]
     assert sorted(c.weight_version for c in batch.commits()) == [0, 0]  # the oldest version in each shard
+
+
+def test_a_worker_that_cannot_interrupt_drains_and_says_so(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit(lines("a", [150, 150]), run="nofeed", output=f"file://{tmp_path}", batch_size=2)
+    engine = Counting()
+    acks = run_with_push(redis_client, engine, "partial", feed=False)  # one batch at a time: no interrupt
+    assert [a["mode"] for a in acks] == ["drain"]
+    assert engine.events == ["done", "load v1"]
+    assert batch.wait(timeout=10).counts["finished"] == 1
+    assert batch.read().column("weight_version").to_pylist() == [0, 0]
 
 
 def test_drain_swap_waits_for_the_samples_in_flight(redis_client: redis.Redis, tmp_path: Path) -> None:
