@@ -23,7 +23,7 @@ import httpx
 
 from workers import logs
 from workers.backoff import backoff_s
-from workers.engines.sglang_backends import Backends, error_message
+from workers.engines.sglang_backends import Answer, Backends, error_message
 from workers.engines.sglang_mapping import GenerateCall
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
 
@@ -98,6 +98,7 @@ class SGLangClient:
         self.retry = retry or RetryPolicy()
         self.max_in_flight = max_in_flight
         self.aborted: list[str] = []  # rids we asked servers to abort (for logs and tests)
+        self._sent: dict[str, tuple[str, GenerateCall]] = {}  # attempt rid -> (URL, call) awaiting an answer
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -134,6 +135,7 @@ class SGLangClient:
             attempt_call = call if attempt == 0 else call.with_rid(f"{call.rid}-r{attempt}")
             async with self.slots:
                 url = self.pool.acquire(avoid)
+                self._sent[attempt_call.rid] = (url, attempt_call)
                 try:
                     response = await self.client.post(f"{url}/generate", json=attempt_call.payload)
                 except _RETRYABLE as exc:
@@ -154,6 +156,7 @@ class SGLangClient:
                     raise
                 finally:
                     self.pool.release(url)
+                    self._sent.pop(attempt_call.rid, None)
             if response.status_code >= 500:
                 last_error = f"{url}: HTTP {response.status_code}: {error_message(response)}"
                 log.warning("%s attempt %d failed: %s", who, attempt + 1, last_error)
@@ -174,6 +177,16 @@ class SGLangClient:
         raise EngineUnavailableError(
             f"{who}: no SGLang server answered after {self.retry.attempts} attempts; last error: {last_error}"
         )
+
+    async def abort_sent(self, timeout_s: float = 10.0) -> dict[str, dict[str, Answer]]:
+        """`/abort_request` by rid for every call sent and not answered yet, on the server it went
+        to (behind a gateway, on every server behind it): only this client's requests stop, not
+        those of other workers sharing the servers. What each server answered, per SGLang rid."""
+        targets = [(rid, url) for url, call in self._sent.values() for rid in call.sglang_rids]
+        self.aborted.extend(rid for rid, _ in targets)
+        answers = await asyncio.gather(*(self.backends.abort(rid, via=url, timeout_s=timeout_s)
+                                         for rid, url in targets))
+        return {rid: per_server for (rid, _), per_server in zip(targets, answers, strict=True)}
 
     async def _abort_quietly(self, url: str, call: GenerateCall) -> None:
         """Best effort `/abort_request` for a call's rids on the server(s) behind `url`; never raises."""

@@ -7,11 +7,13 @@ batching stays full; see `sglang_client` for URL choice, retries and aborts, and
 directly, those behind a gateway included (`sglang_backends`): gateways do not serve them. The
 `health` probe goes where generation goes.
 
-Partial weight swaps (`interrupt`): `/abort_request {"abort_all": true}` on every server; SGLang
-answers each aborted `/generate` normally, with the tokens it generated so far and a finish of
-type `abort`, which become interrupted samples here (`Finish("abort", message=INTERRUPTED)`);
-the worker continues them on the new weights. A continued sample's text is decoded with the
-model's tokenizer when this worker can read it (`decode`), else it is null.
+Partial weight swaps (`interrupt`): `/abort_request` by rid for each of this worker's calls in
+flight, on the server it went to (behind a gateway, every server behind it), so other workers
+sharing the servers keep theirs. SGLang answers each aborted `/generate` normally, with the
+tokens it generated so far and a finish of type `abort`, which become interrupted samples here
+(`Finish("abort", message=INTERRUPTED)`); the worker continues them on the new weights. A
+continued sample's text is decoded with the model's tokenizer when this worker can read it
+(`decode`), else it is null.
 """
 
 from __future__ import annotations
@@ -164,16 +166,17 @@ class SGLangHTTPEngine(EngineIdentity):
     # -- the interruptible interface (partial weight swaps) ----------------------------------
 
     def interrupt(self) -> int:
-        """Abort everything in flight on every server; return once every call has answered (each
-        with its partial output), with the number of samples that were in flight."""
+        """Abort this worker's requests in flight (by rid); return once every call has answered
+        (each with its partial output), with the number of samples that were in flight."""
         with self._in_flight_lock:
             stopped = self._in_flight
             self._interrupts += 1
         if stopped:
-            failed = {url: answer for url, answer in self.abort_all().items() if not answered(answer)}
+            answers = self._bridge.run(self._client.abort_sent())
+            failed = sorted({server for per_server in answers.values()
+                             for server, answer in per_server.items() if not answered(answer)})
             if failed:
-                log.warning("abort_all at a partial swap not answered by %s; their samples finish first",
-                            sorted(failed))
+                log.warning("aborts at a partial swap not answered by %s; their samples finish first", failed)
             with self._in_flight_lock:
                 self._in_flight_lock.wait_for(lambda: self._in_flight == 0)
         return stopped

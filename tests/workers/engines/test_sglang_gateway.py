@@ -254,6 +254,29 @@ def test_a_cancelled_batch_is_aborted_on_the_server_behind_the_gateway(
     wait_until(lambda: holder.stats()["answered_aborted"] > 0, timeout=30, what="the server to stop the request")
 
 
+def test_an_interrupt_stops_only_this_workers_requests_on_the_shared_servers(
+    engine: SGLangHTTPEngine, gateway: Gateway, servers: tuple[Standin, Standin]
+) -> None:
+    """Two workers behind one gateway: a partial swap in one aborts its own requests by rid, not
+    everything on the servers (`abort_all` would cut the other worker's samples short)."""
+    other = SGLangHTTPEngine([gateway.url])
+    try:
+        mine, _holder, my_rid = held(engine, servers, "mine")
+        theirs, their_holder, their_rid = held(other, servers, "theirs")
+        assert engine.interrupt() == 1
+        [[sample]] = mine.result(timeout=30)
+        assert sample.finish.kind == "abort"
+        assert not theirs.done(), "the other worker's request was stopped too"
+        aborted = [body for s in servers for body in s.stats()["abort_requests"]]
+        assert {"rid": my_rid} in aborted and {"rid": their_rid} not in aborted
+        assert not any(body.get("abort_all") for body in aborted)
+        other.abort(their_rid)
+        [[theirs_sample]] = theirs.result(timeout=30)
+        assert theirs_sample.finish.kind == "abort" and {"rid": their_rid} in their_holder.stats()["abort_requests"]
+    finally:
+        other.close()
+
+
 def test_a_gateway_without_servers_is_a_start_up_error(tmp_path: Path) -> None:
     empty = launch_gateway(tmp_path / "smg.log")
     try:
