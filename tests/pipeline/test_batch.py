@@ -7,7 +7,6 @@ the job's end would raise `WaitTimeoutError` instead of returning.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from pipeline.batch import Batch
 from pipeline.submit import submit_requests
 from schemas.request import RolloutRequest
 from tests.helpers import wait_until
-from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.worker import RolloutWorker
 
@@ -42,15 +40,6 @@ def blocked_in_xread(conn: redis.Redis) -> bool:
     return any(client.get("cmd") == "xread" and "b" in client.get("flags", "") for client in conn.client_list())
 
 
-class Broken(FakeEngine):
-    """Fails every batch with a request named "boom"."""
-
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        if any(r.id == "boom" for r in requests):
-            raise RuntimeError("the engine fell over")
-        return super().generate(requests)
-
-
 @pytest.mark.parametrize("request_id,expected", [("a", "finished"), ("boom", "failed")])
 def test_wait_wakes_when_the_job_ends(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, request_id: str, expected: str,
@@ -61,14 +50,15 @@ def test_wait_wakes_when_the_job_ends(
     outcome: dict[str, Any] = {}
     waiter = wait_in_thread(batch, outcome)
     wait_until(lambda: blocked_in_xread(redis_client), 10, "the wait to block in XREAD")
-    RolloutWorker(redis_client, Broken()).work(burst=True, with_scheduler=False, logging_level="ERROR")
+    worker = RolloutWorker(redis_client, FakeEngine(fail_ids={"boom"}))
+    worker.work(burst=True, with_scheduler=False, logging_level="ERROR")
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     if expected == "finished":
         assert "error" not in outcome and outcome["status"].counts["finished"] == 1
     else:
         assert isinstance(outcome.get("error"), pipeline.JobsFailedError), outcome
-        assert "the engine fell over" in str(outcome["error"])
+        assert "fail_ids" in str(outcome["error"])
 
 
 def test_wait_never_blocks_past_the_clients_read_timeout(redis_url: str, tmp_path: Path) -> None:

@@ -132,21 +132,12 @@ def test_scraping_a_running_worker_sees_the_counters_move(
     assert sum(states.values()) == 1 and set(states) >= {"idle", "busy", "paused", "updating", "unhealthy"}
 
 
-class Broken(FakeEngine):
-    """Every batch with a request named "boom" fails like a bug in the engine."""
-
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        if any(r.id == "boom" for r in requests):
-            raise RuntimeError("the engine fell over")
-        return super().generate(requests)
-
-
 def test_failed_jobs_are_counted(redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")  # no worker serves top-3: fail at once
     client = pipeline.Client(redis_client)
     refused = client.submit([{"id": "x", "input_ids": [1], "logprobs": 3}], run="bad", output=f"file://{tmp_path}")
     client.submit([{"id": "boom", "input_ids": [1]}], run="bad", output=f"file://{tmp_path}")
-    worker = RolloutWorker(redis_client, Broken(max_top_logprobs=0))
+    worker = RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0, fail_ids={"boom"}))
     worker.work(burst=True, with_scheduler=False, logging_level="CRITICAL")
     registry = worker.metrics.registry
     labels = {"worker": worker.worker_id, "engine": "fake"}

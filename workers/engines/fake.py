@@ -2,15 +2,17 @@
 `MockTransport`): deterministic outputs, no model, optional delays, a record of every call.
 
 Sample i of a request emits `max_new_tokens` copies of token id (i + 1), each with logprob -0.5
-(when logprobs were asked for), finishing with `length`. Every batch takes `delay_s`; a weight
-load takes `load_s` and fails like a missing checkpoint when the path contains "bad".
+(when logprobs were asked for), finishing with `length`. Every batch takes `delay_s`; a batch
+holding a request whose id is in `fail_ids` raises `RuntimeError` (an engine bug, as far as the
+worker can tell); a weight load takes `load_s` and fails like a missing checkpoint when the
+path contains "bad".
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -24,10 +26,11 @@ class FakeEngine(EngineIdentity):
 
     def __init__(
         self, *, delay_s: float = 0.0, load_s: float = 0.0, weight_version: int = 0, max_top_logprobs: int = 0,
-        name: str = "fake",
+        name: str = "fake", fail_ids: Collection[str] = (),
     ) -> None:
         self.delay_s = delay_s
         self.load_s = load_s
+        self.fail_ids = frozenset(fail_ids)
         self._weight_version = weight_version
         self._description = EngineDescription(
             name=name, model=f"{name}-model",
@@ -43,6 +46,9 @@ class FakeEngine(EngineIdentity):
             self.calls.append([r.id for r in requests])
         if self.delay_s:
             time.sleep(self.delay_s)
+        failing = sorted(r.id for r in requests if r.id in self.fail_ids)
+        if failing:
+            raise RuntimeError(f"fake engine: requests {failing} fail (fail_ids)")
         version = self._weight_version
         return [
             [
