@@ -91,13 +91,9 @@ class Progress:
                           [[(r, i) for i in range(req.sampling_params.n)] for r, req in enumerate(self.requests)],
                           version)
 
-    def record(self, submission: Submission, outputs: Sequence[Sequence[SampleOutput]],
-               restart: Callable[[RolloutRequest, list[int]], bool] | None = None) -> None:
-        """Take a submission's outputs: finished samples are kept, interrupted ones wait to continue.
-
-        `restart(request, versions)` (versions of the tokens kept so far) may ask for an
-        interrupted sample to start over (the staleness bound); penalties always do.
-        """
+    def record(self, submission: Submission, outputs: Sequence[Sequence[SampleOutput]]) -> None:
+        """Take a submission's outputs: finished samples are kept, interrupted ones wait to continue
+        (penalised ones from the start: their tokens are dropped)."""
         if len(outputs) != len(submission.requests):
             raise ContractViolation(f"engine returned {len(outputs)} outputs for {len(submission.requests)} requests")
         for request, samples, slots in zip(submission.requests, outputs, submission.slots, strict=True):
@@ -122,9 +118,7 @@ class Progress:
                     parts[-1].output = _with_finish(sample, Finish("length"))
                     self._finish(r, i)
                     continue
-                versions = [p.version for p in parts if len(p.output.token_ids)]
-                if kept and (has_penalties(original.sampling_params)
-                             or (restart is not None and restart(original, versions))):
+                if has_penalties(original.sampling_params):
                     parts.clear()
                     self.restarted += 1
 
