@@ -139,3 +139,18 @@ def test_vocab_size_flag_refuses_ids_outside_the_vocabulary(
     assert f"{path}:71: input_ids: token id 9 is outside the model's vocabulary of 4" in result.stderr
     assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
     assert redis_client.keys(f"{keys.PREFIX}:prompts:*") == []  # 8 jobs' ids were staged, then deleted
+
+
+def test_max_staleness_travels_in_every_job_and_a_negative_one_is_refused(
+    tmp_path: Path, pipeline_env: dict[str, str], redis_client: redis.Redis
+) -> None:
+    path = write_lines(tmp_path / "rollouts.jsonl", good_lines(3))
+    refused = subprocess.run([*PIPELINE, "submit", str(path), "--max-staleness", "-1"], env=pipeline_env,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "--max-staleness must be 0 or more weight versions, not -1" in refused.stderr
+    assert redis_client.keys("rq:job:*") == []
+    result = subprocess.run([*PIPELINE, "submit", str(path), "--max-staleness", "2", "--batch-size", "2",
+                             "--output", "memory://out"], env=pipeline_env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    jobs = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer).get_jobs()
+    assert [job.args[0]["max_staleness"] for job in jobs] == [2, 2]
