@@ -127,7 +127,8 @@ def _cmd_weights_push(args: argparse.Namespace) -> int:
     print(f"pool {client.pool}: weights v{result.version} from {result.path} ({args.mode}): {len(result.acks)} "
           f"worker(s) acknowledged in {result.seconds:.2f} s")
     for ack in result.acks:
-        print(f"  {ack.worker}: ok ({ack.seconds:.2f} s)")
+        # A worker whose engine cannot stop samples drains instead of a partial swap, and says so.
+        print(f"  {ack.worker}: ok ({ack.seconds:.2f} s, {ack.mode})")
     return 0
 
 

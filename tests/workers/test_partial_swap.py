@@ -406,3 +406,24 @@ def test_sglang_http_partial_swap_aborts_in_flight_and_continues_on_the_new_weig
     # Aborted before its first token: generated again on v1, a single-version row.
     assert row["weight_version"] == 1 and row["weight_version_segments"] is None
     assert row["completion_text"] == "cde" and row["finish_reason"] == "stop"
+
+
+def test_cli_partial_push_to_a_worker_process_reports_each_workers_mode(
+    redis_client: redis.Redis, start_worker: Callable[..., object], pipeline_env: dict[str, str],
+    v1_model_dir: Path,
+) -> None:
+    import subprocess
+
+    from pipeline import registry
+    from tests.conftest import PIPELINE
+
+    start_worker()
+    wait_until(lambda: len(registry.live_workers(redis_client)) == 1, 60, "the worker to register")
+    push = subprocess.run([*PIPELINE, "weights", "push", str(v1_model_dir), "--version", "1", "--mode", "partial",
+                           "--timeout", "60"], env=pipeline_env, capture_output=True, text=True, timeout=90)
+    assert push.returncode == 0, push.stdout + push.stderr
+    assert f"weights v1 from {v1_model_dir} (partial): 1 worker(s) acknowledged" in push.stdout
+    assert push.stdout.rstrip().endswith(", partial)")  # the hf worker stopped nothing and loaded without a drain
+    wrong = subprocess.run([*PIPELINE, "weights", "push", str(v1_model_dir), "--version", "2", "--mode", "eager"],
+                           env=pipeline_env, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "invalid choice: 'eager'" in wrong.stderr
