@@ -26,24 +26,24 @@ def publish(conn: redis.Redis, info: WorkerInfo, ttl_s: int = DEFAULT_TTL_S) -> 
 
 
 def remove(conn: redis.Redis, worker_id: str, pool: str | None = None) -> None:
-    keys_ = keys.pool(pool)
+    where = keys.pool(pool)
     with conn.pipeline() as pipe:
-        pipe.delete(keys_.worker(worker_id))
-        pipe.srem(keys_.workers, worker_id)
+        pipe.delete(where.worker(worker_id))
+        pipe.srem(where.workers, worker_id)
         pipe.execute()
 
 
 def live_workers(conn: redis.Redis, pool: str | None = None) -> list[WorkerInfo]:
     """Entries of the pool's workers whose heartbeat has not expired; expired ids are pruned."""
-    keys_ = keys.pool(pool)
-    ids = sorted(m.decode() for m in conn.smembers(keys_.workers))
+    where = keys.pool(pool)
+    ids = sorted(m.decode() for m in conn.smembers(where.workers))
     if not ids:
         return []
-    raw = conn.mget([keys_.worker(i) for i in ids])
+    raw = conn.mget([where.worker(i) for i in ids])
     alive: list[WorkerInfo] = []
     for worker_id, value in zip(ids, raw, strict=True):
         if value is None:
-            conn.srem(keys_.workers, worker_id)
+            conn.srem(where.workers, worker_id)
             continue
         try:
             alive.append(WorkerInfo.model_validate_json(value))
