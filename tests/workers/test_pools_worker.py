@@ -9,9 +9,16 @@ import subprocess
 from pathlib import Path
 
 import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline import control, registry
+from pipeline.submit import JOB_FUNCTION
+from schemas.control import DesiredState
+from schemas.job_payload import JobPayload
+from schemas.request import RolloutRequest
 from tests.conftest import PIPELINE
 from tests.helpers import wait_until
 from workers.engines.fake import FakeEngine
@@ -88,3 +95,21 @@ def test_pool_on_the_command_line_and_from_the_environment(pipeline_env: dict[st
         for process in workers:
             process.wait(timeout=30)
     assert os.path.isdir(tmp_path / "shards" / "in-a") and os.path.isdir(tmp_path / "shards" / "in-b")
+
+
+def test_a_job_and_state_left_by_a_single_pool_release_are_served_by_the_default_pool(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Upgrade: the previous release's queue (`rollouts`, jobs without `needs` in their meta) and
+    desired state (`pipeline:control:state`) are the default pool's, served as they stand."""
+    redis_client.set("pipeline:control:state", DesiredState(generation=4, weight_version=2,
+                                                            weight_path="/ckpt/v2").model_dump_json())
+    payload = JobPayload.pack([RolloutRequest.model_validate(REQUEST)], run="old", job_id="old-00000",
+                              batch_id="old", output=f"file://{tmp_path}", submitted_at_ms=0)
+    Queue("rollouts", connection=redis_client, serializer=JSONSerializer).enqueue_call(
+        JOB_FUNCTION, args=(payload.model_dump(mode="json"),), job_id="old-00000", meta={"run": "old"})
+    engine = FakeEngine()
+    worker = _burst(redis_client, engine, None)
+    assert worker.pool.name == "default" and engine.updates == [("/ckpt/v2", 2)] and engine.calls == [["a"]]
+    assert Job.fetch("old-00000", connection=redis_client, serializer=JSONSerializer).get_status() == "finished"
+    assert (tmp_path / "old" / "old-00000.parquet").exists()
