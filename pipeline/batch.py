@@ -14,6 +14,7 @@ from rq.results import Result
 from tqdm import tqdm
 
 from pipeline import commit_log, keys
+from pipeline.cancel import CancelResult, cancel
 from pipeline.errors import JobsFailedError, WaitTimeoutError
 from pipeline.reader import read_rollouts
 from pipeline.status import failure_reason
@@ -39,6 +40,10 @@ class BatchStatus:
     @property
     def complete(self) -> bool:
         return self.done == self.total
+
+    @property
+    def canceled(self) -> int:
+        return self.counts["canceled"]
 
 
 class Batch:
@@ -83,12 +88,12 @@ class Batch:
 
     def failures(self) -> dict[str, str]:
         """Failed jobs with the last line of their error."""
-        failed = [j for j, s in self.job_states().items() if s in {"failed", "stopped", "canceled", "missing"}]
+        failed = [j for j, s in self.job_states().items() if s in {"failed", "stopped", "missing"}]
         return {job_id: failure_reason(self.conn, job_id) for job_id in failed}
 
     def wait(self, timeout: float | None = None, *, progress: bool | None = None,
              poll_s: float = DEFAULT_RECHECK_S) -> BatchStatus:
-        """Block until every job finished; raise `JobsFailedError` naming the failed ones.
+        """Block until every job finished or was canceled; raise `JobsFailedError` naming the failed ones.
 
         Blocks on Redis (`XREAD BLOCK`) rather than polling: on the run's commit log, which wakes
         it at every commit, and on RQ's result streams of the first `WATCHED_JOBS` unfinished
@@ -130,7 +135,7 @@ class Batch:
                     time.sleep(MIN_CHECK_S - since)
         finally:
             bar.close()
-        if status.counts["finished"] != status.total:
+        if status.counts["finished"] + status.canceled != status.total:
             raise JobsFailedError(self.failures())
         return status
 
@@ -157,6 +162,11 @@ class Batch:
             elif entries:
                 results[name.rsplit(":", 1)[1]] = entries[-1][0].decode()
         return caught_up
+
+    def cancel(self) -> CancelResult:
+        """Cancel this batch's jobs: queued ones are removed, running ones aborted at their engine's
+        next step, committed shards stay (`pipeline.cancel`)."""
+        return cancel(self.conn, job_ids=self.job_ids)
 
     def commits(self) -> list[commit_log.Commit]:
         ours = set(self.job_ids)

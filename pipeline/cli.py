@@ -132,6 +132,17 @@ def _cmd_weights_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from pipeline.client import connect
+
+    client = connect(args.redis, pool=args.pool)
+    result = client.cancel(args.run, job_ids=args.job_ids, pool=args.pool)
+    print(f"canceled {len(result.job_ids)} job(s): {result.queued} removed from the queue, {result.running} "
+          f"aborted in flight; left as they were: {result.finished} finished, {result.failed} failed, "
+          f"{result.already} canceled before")
+    return 0
+
+
 def _cmd_redis(args: argparse.Namespace) -> int:
     from pipeline.redis_server import embedded_server
 
@@ -180,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-ids", action="store_true", help="render tokens as token_id:<id> (display only)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser("cancel", help="cancel a run or jobs: queued ones removed, running ones aborted")
+    _add_redis(p)
+    p.add_argument("--run", default=None, help="every job submitted to this run")
+    p.add_argument("job_ids", nargs="*", metavar="JOB_ID", help="jobs to cancel (`Batch.job_ids`)")
+    p.set_defaults(func=_cmd_cancel)
 
     p = sub.add_parser("pause", help="workers finish the batch in hand and take no new job")
     _add_redis(p)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from pipeline import control, keys, registry
 from pipeline.batch import Batch
+from pipeline.cancel import CancelResult, cancel
 from pipeline.connection import connect_redis
 from pipeline.errors import LineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower
@@ -139,6 +140,15 @@ class Client:
         """
         return control.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode,
                                     pool=self._pool(pool))
+
+    def cancel(
+        self, run: str | None = None, *, job_ids: Sequence[str] | None = None, pool: str | None = None,
+    ) -> CancelResult:
+        """Cancel every job of `run` (and/or the jobs `job_ids`), in every pool they were submitted
+        to or only in `pool`: queued jobs are removed with their prompt ids, jobs in flight are
+        aborted at their engine's next step and commit nothing; committed shards stay
+        (README "Cancel")."""
+        return cancel(self.conn, run=run, job_ids=list(job_ids) if job_ids else None, pool=pool)
 
     def follow(
         self,

@@ -40,9 +40,13 @@ class Commit:
         )
 
 
-# KEYS: the stream, the run's per-job hash, the run's totals. ARGV: the commit's fields.
+# KEYS: the stream, the run's per-job hash, the run's totals, the run's canceled jobs. ARGV: the
+# commit's fields. A canceled job is refused (nothing changes; returns false).
 # (`0 - x`, not `-x`: Lua's -0 reaches Redis as "-0", which HINCRBY refuses.)
 _APPEND = """
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then
+  return false
+end
 local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'batch_id', ARGV[2], 'url', ARGV[3],
                          'rows', ARGV[4], 'tokens', ARGV[5], 'weight_version', ARGV[6])
 local previous = redis.call('HGET', KEYS[2], ARGV[1])
@@ -62,12 +66,14 @@ return entry
 """
 
 
-def append(conn: redis.Redis, run: str, commit: Commit) -> None:
-    """Append the commit to the run's stream and update the run's totals, atomically."""
-    conn.register_script(_APPEND)(
-        keys=[keys.commit_log(run), keys.run_jobs(run), keys.run_totals(run)],
+def append(conn: redis.Redis, run: str, commit: Commit) -> bool:
+    """Append the commit to the run's stream and update the run's totals, atomically; False (and
+    nothing appended) when the job was canceled (`pipeline.cancel`)."""
+    entry = conn.register_script(_APPEND)(
+        keys=[keys.commit_log(run), keys.run_jobs(run), keys.run_totals(run), keys.canceled(run)],
         args=[commit.job_id, commit.batch_id, commit.url, commit.rows, commit.tokens, commit.weight_version],
     )
+    return entry is not None
 
 
 @dataclass(frozen=True)

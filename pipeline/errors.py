@@ -18,6 +18,7 @@
         ├── ContractViolation          an engine's output breaks an invariant; never written
         ├── EngineUnavailableError     the engine cannot be loaded or reached
         ├── NotAllowedJobError         a job names a function or output that is not allowed
+        ├── JobCanceledError           the job was canceled; no shard, no commit
         └── ShardWriteError            a shard could not be written; nothing was committed
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as

@@ -6,7 +6,8 @@
         save(follower.cursor)          # after the shard is processed: resume from here
 
 The follower blocks on the stream (`XREAD BLOCK`) and ends when every job of the batch (with
-`batch_id`) or of every batch submitted to the run has committed or failed. The cursor is a
+`batch_id`) or of every batch submitted to the run has committed, failed or been canceled
+(`Follower.canceled`; a canceled job never commits). The cursor is a
 stream entry id; a follower started with a saved cursor first re-reads the job ids committed
 up to it, so a job id is delivered at most once to one consumer (a retried job that commits
 again is skipped), and every commit after the cursor is delivered.
@@ -30,7 +31,8 @@ from pipeline.errors import JobsFailedError, PipelineError, WaitTimeoutError
 from pipeline.reader import read_rollouts
 
 START = "0-0"
-FAILED_STATES = frozenset({"failed", "stopped", "canceled"})
+FAILED_STATES = frozenset({"failed", "stopped"})
+ENDED_STATES = FAILED_STATES | {"canceled"}
 DEFAULT_BLOCK_MS = 1000
 _READ_COUNT = 256
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
@@ -83,6 +85,7 @@ class Follower:
         self.raise_on_failure = raise_on_failure
         self.cursor = cursor or START
         self.failed: dict[str, str] = {}
+        self.canceled: set[str] = set()  # jobs that ended canceled (`pipeline.cancel`), not failures
         self._stream = keys.commit_log(run)
         self._seen: set[str] = set()
         if not _ENTRY_ID.match(self.cursor):
@@ -120,25 +123,26 @@ class Follower:
             jobs.update(j for j in _decode(value).split(",") if j)
         return jobs
 
-    def _failed_jobs(self, pending: set[str]) -> dict[str, str]:
+    def _ended_jobs(self, pending: set[str]) -> dict[str, str]:
         ordered = sorted(pending)
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in ordered:
                 pipe.hget(Job.key_for(job_id), "status")
             raw = pipe.execute()
-        return {j: _decode(s) for j, s in zip(ordered, raw, strict=True) if s and _decode(s) in FAILED_STATES}
+        return {j: _decode(s) for j, s in zip(ordered, raw, strict=True) if s and _decode(s) in ENDED_STATES}
 
     def _complete(self) -> bool:
-        """True when every expected job committed or failed (never with no batch submitted)."""
+        """True when every expected job committed, failed or was canceled (never with no batch submitted)."""
         expected = self.expected_jobs()
         if not expected:
             return False
         pending = expected - self._seen
         if not pending:
             return True
-        failed = self._failed_jobs(pending)
-        if len(failed) == len(pending):
-            self.failed = {j: f"job {s}" for j, s in failed.items()}
+        ended = self._ended_jobs(pending)
+        if len(ended) == len(pending):
+            self.canceled = {j for j, s in ended.items() if s == "canceled"}
+            self.failed = {j: f"job {s}" for j, s in ended.items() if s != "canceled"}
             return True
         return False
 

@@ -125,3 +125,8 @@ def run_batches(run: str) -> str:
 def prompts(job_id: str) -> str:
     """A job's prompt token ids as raw little-endian bytes (the fast submit path)."""
     return f"{PREFIX}:prompts:{job_id}"
+
+
+def canceled(run: str) -> str:
+    """The set of a run's canceled job ids: workers abort them and never commit them (`pipeline.cancel`)."""
+    return f"{PREFIX}:run:{run}:canceled"

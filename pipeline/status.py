@@ -95,7 +95,8 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
     the pool's latest pushed version (each shard records its oldest token's version)."""
     totals = dataclasses.asdict(commit_log.totals(conn, run))
     versions = totals["weight_versions"]
-    return {**totals, "staleness": max(0, current - min(versions)) if versions else None}
+    return {**totals, "staleness": max(0, current - min(versions)) if versions else None,
+            "canceled": conn.scard(keys.canceled(run))}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -133,6 +134,7 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         lines.append(
             f"  {run}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
             f"weights {r['weight_versions']}"
+            + (f", {r['canceled']} job(s) canceled" if r.get("canceled") else "")
             + (f", staleness {r['staleness']} (oldest token v{min(r['weight_versions'])} vs pushed "
                f"v{desired['weight_version']})" if r.get("staleness") is not None else "")
         )

@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
@@ -64,3 +64,32 @@ class FlakyStore(MemoryFileSystem):
         if len(cls.attempts) <= cls.failures:
             raise OSError("503 Slow Down: the object store refused the put")
         super().pipe_file(path, value, **kwargs)
+
+
+def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], **kwargs: Any) -> Any:
+    """Run a `RolloutWorker` around `engine` in this thread (it installs signal handlers) until it
+    has been idle 2 s, while `driver` acts from another thread; re-raise the driver's failure.
+    Closes the engine; returns the worker."""
+    import threading
+
+    from workers.worker import RolloutWorker
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            driver()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)
+    try:
+        worker.work(burst=False, max_idle_time=2, with_scheduler=False, logging_level="WARNING")
+    finally:
+        thread.join(timeout=30)
+        engine.close()
+    if errors:
+        raise errors[0]
+    return worker

@@ -21,9 +21,9 @@ from schemas.request import RolloutRequest
 from workers import context
 from workers.contracts import check_request_supported
 from workers.engines.base import Engine, SampleOutput
-from workers.errors import WorkerError
+from workers.errors import JobCanceledError, WorkerError
 from workers.rows import RowContext, build_table, utc_from_ms
-from workers.shard_writer import PendingShard
+from workers.shard_writer import PendingShard, remove_shard
 
 PROMPTS_AFTER_SUCCESS_TTL_S = 3600
 
@@ -44,6 +44,7 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
     """Validate the payload and every request against this worker's engine; note the weights."""
     ctx = context.current()
     job = JobPayload.model_validate(payload)
+    check_not_canceled(conn, job)
     prompt_bytes = None
     if job.prompt_key is not None:
         if conn is None:
@@ -52,6 +53,7 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
             raise WorkerError(f"job {job.job_id}: prompt key {job.prompt_key!r} is not this job's")
         prompt_bytes = conn.get(job.prompt_key)
         if prompt_bytes is None:
+            check_not_canceled(conn, job)  # a cancel deletes the prompt ids of the jobs it removes
             raise WorkerError(
                 f"job {job.job_id}: its prompt token ids ({job.prompt_key}) are gone from Redis "
                 "(expired or deleted); submit the requests again"
@@ -62,6 +64,12 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
     for request in requests:
         check_request_supported(request, capabilities)
     return PreparedBatch(job, requests, engine, ctx.worker_id, engine.weight_version, datetime.now(UTC))
+
+
+def check_not_canceled(conn: redis.Redis | None, job: JobPayload) -> None:
+    """`JobCanceledError` if the job was canceled (`pipeline.cancel`)."""
+    if conn is not None and conn.sismember(keys.canceled(job.run), job.job_id):
+        raise JobCanceledError(f"job {job.job_id} of run {job.run} was canceled; nothing was written")
 
 
 def commit_batch(
@@ -93,6 +101,7 @@ def commit_batch(
     prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if rows else 0
     # The oldest version of any token in the shard (the job's only one in drain mode).
     oldest = int(table.column("weight_version").to_numpy().min()) if rows else batch.weight_version
+    check_not_canceled(conn, job)
     shard = PendingShard.encode(table, job.output, job.run, job.job_id)
     del table  # only the encoded shard is kept (spilled to local disk if large) while storage is retried
     url = shard.store()
@@ -105,7 +114,10 @@ def commit_batch(
         weight_version=oldest,
     )
     if conn is not None:
-        commit_log.append(conn, job.run, commit)
+        if not commit_log.append(conn, job.run, commit):  # canceled while the shard was written
+            if not conn.hexists(keys.run_jobs(job.run), job.job_id):  # no earlier commit points at it
+                remove_shard(url)
+            raise JobCanceledError(f"job {job.job_id} of run {job.run} was canceled; its shard was not committed")
         if job.prompt_key is not None:
             # Done: the ids need only outlive a late duplicate of this job briefly.
             conn.expire(job.prompt_key, PROMPTS_AFTER_SUCCESS_TTL_S)

@@ -124,7 +124,7 @@ class EngineWorker(SimpleWorker):
         self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
         self._passed: set[str] = set()  # jobs handed back since the last one run: this worker cannot serve them
         self._changed = threading.Event()
-        self._listener = control.ControlListener(conn, self.pool.control_channel, self.sync_control,
+        self._listener = control.ControlListener(conn, self.pool.control_channel, self._on_wake,
                                                  poll_s=control_poll_s)
         self.feeder: Feeder | None = None
         if feed and is_concurrent(engine):
@@ -189,6 +189,14 @@ class EngineWorker(SimpleWorker):
         if self._desired.paused:
             return "paused"
         return "failed" if self._weight_error else "idle"
+
+    def _on_wake(self) -> None:
+        """A control wake-up (or the listener's poll): follow the desired state, abort canceled jobs."""
+        self.sync_control()
+        if self.feeder is not None and self.feeder.in_flight:
+            aborted = self.feeder.abort_canceled()
+            if aborted:
+                log.info("worker %s: aborted %d canceled job(s) in flight", self.worker_id, aborted)
 
     def sync_control(self) -> DesiredState:
         """Re-read the desired state; load pushed weights if they changed; refresh the registry.

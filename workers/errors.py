@@ -25,5 +25,9 @@ class NotAllowedJobError(WorkerError):
     """A job names a function that is not one of the project's own."""
 
 
+class JobCanceledError(WorkerError):
+    """The job was canceled (`pipeline.cancel`): it writes no shard and commits nothing."""
+
+
 class ShardWriteError(WorkerError):
     """A shard could not be written; nothing was committed."""

@@ -36,11 +36,13 @@ from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
+from pipeline.cancel import canceled_jobs
 from workers import logs, rq_seam
 from workers.allowed_job import is_job_function
 from workers.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.continuation import Progress, Submission
 from workers.engines.base import ConcurrentEngine, is_interruptible
+from workers.errors import JobCanceledError
 
 if TYPE_CHECKING:
     from workers.engine_worker import EngineWorker
@@ -104,6 +106,7 @@ class InFlight:
     future: Any = None
     deadline: float = float("inf")
     timed_out: bool = False
+    canceled: bool = False
     samples: int = 0
     submitted: float = field(default_factory=time.monotonic)
 
@@ -175,6 +178,25 @@ class Feeder:
         for entry in list(self._entries.values()):
             if entry.future is not None:
                 entry.future.cancel()
+
+    def abort_canceled(self) -> int:
+        """Abort the jobs in flight that were canceled (`pipeline.cancel`) at the engine's next step;
+        each then ends with `JobCanceledError` (no shard, no commit). Returns how many."""
+        entries = [e for e in list(self._entries.values()) if e.batch is not None and not e.canceled]
+        by_run: dict[str, list[InFlight]] = {}
+        for entry in entries:
+            assert entry.batch is not None
+            by_run.setdefault(entry.batch.job.run, []).append(entry)
+        aborted = 0
+        for run, in_run in by_run.items():
+            canceled = canceled_jobs(self.worker.connection, run, [e.job.id for e in in_run])
+            for entry in in_run:
+                if entry.job.id in canceled:
+                    entry.canceled = True
+                    aborted += 1
+                    if entry.future is not None:
+                        entry.future.cancel()
+        return aborted
 
     # -- admission (the work loop's thread) -------------------------------------------------
 
@@ -249,6 +271,8 @@ class Feeder:
                 return
         try:
             assert entry.progress is not None
+            if entry.canceled:
+                raise JobCanceledError(f"job {entry.job.id} was canceled; nothing was written")
             with self._submit_lock:
                 self._submit(entry, entry.progress.resume(self.engine.weight_version))
         except BaseException:
@@ -280,6 +304,8 @@ class Feeder:
 
     def _complete(self, entry: InFlight) -> None:
         try:
+            if entry.canceled:
+                raise JobCanceledError(f"job {entry.job.id} was canceled; its requests were aborted, nothing written")
             if entry.timed_out:
                 raise JobTimeoutException(
                     f"Task exceeded maximum timeout value ({entry.job.timeout} seconds); its requests were aborted"

@@ -42,7 +42,7 @@ ENV_METRICS_PORT = "PIPELINE_METRICS_PORT"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 STATES: tuple[str, ...] = get_args(WorkerState)
-OUTCOMES = ("finished", "failed", "retried", "handed_back")
+OUTCOMES = ("finished", "failed", "retried", "handed_back", "canceled")
 ENGINE_ERROR_SOURCES = ("job", "probe")
 # Batches run from milliseconds (sim) to many minutes (long reasoning rollouts).
 BATCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
@@ -65,7 +65,8 @@ class WorkerMetrics:
         self._prompt_tokens = Counter("pipeline_worker_prompt_tokens",
                                       "Prompt tokens of the committed rows (counted once per sample)",
                                       labels, registry=r)
-        self._jobs = Counter("pipeline_worker_jobs", "Jobs by outcome: finished, failed, retried, handed_back",
+        self._jobs = Counter("pipeline_worker_jobs",
+                             "Jobs by outcome: finished, failed, retried, handed_back, canceled",
                              (*labels, "outcome"), registry=r)
         self._engine_errors = Counter("pipeline_worker_engine_errors",
                                       "Engine failures: a job's (source=job) or a health probe's (source=probe)",
@@ -111,6 +112,9 @@ class WorkerMetrics:
     def job_failed(self, *, retried: bool = False) -> None:
         """An attempt failed: for good, or (`retried`) RQ queued the job again."""
         self._jobs.labels(self.worker_id, self.engine, "retried" if retried else "failed").inc()
+
+    def job_canceled(self) -> None:
+        self._jobs.labels(self.worker_id, self.engine, "canceled").inc()
 
     def job_handed_back(self) -> None:
         self._jobs.labels(self.worker_id, self.engine, "handed_back").inc()

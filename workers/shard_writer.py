@@ -12,6 +12,7 @@ sends the batch back to the engine unless storage stays down.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -193,6 +194,13 @@ def _put(url: str, data: bytes) -> None:
                 os.unlink(tmp)
     else:
         fs.pipe_file(path, data)
+
+
+def remove_shard(url: str) -> None:
+    """Delete a shard that was written but not committed (its job was canceled meanwhile)."""
+    fs, path = url_to_fs(url)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
 
 
 def write_shard(table: pa.Table, output: str, run: str, job_id: str, *, retry: WriteRetry | None = None) -> str:

@@ -25,14 +25,15 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.utils import now
 
+from pipeline.submit import RESULT_TTL_S as CANCELED_TTL_S
 from schemas.worker_info import WorkerState
 from workers import control, routing, rq_seam
 from workers.engine_worker import EngineWorker
 from workers.engines.base import Engine
-from workers.errors import NotAllowedJobError, UnsupportedRequestError
+from workers.errors import JobCanceledError, NotAllowedJobError, UnsupportedRequestError
 from workers.handback import hand_back_started
 from workers.health import PROBE_MAX_S, EngineHealth
 from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, RegistryMaintenance
@@ -116,6 +117,9 @@ class RolloutWorker(EngineWorker):
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         self._failing.exception = exc_info[1] if len(exc_info) > 1 else None
+        if isinstance(self._failing.exception, JobCanceledError):
+            log.info("worker %s: job %s canceled", self.worker_id, job.id)  # not an error: no traceback
+            return
         super().handle_exception(job, *exc_info)
 
     def _take_job_exception(self) -> BaseException | None:
@@ -134,6 +138,9 @@ class RolloutWorker(EngineWorker):
     ) -> None:
         if execution is not None:  # a job this worker ran (not a dead worker's, found by maintenance)
             exc = self._take_job_exception()
+            if isinstance(exc, JobCanceledError):
+                self._finish_canceled(job, execution)
+                return
             if isinstance(exc, UnsupportedRequestError) and self._hand_back_refused(job, queue, execution, exc):
                 return
             reason = self.shutdown.handback_reason(exc) or self.health.job_failed(exc)
@@ -145,6 +152,15 @@ class RolloutWorker(EngineWorker):
             self.metrics.job_failed(retried=job.should_retry and rq_seam.stopped_job_id(self) != job.id)
         super().handle_job_failure(job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
                                    execution=execution)
+
+    def _finish_canceled(self, job: Job, execution: Execution) -> None:
+        """A canceled job ends `canceled`, never retried; RQ's started registry lets go of it."""
+        with self.connection.pipeline() as pipe:
+            job.set_status(JobStatus.CANCELED, pipeline=pipe)
+            pipe.expire(job.key, CANCELED_TTL_S)
+            self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            pipe.execute()
+        self.metrics.job_canceled()
 
     def _hand_back_refused(self, job: Job, queue: Queue, execution: Execution, exc: BaseException) -> bool:
         """A deterministic refusal: never retried on this worker. The job is handed back, no retry

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline import keys
 from schemas.request import RolloutRequest
-from tests.helpers import wait_until
+from tests.helpers import drive_worker, wait_until
 from workers.engines.sim import SimConfig, SimEngine
 from workers.worker import RolloutWorker
 
@@ -91,28 +91,6 @@ def _burst(conn: redis.Redis, engine: SimEngine, **kwargs: object) -> RolloutWor
     worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)  # type: ignore[arg-type]
     worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
     return worker
-
-
-def _drive(conn: redis.Redis, engine: SimEngine, driver: Callable[[], None]) -> None:
-    """Run the worker (main thread: it installs signal handlers) while `driver` acts from a thread."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            driver()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        RolloutWorker(conn, engine, control_poll_s=0.1).work(burst=False, max_idle_time=2, with_scheduler=False,
-                                                             logging_level="WARNING")
-    finally:
-        thread.join(timeout=20)
-        engine.close()
-    if errors:
-        raise errors[0]
 
 
 def test_next_job_reaches_the_engine_before_the_last_sequence_ends(redis_client: redis.Redis, tmp_path: Path) -> None:
@@ -204,7 +182,7 @@ def test_a_weight_swap_drains_the_jobs_in_flight_first(redis_client: redis.Redis
         batches.append(client.submit(job("b", [3]), run="swap", output=f"file://{tmp_path}"))
         assert batches[0].wait(timeout=10).counts["finished"] == 1
 
-    _drive(redis_client, engine, driver)
+    drive_worker(redis_client, engine, driver)
     assert engine.at("done", "a0") < engine.at("load", "1") < engine.at("submit", "b0")
     assert set(first.read().column("weight_version").to_pylist()) == {0}
     assert batches[0].read().column("weight_version").to_pylist() == [1]
@@ -226,4 +204,4 @@ def test_a_pause_lets_the_jobs_in_flight_finish_and_takes_no_more(redis_client: 
         client.resume()
         assert held.wait(timeout=10).counts["finished"] == 1
 
-    _drive(redis_client, engine, driver)
+    drive_worker(redis_client, engine, driver)
