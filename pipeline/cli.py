@@ -52,12 +52,27 @@ def _add_redis(parser: argparse.ArgumentParser) -> None:
                              "else 'default')")
 
 
+# Sampling flags of `pipeline submit`: defaults for every row of a dataset (a row's own columns win).
+_SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids")
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
     client = connect(args.redis, pool=args.pool)
+    mapping = None
+    sampling = {name: value for name, value in vars(args).items() if name in _SAMPLING_FLAGS and value is not None}
+    if args.column or args.metadata or sampling:
+        from pipeline.dataset_input import ColumnMapping
+        from pipeline.dataset_source import is_dataset_path
+
+        if not is_dataset_path(args.file):
+            raise PipelineError("--column, --metadata and the sampling flags apply to a dataset (Parquet, Arrow, "
+                                "Feather or a directory of them); JSONL lines give their own fields")
+        mapping = ColumnMapping.parse(args.column, args.metadata, sampling)
     batch = client.submit_file(
         args.file,
+        mapping=mapping,
         tokenizer=args.tokenizer or None,
         vocab_size=args.vocab_size,
         run=args.run,
@@ -162,9 +177,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("submit", help="validate a JSONL of requests and enqueue all of it")
+    p = sub.add_parser("submit", help="validate a JSONL file or a dataset of requests and enqueue all of it")
     _add_redis(p)
-    p.add_argument("file")
+    p.add_argument("file", help="a JSONL file of request lines, or a dataset: .parquet, .arrow, .feather, a directory "
+                                "of Parquet files or one written by datasets' save_to_disk")
+    p.add_argument("--column", action="append", default=[], metavar="FIELD=COLUMN",
+                   help="dataset: the column holding a request field, e.g. input_ids=prompt_ids, messages=prompt, "
+                        "id=uid, temperature=temp (dotted paths into struct columns); repeatable")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=COLUMN",
+                   help="dataset: a metadata key from a column, e.g. answer=reward_model.ground_truth; repeatable")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="dataset: default for every row")
+    p.add_argument("--temperature", type=float, help="dataset: default for every row")
+    p.add_argument("--top-p", dest="top_p", type=float, help="dataset: default for every row")
+    p.add_argument("--top-k", dest="top_k", type=int, help="dataset: default for every row")
+    p.add_argument("--min-p", dest="min_p", type=float, help="dataset: default for every row")
+    p.add_argument("--n", type=int, help="dataset: samples per prompt for every row")
+    p.add_argument("--seed", type=int, help="dataset: sampling seed for every row")
+    p.add_argument("--stop", action="append", default=None, help="dataset: a stop string for every row; repeatable")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=None,
+                   help="dataset: a stop token id for every row; repeatable")
     p.add_argument("--run", default=None, help="run name (default: a new timestamped one)")
     p.add_argument("--output", default=None, help="fsspec URL for shards (default: $PIPELINE_OUTPUT or the state dir)")
     p.add_argument("--batch-size", type=int, default=64, help="requests per job (default 64)")

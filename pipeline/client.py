@@ -15,10 +15,12 @@ from pipeline import control, keys, registry
 from pipeline.batch import Batch
 from pipeline.cancel import CancelResult, cancel
 from pipeline.connection import connect_redis
-from pipeline.errors import LineError, RequestFileError
+from pipeline.dataset_input import ColumnMapping
+from pipeline.dataset_source import is_dataset_path
+from pipeline.errors import LineError, PipelineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower
 from pipeline.request_file import ParsedRequest, validation_errors
-from pipeline.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_file, submit_requests
+from pipeline.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
 from schemas.control import DesiredState, SwapMode
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
@@ -43,6 +45,15 @@ def _as_requests(
     return parsed
 
 
+def _renderer(tokenizer: Any) -> Any:
+    """`ChatRenderer.render_line` of a tokenizer (a path, a transformers tokenizer or a renderer); None without."""
+    if tokenizer is None:
+        return None
+    from pipeline.chat import ChatRenderer
+
+    return (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
+
+
 class Client:
     """A connection to the pipeline's Redis, working in `pool`."""
 
@@ -55,7 +66,7 @@ class Client:
 
     def submit(
         self,
-        requests: Sequence[RolloutRequest | ParsedRequest | Mapping[str, Any]],
+        requests: Sequence[RolloutRequest | ParsedRequest | Mapping[str, Any]] | Any,
         *,
         run: str | None = None,
         output: str | None = None,
@@ -64,42 +75,62 @@ class Client:
         max_staleness: int | None = None,
         tokenizer: Any = None,
         pool: str | None = None,
+        columns: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        vocab_size: int | None = None,
     ) -> Batch:
-        """Validate and enqueue requests (dicts or models); all or nothing.
+        """Validate and enqueue requests (dicts or models), or every row of a `pyarrow.Table`,
+        `pandas.DataFrame` or `datasets.Dataset`; all or nothing.
 
         `max_staleness=K`: no committed sample holds a token from a weight version more than K
         behind the version its worker serves at commit (README "Staleness bound").
 
         With `tokenizer` (a path, a transformers tokenizer or a `pipeline.chat.ChatRenderer`), dicts
         carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
+
+        For a table: `columns` maps request fields to columns (`{"input_ids": "prompt_ids"}`, dotted
+        paths into structs), `metadata` metadata keys to columns, `sampling` gives every row's default
+        sampling parameters (`pipeline.dataset_input.ColumnMapping`); rows failing validation raise
+        `DatasetError` naming their 0-based index and column.
         """
+        options: SubmitOptions = {"run": run, "output": output, "batch_size": batch_size,
+                                  "min_weight_version": min_weight_version, "max_staleness": max_staleness,
+                                  "pool": self._pool(pool)}
+        if not isinstance(requests, list | tuple):
+            mapping = ColumnMapping(columns or {}, metadata or {}, sampling or {})
+            plan = submit_dataset(self.conn, requests, mapping=mapping, vocab_size=vocab_size,
+                                  renderer=_renderer(tokenizer), **options)
+            return Batch(self.conn, plan)
+        if columns or metadata or sampling:
+            raise PipelineError("columns=, metadata= and sampling= map the columns of a table; "
+                                "a list of request dicts carries its fields itself")
         if tokenizer is not None:
             from pipeline.chat import render_requests
 
             requests = render_requests(requests, tokenizer)
-        plan = submit_requests(
-            self.conn,
-            _as_requests(requests),
-            run=run,
-            output=output,
-            batch_size=batch_size,
-            min_weight_version=min_weight_version,
-            max_staleness=max_staleness,
-            pool=self._pool(pool),
-        )
+        plan = submit_requests(self.conn, _as_requests(requests), **options)
         return Batch(self.conn, plan)
 
     def submit_file(
-        self, path: str, *, tokenizer: Any = None, vocab_size: int | None = None, **options: Unpack[SubmitOptions]
+        self, path: str, *, tokenizer: Any = None, vocab_size: int | None = None,
+        mapping: ColumnMapping | None = None, **options: Unpack[SubmitOptions]
     ) -> Batch:
         """Validate every line of a JSONL file (chat lines rendered with `tokenizer`) and enqueue all
-        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.submit.submit_file`."""
-        renderer = None
-        if tokenizer is not None:
-            from pipeline.chat import ChatRenderer
+        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.submit.submit_file`.
 
-            renderer = (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
+        A dataset path (Parquet, Arrow/Feather, a directory of Parquet or of `datasets.save_to_disk`;
+        `pipeline.dataset_source.is_dataset_path`) is read by column through `mapping` instead
+        (`pipeline.submit.submit_dataset`)."""
+        renderer = _renderer(tokenizer)
         options["pool"] = self._pool(options.get("pool"))
+        if is_dataset_path(path):
+            plan = submit_dataset(self.conn, path, mapping=mapping, vocab_size=vocab_size, renderer=renderer,
+                                  **options)
+            return Batch(self.conn, plan)
+        if mapping is not None:
+            raise PipelineError(f"{path}: a column mapping applies to datasets (Parquet, Arrow, Feather, a "
+                                "directory), not to JSONL lines, which name their fields")
         return Batch(self.conn, submit_file(self.conn, path, vocab_size=vocab_size, renderer=renderer, **options))
 
     def workers(self, *, pool: str | None = None) -> list[WorkerInfo]:

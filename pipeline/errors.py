@@ -2,6 +2,8 @@
 
     PipelineError                      root: catch this to catch them all (workers' errors too)
     ├── RequestFileError               invalid request lines, located; nothing was enqueued
+    ├── DatasetError                   invalid dataset rows (row index, column) or column mapping; nothing enqueued
+    ├── ColumnMappingError             a dataset column mapping names a missing column or one of the wrong type
     ├── RenderError                    a chat line cannot be rendered (`field` locates it)
     ├── PolicyError                    a weight path or output URL outside what the deployment allows
     ├── RedisURLError                  a Redis URL this pipeline cannot use (also a ValueError)
@@ -68,6 +70,44 @@ class RequestFileError(PipelineError):
             f"{path}: {len(errors)} invalid line(s); nothing was enqueued. Fix these and submit "
             f"again:\n{shown}{more}"
         )
+
+
+@dataclass(frozen=True)
+class RowError:
+    """One problem in a dataset, located by 0-based row index (as Arrow and pandas count) and column."""
+
+    path: str
+    row: int
+    column: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}: row {self.row}"
+        return f"{where}: column {self.column!r}: {self.message}" if self.column else f"{where}: {self.message}"
+
+
+class DatasetError(PipelineError):
+    """A dataset's rows or its column mapping are invalid; nothing from it was enqueued.
+
+    `errors` holds at most `MAX_LISTED` problems; `count` is how many were found in all."""
+
+    MAX_LISTED = 20
+
+    def __init__(self, path: str, errors: list[RowError], count: int, total_rows: int) -> None:
+        self.path = path
+        self.errors = errors[: self.MAX_LISTED]
+        self.count = count
+        self.total_rows = total_rows
+        shown = "\n".join(f"  {e}" for e in self.errors)
+        more = f"\n  ... and {count - len(self.errors)} more" if count > len(self.errors) else ""
+        super().__init__(
+            f"{path}: {count} problem(s) in {total_rows} rows; nothing was enqueued. Fix these and submit "
+            f"again:\n{shown}{more}"
+        )
+
+
+class ColumnMappingError(PipelineError):
+    """A column mapping names a column the dataset lacks, or one of the wrong type; nothing was enqueued."""
 
 
 class RenderError(PipelineError):

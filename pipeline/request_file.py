@@ -75,11 +75,11 @@ _MAX_NESTING = 64  # brackets outside the ids beyond which the fast path steps a
 _METADATA_GROWTH = 5
 
 
-class _StepAside(Exception):
+class StepAside(Exception):
     """The fast path cannot vouch for a line; pydantic's full parse decides (and words any error)."""
 
 
-class _Sampling:
+class SamplingShape:
     """One validated `sampling_params` shape (every field but `seed`), shared by the lines that use it."""
 
     __slots__ = ("after_seed", "before_seed", "include", "params", "stop_max")
@@ -100,7 +100,7 @@ class _Sampling:
         return {**self.before_seed, "seed": seed, **self.after_seed}
 
 
-_DEFAULT_SHAPE = _Sampling(_DEFAULT_SAMPLING)
+_DEFAULT_SHAPE = SamplingShape(_DEFAULT_SAMPLING)
 
 
 class ParsedRequest:
@@ -124,7 +124,7 @@ class ParsedRequest:
     )
 
     def __init__(self, ident: str, prompt_ids: np.ndarray, job_fields: dict[str, Any], logprobs: int | None,
-                 return_routed_experts: bool, shape: _Sampling, seed: int | None,
+                 return_routed_experts: bool, shape: SamplingShape, seed: int | None,
                  request: RolloutRequest | None = None) -> None:
         self.id = ident
         self.prompt_ids = prompt_ids
@@ -141,7 +141,7 @@ class ParsedRequest:
     def from_request(cls, request: RolloutRequest) -> ParsedRequest:
         return cls(request.id, np.asarray(request.input_ids, dtype=np.int64),
                    request.model_dump(exclude={"input_ids"}, exclude_defaults=True), request.logprobs,
-                   request.return_routed_experts, _Sampling(request.sampling_params), None, request)
+                   request.return_routed_experts, SamplingShape(request.sampling_params), None, request)
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -174,23 +174,23 @@ class ParsedRequest:
         return self._request
 
 
-def _small_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[Any, _Sampling]) -> ParsedRequest:
-    """Every field but the ids (`size` bytes of the line), checked as the model would; `_StepAside`
+def fast_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[Any, SamplingShape]) -> ParsedRequest:
+    """Every field but the ids (`size` bytes of the line), checked as the model would; `StepAside`
     for anything the model might see differently (pydantic then decides)."""
     ident = line.get("id")
     if type(ident) is not str or not 0 < len(ident) <= 512:
-        raise _StepAside
+        raise StepAside
     fields: dict[str, Any] = {"id": ident}
     seed = None
     shape = _DEFAULT_SHAPE
     if "sampling_params" in line:
         given = line["sampling_params"]
         if type(given) is not dict:
-            raise _StepAside
+            raise StepAside
         if "seed" in given:
             seed = given.pop("seed")
             if seed is not None and (type(seed) is not int or not 0 <= seed <= _MAX_SEED):
-                raise _StepAside
+                raise StepAside
         try:
             key: Any = (tuple(given.items()), tuple(map(type, given.values())))
             shape = shapes.get(key)  # type: ignore[assignment]
@@ -198,9 +198,9 @@ def _small_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict
             key, shape = None, None  # type: ignore[assignment]
         if shape is None:
             try:
-                shape = _Sampling(SamplingParams.model_validate(given))
+                shape = SamplingShape(SamplingParams.model_validate(given))
             except ValidationError:
-                raise _StepAside from None
+                raise StepAside from None
             if key is not None:
                 shapes[key] = shape
         dumped = shape.dump(seed)
@@ -208,23 +208,23 @@ def _small_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict
             fields["sampling_params"] = dumped
     logprobs = line.get("logprobs", 0)
     if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= 1024):
-        raise _StepAside
+        raise StepAside
     if logprobs != 0:
         fields["logprobs"] = logprobs
     prompt_logprobs = line.get("prompt_logprobs")
     if prompt_logprobs is not None:
         if type(prompt_logprobs) is not int or prompt_logprobs != 0:
-            raise _StepAside
+            raise StepAside
         fields["prompt_logprobs"] = prompt_logprobs
     routed = line.get("return_routed_experts", False)
     if type(routed) is not bool:
-        raise _StepAside
+        raise StepAside
     if routed:
         fields["return_routed_experts"] = True
     if "metadata" in line:
         metadata = line["metadata"]
         if type(metadata) is not dict:
-            raise _StepAside
+            raise StepAside
         if metadata:
             # Encoding the metadata (to measure it) is needed only when it could be over the limit:
             # the encoder writes at most _METADATA_GROWTH bytes per byte of the line.
@@ -232,14 +232,14 @@ def _small_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict
                 try:
                     encoded = len(request_schema.encode_metadata(metadata))
                 except (ValueError, RecursionError):
-                    raise _StepAside from None
+                    raise StepAside from None
                 if encoded > request_schema.MAX_METADATA_BYTES:
-                    raise _StepAside
+                    raise StepAside
             fields["metadata"] = metadata
     prompt_text = line.get("prompt_text")
     if prompt_text is not None:
         if type(prompt_text) is not str:
-            raise _StepAside
+            raise StepAside
         fields["prompt_text"] = prompt_text
     return ParsedRequest(ident, ids, fields, logprobs, routed, shape, seed)
 
@@ -315,7 +315,7 @@ def _parse_line(parser: simdjson.Parser, raw: bytes) -> tuple[dict[str, Any], np
         del doc
 
 
-def _fast_block(raws: list[bytes], shapes: dict[Any, _Sampling]) -> list[ParsedRequest | None]:
+def _fast_block(raws: list[bytes], shapes: dict[Any, SamplingShape]) -> list[ParsedRequest | None]:
     """The common lines of a block validated quickly; None where pydantic's full path must decide.
 
     Each line is parsed by simdjson (which holds JSON's number grammar: no leading zeros, no '+');
@@ -333,8 +333,8 @@ def _fast_block(raws: list[bytes], shapes: dict[Any, _Sampling]) -> list[ParsedR
     good = _ids_in_range([p[2] for p in parsed])
     for (index, line, ids, size), ok in zip(parsed, good, strict=True):
         if ok:
-            with contextlib.suppress(_StepAside, ValueError, RecursionError):
-                out[index] = _small_fields(line, ids, size, shapes)
+            with contextlib.suppress(StepAside, ValueError, RecursionError):
+                out[index] = fast_fields(line, ids, size, shapes)
     return out
 
 
@@ -405,7 +405,7 @@ def _request_blocks(
 ) -> Iterator[list[ParsedRequest]]:
     errors: list[LineError] = []
     first_line_of: dict[str, int] = {}
-    shapes: dict[Any, _Sampling] = {}
+    shapes: dict[Any, SamplingShape] = {}
     fast_lines = renderer is None
     total = 0
     numbered = enumerate(lines, start=1)

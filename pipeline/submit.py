@@ -7,7 +7,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -18,6 +18,8 @@ from rq.serializers import JSONSerializer
 
 from pipeline import keys, registry
 from pipeline.capabilities import Placement
+from pipeline.dataset_input import ColumnMapping, dataset_blocks
+from pipeline.dataset_source import open_memory, open_path
 from pipeline.errors import PipelineError
 from pipeline.prompt_staging import PromptStager
 from pipeline.redis_server import state_dir
@@ -118,6 +120,24 @@ def submit_file(
     with open(path, "rb") as handle:
         blocks = iter_request_blocks(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
         return submit_blocks(conn, blocks, **options)
+
+
+def submit_dataset(
+    conn: redis.Redis,
+    source: str | Path | Any,
+    *,
+    mapping: ColumnMapping | None = None,
+    vocab_size: int | None = None,
+    renderer: Callable[[Mapping[str, Any]], Any] | None = None,
+    **options: Unpack[SubmitOptions],
+) -> SubmitPlan:
+    """Validate every row of a dataset (a path: Parquet, Arrow/Feather, a directory of Parquet, a
+    `datasets.save_to_disk` directory; or a `pyarrow.Table`, `pandas.DataFrame`, `datasets.Dataset`)
+    and enqueue all of it, or nothing (`DatasetError` naming rows and columns). Read and packed
+    record batch by record batch, like a JSONL file line block by line block."""
+    opened = open_path(source) if isinstance(source, str | Path) else open_memory(source)
+    blocks = dataset_blocks(opened, mapping or ColumnMapping(), vocab_size=vocab_size, renderer=renderer)
+    return submit_blocks(conn, blocks, **options)
 
 
 def submit_blocks(
