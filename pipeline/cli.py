@@ -80,6 +80,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         min_weight_version=args.min_weight_version,
         max_staleness=args.max_staleness,
+        reward=args.reward,
     )
     plan = batch.plan
     print(f"run: {plan.run} (pool {plan.pool})")
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None, metavar="K",
                    help="no committed sample keeps a token from a weight version more than K behind its worker's "
                         "at commit; one that would is generated again from the start (partial swaps)")
+    p.add_argument("--reward", metavar="NAME", default=None,
+                   help="a registered reward function (built-ins: exact_match, numeric_match) that reward "
+                        "workers run on every committed shard")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="render `messages`/`prompt` lines into token ids with this tokenizer (as SGLang would)")

@@ -9,6 +9,7 @@
     ├── RedisURLError                  a Redis URL this pipeline cannot use (also a ValueError)
     ├── EmbeddedRedisError             the embedded Redis server could not be found or started
     ├── PoolNameError                  a pool name that cannot name Redis keys
+    ├── RewardNameError                a reward function name that is not registered here
     ├── CapabilityError                no live worker can serve what the requests ask for
     ├── ControlAuthError               the stored control state is malformed, unsigned or forged
     ├── WeightVersionError             a push named a version not newer than the current one
@@ -133,6 +134,10 @@ class EmbeddedRedisError(PipelineError):
 
 class PoolNameError(PipelineError):
     """A pool name that is not 1-64 letters, digits, '_' or '-' starting with a letter or digit."""
+
+
+class RewardNameError(PipelineError):
+    """A reward function name that is not registered (`pipeline.rewards`)."""
 
 
 class CapabilityError(PipelineError):

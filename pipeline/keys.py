@@ -130,3 +130,24 @@ def prompts(job_id: str) -> str:
 def canceled(run: str) -> str:
     """The set of a run's canceled job ids: workers abort them and never commit them (`pipeline.cancel`)."""
     return f"{PREFIX}:run:{run}:canceled"
+
+
+# Runs submitted with a reward function (`--reward`): the streams reward workers read.
+REWARD_RUNS = f"{PREFIX}:rewards:runs"
+# The consumer group reward workers share on each such run's commit log.
+REWARD_GROUP = "rewards"
+
+
+def reward_log(run: str) -> str:
+    """The per-run stream of committed rewards shards (one entry per job: its rewards or their error)."""
+    return f"{PREFIX}:rewards:{run}"
+
+
+def reward_jobs(run: str) -> str:
+    """A hash of job id → `ok` or `failed` once its rewards are committed (each job's rewards once)."""
+    return f"{PREFIX}:rewards:{run}:jobs"
+
+
+def reward_totals(run: str) -> str:
+    """A hash of a run's reward totals: jobs, failed, rows, sum (kept by `pipeline.reward_log.append`)."""
+    return f"{PREFIX}:rewards:{run}:totals"

@@ -16,10 +16,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import redis
 
-from pipeline import commit_log
+from pipeline import commit_log, keys
 from pipeline.errors import PipelineError
 from pipeline.storage import arrow_filesystem, join, url_to_fs
-from schemas.shard import SHARD_SCHEMA
+from schemas.shard import REWARDS_SCHEMA, REWARDS_SUFFIX, SHARD_SCHEMA, rewards_path
 
 __all__ = [
     "all_of",
@@ -41,7 +41,7 @@ def shard_paths(url: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
         return fs, []
     files = [
         p for p in fs.find(path)
-        if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")
+        if p.endswith(".parquet") and not p.endswith(REWARDS_SUFFIX) and not p.rsplit("/", 1)[-1].startswith(".")
     ]
     return fs, sorted(files)
 
@@ -87,14 +87,22 @@ def rollouts_dataset(
     With `conn` and `run`, the shards are those of the run's commit log (one per job id, the
     latest commit wins) instead of a directory listing; `urls` is then not listed.
     """
+    return _dataset(*_shard_files(urls, run, conn))
+
+
+def _shard_files(
+    urls: str | Sequence[str], run: str | None, conn: redis.Redis | None,
+) -> tuple[fsspec.AbstractFileSystem | None, list[str]]:
     if conn is not None:
         if run is None:
             raise PipelineError("reading through the commit log needs the run name (run=...)")
-        fs, files = _files_of(_committed_urls(conn, run))
-    elif isinstance(urls, str):
-        fs, files = _files_of([join(urls, run) if run else urls])
-    else:
-        fs, files = _files_of(list(urls))
+        return _files_of(_committed_urls(conn, run))
+    if isinstance(urls, str):
+        return _files_of([join(urls, run) if run else urls])
+    return _files_of(list(urls))
+
+
+def _dataset(fs: fsspec.AbstractFileSystem | None, files: list[str]) -> pads.Dataset:
     if not files or fs is None:
         return pads.dataset(pa.Table.from_batches([], schema=SHARD_SCHEMA))
     dataset = pads.dataset(files, filesystem=arrow_filesystem(fs), format="parquet")
@@ -121,13 +129,43 @@ def read_rollouts(
     columns: list[str] | None = None,
     filter: pads.Expression | None = None,
     conn: redis.Redis | None = None,
+    rewards: bool = False,
 ) -> pa.Table:
     """The rows of the shards under a URL (or of the given shard URLs) as one Table.
 
     `columns` projects, `filter` (see `weight_version_between`, `finish_reason_in`,
     `request_id_in`, combinable with `&`) is pushed down; `conn` dedupes through the commit log.
+    `rewards` adds `reward` and `reward_info` from the rewards shards beside the shards (README
+    "Rewards"; with `conn`, only rewards recorded in the run's rewards stream); null where a row has none yet.
     """
-    return rollouts_dataset(urls, run, conn=conn).to_table(columns=columns, filter=filter)
+    fs, files = _shard_files(urls, run, conn)
+    wanted = columns if columns is None or not rewards or "rollout_id" in columns else [*columns, "rollout_id"]
+    table = _dataset(fs, files).to_table(columns=wanted, filter=filter)
+    if not rewards:
+        return table
+    table = _join_rewards(table, fs, files, _rewarded_jobs(conn, run) if conn is not None else None)
+    return table if wanted == columns else table.drop_columns(["rollout_id"])
+
+
+def _rewarded_jobs(conn: redis.Redis, run: str | None) -> set[str]:
+    """Jobs of the run whose rewards are recorded as written."""
+    return {job.decode() for job, state in conn.hgetall(keys.reward_jobs(run or "")).items() if state == b"ok"}
+
+
+def _join_rewards(table: pa.Table, fs: fsspec.AbstractFileSystem | None, files: list[str],
+                  jobs: set[str] | None) -> pa.Table:
+    """`table` with `reward` and `reward_info` looked up by `rollout_id` (null where missing)."""
+    paths = []
+    for path in files:
+        beside = rewards_path(path)
+        if (jobs is None or path.rsplit("/", 1)[-1][: -len(".parquet")] in jobs) and fs is not None \
+                and fs.exists(beside):
+            paths.append(beside)
+    found = (pads.dataset(paths, schema=REWARDS_SCHEMA, filesystem=arrow_filesystem(fs), format="parquet").to_table()
+             if paths and fs is not None else REWARDS_SCHEMA.empty_table())
+    at = pc.index_in(table.column("rollout_id"), value_set=found.column("rollout_id"))
+    return (table.append_column("reward", found.column("reward").take(at))
+            .append_column("reward_info", found.column("reward_info").take(at)))
 
 
 def weight_version_between(low: int | None = None, high: int | None = None) -> pads.Expression:

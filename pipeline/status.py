@@ -14,7 +14,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline import commit_log, control, keys, registry
+from pipeline import commit_log, control, keys, registry, reward_log
 from pipeline.submit import rollout_queue
 from schemas.capabilities import describe
 from schemas.control import DesiredState
@@ -96,7 +96,9 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
     totals = dataclasses.asdict(commit_log.totals(conn, run))
     versions = totals["weight_versions"]
     return {**totals, "staleness": max(0, current - min(versions)) if versions else None,
-            "canceled": conn.scard(keys.canceled(run))}
+            "canceled": conn.scard(keys.canceled(run)),
+            "rewards": dataclasses.asdict(reward_log.totals(conn, run)) if conn.sismember(keys.REWARD_RUNS, run)
+            else None}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -135,6 +137,9 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             f"  {run}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
             f"weights {r['weight_versions']}"
             + (f", {r['canceled']} job(s) canceled" if r.get("canceled") else "")
+            + (f"; rewards: {r['rewards']['jobs']}/{r['shards']} shards scored, {r['rewards']['failed']} failed"
+               + (f", mean {r['rewards']['mean']:.4g}" if r["rewards"]["mean"] is not None else "")
+               if r.get("rewards") else "")
             + (f", staleness {r['staleness']} (oldest token v{min(r['weight_versions'])} vs pushed "
                f"v{desired['weight_version']})" if r.get("staleness") is not None else "")
         )

@@ -16,7 +16,7 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
-from pipeline import keys, registry
+from pipeline import keys, registry, rewards
 from pipeline.capabilities import Placement
 from pipeline.dataset_input import ColumnMapping, dataset_blocks
 from pipeline.dataset_source import open_memory, open_path
@@ -89,6 +89,7 @@ class SubmitOptions(TypedDict, total=False):
     job_timeout_s: int
     retries: int
     pool: str | None
+    reward: str | None
 
 
 def submit_requests(
@@ -152,6 +153,7 @@ def submit_blocks(
     job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     retries: int = DEFAULT_RETRIES,
     pool: str | None = None,
+    reward: str | None = None,
 ) -> SubmitPlan:
     """Enqueue the requests of `blocks` (consumed once, in order) as jobs of at most `batch_size`,
     atomically: all or none, also when `blocks` raises part-way.
@@ -164,6 +166,9 @@ def submit_blocks(
     Jobs go to `pool`'s queue (`pipeline.keys.pool`). Every request is checked against each
     live worker of the pool, and requests are packed by the worker classes that can serve them
     (`pipeline.capabilities.Placement`); each job carries what it needs in its RQ meta.
+
+    `reward` names a registered reward function (`pipeline.rewards`): reward workers score every
+    shard the batch commits (README "Rewards").
     """
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be at least 1, not {batch_size}")
@@ -175,6 +180,8 @@ def submit_blocks(
             f"run name {run!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit (it becomes a directory name)"
         )
+    if reward is not None:
+        rewards.check_registered(reward)
     output = (output or default_output()).rstrip("/")
     check_output_url(output)  # the default output too: a worker would refuse it anyway
     where = keys.pool(pool)
@@ -201,6 +208,8 @@ def submit_blocks(
             jobs.add(group.requests, stager, group.needs)
         if not jobs.job_ids:
             raise PipelineError("nothing to submit: no requests")
+        if reward is not None:
+            _reward_group(conn, run)
         with conn.pipeline(transaction=True) as pipe:
             stager.confirm(pipe)
             pipe.multi()
@@ -217,8 +226,11 @@ def submit_blocks(
                     "requests": jobs.requests,
                     "samples": jobs.samples,
                     "submitted_at_ms": jobs.submitted_at_ms,
+                    **({"reward": reward} if reward is not None else {}),
                 },
             )
+            if reward is not None:
+                pipe.sadd(keys.REWARD_RUNS, run)
             pipe.sadd(keys.run_batches(run), jobs.batch_id)
             pipe.sadd(where.runs, run)
             pipe.sadd(keys.POOLS, where.name)
@@ -233,6 +245,15 @@ def submit_blocks(
     finally:
         stager.close()
     return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name)
+
+
+def _reward_group(conn: redis.Redis, run: str) -> None:
+    """The reward workers' consumer group on the run's commit log, from its start (kept if it exists)."""
+    try:
+        conn.xgroup_create(keys.commit_log(run), keys.REWARD_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 @dataclass

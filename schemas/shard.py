@@ -80,3 +80,21 @@ def shard_schema(routed_experts_type: pa.DataType | None = None) -> pa.Schema:
 
 
 SHARD_SCHEMA = shard_schema()
+
+# A rewards shard sits beside its rollout shard (`<job id>.rewards.parquet` next to `<job id>.parquet`;
+# readers of rollout shards skip it): one row per rollout row, written by a reward worker.
+REWARDS_SUFFIX = ".rewards.parquet"
+REWARDS_SCHEMA = pa.schema(
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("reward", pa.float64(), nullable=False),
+        # Whatever the reward function returned beside the reward, as a JSON object; null if nothing.
+        pa.field("reward_info", pa.string()),
+    ],
+    metadata={"schema_version": SCHEMA_VERSION},
+)
+
+
+def rewards_path(shard_path: str) -> str:
+    """The rewards shard beside a rollout shard (a path or URL ending in `.parquet`)."""
+    return shard_path[: -len(".parquet")] + REWARDS_SUFFIX

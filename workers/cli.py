@@ -136,6 +136,10 @@ def register_worker(sub: argparse._SubParsersAction, add_redis: Callable[[argpar
     add_observability_arguments(parser)
     parser.set_defaults(func=_run_worker)
 
+    from workers.reward_worker import register as register_reward_worker
+
+    register_reward_worker(sub, add_redis)  # `pipeline reward-worker`, the CPU side of rewards
+
 
 def _env_port(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
