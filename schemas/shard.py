@@ -54,6 +54,12 @@ ROW_FIELDS: list[pa.Field] = [
     pa.field("min_p", pa.float32(), nullable=False),
     pa.field("seed", pa.int64()),
     pa.field("max_new_tokens", pa.int32(), nullable=False),
+    # The rest of the sampling contract that shapes stored logprobs (`pipeline verify` recomputes
+    # them); null in shards written before these columns: the defaults (0, 0, 1, 0).
+    pa.field("frequency_penalty", pa.float32()),
+    pa.field("presence_penalty", pa.float32()),
+    pa.field("repetition_penalty", pa.float32()),
+    pa.field("min_new_tokens", pa.int32()),
     pa.field("prompt_tokens", pa.int32(), nullable=False),
     pa.field("completion_tokens", pa.int32(), nullable=False),
     pa.field("cached_tokens", pa.int32(), nullable=False),

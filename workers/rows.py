@@ -116,6 +116,7 @@ def build_table(
                 stop.finish_reason, stop.stop_reason_text, stop.stop_reason_token,
                 None if routed is None else sample.routed_experts_start,
                 params.temperature, params.top_p, params.top_k, params.min_p, params.seed, params.max_new_tokens,
+                params.frequency_penalty, params.presence_penalty, params.repetition_penalty, params.min_new_tokens,
                 len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
                 min(v for _, v in segments),
                 None if len(segments) == 1 else [{"start": a, "version": v} for a, v in segments],
@@ -167,6 +168,7 @@ _PER_ROW = (
     "rollout_id", "request_id", "sample_index", "completion_top_logprobs", "prompt_logprobs", "completion_text",
     "finish_reason", "stop_reason_text", "stop_reason_token", "routed_experts_start",
     "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
     "weight_version", "weight_version_segments",
 )

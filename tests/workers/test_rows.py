@@ -47,3 +47,15 @@ def test_segments_that_do_not_cover_the_completion_are_violations(segments: list
 def test_a_plain_output_of_another_version_is_a_violation() -> None:
     with pytest.raises(ContractViolation, match="engine reports weight version 4, the worker serves 3"):
         build_table([RolloutRequest(id="a", input_ids=[1])], [[sample(2, weight_version=4)]], CTX)
+
+
+def test_the_whole_sampling_contract_is_echoed_so_logprobs_can_be_recomputed() -> None:
+    request = RolloutRequest.model_validate({
+        "id": "a", "input_ids": [1],
+        "sampling_params": {"temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": -0.25,
+                            "repetition_penalty": 1.5, "min_new_tokens": 2, "max_new_tokens": 3},
+    })
+    row = build_table([request], [[sample(3)]], CTX).to_pylist()[0]
+    assert row["temperature"] == pytest.approx(0.7)
+    assert (row["frequency_penalty"], row["presence_penalty"], row["repetition_penalty"], row["min_new_tokens"]) == (
+        0.5, -0.25, 1.5, 2)
