@@ -19,6 +19,7 @@ from pipeline.errors import JobsFailedError, WaitTimeoutError
 from pipeline.reader import read_rollouts
 from pipeline.status import failure_reason
 from pipeline.submit import SubmitPlan
+from pipeline.take import GroupFilter, TakeResult, take
 
 TERMINAL = {"finished", "failed", "stopped", "canceled"}
 # `wait` blocks on the result streams of this many unfinished jobs (and on the commit log).
@@ -55,6 +56,7 @@ class Batch:
         # Rows committed per job, read incrementally from the commit log while waiting.
         self._rows: dict[str, int] = {}
         self._last_entry: str | None = None
+        self.last_take: TakeResult | None = None  # the report of the last `take`: kept, dropped, canceled
 
     @property
     def run(self) -> str:
@@ -162,6 +164,18 @@ class Batch:
             elif entries:
                 results[name.rsplit(":", 1)[1]] = entries[-1][0].decode()
         return caught_up
+
+    @property
+    def reward(self) -> str | None:
+        """The batch's reward function, if it was submitted with one."""
+        return self.plan.reward
+
+    def take(self, groups: int | None = None, keep: GroupFilter | None = None, *,
+             timeout: float | None = None, cancel_rest: bool = True) -> TakeResult:
+        """`groups` complete groups (all n samples of a request, rewards joined when the batch has a
+        reward function) that `keep` accepts, as jobs finish; then cancel the rest
+        (`pipeline.take`; `keep=pipeline.take.rewards_differ` is DAPO's filter)."""
+        return take(self, groups, keep, timeout=timeout, cancel_rest=cancel_rest)
 
     def cancel(self) -> CancelResult:
         """Cancel this batch's jobs: queued ones are removed, running ones aborted at their engine's

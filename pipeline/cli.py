@@ -81,6 +81,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         min_weight_version=args.min_weight_version,
         max_staleness=args.max_staleness,
         reward=args.reward,
+        groups=args.groups,
+        oversample=args.oversample,
     )
     plan = batch.plan
     print(f"run: {plan.run} (pool {plan.pool})")
@@ -207,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", metavar="NAME", default=None,
                    help="a registered reward function (built-ins: exact_match, numeric_match) that reward "
                         "workers run on every committed shard")
+    p.add_argument("--groups", type=int, default=None, metavar="N",
+                   help="submit only the first N requests (with --oversample F: ceil(N x F)); `batch.take()` "
+                        "keeps N groups")
+    p.add_argument("--oversample", type=float, default=None, metavar="F",
+                   help="submit F times the --groups requests, so N groups survive a filter in one round")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="render `messages`/`prompt` lines into token ids with this tokenizer (as SGLang would)")

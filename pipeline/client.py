@@ -80,12 +80,15 @@ class Client:
         sampling: Mapping[str, Any] | None = None,
         vocab_size: int | None = None,
         reward: str | None = None,
+        groups: int | None = None,
+        oversample: float | None = None,
     ) -> Batch:
         """Validate and enqueue requests (dicts or models), or every row of a `pyarrow.Table`,
         `pandas.DataFrame` or `datasets.Dataset`; all or nothing.
 
         `reward`: a registered reward function (`pipeline.rewards`) that reward workers run on every
-        shard of the batch (README "Rewards").
+        shard of the batch (README "Rewards"). `groups=N` (with `oversample=F`) submits only the first
+        N (ceil(N x F)) requests, for `batch.take()` (README "Group filters and over-sampling").
 
         `max_staleness=K`: no committed sample holds a token from a weight version more than K
         behind the version its worker serves at commit (README "Staleness bound").
@@ -100,7 +103,8 @@ class Client:
         """
         options: SubmitOptions = {"run": run, "output": output, "batch_size": batch_size,
                                   "min_weight_version": min_weight_version, "max_staleness": max_staleness,
-                                  "pool": self._pool(pool), "reward": reward}
+                                  "pool": self._pool(pool), "reward": reward, "groups": groups,
+                                  "oversample": oversample}
         if not isinstance(requests, list | tuple):
             mapping = ColumnMapping(columns or {}, metadata or {}, sampling or {})
             plan = submit_dataset(self.conn, requests, mapping=mapping, vocab_size=vocab_size,

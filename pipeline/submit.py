@@ -3,11 +3,12 @@ and enqueue every job in one Redis transaction (all of a submit or none of it)."
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -71,6 +72,8 @@ class SubmitPlan:
     requests: int
     samples: int
     pool: str = keys.DEFAULT_POOL
+    reward: str | None = None
+    groups: int | None = None  # the groups `Batch.take` keeps by default (`submit(groups=N)`)
 
 
 def rollout_queue(conn: redis.Redis, pool: str | None = None) -> Queue:
@@ -90,6 +93,8 @@ class SubmitOptions(TypedDict, total=False):
     retries: int
     pool: str | None
     reward: str | None
+    groups: int | None
+    oversample: float | None
 
 
 def submit_requests(
@@ -154,6 +159,8 @@ def submit_blocks(
     retries: int = DEFAULT_RETRIES,
     pool: str | None = None,
     reward: str | None = None,
+    groups: int | None = None,
+    oversample: float | None = None,
 ) -> SubmitPlan:
     """Enqueue the requests of `blocks` (consumed once, in order) as jobs of at most `batch_size`,
     atomically: all or none, also when `blocks` raises part-way.
@@ -169,6 +176,9 @@ def submit_blocks(
 
     `reward` names a registered reward function (`pipeline.rewards`): reward workers score every
     shard the batch commits (README "Rewards").
+
+    `groups=N` enqueues only the first N requests (`oversample=F`: the first ceil(N x F)) and records
+    N on the batch for `Batch.take` (README "Group filters and over-sampling").
     """
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be at least 1, not {batch_size}")
@@ -182,6 +192,9 @@ def submit_blocks(
         )
     if reward is not None:
         rewards.check_registered(reward)
+    limit = _request_limit(groups, oversample)
+    if limit is not None:
+        blocks = _first(blocks, limit)
     output = (output or default_output()).rstrip("/")
     check_output_url(output)  # the default output too: a worker would refuse it anyway
     where = keys.pool(pool)
@@ -208,6 +221,9 @@ def submit_blocks(
             jobs.add(group.requests, stager, group.needs)
         if not jobs.job_ids:
             raise PipelineError("nothing to submit: no requests")
+        if limit is not None and jobs.requests < limit:
+            raise PipelineError(f"groups={groups} with oversample={oversample or 1:g} needs {limit} requests; the "
+                                f"input has {jobs.requests}; nothing was enqueued")
         if reward is not None:
             _reward_group(conn, run)
         with conn.pipeline(transaction=True) as pipe:
@@ -227,6 +243,7 @@ def submit_blocks(
                     "samples": jobs.samples,
                     "submitted_at_ms": jobs.submitted_at_ms,
                     **({"reward": reward} if reward is not None else {}),
+                    **({"groups": groups} if groups is not None else {}),
                 },
             )
             if reward is not None:
@@ -244,7 +261,31 @@ def submit_blocks(
         raise
     finally:
         stager.close()
-    return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name)
+    return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name, reward,
+                      groups)
+
+
+def _request_limit(groups: int | None, oversample: float | None) -> int | None:
+    """How many requests a submit with `groups` and `oversample` enqueues (None: all)."""
+    if oversample is not None and groups is None:
+        raise PipelineError("--oversample F needs --groups N: it submits ceil(N x F) requests")
+    if groups is None:
+        return None
+    if groups < 1:
+        raise PipelineError(f"--groups must be at least 1, not {groups}")
+    if oversample is not None and not (math.isfinite(oversample) and oversample >= 1):
+        raise PipelineError(f"--oversample must be a number >= 1, not {oversample}")
+    return math.ceil(groups * (oversample or 1) - 1e-9)
+
+
+def _first(blocks: Iterable[Sequence[Any]], limit: int) -> Iterator[Sequence[Any]]:
+    """The blocks' first `limit` requests."""
+    left = limit
+    for block in blocks:
+        if left <= 0:
+            return
+        yield block[:left]
+        left -= len(block)
 
 
 def _reward_group(conn: redis.Redis, run: str) -> None:

@@ -27,3 +27,9 @@ def stalls(rows: list[dict]) -> list[float]:
             Path(marker).touch()
             time.sleep(3600)
     return [float(len(row["completion_token_ids"])) for row in rows]
+
+
+def varies(rows: list[dict]) -> list[float]:
+    """The sample index's parity for requests whose metadata says `vary`, else 0: a group's rewards
+    differ exactly when its request varies."""
+    return [float(row["sample_index"] % 2) if row["metadata"].get("vary") else 0.0 for row in rows]
