@@ -17,6 +17,7 @@ per row by `np.minimum/maximum.reduceat`, and copied once into the staged Redis 
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import ValidationError
 
 from pipeline.dataset_source import DatasetSource
@@ -43,6 +45,7 @@ _SAMPLING_NAMES = frozenset(SamplingParams.model_fields)
 _CHAT_FIELDS = frozenset(ChatRequest.model_fields) - frozenset(RolloutRequest.model_fields)
 # Request fields a column may fill besides the ids, chat input and sampling parameters.
 _ROW_FIELDS = frozenset({"id", "logprobs", "prompt_logprobs", "return_routed_experts", "metadata", "sampling_params"})
+_MAX_SEED = 2**63 - 1
 _TARGETS = _ROW_FIELDS | {"input_ids"} | _CHAT_FIELDS | _SAMPLING_NAMES
 
 
@@ -152,8 +155,6 @@ def _struct_field(array: pa.Array, name: str) -> pa.Array:
     """A struct's child with the struct's own nulls applied."""
     child = array.field(name)
     if array.null_count:
-        import pyarrow.compute as pc
-
         child = pc.if_else(array.is_valid(), child, pa.nulls(len(child), child.type))
     return child
 
@@ -238,6 +239,38 @@ def _values(batch: pa.RecordBatch, path: str, target: str) -> list[Any]:
     return _column(batch, path, target).to_pylist()
 
 
+@dataclass(frozen=True)
+class RequestColumns:
+    """Validated rows of one record batch that ask the same of a worker (`DatasetRows`' columnar
+    path): ids, job fields, and every prompt id in one array, `offsets` marking each row's."""
+
+    ids: list[str]
+    job_fields: list[dict[str, Any]]
+    seeds: list[int | None]
+    flat: np.ndarray
+    offsets: np.ndarray
+    shape: SamplingShape
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def n(self) -> int:
+        """Samples per request."""
+        return self.shape.params.n
+
+    @property
+    def stand_in(self) -> ParsedRequest:
+        """One request asking what each row asks, its prompt all the block's ids (for its largest one)."""
+        return ParsedRequest(self.ids[0], self.flat[self.offsets[0] : self.offsets[-1]], self.job_fields[0], 0, False,
+                             self.shape, self.seeds[0])
+
+    def requests(self, start: int, end: int) -> list[ParsedRequest]:
+        """Rows `start:end` as single requests."""
+        return [ParsedRequest(self.ids[i], self.flat[self.offsets[i] : self.offsets[i + 1]], self.job_fields[i], 0,
+                              False, self.shape, self.seeds[i]) for i in range(start, end)]
+
+
 @dataclass
 class DatasetRows:
     """Validates record batches of one dataset into blocks of `ParsedRequest`s (see `iter_dataset_blocks`)."""
@@ -254,6 +287,10 @@ class DatasetRows:
 
     def __post_init__(self) -> None:
         self.errors = _Errors(self.path)
+        # The defaults but the seed, which `SamplingShape.dump` adds per row.
+        defaults = {k: v for k, v in self.mapping.sampling.items() if k != "seed"}
+        self._default_shape = SamplingShape(SamplingParams.model_validate(defaults))
+        self._columnar = set(self.mapped) <= {"input_ids", "id", "seed"} and "input_ids" in self.mapped
         chat = "messages" in self.mapped or "prompt" in self.mapped
         if chat and self.renderer is None:
             which = "messages" if "messages" in self.mapped else "prompt"
@@ -273,7 +310,7 @@ class DatasetRows:
                 return self.mapping.metadata[head.split(".")[1]]
         return field_path
 
-    def block(self, batch: pa.RecordBatch) -> list[ParsedRequest]:
+    def block(self, batch: pa.RecordBatch) -> list[ParsedRequest] | RequestColumns:
         """The valid requests of one record batch (all of it checked; errors kept in `errors`)."""
         first = self.rows
         count = batch.num_rows
@@ -284,6 +321,10 @@ class DatasetRows:
                                             self.errors, self.vocab_size)
         else:
             flat, offsets, ok = np.empty(0, np.int64), np.zeros(count + 1, np.int64), np.ones(count, bool)
+        if self._columnar:
+            columnar = self._columnar_block(batch, first, flat, offsets, ok)
+            if columnar is not None:
+                return columnar
         columns = {name: _values(batch, path, name) for name, path in self.mapped.items() if name != "input_ids"}
         metadata = {key: _values(batch, path, f"metadata.{key}") for key, path in self.mapping.metadata.items()}
         sampling_columns = [name for name in columns if name in _SAMPLING_NAMES]
@@ -323,23 +364,114 @@ class DatasetRows:
             out.append(request)
         return out
 
+    def _columnar_block(self, batch: pa.RecordBatch, first: int, flat: np.ndarray, offsets: np.ndarray,
+                        ok: np.ndarray) -> RequestColumns | None:
+        """The common case checked by column, without a dict per row to validate: token ids, an id
+        column (strings or integers) or the row index, a `seed` column of integers, metadata from
+        columns of numbers, strings or bools, every other sampling parameter from the defaults.
+        None when a column needs the per-row path (which words its errors)."""
+        count = batch.num_rows
+        if "id" in self.mapped:
+            column = _column(batch, self.mapped["id"], "id")
+            if pa.types.is_integer(column.type):
+                column = pc.cast(column, pa.string())
+            elif not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+                return None
+            length = pc.utf8_length(column).to_numpy(zero_copy_only=False)
+            if column.null_count or int(np.nanmin(length, initial=1)) < 1 or int(np.nanmax(length, initial=1)) > 512:
+                return None
+            idents = column.to_pylist()
+        else:
+            idents = [str(first + i) for i in range(count)]
+        seeds: list[Any] = [self.mapping.sampling.get("seed")] * count
+        if "seed" in self.mapped:
+            column = _column(batch, self.mapped["seed"], "seed")
+            if not pa.types.is_integer(column.type):
+                return None
+            values = column.to_numpy(zero_copy_only=False)
+            if column.null_count or (values.size and (int(values.min()) < 0 or int(values.max()) > _MAX_SEED)):
+                return None
+            seeds = values.tolist()
+        metadata = {}
+        bound = 2
+        for key, path in self.mapping.metadata.items():
+            column = _column(batch, path, f"metadata.{key}")
+            kind = column.type
+            if pa.types.is_floating(kind):
+                if pc.sum(pc.invert(pc.is_finite(column))).as_py():  # NaN or infinity: not plain JSON
+                    return None
+                bound += 32
+            elif pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_null(kind):
+                bound += 24
+            elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+                bound += 6 * int(pc.max(pc.binary_length(column)).as_py() or 0) + 8
+            else:
+                return None
+            bound += 6 * len(key) + 8
+            metadata[key] = column.to_pylist()
+        if bound > request_schema.MAX_METADATA_BYTES:
+            return None
+        shape = self._default_shape
+        if not self._unique(idents, first) or not ok.all():
+            # nothing of a dataset with errors is enqueued: its rows need not be packed
+            return RequestColumns([], [], [], flat, offsets[:1], shape)
+        dump = shape.dump
+        fields = [{"id": ident, "sampling_params": dump(seed)} for ident, seed in zip(idents, seeds, strict=True)]
+        if fields and fields[0]["sampling_params"] is None:  # seeds are all given or none is
+            for job_fields in fields:  # every sampling parameter at its default: the field is left out
+                del job_fields["sampling_params"]
+        if metadata:
+            names = list(metadata)
+            for job_fields, values in zip(fields, zip(*metadata.values(), strict=True), strict=True):
+                job_fields["metadata"] = dict(zip(names, values, strict=True))
+        return RequestColumns(idents, fields, seeds, flat, offsets, shape)
+
+    def _unique(self, idents: list[str], first: int) -> bool:
+        """Record the ids of rows `first...`; False (each duplicate noted) when one was seen before."""
+        fresh = dict(zip(idents, range(first, first + len(idents)), strict=True))
+        if len(fresh) == len(idents) and self._seen.keys().isdisjoint(fresh):
+            self._seen.update(fresh)
+            return True
+        column = self.column_of("id")
+        for row, ident in enumerate(idents, start=first):
+            first_row = self._seen.setdefault(ident, row)
+            if first_row != row:
+                self.errors.add(row, column, f"duplicate id {ident!r} (first in row {first_row}); "
+                                "ids must be unique in a submit")
+        return False
+
     def _request(self, row: int, line: dict[str, Any], ids: np.ndarray) -> ParsedRequest | None:
         if self.renderer is not None and "input_ids" not in self.mapped:
             rendered = self._render(row, line)
             if rendered is None:
                 return None
             line, ids = rendered
+        # `fast_fields` takes the seed out of the sampling parameters it is given: a copy, so that
+        # pydantic below sees the row as it is.
+        given = {**line, "sampling_params": dict(line["sampling_params"])} if "sampling_params" in line else line
         try:
-            return fast_fields(line, ids, request_schema.MAX_METADATA_BYTES, self._shapes)
+            return fast_fields(given, ids, request_schema.MAX_METADATA_BYTES, self._shapes)
         except (StepAside, ValueError, RecursionError):
             pass
         try:  # pydantic decides, and words the problem
             model = RolloutRequest.model_validate({**line, "input_ids": [0]})
         except ValidationError as exc:
             for error in validation_errors(self.path, row, exc):
-                self.errors.add(row, self.column_of(error.field), f"{error.field}: {error.message}")
+                column = self.column_of(error.field)
+                if error.field == "metadata" and self.mapping.metadata:
+                    column = self._metadata_column(line["metadata"])
+                self.errors.add(row, column, f"{error.field}: {error.message}")
             return None
         return ParsedRequest.from_request(model.model_copy(update={"input_ids": ids.tolist()}))
+
+    def _metadata_column(self, metadata: dict[str, Any]) -> str:
+        """The column of the first metadata key that is not plain JSON (all of them when only the size is over)."""
+        for key, path in self.mapping.metadata.items():
+            try:
+                request_schema.encode_metadata({key: metadata.get(key)})
+            except (ValueError, TypeError, RecursionError):
+                return path
+        return ", ".join(self.mapping.metadata.values())
 
     def _render(self, row: int, line: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray] | None:
         assert self.renderer is not None
@@ -381,16 +513,24 @@ def dataset_blocks(
     *,
     vocab_size: int | None = None,
     renderer: Callable[[Mapping[str, Any]], Any] | None = None,
-) -> Iterator[list[ParsedRequest]]:
+) -> Iterator[list[ParsedRequest] | RequestColumns]:
     """The valid requests of each record batch as soon as it is checked, in row order; after the last
     row, `DatasetError` listing the problems if there were any (nothing more is yielded once one is
     found: the caller is to discard what it got). A mapping problem raises `ColumnMappingError` first."""
     mapped = mapping.resolve(source.schema)
     rows = DatasetRows(mapping, mapped, source.name, vocab_size, renderer)
-    for batch in source.read(columns_needed(mapped, mapping.metadata, source.schema)):
-        block = rows.block(batch)
-        if block and not rows.errors.count:
-            yield block
+    # Nothing built here forms a reference cycle: the collector's passes over the growing heap of
+    # job-field dicts are skipped while reading (as `pipeline.request_file` does for lines).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for batch in source.read(columns_needed(mapped, mapping.metadata, source.schema)):
+            block = rows.block(batch)
+            if block and not rows.errors.count:
+                yield block
+    finally:
+        if collecting:
+            gc.enable()
     if not rows.rows:
         raise DatasetError(source.name, [RowError(source.name, 0, "", "the dataset has no rows")], 1, 0)
     if rows.errors.count:

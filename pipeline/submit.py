@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
+import numpy as np
 import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
 from pipeline import keys, registry, rewards
 from pipeline.capabilities import Placement
-from pipeline.dataset_input import ColumnMapping, dataset_blocks
+from pipeline.dataset_input import ColumnMapping, RequestColumns, dataset_blocks
 from pipeline.dataset_source import open_memory, open_path
 from pipeline.errors import PipelineError
 from pipeline.prompt_staging import PromptStager
@@ -148,7 +149,7 @@ def submit_dataset(
 
 def submit_blocks(
     conn: redis.Redis,
-    blocks: Iterable[Sequence[RolloutRequest | ParsedRequest]],
+    blocks: Iterable[Sequence[RolloutRequest | ParsedRequest] | RequestColumns],
     *,
     run: str | None = None,
     output: str | None = None,
@@ -208,6 +209,9 @@ def submit_blocks(
         # Requests the same worker classes can serve share jobs (`pipeline.capabilities`).
         pending: dict[Hashable, _Group] = {}
         for block in blocks:
+            if isinstance(block, RequestColumns):
+                _pack_columns(block, placement, pending, jobs, stager, batch_size)
+                continue
             placed = [placement.place(request, request.id) for request in block]
             placement.check()
             for request, (needs, key) in zip(block, placed, strict=True):
@@ -297,6 +301,31 @@ def _reward_group(conn: redis.Redis, run: str) -> None:
             raise
 
 
+def _pack_columns(block: RequestColumns, placement: Placement, pending: dict[Hashable, _Group], jobs: _Jobs,
+                  stager: PromptStager, batch_size: int) -> None:
+    """A columnar block (rows asking the same of a worker): placed once, with its largest token id;
+    whole jobs packed straight from its arrays; the open job's remainder and the block's tail
+    joined as single requests."""
+    needs, key = placement.place(block.stand_in, block.ids[0])
+    placement.check()
+    start = 0
+    group = pending.get(key)
+    if group is not None:
+        start = min(len(block), batch_size - len(group.requests))
+        group.requests.extend(block.requests(0, start))
+        group.needs |= needs
+        if len(group.requests) >= batch_size:
+            jobs.add(group.requests, stager, group.needs)
+            del pending[key]
+    while len(block) - start >= batch_size:
+        jobs.add_columns(block, start, start + batch_size, stager, needs)
+        start += batch_size
+    if start < len(block):
+        group = pending.setdefault(key, _Group())
+        group.requests.extend(block.requests(start, len(block)))
+        group.needs |= needs
+
+
 @dataclass
 class _Group:
     """Requests waiting to fill a job, and what they need of its worker together."""
@@ -324,21 +353,43 @@ class _Jobs:
     _seen: set[str] = field(default_factory=set)
 
     def add(self, chunk: Sequence[RolloutRequest | ParsedRequest], stager: PromptStager, needs: Needs) -> None:
-        for request in chunk:
-            if request.id in self._seen:
-                raise PipelineError(f"request id {request.id!r} appears twice; ids must be unique within a submit")
-            self._seen.add(request.id)
+        self._unique([request.id for request in chunk])
+        job_id, header = self._next()
+        payload, prompt_bytes = JobPayload.pack_beside(chunk, prompt_key=keys.prompts(job_id), **header)
+        samples = sum(r.n if isinstance(r, ParsedRequest) else r.sampling_params.n for r in chunk)
+        self._enqueue(job_id, payload, prompt_bytes, samples, stager, needs)
+
+    def add_columns(self, block: RequestColumns, start: int, end: int, stager: PromptStager, needs: Needs) -> None:
+        """Rows `start:end` of a columnar block as one job: their ids copied once from its array."""
+        self._unique(block.ids[start:end])
+        job_id, header = self._next()
+        offsets = block.offsets[start : end + 1]
+        payload, prompt_bytes = JobPayload.pack_flat(
+            block.job_fields[start:end], block.flat[offsets[0] : offsets[-1]], np.diff(offsets).tolist(),
+            prompt_key=keys.prompts(job_id), **header)
+        self._enqueue(job_id, payload, prompt_bytes, block.n * (end - start), stager, needs)
+
+    def _unique(self, ids: list[str]) -> None:
+        before = len(self._seen)
+        self._seen.update(ids)
+        if len(self._seen) != before + len(ids):
+            seen = self._seen - set(ids)
+            twice = next(i for k, i in enumerate(ids) if i in seen or i in ids[:k])
+            raise PipelineError(f"request id {twice!r} appears twice; ids must be unique within a submit")
+
+    def _next(self) -> tuple[str, JobHeader]:
+        job_id = f"{self.batch_id}-{len(self.job_ids):05d}"
+        return job_id, JobHeader(run=self.run, job_id=job_id, batch_id=self.batch_id, output=self.output,
+                                 submitted_at_ms=self.submitted_at_ms, min_weight_version=self.min_weight_version,
+                                 max_staleness=self.max_staleness)
+
+    def _enqueue(self, job_id: str, payload: JobPayload, prompt_bytes: bytes, samples: int, stager: PromptStager,
+                 needs: Needs) -> None:
         index = len(self.job_ids)
-        job_id = f"{self.batch_id}-{index:05d}"
-        key = keys.prompts(job_id)
-        common = JobHeader(run=self.run, job_id=job_id, batch_id=self.batch_id, output=self.output,
-                           submitted_at_ms=self.submitted_at_ms, min_weight_version=self.min_weight_version,
-                           max_staleness=self.max_staleness)
-        payload, prompt_bytes = JobPayload.pack_beside(chunk, prompt_key=key, **common)
-        stager.stage(key, prompt_bytes)
+        stager.stage(keys.prompts(job_id), prompt_bytes)
         self.job_ids.append(job_id)
-        self.requests += len(chunk)
-        self.samples += sum(r.n if isinstance(r, ParsedRequest) else r.sampling_params.n for r in chunk)
+        self.requests += len(payload.requests)
+        self.samples += samples
         self.datas.append(
             Queue.prepare_data(
                 JOB_FUNCTION,
@@ -348,7 +399,7 @@ class _Jobs:
                 timeout=self.job_timeout_s,
                 result_ttl=RESULT_TTL_S,
                 failure_ttl=RESULT_TTL_S,
-                description=f"rollouts run={self.run} job={index} requests={len(chunk)}",
+                description=f"rollouts run={self.run} job={index} requests={len(payload.requests)}",
                 retry=Retry(max=self.retries, interval=retry_intervals(self.retries)) if self.retries else None,
                 # What the job needs of its worker, read before it runs (`workers.routing`).
                 meta={"batch_id": self.batch_id, "run": self.run, "needs": needs.as_dict()},

@@ -115,10 +115,19 @@ class JobPayload(BaseModel):
         (`pipeline.request_file.ParsedRequest`), packed without a Python list per prompt.
         """
         arrays = [_prompt_array(r) for r in requests]
-        flat = _concatenate(arrays)
+        return cls.pack_flat([_job_fields(r) for r in requests], _concatenate(arrays), [a.size for a in arrays],
+                             prompt_key=prompt_key, **header)
+
+    @classmethod
+    def pack_flat(
+        cls, job_fields: list[dict[str, Any]], flat: np.ndarray, lengths: list[int], *, prompt_key: str,
+        **header: Unpack[JobHeader],
+    ) -> tuple[JobPayload, bytes]:
+        """`pack_beside` of requests given as their job fields and all their prompt ids in one array
+        (`lengths` ids each, in order): one copy of the ids into the value to stage."""
         dtype: PromptDType = "<u2" if flat.size == 0 or int(flat.max()) < 2**16 else "<i4"
-        payload = cls(**header, prompt_key=prompt_key, prompt_dtype=dtype, prompt_lengths=[a.size for a in arrays],
-                      requests=[_job_fields(r) for r in requests])
+        payload = cls(**header, prompt_key=prompt_key, prompt_dtype=dtype, prompt_lengths=lengths,
+                      requests=job_fields)
         return payload, flat.astype(dtype).tobytes()
 
     def unpack(self, prompt_bytes: bytes | None = None) -> list[RolloutRequest]:

@@ -291,3 +291,58 @@ def test_chat_column_errors_name_the_row_and_column(redis_url: str, redis_client
     assert request.prompt_text == "plain text prompt"
     expected = ChatRenderer(TOKENIZER).render(ChatRequest(id="x", prompt="plain text prompt"))
     assert request.input_ids == expected.input_ids
+
+
+def _plain_table(rows: int) -> pa.Table:
+    return pa.table({
+        "input_ids": pa.array([[i % 7 + 1] * (i % 5 + 1) for i in range(rows)], pa.list_(pa.int64())),
+        "uid": pa.array([1000 + i for i in range(rows)], pa.int64()),
+        "group_seed": pa.array([i // 2 for i in range(rows)], pa.int64()),
+        "score": pa.array([i / 4 if i % 3 else None for i in range(rows)], pa.float64()),
+        "tag": pa.array([f"t{i}" if i % 4 else None for i in range(rows)]),
+    })
+
+
+_PLAIN = {"columns": {"id": "uid", "seed": "group_seed"}, "metadata": {"score": "score", "tag": "tag"},
+          "sampling": {"max_new_tokens": 9, "stop": ["\n"]}}
+
+
+@pytest.mark.parametrize("batch_size", [3, 4, 64])
+def test_the_columnar_path_packs_the_jobs_the_per_row_path_packs(batch_size: int, redis_url: str,
+                                                                  redis_client: redis.Redis,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipeline.dataset_source.BATCH_ROWS", 4)  # jobs span record batches
+    table = _plain_table(10)
+    client = pipeline.connect(redis_url)
+    columnar = client.submit(table, output=OUT, batch_size=batch_size, **_PLAIN)
+    by_column = _queued(redis_client)
+    redis_client.flushall()
+    # A `logprobs` column (all 0, the default) sends every row through the per-row path.
+    per_row = client.submit(table.append_column("lp", pa.array([0] * 10)), output=OUT, batch_size=batch_size,
+                            **{**_PLAIN, "columns": {**_PLAIN["columns"], "logprobs": "lp"}})
+    assert _queued(redis_client) == by_column
+    assert len(columnar.plan.job_ids) == len(per_row.plan.job_ids) == -(-10 // batch_size)
+    assert [r.id for r in by_column] == [str(1000 + i) for i in range(10)]
+    assert [r.sampling_params.seed for r in by_column] == [i // 2 for i in range(10)]
+    assert by_column[1].metadata == {"score": 0.25, "tag": "t1"} and by_column[0].metadata == {"score": None,
+                                                                                                "tag": None}
+    assert all(r.sampling_params.stop == ["\n"] and r.sampling_params.max_new_tokens == 9 for r in by_column)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (("uid", pa.array([1000 + i for i in range(9)] + [1004], pa.int64())), (9, "uid", "duplicate id '1004'")),
+    (("score", pa.array([0.5] * 7 + [float("nan")] + [0.5] * 2)), (7, "score", "metadata: metadata must be plain")),
+    (("group_seed", pa.array([1] * 5 + [-2] + [1] * 4, pa.int64())), (5, "group_seed", "sampling_params.seed")),
+    (("uid", pa.array(["x" * (600 if i == 6 else 3) + str(i) for i in range(10)])), (6, "uid", "id: String should")),
+])
+def test_row_problems_found_by_column_are_worded_per_row(change: tuple[str, pa.Array], expected: tuple[int, str, str],
+                                                        redis_url: str, redis_client: redis.Redis,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipeline.dataset_source.BATCH_ROWS", 4)
+    table = _plain_table(10)
+    table = table.set_column(table.schema.get_field_index(change[0]), change[0], change[1])
+    with pytest.raises(DatasetError) as caught:
+        pipeline.connect(redis_url).submit(table, output=OUT, **_PLAIN)
+    assert [(e.row, e.column) for e in caught.value.errors] == [expected[:2]]
+    assert caught.value.errors[0].message.startswith(expected[2]), caught.value.errors[0].message
+    _nothing_enqueued(redis_client)
