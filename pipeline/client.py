@@ -198,17 +198,19 @@ class Client:
         block_ms: int = DEFAULT_BLOCK_MS,
         timeout: float | None = None,
         raise_on_failure: bool = True,
+        rewards: bool = False,
     ) -> Follower:
         """Shards of `run` as workers commit them, after `cursor` (from the start without one).
 
         It ends when the batch (`batch_id`) or every batch submitted to the run is complete;
         jobs that failed end it too, raising `JobsFailedError` after the last shard unless
         `raise_on_failure=False` (then see `Follower.failed`). `timeout` (seconds) bounds the
-        whole follow with `WaitTimeoutError`.
+        whole follow with `WaitTimeoutError`. `rewards=True` yields each shard once its rewards are
+        recorded; read them with `shard.read(rewards=True)`.
         """
         return Follower(
             self.conn, run, cursor=cursor, batch_id=batch_id, block_ms=block_ms, timeout=timeout,
-            raise_on_failure=raise_on_failure,
+            raise_on_failure=raise_on_failure, rewards=rewards,
         )
 
 

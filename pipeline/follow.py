@@ -5,6 +5,9 @@
         train_on(shard.read())
         save(follower.cursor)          # after the shard is processed: resume from here
 
+With `rewards=True` each shard is held until its rewards are recorded (a run submitted with a
+reward function) and `shard.read(rewards=True)` joins them.
+
 The follower blocks on the stream (`XREAD BLOCK`) and ends when every job of the batch (with
 `batch_id`) or of every batch submitted to the run has committed, failed or been canceled
 (`Follower.canceled`; a canceled job never commits). The cursor is a
@@ -50,10 +53,11 @@ class Shard(Commit):
         return self.entry_id
 
     def read(
-        self, columns: list[str] | None = None, filter: pads.Expression | None = None
+        self, columns: list[str] | None = None, filter: pads.Expression | None = None, *, rewards: bool = False,
     ) -> pa.Table:
-        """The shard's rows (projected and filtered as asked)."""
-        return read_rollouts(self.url, columns=columns, filter=filter)
+        """The shard's rows (projected and filtered as asked); `rewards` joins `reward` and
+        `reward_info` from the rewards shard beside it (null where there is none)."""
+        return read_rollouts(self.url, columns=columns, filter=filter, rewards=rewards)
 
 
 def _decode(value: bytes | str) -> str:
@@ -74,6 +78,7 @@ class Follower:
         block_ms: int = DEFAULT_BLOCK_MS,
         timeout: float | None = None,
         raise_on_failure: bool = True,
+        rewards: bool = False,
     ) -> None:
         if block_ms < 1:
             raise PipelineError(f"block_ms must be at least 1 (XREAD BLOCK 0 waits forever), not {block_ms}")
@@ -83,6 +88,7 @@ class Follower:
         self.block_ms = block_ms
         self.timeout = timeout
         self.raise_on_failure = raise_on_failure
+        self.rewards = rewards  # hold each shard until its rewards are recorded (`pipeline.reward_log`)
         self.cursor = cursor or START
         self.failed: dict[str, str] = {}
         self.canceled: set[str] = set()  # jobs that ended canceled (`pipeline.cancel`), not failures
@@ -153,6 +159,16 @@ class Follower:
             return True
         return commit.batch_id == self.batch_id or commit.job_id.startswith(f"{self.batch_id}-")
 
+    def _await_rewards(self, job_id: str, deadline: float | None) -> None:
+        """Block until the job's rewards (or their failure) are recorded."""
+        while not self.conn.hexists(keys.reward_jobs(self.run), job_id):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"following run {self.run}: the rewards of job {job_id} not recorded after {self.timeout}s; "
+                    "are reward workers running? (`pipeline reward-worker`)"
+                )
+            self.conn.xread({keys.reward_log(self.run): "$"}, block=min(self.block_ms, 200))
+
     def __iter__(self) -> Iterator[Shard]:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         drained = False  # whether the last XREAD found nothing more to read
@@ -187,6 +203,8 @@ class Follower:
                 if commit.job_id in self._seen or not self._wanted(commit):
                     continue
                 self._seen.add(commit.job_id)
+                if self.rewards:
+                    self._await_rewards(commit.job_id, deadline)
                 yield commit
         self.failed = {j: r for j, r in self.failed.items() if j not in self._seen}
         if self.failed and self.raise_on_failure:

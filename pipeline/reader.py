@@ -163,6 +163,11 @@ def _join_rewards(table: pa.Table, fs: fsspec.AbstractFileSystem | None, files: 
             paths.append(beside)
     found = (pads.dataset(paths, schema=REWARDS_SCHEMA, filesystem=arrow_filesystem(fs), format="parquet").to_table()
              if paths and fs is not None else REWARDS_SCHEMA.empty_table())
+    return join_rewards(table, found)
+
+
+def join_rewards(table: pa.Table, found: pa.Table) -> pa.Table:
+    """`table` with `reward` and `reward_info` of the rewards table `found`, by `rollout_id` (null where missing)."""
     at = pc.index_in(table.column("rollout_id"), value_set=found.column("rollout_id"))
     return (table.append_column("reward", found.column("reward").take(at))
             .append_column("reward_info", found.column("reward_info").take(at)))

@@ -17,7 +17,8 @@ import redis
 
 from pipeline import keys
 
-# KEYS: the stream, the run's per-job hash, the run's totals. ARGV: job id, url, rows, reward sum, error.
+# KEYS: the stream, the run's per-job hash, the run's totals. ARGV: job id, url, rows, reward sum, error,
+# groups, groups whose rewards are all equal.
 # Returns the entry id, or false when the job's rewards were committed already.
 _APPEND = """
 local state = 'ok'
@@ -33,6 +34,8 @@ if state == 'failed' then
 else
   redis.call('HINCRBY', KEYS[3], 'rows', ARGV[3])
   redis.call('HINCRBYFLOAT', KEYS[3], 'sum', ARGV[4])
+  redis.call('HINCRBY', KEYS[3], 'groups', ARGV[6])
+  redis.call('HINCRBY', KEYS[3], 'equal_groups', ARGV[7])
 end
 return entry
 """
@@ -55,11 +58,13 @@ class RewardCommit:
                    entry_id=entry_id)
 
 
-def append(conn: redis.Redis, run: str, commit: RewardCommit, reward_sum: float = 0.0) -> bool:
-    """Record a job's rewards (or their failure) once; False when they were recorded already."""
+def append(conn: redis.Redis, run: str, commit: RewardCommit, reward_sum: float = 0.0, groups: int = 0,
+           equal_groups: int = 0) -> bool:
+    """Record a job's rewards (or their failure) once, with their sum and how many of the job's groups
+    (a request's samples) got all-equal rewards; False when they were recorded already."""
     entry = conn.register_script(_APPEND)(
         keys=[keys.reward_log(run), keys.reward_jobs(run), keys.reward_totals(run)],
-        args=[commit.job_id, commit.url, commit.rows, repr(float(reward_sum)), commit.error],
+        args=[commit.job_id, commit.url, commit.rows, repr(float(reward_sum)), commit.error, groups, equal_groups],
     )
     return entry is not None
 
@@ -71,16 +76,19 @@ def read_all(conn: redis.Redis, run: str) -> list[RewardCommit]:
 
 @dataclass(frozen=True)
 class RewardTotals:
-    """A run's rewards so far: jobs done (failed included), failed jobs, rows rewarded, mean reward."""
+    """A run's rewards so far: jobs done (failed included), failed jobs, rows rewarded, mean reward, and
+    the share of groups (a request's samples) whose rewards are all equal (zero variance: DAPO drops them)."""
 
     jobs: int
     failed: int
     rows: int
     mean: float | None
+    zero_variance: float | None
 
 
 def totals(conn: redis.Redis, run: str) -> RewardTotals:
     raw = {k.decode(): v.decode() for k, v in conn.hgetall(keys.reward_totals(run)).items()}
-    rows = int(raw.get("rows", 0))
+    rows, groups = int(raw.get("rows", 0)), int(raw.get("groups", 0))
     return RewardTotals(int(raw.get("jobs", 0)), int(raw.get("failed", 0)), rows,
-                        float(raw.get("sum", 0.0)) / rows if rows else None)
+                        float(raw.get("sum", 0.0)) / rows if rows else None,
+                        int(raw.get("equal_groups", 0)) / groups if groups else None)

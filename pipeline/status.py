@@ -139,6 +139,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             + (f", {r['canceled']} job(s) canceled" if r.get("canceled") else "")
             + (f"; rewards: {r['rewards']['jobs']}/{r['shards']} shards scored, {r['rewards']['failed']} failed"
                + (f", mean {r['rewards']['mean']:.4g}" if r["rewards"]["mean"] is not None else "")
+               + (f", {r['rewards']['zero_variance']:.0%} of groups all-equal"
+                  if r["rewards"]["zero_variance"] is not None else "")
                if r.get("rewards") else "")
             + (f", staleness {r['staleness']} (oldest token v{min(r['weight_versions'])} vs pushed "
                f"v{desired['weight_version']})" if r.get("staleness") is not None else "")

@@ -21,7 +21,9 @@ Layouts: `padded` gives `[B, T]` tensors, right-padded with `pad_id`, plus `atte
 `packed` concatenates the sequences into `[1, N]` tensors with `position_ids` restarting at
 every sequence and `cu_seqlens` (`[B + 1]`, int32, flash-attention varlen style) and
 `max_seqlen`. Both carry `weight_version` and `group_index` (`[B]`, the request group of each
-sequence within the batch, for GRPO advantages).
+sequence within the batch, for GRPO advantages). `RolloutBatches(rewards=True)` adds `rewards`
+(`[B]`, float32, NaN where a row has none) from the rewards shards beside the shards, and
+`advantages=True` the group-normalised `advantages` (`grpo_advantages`).
 
 Routed experts (`routed_experts=True`, for routing replay): `routed_experts` is `[B, T, layers,
 top_k]` (padded) or `[1, N, layers, top_k]` (packed), aligned to the same token positions as
@@ -55,8 +57,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.errors import PipelineError
-from pipeline.reader import rollouts_dataset
+from pipeline.reader import join_rewards, rollouts_dataset
 from pipeline.routed_experts import ROUTED_EXPERTS_COLUMNS
+from schemas.shard import REWARDS_SCHEMA, rewards_path
 
 Layout = Literal["padded", "packed"]
 TableLike = pa.Table | pa.RecordBatch
@@ -74,6 +77,7 @@ __all__ = [
     "collate_rollouts",
     "group_boundaries",
     "group_rows",
+    "grpo_advantages",
     "pack_groups",
 ]
 
@@ -426,8 +430,14 @@ class RolloutBatches(IterableDataset):
         drop_last: bool = False,
         use_threads: bool = True,
         routed_experts: bool = False,
+        rewards: bool = False,
+        advantages: bool = False,
+        advantage_eps: float = 1e-6,
     ) -> None:
         super().__init__()
+        if advantages and not (rewards and group_by_request):
+            raise PipelineError("advantages are normalised within request groups: pass rewards=True and keep "
+                                "group_by_request=True")
         if batch_size < 1:
             raise PipelineError(f"batch_size must be at least 1, not {batch_size}")
         self.dataset = (
@@ -445,6 +455,9 @@ class RolloutBatches(IterableDataset):
         self.drop_last = drop_last
         self.use_threads = use_threads
         self.routed_experts = routed_experts
+        self.rewards = rewards
+        self.advantages = advantages
+        self.advantage_eps = advantage_eps
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -459,6 +472,8 @@ class RolloutBatches(IterableDataset):
             wanted.extend(ROUTED_EXPERTS_COLUMNS)
         if self.group_by_request:
             wanted.append(GROUP_COLUMN)
+        if self.rewards:
+            wanted.append("rollout_id")
         return list(dict.fromkeys(wanted))
 
     def _fragments(self) -> list[pads.Fragment]:
@@ -471,6 +486,17 @@ class RolloutBatches(IterableDataset):
         return fragments
 
     def _read(self, fragment: pads.Fragment) -> pa.Table:
+        """The needed columns of one shard, its rewards joined when asked."""
+        table = self._read_rows(fragment)
+        if not self.rewards:
+            return table
+        beside = rewards_path(fragment.path)
+        found = (pq.read_table(beside, filesystem=fragment.filesystem)
+                 if fragment.filesystem.get_file_info(beside).type == pafs.FileType.File
+                 else REWARDS_SCHEMA.empty_table())
+        return join_rewards(table, found)
+
+    def _read_rows(self, fragment: pads.Fragment) -> pa.Table:
         """The needed columns of one shard; a plain Parquet read (memory-mapped where local)
         unless a filter needs the dataset scanner's row-group pruning."""
         if self.filter is None and isinstance(fragment, pads.ParquetFileFragment):
@@ -532,6 +558,11 @@ class RolloutBatches(IterableDataset):
         )
         for name in self.extra_columns:
             batch[name] = table.column(name).to_pylist()
+        if self.rewards:
+            rewards = pc.fill_null(table.column("reward"), float("nan")).to_numpy().astype(np.float32)
+            batch["rewards"] = torch.from_numpy(rewards)
+            if self.advantages:
+                batch["advantages"] = torch.from_numpy(grpo_advantages(rewards, group_index, self.advantage_eps))
         return batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -555,6 +586,22 @@ class RolloutBatches(IterableDataset):
                 pending, pending_rows = [], 0
         if pending and (pending_rows >= self.batch_size or not self.drop_last):
             yield self._emit(pending)
+
+
+def grpo_advantages(rewards: np.ndarray, group_index: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """GRPO's group-normalised advantages: (r - mean) / (std + eps) within each group (`group_index`
+    numbers rows 0..G-1; std with Bessel's correction, as TRL and DeepSeekMath; 0 for a group of one).
+    `PipelineError` if a reward is missing (NaN): its group's advantages would be meaningless."""
+    if np.isnan(rewards).any():
+        raise PipelineError(f"{int(np.isnan(rewards).sum())} row(s) of this batch have no reward (rewards not "
+                            "recorded yet, or their reward function failed); see `pipeline status`")
+    groups = int(group_index.max()) + 1 if group_index.size else 0
+    counts = np.bincount(group_index, minlength=groups).astype(np.float64)
+    mean = np.bincount(group_index, weights=rewards, minlength=groups) / counts
+    centred = rewards - mean[group_index]
+    squares = np.bincount(group_index, weights=centred**2, minlength=groups)
+    std = np.sqrt(np.divide(squares, counts - 1, out=np.zeros(groups), where=counts > 1))
+    return (centred / (std[group_index] + eps)).astype(np.float32)
 
 
 def group_boundaries_to_index(codes: np.ndarray) -> np.ndarray:

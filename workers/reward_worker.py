@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -47,8 +48,18 @@ _COLUMNS = ["rollout_id", "request_id", "sample_index", "completion_text", "comp
             "finish_reason", "metadata"]
 
 
-def score(name: str, function: rewards.RewardFunction, shard_url: str, batch_rows: int) -> tuple[pa.Table, float]:
-    """The rewards table of one rollout shard and the sum of its rewards."""
+@dataclass(frozen=True)
+class Scored:
+    """One shard's rewards: the table, their sum, its groups and those whose rewards are all equal."""
+
+    table: pa.Table
+    total: float
+    groups: int
+    equal_groups: int
+
+
+def score(name: str, function: rewards.RewardFunction, shard_url: str, batch_rows: int) -> Scored:
+    """The rewards of one rollout shard."""
     table = read_rollouts(shard_url, columns=_COLUMNS)
     rows = table.to_pylist()
     for row in rows:
@@ -64,7 +75,10 @@ def score(name: str, function: rewards.RewardFunction, shard_url: str, batch_row
             infos.append(json.dumps(dict(info), default=str) if info is not None else None)
     out = pa.Table.from_arrays([pa.array(ids, pa.string()), pa.array(values, pa.float64()),
                                 pa.array(infos, pa.string())], schema=REWARDS_SCHEMA)
-    return out, float(sum(values))
+    by_group: dict[str, set[float]] = {}
+    for row, value in zip(rows, values, strict=True):
+        by_group.setdefault(row["request_id"], set()).add(value)
+    return Scored(out, float(sum(values)), len(by_group), sum(len(v) == 1 for v in by_group.values()))
 
 
 class RewardWorker:
@@ -139,18 +153,20 @@ class RewardWorker:
         url = rewards_path(commit.url)
         try:
             function = rewards.resolve(name)
-            table, total = score(name, function, commit.url, self.batch_rows)
+            scored = score(name, function, commit.url, self.batch_rows)
         except Exception as exc:  # the function's (or its name's) fault: the job's rewards fail, rollouts stay
             error = f"{type(exc).__name__}: {exc}"
             log.error("rewards of job %s (run %s, reward %s) failed: %s", commit.job_id, run, name, error)
             if reward_log.append(self.conn, run, reward_log.RewardCommit(commit.job_id, "", 0, error=error)):
                 self.scored += 1
             return
-        PendingShard(url, encode(table)).store()
-        if reward_log.append(self.conn, run, reward_log.RewardCommit(commit.job_id, url, table.num_rows), total):
+        rows = scored.table.num_rows
+        PendingShard(url, encode(scored.table)).store()
+        if reward_log.append(self.conn, run, reward_log.RewardCommit(commit.job_id, url, rows), scored.total,
+                             scored.groups, scored.equal_groups):
             self.scored += 1
-            log.info("rewards of job %s: %d rows, mean %.4g", commit.job_id, table.num_rows,
-                     total / table.num_rows if table.num_rows else float("nan"))
+            log.info("rewards of job %s: %d rows, mean %.4g", commit.job_id, rows,
+                     scored.total / rows if rows else float("nan"))
 
 
 def _run(args: Any) -> int:

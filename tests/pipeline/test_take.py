@@ -9,6 +9,7 @@ import pytest
 import redis
 
 import pipeline
+from pipeline.status import collect
 from pipeline.submit import rollout_queue
 from pipeline.take import rewards_differ
 from workers.engines.sim import SimConfig, SimEngine
@@ -52,6 +53,7 @@ def test_take_keeps_groups_the_filter_accepts_and_cancels_the_rest(
     assert result.canceled is not None and result.canceled.queued == 1
     assert rollout_queue(redis_client).count == 0
     assert batch.job_states()[batch.job_ids[4]] == "canceled" and batch.last_take is result
+    assert collect(redis_client, run="t")["pools"]["default"]["runs"]["t"]["rewards"]["zero_variance"] == 0.5
 
 
 def test_take_without_a_filter_or_rewards_returns_the_first_groups(redis_client: redis.Redis, tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 from pipeline.errors import PipelineError
 from pipeline.reader import finish_reason_in
-from pipeline.torch_data import RolloutBatches, collate_rollouts, pack_groups
-from schemas.shard import SHARD_SCHEMA
+from pipeline.torch_data import RolloutBatches, collate_rollouts, grpo_advantages, pack_groups
+from schemas.shard import REWARDS_SCHEMA, REWARDS_SUFFIX, SHARD_SCHEMA
 from workers.shard_writer import write_shard
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -359,3 +359,34 @@ def test_token_weight_version_through_rolloutbatches(tmp_path: Path) -> None:
     write_shard(table, f"file://{tmp_path}", "r", "j")
     (batch,) = list(RolloutBatches(f"file://{tmp_path}", run="r"))
     assert batch["token_weight_version"][batch["loss_mask"]].tolist() == [7, 8]
+
+
+def test_rewards_and_grpo_advantages_per_group(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    shards = [random_samples(rng, requests=3, n=4, prefix=f"s{i}q") for i in range(2)]
+    output = write_shards(tmp_path, shards)
+    reward_of: dict[str, float] = {}
+    for index, samples in enumerate(shards[:1]):  # only the first shard has its rewards yet
+        ids = [f"{s['request_id']}:{s['sample_index']}" for s in samples]
+        values = [float(rng.integers(0, 3)) if not s["request_id"].endswith("q0") else 1.0 for s in samples]
+        reward_of.update(zip(ids, values, strict=True))
+        pq.write_table(pa.table({"rollout_id": ids, "reward": values, "reward_info": [None] * len(ids)},
+                                schema=REWARDS_SCHEMA), f"{output}/r/j{index}{REWARDS_SUFFIX}")
+    batches = list(RolloutBatches(output, run="r", batch_size=64, rewards=True, extra_columns=["rollout_id"]))
+    [batch] = batches
+    for rid, reward in zip(batch["rollout_id"], batch["rewards"].tolist(), strict=True):
+        assert (reward == reward_of[rid]) if rid in reward_of else np.isnan(reward)
+    with pytest.raises(PipelineError, match=r"12 row.* have no reward"):
+        list(RolloutBatches(output, run="r", batch_size=64, rewards=True, advantages=True))
+    # Advantages against a plain per-group reference: (r - mean) / (sample std + eps).
+    first = f"{output}/r/j0.parquet"
+    [batch] = list(RolloutBatches([first], batch_size=64, rewards=True, advantages=True,
+                                  extra_columns=["request_id", "rollout_id"]))
+    for rid, advantage in zip(batch["rollout_id"], batch["advantages"].tolist(), strict=True):
+        group = [reward_of[r] for r in reward_of if r.split(":")[0] == rid.split(":")[0]]
+        std = float(np.std(group, ddof=1))
+        assert advantage == pytest.approx((reward_of[rid] - float(np.mean(group))) / (std + 1e-6), abs=1e-5)
+    q0 = [a for rid, a in zip(batch["rollout_id"], batch["advantages"].tolist(), strict=True) if ":" in rid
+          and rid.split(":")[0].endswith("q0")]
+    assert q0 == [0.0] * 4  # all-equal rewards: no advantage
+    assert grpo_advantages(np.array([2.0], np.float32), np.array([0])).tolist() == [0.0]  # a group of one

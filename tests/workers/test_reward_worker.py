@@ -15,7 +15,7 @@ import redis
 
 import pipeline
 from pipeline import keys, reward_log
-from pipeline.status import collect
+from pipeline.status import collect, format_status
 from tests.helpers import terminate, wait_until
 from workers.engines.sim import SimConfig, SimEngine
 from workers.reward_worker import RewardWorker
@@ -54,7 +54,13 @@ def test_rewards_are_written_beside_each_shard_once_and_joined(redis_client: red
     scored = client.submit(requests("a", 6), run="r", output=output, batch_size=2, reward="length")
     plain = client.submit(requests("b", 2), run="r", output=output, batch_size=2)
     generate(redis_client)
+    waiting = client.follow("r", batch_id=scored.plan.batch_id, rewards=True, timeout=0.5)
+    with pytest.raises(pipeline.WaitTimeoutError, match="are reward workers running"):
+        list(waiting)  # no shard is handed out before its rewards
     assert RewardWorker(redis_client, batch_rows=3, block_ms=50).work(burst=True) == 3
+    shards = list(client.follow("r", batch_id=scored.plan.batch_id, rewards=True, timeout=10))
+    assert sorted(s.job_id for s in shards) == sorted(scored.job_ids)
+    assert all(s.read(rewards=True).column("reward").null_count == 0 for s in shards)
 
     assert rewards_files(tmp_path / "r") == sorted(f"{j}.rewards.parquet" for j in scored.job_ids)
     commits = reward_log.read_all(redis_client, "r")
@@ -81,6 +87,9 @@ def test_rewards_are_written_beside_each_shard_once_and_joined(redis_client: red
     totals = collect(redis_client)["pools"]["default"]["runs"]["r"]["rewards"]
     assert (totals["jobs"], totals["rows"], totals["failed"]) == (3, 12, 0)
     assert totals["mean"] == pytest.approx(sum(3 + i for i in range(6)) * 2 / 12)
+    assert totals["zero_variance"] == 1.0  # both samples of a request have its max_new_tokens
+    assert "rewards: 3/4 shards scored, 0 failed, mean 5.5, 100% of groups all-equal" in format_status(
+        collect(redis_client, run="r"))
     assert len(plain.job_ids) == 1
 
 
