@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -64,14 +63,22 @@ def bench(conn: redis.Redis, submit: object, path: Path, **kwargs: object) -> fl
     return plan.requests / (time.perf_counter() - start)
 
 
+def _status_bytes(field: str) -> int:
+    """A `/proc/self/status` memory figure in bytes (VmRSS: now; VmHWM: the peak of this process image,
+    unlike `ru_maxrss`, which a child inherits from its parent across fork and exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def child_rss(url: str, parquet: str) -> None:
     """In a fresh process: RSS before the submit (imports done) and peak RSS after, in bytes."""
     conn = redis.Redis.from_url(url)
     conn.flushall()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _status_bytes("VmRSS")
     submit_dataset(conn, parquet, mapping=MAPPING, run="rss", output="memory://bench", batch_size=64)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"before": before, "peak": after}))
+    print(json.dumps({"before": before, "peak": _status_bytes("VmHWM")}))
 
 
 def main() -> None:
