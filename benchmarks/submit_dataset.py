@@ -9,7 +9,7 @@ value. Baseline (same process, same Redis, same prompts and fields): the JSONL p
 repeats and the ratio; then, in a fresh process, the submitter's peak RSS growth during a
 dataset submit against the decoded size of the file's prompt ids.
 
-    .venv/bin/python benchmarks/submit_dataset.py [--rows 100000] [--repeats 3]
+    .venv/bin/python benchmarks/submit_dataset.py [--rows 100000] [--repeats 3] [--batch-size 64]
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ def make_files(directory: Path, rows: int, prompt_len: int) -> tuple[Path, Path]
     return parquet, jsonl
 
 
-def bench(conn: redis.Redis, submit: object, path: Path, **kwargs: object) -> float:
+def bench(conn: redis.Redis, submit: object, path: Path, batch_size: int, **kwargs: object) -> float:
     conn.flushall()
     start = time.perf_counter()
-    plan = submit(conn, path, run="bench", output="memory://bench", batch_size=64, **kwargs)  # type: ignore[operator]
+    plan = submit(conn, path, run="bench", output="memory://bench", batch_size=batch_size,  # type: ignore[operator]
+                  **kwargs)
     return plan.requests / (time.perf_counter() - start)
 
 
@@ -72,12 +73,13 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def child_rss(url: str, parquet: str) -> None:
+def child_rss(url: str, parquet: str, batch_size: str) -> None:
     """In a fresh process: RSS before the submit (imports done) and peak RSS after, in bytes."""
     conn = redis.Redis.from_url(url)
     conn.flushall()
     before = _status_bytes("VmRSS")
-    submit_dataset(conn, parquet, mapping=MAPPING, run="rss", output="memory://bench", batch_size=64)
+    submit_dataset(conn, parquet, mapping=MAPPING, run="rss", output="memory://bench",
+                   batch_size=int(batch_size))
     print(json.dumps({"before": before, "peak": _status_bytes("VmHWM")}))
 
 
@@ -86,7 +88,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--child-rss", nargs=2, metavar=("URL", "PARQUET"), help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=64, help="requests per job, both paths (default 64)")
+    parser.add_argument("--child-rss", nargs=3, metavar=("URL", "PARQUET", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_rss:
         child_rss(*args.child_rss)
@@ -96,9 +99,10 @@ def main() -> None:
         parquet, jsonl = make_files(Path(tmp), args.rows, args.prompt_len)
         ours, base = [], []
         for _ in range(args.repeats):  # interleaved, so the host's noise falls on both alike
-            ours.append(bench(conn, submit_dataset, parquet, mapping=MAPPING))
-            base.append(bench(conn, submit_file, jsonl))
-        out = subprocess.run([sys.executable, __file__, "--child-rss", server.url, str(parquet)],
+            ours.append(bench(conn, submit_dataset, parquet, args.batch_size, mapping=MAPPING))
+            base.append(bench(conn, submit_file, jsonl, args.batch_size))
+        out = subprocess.run([sys.executable, __file__, "--child-rss", server.url, str(parquet),
+                              str(args.batch_size)],
                              check=True, capture_output=True, text=True).stdout
         rss = json.loads(out.splitlines()[-1])
         decoded = pq.read_table(parquet, columns=["prompt_ids"]).column("prompt_ids").nbytes
@@ -106,7 +110,7 @@ def main() -> None:
     ours_m, base_m = statistics.median(ours), statistics.median(base)
     print(f"dataset submit: {ours_m:,.0f} requests/s (median of {args.repeats}: "
           f"{', '.join(f'{x:,.0f}' for x in ours)}; {args.rows} x {args.prompt_len}-token prompts from Parquet, "
-          "validated, batch 64)")
+          f"validated, batch {args.batch_size})")
     print(f"baseline JSONL submit of the same requests: {base_m:,.0f} requests/s "
           f"({', '.join(f'{x:,.0f}' for x in base)})")
     print(f"ratio: {ours_m / base_m:.1f}x")

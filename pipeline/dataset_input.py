@@ -94,7 +94,12 @@ class ColumnMapping:
         if "metadata" in mapped and self.metadata:
             del mapped["metadata"]
         for name, path in [*mapped.items(), *((f"metadata.{k}", p) for k, p in self.metadata.items())]:
-            _column(schema, path, name)  # every path must exist before any row is read
+            kind = _column(schema, path, name).type  # every path must exist before any row is read
+            if name.startswith("metadata") and not _plain_json(kind):
+                raise ColumnMappingError(
+                    f"{name}: column {path!r} is {kind}; metadata must be plain JSON (numbers, strings, bools, "
+                    "lists and structs of them): cast the column first"
+                )
         inputs = [name for name in ("input_ids", "messages", "prompt") if name in mapped]
         if len(inputs) != 1:
             given = f"columns for {' and '.join(inputs)}" if inputs else "no input_ids, messages or prompt column"
@@ -103,6 +108,18 @@ class ColumnMapping:
                 "map one with --column input_ids=COL, --column messages=COL or --column prompt=COL"
             )
         return mapped
+
+
+def _plain_json(kind: pa.DataType) -> bool:
+    """Values of this Arrow type come out of `to_pylist` as plain JSON (no dates, bytes, decimals)."""
+    if pa.types.is_dictionary(kind):
+        return _plain_json(kind.value_type)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _plain_json(kind.value_type)
+    if pa.types.is_struct(kind):
+        return all(_plain_json(kind.field(i).type) for i in range(kind.num_fields))
+    return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+            or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind))
 
 
 def _pairs(items: Iterable[str], flag: str) -> dict[str, str]:
@@ -451,7 +468,7 @@ class DatasetRows:
         given = {**line, "sampling_params": dict(line["sampling_params"])} if "sampling_params" in line else line
         try:
             return fast_fields(given, ids, request_schema.MAX_METADATA_BYTES, self._shapes)
-        except (StepAside, ValueError, RecursionError):
+        except (StepAside, ValueError, TypeError, RecursionError):
             pass
         try:  # pydantic decides, and words the problem
             model = RolloutRequest.model_validate({**line, "input_ids": [0]})

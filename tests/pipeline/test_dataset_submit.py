@@ -179,6 +179,9 @@ def test_columns_named_like_fields_need_no_mapping(redis_url: str, redis_client:
     ({"columns": {"messages": "m"}}, {"input_ids": [[1]], "m": ["x"]}, "found columns for input_ids and messages"),
     ({"columns": {"messages": "m"}}, {"m": [[{"role": "user", "content": "x"}]]}, "needs a tokenizer"),
     ({"sampling": {"temperature": -1.0}}, {"input_ids": [[1]]}, "default sampling parameters: temperature"),
+    ({"metadata": {"when": "t"}}, {"input_ids": [[1]], "t": pa.array([0], pa.timestamp("s"))},
+     "metadata.when: column 't' is timestamp[s]; metadata must be plain JSON"),
+    ({}, {"input_ids": [[1]], "metadata": [{"raw": b"x"}]}, "metadata: column 'metadata' is struct<raw: binary>"),
 ])
 def test_mapping_errors_name_the_column_and_enqueue_nothing(mapping: dict[str, Any], table: dict[str, Any],
                                                             message: str, redis_url: str,
