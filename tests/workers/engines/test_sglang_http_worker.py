@@ -12,6 +12,7 @@ import redis
 
 import pipeline
 from pipeline.errors import JobsFailedError
+from tests.helpers import drive_worker, wait_until
 from tests.models import token_id
 from tests.workers.engines.conftest import Standin
 from workers.engines.async_bridge import AsyncBridge
@@ -110,3 +111,26 @@ def test_bridge_cancels_the_coroutine_when_the_caller_is_interrupted() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         bridge.close()
+
+
+def test_a_canceled_job_in_flight_is_aborted_on_the_server_by_rid(
+    scripted_server: Standin, redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    scripted_server.faults(delay_s=60)  # each generation waits a minute unless aborted
+    before = scripted_server.stats()
+    client = pipeline.connect(redis_url)
+    batch = client.submit(lines()[:2], run="cancel-http", output=f"file://{tmp_path}", batch_size=2)
+
+    def driver() -> None:
+        wait_until(lambda: scripted_server.stats()["http_generate"] >= before["http_generate"] + 2, timeout=30,
+                   what="both requests on the server")
+        client.cancel("cancel-http")
+        assert batch.wait(timeout=30).canceled == 1
+
+    drive_worker(redis_client, SGLangHTTPEngine([scripted_server.url]), driver)
+    after = scripted_server.stats()
+    aborted = after["abort_requests"][len(before["abort_requests"]):]
+    assert len(aborted) == 2 and all(set(a) == {"rid"} for a in aborted)  # one abort per request, by rid
+    assert after["answered_aborted"] - before["answered_aborted"] == 2
+    assert shard_files(tmp_path) == []
+    assert pipeline.read_rollouts(f"file://{tmp_path}", "cancel-http").num_rows == 0
