@@ -39,6 +39,8 @@ from pipeline.reader import (
     weight_version_between,
 )
 from pipeline.routed_experts import routed_experts, routed_experts_positions
+from pipeline.verify import verify
+from pipeline.verify_stats import VerifyReport
 
 __all__ = [
     "Batch",
@@ -58,6 +60,7 @@ __all__ = [
     "RequestFileError",
     "RewardNameError",
     "RowError",
+    "VerifyReport",
     "WaitTimeoutError",
     "WeightPushError",
     "WeightVersionError",
@@ -68,5 +71,6 @@ __all__ = [
     "rollouts_dataset",
     "routed_experts",
     "routed_experts_positions",
+    "verify",
     "weight_version_between",
 ]

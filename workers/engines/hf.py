@@ -104,6 +104,11 @@ class HFEngine(SerialFeed, EngineIdentity):
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
 
+    @property
+    def routing(self) -> RoutingCapture | None:
+        """The router hooks of a mixture-of-experts model (None for a dense one)."""
+        return self._routing
+
     def update_weights(self, path: str, version: int) -> None:
         """Reload the model from `path` (same architecture and vocabulary); keep the old one on failure."""
         torch = self._torch
@@ -189,7 +194,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         unfinished samples interrupted (`Finish("abort", message=INTERRUPTED)`, tokens kept)."""
         torch = self._torch
         device = self.device
-        rows = _Rows(requests, self.hidden_stop_ids, self.vocab_size, torch, device)
+        rows = SamplingRows(requests, self.hidden_stop_ids, self.vocab_size, torch, device)
         width = max(len(r.input_ids) for r in requests)
         prompt = torch.zeros((rows.count, width), dtype=torch.long, device=device)
         mask = torch.zeros((rows.count, width), dtype=torch.long, device=device)
@@ -329,7 +334,7 @@ def _groups(requests: Sequence[RolloutRequest], max_sequences: int) -> list[list
     return groups
 
 
-class _Rows:
+class SamplingRows:
     """The per-sample (row) sampling parameters of a batch, as tensors, and their vectorised use.
 
     Each row follows its own request's parameters exactly as SGLang's sampler would for that
