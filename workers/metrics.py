@@ -49,7 +49,44 @@ BATCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 120
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600)
 
 
-class WorkerMetrics:
+class MetricsEndpoint:
+    """The optional `/metrics` HTTP endpoint of a registry of one worker's metrics."""
+
+    registry: CollectorRegistry
+    worker_id: str
+    _server: Any = None
+    _server_thread: threading.Thread | None = None
+    host: str | None = None
+    port: int | None = None
+
+    def serve(self, port: int, host: str = DEFAULT_METRICS_HOST) -> int:
+        """Serve /metrics on host:port (0: a free port); return the port bound, also in `self.port`."""
+        if self._server is not None:
+            raise RuntimeError(f"metrics already served on {self.host}:{self.port}")
+        self._server, self._server_thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host = host
+        self.port = int(self._server.server_port)
+        log.info("worker %s: metrics on http://%s:%d/metrics", self.worker_id, _url_host(host), self.port)
+        return self.port
+
+    @property
+    def url(self) -> str | None:
+        if self.port is None or self.host is None:
+            return None
+        return f"http://{_url_host(self.host)}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop the endpoint (if served); the metrics themselves stay readable in `registry`."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            if self._server_thread is not None:
+                self._server_thread.join(timeout=5)
+            self._server_thread = None
+
+
+class WorkerMetrics(MetricsEndpoint):
     """The metrics of one worker, in a registry of their own; thread-safe (prometheus_client is)."""
 
     def __init__(self, worker_id: str, engine: str) -> None:
@@ -90,10 +127,6 @@ class WorkerMetrics:
         self._lock = threading.Lock()
         self._current_state: str | None = None
         self.set_state("starting")
-        self._server: Any = None
-        self._server_thread: threading.Thread | None = None
-        self.host: str | None = None
-        self.port: int | None = None
 
     # -- observations ------------------------------------------------------------------------
 
@@ -137,33 +170,32 @@ class WorkerMetrics:
             for name in STATES:
                 self._state.labels(self.worker_id, self.engine, name).set(1 if name == state else 0)
 
-    # -- the endpoint ------------------------------------------------------------------------
 
-    def serve(self, port: int, host: str = DEFAULT_METRICS_HOST) -> int:
-        """Serve /metrics on host:port (0: a free port); return the port bound, also in `self.port`."""
-        if self._server is not None:
-            raise RuntimeError(f"metrics already served on {self.host}:{self.port}")
-        self._server, self._server_thread = start_http_server(port, addr=host, registry=self.registry)
-        self.host = host
-        self.port = int(self._server.server_port)
-        log.info("worker %s: metrics on http://%s:%d/metrics", self.worker_id, _url_host(host), self.port)
-        return self.port
+class RewardMetrics(MetricsEndpoint):
+    """The metrics of one reward worker (`pipeline reward-worker --metrics-port PORT`), labelled `worker`:
+    `pipeline_reward_jobs_total{outcome}` (`scored`; `failed`: the function raised or is not registered
+    here), `pipeline_reward_rows_total` (rows scored) and `pipeline_reward_shard_seconds` (reading,
+    scoring and writing one shard)."""
 
-    @property
-    def url(self) -> str | None:
-        if self.port is None or self.host is None:
-            return None
-        return f"http://{_url_host(self.host)}:{self.port}/metrics"
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._jobs = Counter("pipeline_reward_jobs", "Jobs whose rewards were recorded, by outcome: scored, failed",
+                             ("worker", "outcome"), registry=self.registry)
+        self._rows = Counter("pipeline_reward_rows", "Rows scored", ("worker",), registry=self.registry)
+        self._seconds = Histogram("pipeline_reward_shard_seconds", "Reading, scoring and writing one shard",
+                                  ("worker",), buckets=BATCH_BUCKETS, registry=self.registry)
+        for outcome in ("scored", "failed"):
+            self._jobs.labels(worker_id, outcome)
+        self._rows.labels(worker_id)
 
-    def close(self) -> None:
-        """Stop the endpoint (if served); the metrics themselves stay readable in `registry`."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-            if self._server_thread is not None:
-                self._server_thread.join(timeout=5)
-            self._server_thread = None
+    def scored(self, rows: int, seconds: float) -> None:
+        self._jobs.labels(self.worker_id, "scored").inc()
+        self._rows.labels(self.worker_id).inc(rows)
+        self._seconds.labels(self.worker_id).observe(seconds)
+
+    def failed(self) -> None:
+        self._jobs.labels(self.worker_id, "failed").inc()
 
 
 def queue_wait_s(job: Any) -> float | None:

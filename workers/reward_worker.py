@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from pipeline.commit_log import Commit
 from pipeline.reader import read_rollouts
 from schemas.shard import REWARDS_SCHEMA, rewards_path
 from workers.errors import ShardWriteError
+from workers.metrics import DEFAULT_METRICS_HOST, RewardMetrics
 from workers.shard_writer import PendingShard, encode
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class RewardWorker:
         self.block_ms = max(1, block_ms)
         self.stop = threading.Event()
         self.scored = 0  # jobs whose rewards this worker recorded (failures included)
+        self.metrics = RewardMetrics(self.worker_id)
         self._reward_of: dict[str, str | None] = {}
 
     def work(self, *, burst: bool = False) -> int:
@@ -151,6 +154,7 @@ class RewardWorker:
 
     def _score(self, run: str, commit: Commit, name: str) -> None:
         url = rewards_path(commit.url)
+        started = time.monotonic()
         try:
             function = rewards.resolve(name)
             scored = score(name, function, commit.url, self.batch_rows)
@@ -159,12 +163,14 @@ class RewardWorker:
             log.error("rewards of job %s (run %s, reward %s) failed: %s", commit.job_id, run, name, error)
             if reward_log.append(self.conn, run, reward_log.RewardCommit(commit.job_id, "", 0, error=error)):
                 self.scored += 1
+                self.metrics.failed()
             return
         rows = scored.table.num_rows
         PendingShard(url, encode(scored.table)).store()
         if reward_log.append(self.conn, run, reward_log.RewardCommit(commit.job_id, url, rows), scored.total,
                              scored.groups, scored.equal_groups):
             self.scored += 1
+            self.metrics.scored(rows, time.monotonic() - started)
             log.info("rewards of job %s: %d rows, mean %.4g", commit.job_id, rows,
                      scored.total / rows if rows else float("nan"))
 
@@ -179,7 +185,12 @@ def _run(args: Any) -> int:
                           claim_after_s=args.claim_after)
     for signum in (signal.SIGTERM, signal.SIGINT):  # finish the shard in hand, then exit
         signal.signal(signum, lambda *_: worker.stop.set())
-    worker.work(burst=args.burst)
+    if args.metrics_port is not None:
+        worker.metrics.serve(args.metrics_port, args.metrics_host)
+    try:
+        worker.work(burst=args.burst)
+    finally:
+        worker.metrics.close()
     return 0
 
 
@@ -195,4 +206,8 @@ def register(sub: Any, add_redis: Any) -> None:
                         help="take over a shard another worker took and did not finish after S seconds "
                              f"(default {DEFAULT_CLAIM_AFTER_S:g}; longer than scoring one shard)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
+    parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST, metavar="HOST",
+                        help=f"address the metrics endpoint binds to (default {DEFAULT_METRICS_HOST})")
     parser.set_defaults(func=_run)

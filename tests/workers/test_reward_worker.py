@@ -57,7 +57,13 @@ def test_rewards_are_written_beside_each_shard_once_and_joined(redis_client: red
     waiting = client.follow("r", batch_id=scored.plan.batch_id, rewards=True, timeout=0.5)
     with pytest.raises(pipeline.WaitTimeoutError, match="are reward workers running"):
         list(waiting)  # no shard is handed out before its rewards
-    assert RewardWorker(redis_client, batch_rows=3, block_ms=50).work(burst=True) == 3
+    worker = RewardWorker(redis_client, batch_rows=3, block_ms=50)
+    assert worker.work(burst=True) == 3
+    sample = worker.metrics.registry.get_sample_value
+    labels = {"worker": worker.worker_id}
+    assert sample("pipeline_reward_jobs_total", {**labels, "outcome": "scored"}) == 3
+    assert sample("pipeline_reward_rows_total", labels) == 12
+    assert sample("pipeline_reward_shard_seconds_count", labels) == 3
     shards = list(client.follow("r", batch_id=scored.plan.batch_id, rewards=True, timeout=10))
     assert sorted(s.job_id for s in shards) == sorted(scored.job_ids)
     assert all(s.read(rewards=True).column("reward").null_count == 0 for s in shards)
@@ -103,7 +109,10 @@ def test_a_raising_or_unregistered_reward_fails_the_jobs_rewards_and_keeps_the_r
     generate(redis_client)
     # This reward worker's deployment does not register "gone": it refuses to run it.
     monkeypatch.setenv("PIPELINE_REWARDS", "broken=tests.reward_functions:broken")
-    RewardWorker(redis_client, block_ms=50).work(burst=True)
+    worker = RewardWorker(redis_client, block_ms=50)
+    worker.work(burst=True)
+    assert worker.metrics.registry.get_sample_value(
+        "pipeline_reward_jobs_total", {"worker": worker.worker_id, "outcome": "failed"}) == 2
 
     [failed] = reward_log.read_all(redis_client, "broken")
     assert (failed.job_id, failed.error) == (broken.job_ids[0], "RuntimeError: the grader crashed on purpose")
