@@ -6,6 +6,10 @@ the wake-up published). Baseline in the same process: RQ's own per-job `Job.canc
 same jobs plus deleting their prompt ids, the way one would cancel without this feature.
 Goal: < 1 s.
 
+Second figure: how soon the engine is free. A `RolloutWorker` on the sim engine (10 ms decode
+steps) holds 4 jobs of long sequences; the time from `cancel` to the engine holding no sequence,
+in decode steps (median of the repeats). Goal: within one step of the worker seeing it.
+
     .venv/bin/python benchmarks/cancel.py [--requests 10000] [--batch-size 64] [--repeats 5]
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +29,8 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline import keys
 from pipeline.redis_server import RedisServer
+from workers.engines.sim import SimConfig, SimEngine
+from workers.worker import RolloutWorker
 
 
 def requests(prefix: str, count: int) -> list[dict]:
@@ -43,6 +50,32 @@ def baseline(conn: redis.Redis, job_ids: list[str]) -> float:
         Job.fetch(job_id, connection=conn, serializer=JSONSerializer).cancel()
         conn.delete(keys.prompts(job_id))
     return time.perf_counter() - start
+
+
+def engine_free_s(conn: redis.Redis, output: str, run: str, step_s: float) -> float:
+    """Seconds from `cancel(run)` to the engine holding none of the run's sequences."""
+    client = pipeline.Client(conn)
+    client.submit(requests(run, 8), run=run, output=output, batch_size=2)
+    sim = SimEngine(SimConfig(capacity=64, step_s=step_s, median_tokens=10_000_000, p99_tokens=10_000_001))
+    took: list[float] = []
+
+    def driver() -> None:
+        while sim.load() < 8:
+            time.sleep(0.001)
+        started = time.perf_counter()
+        client.cancel(run)
+        while sim.load():
+            time.sleep(0.0002)
+        took.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    try:
+        RolloutWorker(conn, sim).work(burst=False, max_idle_time=1, with_scheduler=False, logging_level="ERROR")
+    finally:
+        thread.join()
+        sim.close()
+    return took[0]
 
 
 def main() -> None:
@@ -65,10 +98,16 @@ def main() -> None:
             other = client.submit(requests("c", args.requests), run=f"base-{repeat}", output=output,
                                   batch_size=args.batch_size)
             base.append(baseline(conn, other.job_ids))
+        step_s = 0.01
+        client.cancel("kept")  # the engine holds only the measured run's sequences
+        free = [engine_free_s(conn, output, f"free-{r}", step_s) for r in range(args.repeats)]
         jobs = -(-args.requests // args.batch_size)
         o, b = statistics.median(times) * 1000, statistics.median(base) * 1000
         print(f"cancel of a {args.requests}-request run ({jobs} jobs of {args.batch_size}), median of "
               f"{args.repeats}: {o:.1f} ms; RQ per-job Job.cancel() baseline {b:.1f} ms; ratio {b / o:.1f}x faster")
+        f = statistics.median(free)
+        print(f"engine free after a cancel of jobs in flight: {f * 1000:.1f} ms = {f / step_s:.2f} decode steps of "
+              f"{step_s * 1000:g} ms (median of {args.repeats}; max {max(free) / step_s:.2f} steps)")
 
 
 if __name__ == "__main__":
