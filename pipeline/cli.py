@@ -150,6 +150,15 @@ def _cmd_weights_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_weights_status(args: argparse.Namespace) -> int:
+    from pipeline.connection import connect_redis
+    from pipeline.status import format_weights, weights
+
+    status = weights(connect_redis(args.redis), pool=args.pool or os.environ.get(ENV_POOL))
+    print(json.dumps(status, indent=2) if args.json else format_weights(status))
+    return 0 if all(w["converged"] for w in status["workers"]) else EXIT_FAILED
+
+
 def _cmd_cancel(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
@@ -255,11 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="checkpoint directory, as the workers see it")
     p.add_argument("--version", type=int, required=True, help="the new weight version (newer than the current)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for acknowledgements (default 600)")
-    p.add_argument("--force", action="store_true", help="allow a version not newer than the current one")
+    p.add_argument("--force", action="store_true",
+                   help="allow a version not newer than the current one; also makes workers that failed to "
+                        "load the current weights try again (recovery: re-push the same path and version)")
     p.add_argument("--mode", choices=SWAP_MODES, default="drain",
                    help="drain (default): samples in flight finish on the old weights first; partial: they "
                         "stop at the next step and continue on the new weights, each token keeping its version")
     p.set_defaults(func=_cmd_weights_push)
+    p = weights.add_parser("status", help="the pool's desired weights and each live worker's; exit 1 if any "
+                                          "worker does not serve them")
+    _add_redis(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_weights_status)
 
     p = sub.add_parser("redis", help="the embedded Redis server")
     p.add_argument("action", choices=["start", "stop", "url"])

@@ -162,6 +162,22 @@ def read_acks(conn: redis.Redis, version: int, pool: str | None = None) -> dict[
     return acks
 
 
+def _roll_back(conn: redis.Redis, pool: str, before: DesiredState, pushed: DesiredState) -> DesiredState:
+    """Put the pool's weights back as they were before a push no worker took (its pause flag and
+    anything changed since are kept); the pushed version can then be pushed again."""
+    weights = ("weight_version", "weight_path", "swap_mode")
+
+    def restore(state: DesiredState) -> DesiredState:
+        if any(getattr(state, name) != getattr(pushed, name) for name in weights):
+            return state  # pushed over meanwhile: that push decides
+        return state.model_copy(update={name: getattr(before, name) for name in weights})
+
+    restored = _change(conn, pool, restore)
+    log.warning("weight push of v%d to pool %s: no worker loaded it; the pool's weights are back at v%d (%s)",
+                pushed.weight_version, pool, restored.weight_version, restored.weight_path or "as started")
+    return restored
+
+
 def push_weights(
     conn: redis.Redis,
     path: str,
@@ -180,6 +196,13 @@ def push_weights(
     continues them on the new weights (each token keeps the version that generated it).
     Raises `WeightVersionError` if `version` is not newer than the current one (unless
     `force`), and `WeightPushError` naming the workers that failed or did not answer in time.
+
+    All or nothing: when no live worker loaded the weights (each failed or did not answer), the
+    pool's desired weights are put back as they were (the version can be pushed again). When
+    some loaded and some failed, the push stands; the workers that failed take no job (they are
+    `unhealthy`, handing jobs back) until they load it (a `force` re-push retries). With no live
+    worker at all the push is recorded for the workers that join; one that cannot load it
+    refuses to join.
     """
     if version < 0:
         raise WeightVersionError(f"weight version must be >= 0, got {version}")
@@ -187,7 +210,10 @@ def push_weights(
         raise PipelineError(f"swap mode must be one of {', '.join(SWAP_MODES)}, not {mode!r}")
     check_weight_path(str(path))
 
+    before: list[DesiredState] = []
+
     def update(state: DesiredState) -> DesiredState:
+        before[:] = [state]
         if version <= state.weight_version and not force:
             raise WeightVersionError(
                 f"weight version {version} is not newer than the current version {state.weight_version}; "
@@ -210,6 +236,9 @@ def push_weights(
     mine = [acks[w] for w in live if w in acks]
     failed = {a.worker: a.error or "unknown error" for a in mine if not a.ok}
     if failed or missing:
-        raise WeightPushError(version, failed, missing, mine)
+        rolled_back = None
+        if not any(a.ok for a in mine):
+            rolled_back = _roll_back(conn, where.name, before[0], state)
+        raise WeightPushError(version, failed, missing, mine, rolled_back=rolled_back)
     return PushResult(version=version, path=str(path), generation=state.generation,
                       seconds=time.monotonic() - started, acks=mine)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.control import WeightAck
+from schemas.control import DesiredState, WeightAck
 
 
 class PipelineError(Exception):
@@ -155,13 +155,25 @@ class WeightVersionError(PipelineError):
 class WeightPushError(PipelineError):
     """Some live workers failed to load the pushed weights or did not acknowledge in time."""
 
-    def __init__(self, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck]) -> None:
+    def __init__(
+        self, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck],
+        *, rolled_back: DesiredState | None = None,
+    ) -> None:
         self.version = version
         self.failed = failed
         self.timed_out = timed_out
         self.acks = acks
+        # The pool's desired state after a push no worker took was undone (None: the push stands).
+        self.rolled_back = rolled_back
         lines = [f"  {worker}: failed: {reason}" for worker, reason in sorted(failed.items())]
         lines += [f"  {worker}: no acknowledgement (timed out)" for worker in timed_out]
+        if rolled_back is not None:
+            lines.append(f"no worker loaded it: nothing changed, the pool's weights are still "
+                         f"v{rolled_back.weight_version} ({rolled_back.weight_path or 'as the workers started'}); "
+                         f"version {version} can be pushed again")
+        else:
+            lines.append(f"the push stands: the workers named take no job until they load v{version} "
+                         "(`pipeline weights status`; re-push with --force to retry)")
         super().__init__(
             f"weight push of version {version}: {len(failed)} worker(s) failed, "
             f"{len(timed_out)} timed out:\n" + "\n".join(lines)

@@ -78,7 +78,7 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
         "queue": {"name": queue.name, "queued": queue.count,
                   "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
                   "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
-        "workers": [{**w.model_dump(), "heartbeat_age_s": round(now - w.heartbeat_at, 1)} for w in workers],
+        "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
         "capability_classes": [
             {"serves": describe(capabilities), "capabilities": capabilities.model_dump(), "workers": count}
             for capabilities, count in Counter(w.capabilities for w in workers).most_common()
@@ -99,6 +99,31 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
             "canceled": conn.scard(keys.canceled(run)),
             "rewards": dataclasses.asdict(reward_log.totals(conn, run)) if conn.sismember(keys.REWARD_RUNS, run)
             else None}
+
+
+def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
+    """The pool's desired weights and each live worker's actual ones (`converged`: serving them)."""
+    name = keys.pool_name(pool)
+    desired = _desired(conn, name)
+    workers = [
+        {"worker_id": w.worker_id, "state": w.state, "weight_version": w.weight_version, "error": w.error,
+         "converged": w.weight_version == desired["weight_version"] and not w.error}
+        for w in registry.live_workers(conn, name)
+    ]
+    return {"pool": name, "desired": {k: desired[k] for k in ("weight_version", "weight_path", "swap_mode",
+                                                             "generation")}, "workers": workers}
+
+
+def format_weights(status: dict[str, Any]) -> str:
+    desired = status["desired"]
+    lines = [f"pool {status['pool']}: desired weights v{desired['weight_version']} from "
+             f"{desired['weight_path'] or '(none pushed: as the workers started)'} ({desired['swap_mode']}, "
+             f"generation {desired['generation']})",
+             f"workers: {len(status['workers'])} live"]
+    for w in status["workers"]:
+        lines.append(f"  {w['worker_id']}  v{w['weight_version']}  {w['state']:<9} "
+                     + ("ok" if w["converged"] else f"BEHIND: {w['error'] or 'not loaded yet'}"))
+    return "\n".join(lines)
 
 
 def format_status(status: dict[str, Any]) -> str:

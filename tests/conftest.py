@@ -118,8 +118,10 @@ def start_worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator
     each gets SIGTERM (warm shutdown) at the end of the test, SIGKILL if it lingers."""
     processes: list[subprocess.Popen] = []
 
-    def start(*args: str, redis_url: str | None = None) -> subprocess.Popen:
-        env = pipeline_env if redis_url is None else {**pipeline_env, "PIPELINE_REDIS_URL": redis_url}
+    def start(*args: str, redis_url: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {**pipeline_env, **(env or {})}
+        if redis_url is not None:
+            env["PIPELINE_REDIS_URL"] = redis_url
         process = subprocess.Popen(
             [*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING", *args],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -117,7 +117,11 @@ def _run_worker(args: argparse.Namespace) -> int:
         log.info("%s", started)
     else:
         print(started, flush=True)
-    worker.work(burst=args.burst, logging_level=args.log_level, with_scheduler=False)
+    try:
+        worker.work(burst=args.burst, logging_level=args.log_level, with_scheduler=False)
+    except WorkerError as exc:  # e.g. the pool's weights do not load here: the worker does not join
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

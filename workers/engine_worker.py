@@ -45,6 +45,7 @@ from schemas.worker_info import WorkerInfo, WorkerState
 from workers import context, control, logs, routing, rq_seam
 from workers.allowed_job import RolloutJob
 from workers.engines.base import Engine, is_concurrent
+from workers.errors import WeightsRefusedError
 from workers.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder, Gate
 from workers.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
@@ -118,12 +119,16 @@ class EngineWorker(SimpleWorker):
         self._control_lock = threading.RLock()
         self._desired = DesiredState()
         self._refused_generation: int | None = None
-        self._attempted: tuple[int, str | None] = (engine.weight_version, None)
+        # What the engine serves (version, path; no path: as it started), and the last load tried
+        # (target and generation: a failed load is retried at the next change of the state).
+        self._loaded: tuple[int, str | None] = (engine.weight_version, None)
+        self._attempted: tuple[int, str | None, int] = (engine.weight_version, None, 0)
         self._last_ack: WeightAck | None = None
         self._weight_error: str | None = None
         self._refused: set[str] = set()  # jobs handed back for their min_weight_version (burst mode)
         self._passed: set[str] = set()  # jobs handed back since the last one run: this worker cannot serve them
         self._changed = threading.Event()
+        self._joined = True  # False while `work` loads the pool's weights before joining
         self._listener = control.ControlListener(conn, self.pool.control_channel, self._on_wake,
                                                  poll_s=control_poll_s)
         self.feeder: Feeder | None = None
@@ -163,6 +168,8 @@ class EngineWorker(SimpleWorker):
         self._publish()
 
     def _publish(self) -> None:
+        if not self._joined:  # loading the pool's weights before joining: not a member yet
+            return
         try:
             with self._lock:
                 registry.publish(self.connection, self.info, ttl_s=int(self.heartbeat_interval_s * 3) + 1)
@@ -188,7 +195,11 @@ class EngineWorker(SimpleWorker):
     def _resting_state(self) -> WorkerState:
         if self._desired.paused:
             return "paused"
-        return "failed" if self._weight_error else "idle"
+        return "unhealthy" if self._behind(self._desired) else "idle"
+
+    def _behind(self, state: DesiredState) -> bool:
+        """Whether the engine does not serve the pool's desired weights (a load failed or is due)."""
+        return state.weight_path is not None and self._loaded != (state.weight_version, state.weight_path)
 
     def _on_wake(self) -> None:
         """A control wake-up (or the listener's poll): follow the desired state, abort canceled jobs."""
@@ -222,10 +233,13 @@ class EngineWorker(SimpleWorker):
             self._desired = state
             with self._lock:
                 self.info.control_generation = state.generation
-            target = (state.weight_version, state.weight_path)
             try:
-                if state.weight_path is not None and target != self._attempted:
-                    self._swap(state.weight_path, state.weight_version, state.swap_mode)
+                if not self._behind(state):
+                    self._weight_error = None  # loaded, or a push no worker took was undone
+                if state.weight_path is not None and self._behind(state) and \
+                        (state.weight_version, state.weight_path, state.generation) != self._attempted:
+                    # Due, or failed before and the state changed since (a --force re-push retries).
+                    self._swap(state.weight_path, state.weight_version, state.swap_mode, state.generation)
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
                     control.write_ack(self.connection, self._last_ack, self.pool.name, only_if_missing=True)
@@ -236,11 +250,11 @@ class EngineWorker(SimpleWorker):
         self._changed.set()
         return state
 
-    def _swap(self, path: str, version: int, mode: SwapMode) -> None:
+    def _swap(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
         """Load pushed weights: partially (samples in flight continue on them) or after a drain."""
         feeder = self.feeder
         if mode == "partial" and feeder is not None and feeder.can_interrupt:
-            stopped = feeder.partial_swap(lambda: self._load_weights(path, version, "partial"))
+            stopped = feeder.partial_swap(lambda: self._load_weights(path, version, "partial", generation))
             log.info("worker %s: partial swap to v%d: %d sample(s) stopped and continued",
                      self.worker_id, version, stopped)
             return
@@ -249,20 +263,21 @@ class EngineWorker(SimpleWorker):
                         "draining instead", self.worker_id, self.engine.description.name,
                         "" if feeder is not None else " (not fed: --no-feed or not concurrent)")
         with self.gate.exclusive():
-            self._load_weights(path, version, "drain")
+            self._load_weights(path, version, "drain", generation)
 
-    def _load_weights(self, path: str, version: int, mode: SwapMode) -> None:
-        self._attempted = (version, path)
+    def _load_weights(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
+        self._attempted = (version, path, generation)
         self.set_registry_state("updating")
         log.info("worker %s: loading weights v%d from %s (%s)", self.worker_id, version, path, mode)
         ack = control.load_weights(self.engine, self.worker_id, path, version, mode)
         if ack.ok:
             self._weight_error = None
+            self._loaded = (version, path)
             log.info("worker %s: serving weights v%d (%.2f s)", self.worker_id, version, ack.seconds)
         else:
             self._weight_error = f"loading weights v{version} from {path} failed: {ack.error}"
-            log.error("worker %s: %s; still serving v%d", self.worker_id, self._weight_error,
-                      self.engine.weight_version)
+            log.error("worker %s: %s; taking no job until it loads the pool's weights (retried at the next "
+                      "push, e.g. `pipeline weights push --force`)", self.worker_id, self._weight_error)
         self._last_ack = ack
         # The registry shows the version served before the ack says so: whoever waits on the ack
         # and then reads the registry must see the new version.
@@ -318,11 +333,10 @@ class EngineWorker(SimpleWorker):
                 continue
             if route != "run":
                 continue
-            needed = control.min_weight_version(job)
-            if needed is not None and self.engine.weight_version < needed:
+            refusal = self._version_refusal(job, state)
+            if refusal is not None:
                 control.hand_back(self.connection, job, queue, at_front=False)
-                log.info("worker %s: job %s needs weights v%d, serving v%d (%s); handed back", self.worker_id,
-                         job.id, needed, self.engine.weight_version, self._weight_error or "not pushed yet")
+                log.info("worker %s: job %s handed back: %s", self.worker_id, job.id, refusal)
                 if burst:
                     # Serve what else is queued; stop once the refused jobs are all that is left.
                     if job.id in self._refused:
@@ -333,6 +347,20 @@ class EngineWorker(SimpleWorker):
                 self._changed.wait(self._listener.poll_s)
                 continue
             return result
+
+    def _version_refusal(self, job: Job, state: DesiredState) -> str | None:
+        """Why this worker must not serve `job` at the weights it serves now, or None.
+
+        A job runs at the pool's desired weights or newer; only a job naming its own
+        `min_weight_version` may run on older ones (at that version or newer)."""
+        served = self.engine.weight_version
+        needed = control.min_weight_version(job)
+        if needed is not None and served < needed:
+            return f"it needs weights v{needed}, serving v{served} ({self._weight_error or 'not pushed yet'})"
+        if needed is None and self._behind(state):
+            return (f"the pool serves weights v{state.weight_version}, this worker v{served} "
+                    f"({self._weight_error or 'not loaded yet'})")
+        return None
 
     def _route(self, job: Job, queue: Queue) -> Literal["run", "passed", "failed", "rounded"]:
         """Whether this worker runs `job` (`workers.routing`); if not, the job is handed back to the
@@ -381,8 +409,31 @@ class EngineWorker(SimpleWorker):
 
     # -- lifecycle --------------------------------------------------------------------------
 
+    def _join(self) -> None:
+        """Load the pool's desired weights before the first job; refuse to join if they do not load
+        (another model's checkpoint, mismatched parameters, a path this host cannot read): rows at
+        this engine's own version would mean something else than the pool's."""
+        state = self.sync_control()
+        if not self._behind(state):
+            return
+        raise WeightsRefusedError(
+            f"worker {self.worker_id} ({self.engine.description.name} engine, model "
+            f"{self.engine.description.model}) does not join pool {self.pool.name!r}: the pool serves weights "
+            f"v{state.weight_version} from {state.weight_path} and this engine cannot load them: "
+            f"{self._weight_error or 'not loaded'}. Start it with a model that takes that checkpoint, in another "
+            "--pool, or push weights every worker of the pool loads (`pipeline weights push PATH --version N "
+            "--force`)"
+        )
+
     def work(self, *args: Any, **kwargs: Any) -> bool:
         context.install(context.WorkerContext(worker_id=self.worker_id, engine=self.engine))
+        self._joined = False
+        try:
+            self._join()
+        except BaseException:
+            context.uninstall()
+            raise
+        self._joined = True
         self.set_registry_state("idle")
         self._thread.start()
         self._listener.start()

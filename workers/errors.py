@@ -31,3 +31,7 @@ class JobCanceledError(WorkerError):
 
 class ShardWriteError(WorkerError):
     """A shard could not be written; nothing was committed."""
+
+
+class WeightsRefusedError(WorkerError):
+    """The worker cannot load its pool's desired weights, so it does not join the pool."""

@@ -72,6 +72,51 @@ def test_push_names_failed_and_silent_workers(redis_client: redis.Redis) -> None
     assert info.value.failed == {"broken": "no such file"}
     assert info.value.timed_out == ["silent"]
     assert "broken: failed: no such file" in str(info.value) and "silent: no acknowledgement" in str(info.value)
+    # One worker loaded it: the push stands, and says the others take no job until they load it.
+    assert info.value.rolled_back is None and "the push stands" in str(info.value)
+    assert client_state(redis_client) == (3, "/ckpt/3")
+
+
+def client_state(conn: redis.Redis) -> tuple[int, str | None]:
+    state = control.read_state(conn)
+    return state.weight_version, state.weight_path
+
+
+def test_a_push_no_worker_takes_changes_nothing_and_its_version_is_free_again(redis_client: redis.Redis) -> None:
+    client = pipeline.Client(redis_client)
+    client.push_weights("/ckpt/1", version=1, timeout=1, mode="partial")
+    _fake_entry(redis_client, "broken")
+    _fake_entry(redis_client, "silent")
+
+    def answer(version: int) -> None:
+        wait_until(lambda: control.read_state(redis_client).weight_version == version, 10, "the push to start")
+        ack = WeightAck(worker="broken", version=version, ok=False, seconds=0.1, error="no config.json")
+        redis_client.hset(keys.pool().weight_acks(version), ack.worker, ack.model_dump_json())
+
+    for _ in range(2):  # the same version twice: the first failure did not use it up
+        thread = threading.Thread(target=answer, args=(2,))
+        thread.start()
+        with pytest.raises(control.WeightPushError) as info:
+            client.push_weights("/does-not-exist", version=2, timeout=0.5)
+        thread.join()
+        assert info.value.failed == {"broken": "no config.json"} and info.value.timed_out == ["silent"]
+        assert "nothing changed, the pool's weights are still v1 (/ckpt/1); version 2 can be pushed again" \
+            in str(info.value)
+        state = client.control_state()
+        assert (state.weight_version, state.weight_path, state.swap_mode) == (1, "/ckpt/1", "partial")
+
+
+def test_undoing_a_push_keeps_a_pause_made_meanwhile(redis_client: redis.Redis) -> None:
+    _fake_entry(redis_client, "silent")
+    paused = threading.Thread(target=lambda: (
+        wait_until(lambda: control.read_state(redis_client).weight_version == 1, 10, "the push to start"),
+        pipeline.Client(redis_client).pause()))
+    paused.start()
+    with pytest.raises(control.WeightPushError):
+        control.push_weights(redis_client, "/ckpt/1", 1, timeout=0.5)
+    paused.join()
+    state = control.read_state(redis_client)
+    assert state.paused and (state.weight_version, state.weight_path) == (0, None)
 
 
 def test_push_records_its_swap_mode_and_refuses_unknown_ones(redis_client: redis.Redis) -> None:
