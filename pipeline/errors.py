@@ -22,7 +22,8 @@
         ├── EngineUnavailableError     the engine cannot be loaded or reached
         ├── NotAllowedJobError         a job names a function or output that is not allowed
         ├── JobCanceledError           the job was canceled; no shard, no commit
-        └── ShardWriteError            a shard could not be written; nothing was committed
+        ├── ShardWriteError            a shard could not be written; nothing was committed
+        └── WeightsRefusedError        the pool's weights do not load here: the worker does not join
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
 `schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
