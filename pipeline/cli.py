@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+from typing import Any
 
 import redis
 
@@ -60,7 +61,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
     client = connect(args.redis, pool=args.pool)
-    mapping = None
+    mapping: dict[str, Any] = {}
     sampling = {name: value for name, value in vars(args).items() if name in _SAMPLING_FLAGS and value is not None}
     if args.column or args.metadata or sampling:
         from pipeline.dataset_input import ColumnMapping
@@ -69,10 +70,11 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         if not is_dataset_path(args.file):
             raise PipelineError("--column, --metadata and the sampling flags apply to a dataset (Parquet, Arrow, "
                                 "Feather or a directory of them); JSONL lines give their own fields")
-        mapping = ColumnMapping.parse(args.column, args.metadata, sampling)
+        parsed = ColumnMapping.parse(args.column, args.metadata, sampling)
+        mapping = {"columns": parsed.columns, "metadata": parsed.metadata, "sampling": parsed.sampling}
     batch = client.submit_file(
         args.file,
-        mapping=mapping,
+        **mapping,
         tokenizer=args.tokenizer or None,
         vocab_size=args.vocab_size,
         run=args.run,
@@ -225,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="submit F times the --groups requests, so N groups survive a filter in one round")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
     p.add_argument("--tokenizer", metavar="PATH", default=None,
-                   help="render `messages`/`prompt` lines into token ids with this tokenizer (as SGLang would)")
+                   help="render `messages`/`prompt` lines (or columns) into token ids with this tokenizer (as SGLang "
+                        "would)")
     p.add_argument("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
     p.add_argument("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
     p.set_defaults(func=_cmd_submit)

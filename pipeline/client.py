@@ -122,21 +122,23 @@ class Client:
 
     def submit_file(
         self, path: str, *, tokenizer: Any = None, vocab_size: int | None = None,
-        mapping: ColumnMapping | None = None, **options: Unpack[SubmitOptions]
+        columns: Mapping[str, str] | None = None, metadata: Mapping[str, str] | None = None,
+        sampling: Mapping[str, Any] | None = None, **options: Unpack[SubmitOptions]
     ) -> Batch:
         """Validate every line of a JSONL file (chat lines rendered with `tokenizer`) and enqueue all
         of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.submit.submit_file`.
 
         A dataset path (Parquet, Arrow/Feather, a directory of Parquet or of `datasets.save_to_disk`;
-        `pipeline.dataset_source.is_dataset_path`) is read by column through `mapping` instead
-        (`pipeline.submit.submit_dataset`)."""
+        `pipeline.dataset_source.is_dataset_path`) is read by column instead, mapped by `columns`,
+        `metadata` and `sampling` as in `submit` (`pipeline.submit.submit_dataset`)."""
         renderer = _renderer(tokenizer)
         options["pool"] = self._pool(options.get("pool"))
         if is_dataset_path(path):
+            mapping = ColumnMapping(columns or {}, metadata or {}, sampling or {})
             plan = submit_dataset(self.conn, path, mapping=mapping, vocab_size=vocab_size, renderer=renderer,
                                   **options)
             return Batch(self.conn, plan)
-        if mapping is not None:
+        if columns or metadata or sampling:
             raise PipelineError(f"{path}: a column mapping applies to datasets (Parquet, Arrow, Feather, a "
                                 "directory), not to JSONL lines, which name their fields")
         return Batch(self.conn, submit_file(self.conn, path, vocab_size=vocab_size, renderer=renderer, **options))

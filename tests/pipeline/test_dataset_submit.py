@@ -24,7 +24,6 @@ import pipeline
 from pipeline import keys
 from pipeline.chat import ChatRenderer
 from pipeline.cli import main as cli_main
-from pipeline.dataset_input import ColumnMapping
 from pipeline.errors import ColumnMappingError, DatasetError
 from pipeline.submit import rollout_queue
 from schemas.chat import ChatRequest
@@ -122,7 +121,7 @@ def test_each_input_kind_submits_every_row_as_mapped(kind: str, redis_url: str, 
     source = _write(kind, table, tmp_path)
     client = pipeline.connect(redis_url)
     if isinstance(source, str):
-        batch = client.submit_file(source, mapping=ColumnMapping(**_MAPPING), output=OUT, batch_size=4)
+        batch = client.submit_file(source, output=OUT, batch_size=4, **_MAPPING)
     else:
         batch = client.submit(source, output=OUT, batch_size=4, **_MAPPING)
     assert batch.plan.requests == 10 and batch.plan.samples == 20 and len(batch.plan.job_ids) == 3
@@ -348,4 +347,15 @@ def test_row_problems_found_by_column_are_worded_per_row(change: tuple[str, pa.A
         pipeline.connect(redis_url).submit(table, output=OUT, **_PLAIN)
     assert [(e.row, e.column) for e in caught.value.errors] == [expected[:2]]
     assert caught.value.errors[0].message.startswith(expected[2]), caught.value.errors[0].message
+    _nothing_enqueued(redis_client)
+
+
+def test_a_mapping_for_request_dicts_or_jsonl_is_refused(redis_url: str, redis_client: redis.Redis,
+                                                          tmp_path: Path) -> None:
+    client = pipeline.connect(redis_url)
+    (tmp_path / "r.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
+    with pytest.raises(pipeline.PipelineError, match="applies to datasets"):
+        client.submit_file(str(tmp_path / "r.jsonl"), columns={"input_ids": "x"})
+    with pytest.raises(pipeline.PipelineError, match="map the columns of a table"):
+        client.submit([{"id": "a", "input_ids": [1]}], sampling={"n": 2})
     _nothing_enqueued(redis_client)
