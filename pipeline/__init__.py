@@ -38,6 +38,7 @@ from pipeline.reader import (
     rollouts_dataset,
     weight_version_between,
 )
+from pipeline.report import report
 from pipeline.routed_experts import routed_experts, routed_experts_positions
 from pipeline.verify import verify
 from pipeline.verify_stats import VerifyReport
@@ -67,6 +68,7 @@ __all__ = [
     "connect",
     "finish_reason_in",
     "read_rollouts",
+    "report",
     "request_id_in",
     "rollouts_dataset",
     "routed_experts",

@@ -120,6 +120,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pipeline.connection import connect_redis
+    from pipeline.reader import is_location
+    from pipeline.report import report
+
+    page = report(args.source, conn=None if is_location(args.source) else connect_redis(args.redis),
+                  verify_model=args.verify_model, verify_options={"rows": args.verify_rows})
+    with open(args.out, "w", encoding="utf-8") as out:
+        out.write(page)
+    print(f"wrote {args.out} ({len(page) // 1024} KiB)")
+    return 0
+
+
 def _cmd_pause(args: argparse.Namespace) -> int:
     from pipeline.client import connect
 
@@ -245,6 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-ids", action="store_true", help="render tokens as token_id:<id> (display only)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser("report", help="one self-contained HTML page of a run: lengths, finishes, logprobs, "
+                                      "workers, throughput, staleness, verify")
+    _add_redis(p)
+    p.add_argument("source", metavar="RUN_OR_URL", help="a run name (its commit log) or a URL/directory of shards")
+    p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    p.add_argument("--verify-model", action="append", default=None, metavar="PATH|V=PATH",
+                   help="also run `pipeline verify` with this model (as verify's --model) and show its summary")
+    p.add_argument("--verify-rows", type=int, default=None, metavar="N", help="verify a random sample of N rows")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("cancel", help="cancel a run or jobs: queued ones removed, running ones aborted")
     _add_redis(p)

@@ -8,6 +8,7 @@ rewritten or uncommitted shard is never read twice or half-written.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import fsspec
@@ -24,12 +25,18 @@ from schemas.shard import REWARDS_SCHEMA, REWARDS_SUFFIX, SHARD_SCHEMA, rewards_
 __all__ = [
     "all_of",
     "finish_reason_in",
+    "is_location",
     "read_rollouts",
     "request_id_in",
     "rollouts_dataset",
     "shard_paths",
     "weight_version_between",
 ]
+
+
+def is_location(source: str) -> bool:
+    """A URL or an existing path; anything else names a run (read through its commit log)."""
+    return "://" in source or os.path.exists(source)
 
 
 def shard_paths(url: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:

@@ -26,7 +26,6 @@ budget for the logits (`memory_mb`), so memory follows a batch, not the run.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ import pyarrow as pa
 import redis
 
 from pipeline.errors import PipelineError
-from pipeline.reader import rollouts_dataset
+from pipeline.reader import is_location, rollouts_dataset
 from pipeline.routed_experts import ROUTED_EXPERTS_COLUMNS, routed_experts
 from pipeline.verify_stats import ExpertStats, GroupStats, VerifyReport, build_report
 from schemas.request import RolloutRequest, SamplingParams
@@ -71,11 +70,6 @@ def parse_models(specs: str | Sequence[str] | Mapping[int, str]) -> dict[int | N
     if None in models and len(models) > 1:
         raise PipelineError("--model PATH (every version) and --model V=PATH cannot be mixed")
     return models
-
-
-def is_location(source: str) -> bool:
-    """A URL or an existing path (else `source` names a run, read through its commit log)."""
-    return "://" in source or os.path.exists(source)
 
 
 def open_source(source: str, conn: redis.Redis | None) -> Any:

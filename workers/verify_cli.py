@@ -13,7 +13,8 @@ EXIT_EXCEEDED = 1
 
 def _run_verify(args: argparse.Namespace) -> int:
     from pipeline.connection import connect_redis
-    from workers.verify import exceeded, is_location, verify
+    from pipeline.reader import is_location
+    from workers.verify import exceeded, verify
 
     report = verify(
         args.source, args.model, rows=args.rows, seed=args.seed, device=args.device, threshold=args.threshold,

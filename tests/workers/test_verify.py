@@ -124,16 +124,21 @@ def test_cli_reads_a_run_by_name_through_the_commit_log(dense_run: str, tiny_mod
     assert json.loads(done.stdout)["summary"][0]["rows"] == pipeline.read_rollouts(dense_run).num_rows
 
 
+def make_swap_run(conn: redis.Redis, out: Path, v0: Path, v1: Path) -> str:
+    """Two samples of 60 tokens on v0, partially swapped to v1 after 19 tokens: rows of both versions."""
+    requests = [{"id": "long", "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 60, "n": 2, "seed": 3,
+                                                                            "ignore_eos": True}}]
+    batch = pipeline.Client(conn).submit(requests, run="swap", output=f"file://{out}")
+    engine = CountingHF(v0)
+    run_with_push(conn, engine, "partial", ready=lambda: engine.forwards >= 20, path=str(v1))
+    assert batch.wait(timeout=30).counts["finished"] == 1
+    return f"{out}/swap"
+
+
 def test_partial_swap_rows_are_checked_per_token_version(
     redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, v1_model_dir: Path
 ) -> None:
-    requests = [{"id": "long", "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 60, "n": 2, "seed": 3,
-                                                                            "ignore_eos": True}}]
-    batch = pipeline.Client(redis_client).submit(requests, run="swap", output=f"file://{tmp_path}")
-    engine = CountingHF(tiny_model_dir)
-    run_with_push(redis_client, engine, "partial", ready=lambda: engine.forwards >= 20, path=str(v1_model_dir))
-    assert batch.wait(timeout=30).counts["finished"] == 1
-    url = f"{tmp_path}/swap"
+    url = make_swap_run(redis_client, tmp_path, tiny_model_dir, v1_model_dir)
     rows = pipeline.read_rollouts(url).to_pylist()
     boundaries = [r["weight_version_segments"][1]["start"] for r in rows]
     both = pipeline.verify(url, {0: str(tiny_model_dir), 1: str(v1_model_dir)})
