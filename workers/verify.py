@@ -129,20 +129,36 @@ def _params(row: dict[str, Any]) -> SamplingParams:
     )
 
 
+LIST_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
+
+
+def _lists(column: pa.Array, dtype: type) -> list[np.ndarray | None]:
+    """One numpy array per row of a list column (None for a null row), from its offsets and values."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(column))]
+
+
 def _rows_of(batch: pa.RecordBatch, vocab: int, skipped: dict[str, int]) -> Iterator[_Row]:
     """Validated rows of a record batch; rows without logprobs or completion are counted as skipped."""
     experts = routed_experts(batch) if all(c in batch.schema.names for c in ROUTED_EXPERTS_COLUMNS) else None
-    for i, row in enumerate(batch.to_pylist()):
+    prompts, completions = (_lists(batch.column(n), np.int64) for n in LIST_COLUMNS[:2])
+    stored = _lists(batch.column("completion_logprobs"), np.float32)
+    scalars = [n for n in batch.schema.names if n not in LIST_COLUMNS and n != "routed_experts"]
+    for i, row in enumerate(batch.select(scalars).to_pylist()):
         rid = row["rollout_id"]
-        for name in ("prompt_token_ids", "completion_token_ids", "weight_version", "temperature", "engine"):
-            if row[name] is None:
+        prompt, completion, logprobs = prompts[i], completions[i], stored[i]
+        for name, value in (("prompt_token_ids", prompt), ("completion_token_ids", completion),
+                            *((n, row[n]) for n in ("weight_version", "temperature", "engine"))):
+            if value is None:
                 raise PipelineError(f"row {rid!r}: column {name} is null; the shard is inconsistent")
-        prompt = np.asarray(row["prompt_token_ids"], dtype=np.int64)
-        completion = np.asarray(row["completion_token_ids"], dtype=np.int64)
-        if row["completion_logprobs"] is None:
+        assert prompt is not None and completion is not None
+        if logprobs is None:
             skipped["stored without logprobs"] = skipped.get("stored without logprobs", 0) + 1
             continue
-        logprobs = np.asarray(row["completion_logprobs"], dtype=np.float32)
         if len(logprobs) != len(completion):
             raise PipelineError(f"row {rid!r}: {len(logprobs)} completion logprobs for {len(completion)} completion "
                                 "tokens; the shard breaks the logprob contract")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 import subprocess
 from collections import Counter
 from html.parser import HTMLParser
@@ -105,6 +106,41 @@ def test_report_of_a_run_shows_its_numbers(dense_run: str, tiny_model_dir: Path,
     assert float(verify["max_abs_diff"]) <= 1e-3 and verify["tokens"] == overview["completion tokens"]
     (throughput,) = page.table_with("first commit (UTC)")
     assert throughput["tokens"] == overview["completion tokens"] and "commit log" in out.read_text()
+
+
+CHROMIUM = shutil.which("chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
+# Appended to a copy of the page: once loaded, the count of images and of broken ones.
+PROBE = ("<script>window.addEventListener('load',()=>{const all=[...document.images];"
+         "document.body.setAttribute('data-images',all.length+'/'+all.filter(i=>!(i.complete&&i.naturalWidth>0))"
+         ".length)})</script>")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_report_renders_in_a_real_browser(dense_run: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Headless chromium loads every image with no console message; the screenshot is kept in
+    build/test-artifacts/report.png."""
+    assert CHROMIUM is not None
+    page = pipeline.report(dense_run, verify_model=str(tiny_model_dir))
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("</body>", PROBE + "</body>"))
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+             "--virtual-time-budget=5000"]
+    dom = subprocess.run([*flags, "--dump-dom", probed.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr
+    images = len(Page(page).images)
+    assert f'data-images="{images}/0"' in dom.stdout  # every image decoded, none broken
+    assert "CONSOLE" not in dom.stderr, dom.stderr  # no console message: no error, no warning
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    report_file = tmp_path / "report.html"
+    report_file.write_text(page)
+    shot = ARTIFACTS / "report.png"
+    shot.unlink(missing_ok=True)
+    done = subprocess.run([*flags, "--window-size=1280,3600", f"--screenshot={shot}", report_file.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and shot.exists(), done.stderr
+    pixels = image.imread(shot)
+    assert pixels.shape[:2] == (3600, 1280) and pixels.std() > 0
 
 
 def test_report_shows_staleness_of_a_partial_swap(redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path,
