@@ -15,9 +15,9 @@ from tqdm import tqdm
 
 from pipeline import commit_log, keys
 from pipeline.cancel import CancelResult, cancel
-from pipeline.errors import JobsFailedError, WaitTimeoutError
+from pipeline.errors import IncompleteBatchError, JobsFailedError, WaitTimeoutError
 from pipeline.reader import read_rollouts
-from pipeline.status import failure_reason
+from pipeline.status import failure_reason, stalled_hint
 from pipeline.submit import SubmitPlan
 from pipeline.take import GroupFilter, TakeResult, take
 
@@ -125,8 +125,7 @@ class Batch:
                 if left is not None and left <= 0:
                     raise WaitTimeoutError(
                         f"batch of run {self.run}: {status.done}/{status.total} jobs done after "
-                        f"{timeout}s ({dict(status.counts)}); are workers running? "
-                        "(`pipeline status`)"
+                        f"{timeout}s ({dict(status.counts)}); {stalled_hint(self.conn, self.run)}"
                     )
                 watched = [j for j, s in states.items() if s not in TERMINAL][:WATCHED_JOBS]
                 block_s = poll_s if left is None else min(poll_s, left)
@@ -189,6 +188,19 @@ class Batch:
     def committed_rows(self) -> int:
         return sum(c.rows for c in self.commits())
 
-    def read(self, columns: list[str] | None = None) -> pa.Table:
-        """This batch's rows (only its own shards, not the rest of the run)."""
-        return read_rollouts([c.url for c in self.commits()], columns=columns)
+    def read(self, columns: list[str] | None = None, *, partial: bool = False) -> pa.Table:
+        """This batch's rows (only its own shards, not the rest of the run).
+
+        Before every job has ended it raises `IncompleteBatchError` (say how many are done)
+        rather than return a part silently; `partial=True` returns the rows committed so far
+        (maybe none)."""
+        commits = self.commits()
+        if not partial and len({c.job_id for c in commits}) < len(self.job_ids):
+            status = self.status()
+            if not status.complete:
+                raise IncompleteBatchError(
+                    f"batch of run {self.run!r} is not complete: {status.done} of {status.total} job(s) ended "
+                    f"({len({c.job_id for c in commits})} committed); `wait()` first, or `read(partial=True)` "
+                    "for the rows committed so far"
+                )
+        return read_rollouts([c.url for c in commits], columns=columns, missing_ok=True)

@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.errors import LineError, PipelineError, RenderError, RequestFileError
+from pipeline.errors import REQUESTS, LineError, PipelineError, RenderError, RequestFileError
 from schemas.chat import SHARED_FIELDS, ChatMessage, ChatRequest, NamedToolChoice, TextPart, is_chat_line
 
 
@@ -396,7 +396,7 @@ class ChatRenderer:
         return line
 
 
-def render_requests(requests: Sequence[Any], tokenizer: Any, *, path: str = "<requests>") -> list[Any]:
+def render_requests(requests: Sequence[Any], tokenizer: Any, *, path: str = REQUESTS) -> list[Any]:
     """`Client.submit(..., tokenizer=)`: chat/prompt dicts rendered, everything else passed through."""
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
     out: list[Any] = []

@@ -19,7 +19,14 @@ from typing import Any
 
 import redis
 
-from pipeline.errors import JobsFailedError, PipelineError, WaitTimeoutError, WeightPushError
+from pipeline.errors import (
+    JobsFailedError,
+    NoShardsError,
+    PipelineError,
+    UnknownRunError,
+    WaitTimeoutError,
+    WeightPushError,
+)
 from pipeline.keys import ENV_POOL
 from schemas.control import SWAP_MODES
 
@@ -35,7 +42,7 @@ def exit_code(exc: BaseException) -> int:
     """The exit code for an error that ended a command."""
     if isinstance(exc, WeightPushError):
         return EXIT_TIMEOUT if exc.timed_out and not exc.failed else EXIT_FAILED
-    if isinstance(exc, JobsFailedError):
+    if isinstance(exc, JobsFailedError | NoShardsError | UnknownRunError):
         return EXIT_FAILED
     if isinstance(exc, WaitTimeoutError):
         return EXIT_TIMEOUT

@@ -17,7 +17,7 @@ from pipeline.cancel import CancelResult, cancel
 from pipeline.connection import connect_redis
 from pipeline.dataset_input import ColumnMapping
 from pipeline.dataset_source import is_dataset_path
-from pipeline.errors import LineError, PipelineError, RequestFileError
+from pipeline.errors import REQUESTS, LineError, PipelineError, RequestFileError
 from pipeline.follow import DEFAULT_BLOCK_MS, Follower
 from pipeline.request_file import ParsedRequest, validation_errors
 from pipeline.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
@@ -39,9 +39,9 @@ def _as_requests(
         try:
             parsed.append(RolloutRequest.model_validate(item))
         except ValidationError as exc:
-            errors.extend(validation_errors("<requests>", index, exc))
+            errors.extend(validation_errors(REQUESTS, index, exc))
     if errors:
-        raise RequestFileError("<requests>", errors, len(requests))
+        raise RequestFileError(REQUESTS, errors, len(requests))
     return parsed
 
 

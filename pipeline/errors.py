@@ -16,6 +16,9 @@
     ├── WeightPushError                workers failed to load pushed weights or did not acknowledge
     ├── JobsFailedError                some jobs of a batch failed (`failures`: job id -> reason)
     ├── WaitTimeoutError               a wait ran out of time before the batch finished
+    ├── NoShardsError                  a run or URL has no shards; names what is there ("did you mean")
+    ├── UnknownRunError                no job was ever submitted to a run of that name ("did you mean")
+    ├── IncompleteBatchError           `Batch.read()` before every job ended (`partial=True` reads so far)
     └── workers.errors.WorkerError     raised in worker processes; the job fails with its message
         ├── UnsupportedRequestError    a job asks for something this worker cannot serve
         ├── ContractViolation          an engine's output breaks an invariant; never written
@@ -45,9 +48,13 @@ class PipelineError(Exception):
     """Base class of every error the pipeline raises on purpose."""
 
 
+# The `path` of requests given as a Python list: located as `requests[i]` (0-based), not as lines.
+REQUESTS = "requests"
+
+
 @dataclass(frozen=True)
 class LineError:
-    """One problem in a request file, located by line and field."""
+    """One problem in a request file, located by line and field (or in a Python list, by index)."""
 
     path: str
     line: int
@@ -55,7 +62,7 @@ class LineError:
     message: str
 
     def __str__(self) -> str:
-        where = f"{self.path}:{self.line}"
+        where = f"{REQUESTS}[{self.line}]" if self.path == REQUESTS else f"{self.path}:{self.line}"
         return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
 
 
@@ -68,8 +75,11 @@ class RequestFileError(PipelineError):
         self.total_lines = total_lines
         shown = "\n".join(f"  {e}" for e in errors[:50])
         more = f"\n  ... and {len(errors) - 50} more" if len(errors) > 50 else ""
+        bad = len({e.line for e in errors})
+        what = ("entry" if bad == 1 else "entries") if path == REQUESTS else "line(s)"
+        problems = f" ({len(errors)} problems)" if len(errors) != bad else ""
         super().__init__(
-            f"{path}: {len(errors)} invalid line(s); nothing was enqueued. Fix these and submit "
+            f"{path}: {bad} invalid {what}{problems}; nothing was enqueued. Fix these and submit "
             f"again:\n{shown}{more}"
         )
 
@@ -192,3 +202,15 @@ class JobsFailedError(PipelineError):
 
 class WaitTimeoutError(PipelineError):
     """A wait ran out of time before the batch finished."""
+
+
+class NoShardsError(PipelineError):
+    """A run or URL has no shards at all; the message names what was looked for and what is there."""
+
+
+class UnknownRunError(PipelineError):
+    """No job was ever submitted to the run named (a typo, or another Redis); says which runs exist."""
+
+
+class IncompleteBatchError(PipelineError):
+    """`Batch.read()` while jobs are still queued or running; `read(partial=True)` reads what is committed."""

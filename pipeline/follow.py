@@ -28,10 +28,12 @@ import pyarrow.dataset as pads
 import redis
 from rq.job import Job
 
-from pipeline import keys
+from pipeline import keys, registry
 from pipeline.commit_log import Commit
-from pipeline.errors import JobsFailedError, PipelineError, WaitTimeoutError
+from pipeline.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
 from pipeline.reader import read_rollouts
+from pipeline.status import stalled_hint
+from pipeline.suggest import did_you_mean, listing
 
 START = "0-0"
 FAILED_STATES = frozenset({"failed", "stopped"})
@@ -169,7 +171,19 @@ class Follower:
                 )
             self.conn.xread({keys.reward_log(self.run): "$"}, block=min(self.block_ms, 200))
 
+    def _check_run(self) -> None:
+        """Fail fast on a run that has no job at all (a typo, another Redis): it would never end."""
+        if self.batch_id is not None or self.conn.exists(keys.run_batches(self.run), self._stream):
+            return
+        known = registry.runs(self.conn)
+        raise UnknownRunError(
+            f"run {self.run!r} has no jobs in this Redis (nothing was submitted to it, and it has no commit log); "
+            f"runs submitted here: {listing(known)}{did_you_mean(self.run, known)}; submit before following, "
+            "or check the run name and the Redis URL"
+        )
+
     def __iter__(self) -> Iterator[Shard]:
+        self._check_run()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         drained = False  # whether the last XREAD found nothing more to read
         finishing = False
@@ -186,7 +200,7 @@ class Follower:
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeoutError(
                     f"following run {self.run}: not complete after {self.timeout}s "
-                    f"({len(self._seen)} job(s) delivered); are workers running? (`pipeline status`)"
+                    f"({len(self._seen)} job(s) delivered); {stalled_hint(self.conn, self.run)}"
                 )
             block = self.block_ms
             if deadline is not None:

@@ -17,9 +17,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import redis
 
-from pipeline import commit_log, keys
-from pipeline.errors import PipelineError
+from pipeline import commit_log, keys, registry
+from pipeline.errors import NoShardsError, PipelineError
 from pipeline.storage import arrow_filesystem, join, url_to_fs
+from pipeline.suggest import did_you_mean, listing
 from schemas.shard import REWARDS_SCHEMA, REWARDS_SUFFIX, SHARD_SCHEMA, rewards_path
 
 __all__ = [
@@ -88,25 +89,60 @@ def rollouts_dataset(
     run: str | None = None,
     *,
     conn: redis.Redis | None = None,
+    missing_ok: bool = False,
 ) -> pads.Dataset:
     """A pyarrow Dataset over shards: a run directory, an output root plus `run`, or shard URLs.
 
     With `conn` and `run`, the shards are those of the run's commit log (one per job id, the
     latest commit wins) instead of a directory listing; `urls` is then not listed.
+    No shard at all raises `NoShardsError` naming what is there, unless `missing_ok`.
     """
-    return _dataset(*_shard_files(urls, run, conn))
+    return _dataset(*_shard_files(urls, run, conn, missing_ok=missing_ok))
 
 
 def _shard_files(
-    urls: str | Sequence[str], run: str | None, conn: redis.Redis | None,
+    urls: str | Sequence[str], run: str | None, conn: redis.Redis | None, *, missing_ok: bool = False,
 ) -> tuple[fsspec.AbstractFileSystem | None, list[str]]:
     if conn is not None:
         if run is None:
             raise PipelineError("reading through the commit log needs the run name (run=...)")
-        return _files_of(_committed_urls(conn, run))
-    if isinstance(urls, str):
-        return _files_of([join(urls, run) if run else urls])
-    return _files_of(list(urls))
+        found = _files_of(_committed_urls(conn, run))
+    elif isinstance(urls, str):
+        target = join(urls, run) if run else urls
+        found = _files_of([target])
+        if found[1] and target.endswith(".parquet") and found[0] is not None and not found[0].exists(found[1][0]):
+            found = (found[0], [])
+    else:
+        found = _files_of(list(urls))
+    if not found[1] and not missing_ok:
+        raise _no_shards(urls, run, conn)
+    return found
+
+
+def _no_shards(urls: str | Sequence[str], run: str | None, conn: redis.Redis | None) -> NoShardsError:
+    """What was looked for, and what is there instead."""
+    if conn is not None:
+        assert run is not None
+        known = registry.runs(conn)
+        return NoShardsError(f"run {run!r} has no committed shard in this Redis (commit log "
+                             f"{keys.commit_log(run)} is empty); runs submitted here: {listing(known)}"
+                             + did_you_mean(run, known))
+    if not isinstance(urls, str):
+        if not urls:
+            return NoShardsError("no shard URLs to read (nothing committed yet?)")
+        return NoShardsError(f"no shards under any of {len(urls)} URL(s): {listing(urls)}")
+    target = join(urls, run) if run else urls
+    fs, path = url_to_fs(target)
+    what = f"{target} (run {run!r} of output {urls})" if run else target
+    if fs.exists(path):
+        return NoShardsError(f"no shards under {what}: it exists but holds no *.parquet shard")
+    parent, _, name = path.rstrip("/").rpartition("/")
+    beside = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(parent, detail=False)] \
+        if parent and fs.exists(parent) else []
+    beside = [b for b in beside if not b.startswith(".") and not b.endswith(REWARDS_SUFFIX)]
+    there = (f"{'runs' if run else 'entries'} there: {listing(beside)}" if parent and fs.exists(parent)
+             else f"{parent or '/'} does not exist either")
+    return NoShardsError(f"no shards under {what}: it does not exist; {there}" + did_you_mean(name, beside))
 
 
 def _dataset(fs: fsspec.AbstractFileSystem | None, files: list[str]) -> pads.Dataset:
@@ -137,6 +173,7 @@ def read_rollouts(
     filter: pads.Expression | None = None,
     conn: redis.Redis | None = None,
     rewards: bool = False,
+    missing_ok: bool = False,
 ) -> pa.Table:
     """The rows of the shards under a URL (or of the given shard URLs) as one Table.
 
@@ -144,8 +181,10 @@ def read_rollouts(
     `request_id_in`, combinable with `&`) is pushed down; `conn` dedupes through the commit log.
     `rewards` adds `reward` and `reward_info` from the rewards shards beside the shards (README
     "Rewards"; with `conn`, only rewards recorded in the run's rewards stream); null where a row has none yet.
+    No shard at all (a misspelled run or URL) raises `NoShardsError` naming what is there
+    ("did you mean"); `missing_ok=True` returns an empty table instead.
     """
-    fs, files = _shard_files(urls, run, conn)
+    fs, files = _shard_files(urls, run, conn, missing_ok=missing_ok)
     wanted = columns if columns is None or not rewards or "rollout_id" in columns else [*columns, "rollout_id"]
     table = _dataset(fs, files).to_table(columns=wanted, filter=filter)
     if not rewards:

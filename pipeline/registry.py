@@ -1,5 +1,6 @@
 """The live-worker registry in Redis, one per pool: entries with a TTL that each worker's heartbeat
-refreshes, and the pool's set of worker ids (pruned of expired entries on read)."""
+refreshes, and the pool's set of worker ids (pruned of expired entries on read); and what exists
+to be named: the pools and the runs submitted to them."""
 
 from __future__ import annotations
 
@@ -56,3 +57,11 @@ def pools(conn: redis.Redis) -> list[str]:
     """Every pool named so far (by a submit, a worker or a control change), `default` first."""
     named = {m.decode() for m in conn.smembers(keys.POOLS)} - {keys.DEFAULT_POOL}
     return [keys.DEFAULT_POOL, *sorted(named)]
+
+
+def runs(conn: redis.Redis) -> list[str]:
+    """Every run submitted to any pool, sorted (for "did you mean" when a run is not found)."""
+    names: set[str] = set()
+    for pool in pools(conn):
+        names.update(m.decode(errors="replace") for m in conn.smembers(keys.pool(pool).runs))
+    return sorted(names)

@@ -20,6 +20,7 @@ import simdjson
 from pydantic import ValidationError
 
 from pipeline.errors import LineError, PipelineError, RequestFileError
+from pipeline.suggest import did_you_mean
 from schemas import request as request_schema
 from schemas.request import MAX_LINE_BYTES, MAX_TOKEN_ID, RolloutRequest, SamplingParams
 
@@ -36,10 +37,38 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+# Names from OpenAI's and other engines' APIs, and the field this schema calls them.
+OTHER_NAMES = {
+    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+    "stop_sequences": "stop", "top_logprobs": "logprobs", "prompt_token_ids": "input_ids",
+    "prompt_ids": "input_ids", "num_samples": "n",
+}
+_TOP_FIELDS = tuple(RolloutRequest.model_fields)
+_SAMPLING_FIELDS = tuple(SamplingParams.model_fields)
+# Lines `pipeline.chat` renders into input_ids, given a tokenizer.
+_CHAT_FIELDS = ("messages", "prompt")
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """'unknown field', with the known name it most likely meant."""
+    name = str(loc[-1])
+    if len(loc) == 1 and (name in _SAMPLING_FIELDS or OTHER_NAMES.get(name) in _SAMPLING_FIELDS):
+        return (f"unknown field: sampling parameters go inside \"sampling_params\" "
+                f"({{\"sampling_params\": {{\"{OTHER_NAMES.get(name, name)}\": ...}}}})")
+    hint = ""
+    if len(loc) == 2 and loc[0] == "sampling_params":
+        hint = did_you_mean(name, _SAMPLING_FIELDS, aliases=OTHER_NAMES)
+    elif len(loc) == 1:
+        hint = did_you_mean(name, _TOP_FIELDS, aliases={k: v for k, v in OTHER_NAMES.items() if v in _TOP_FIELDS})
+        inside = did_you_mean(name, _SAMPLING_FIELDS)
+        hint = hint or (inside[:-1] + " inside \"sampling_params\"?" if inside else "")
+    return f"unknown field{hint or ' (check its spelling against the request schema)'}"
+
+
 def _message(error: dict) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
-        return "unknown field (check its spelling against the request schema)"
+        return _unknown_field(error["loc"])
     if kind == "missing":
         return "required field is missing"
     if kind == "json_invalid":
@@ -55,8 +84,15 @@ def _message(error: dict) -> str:
 
 def validation_errors(path: str, line: int, exc: ValidationError) -> list[LineError]:
     """One located error per field (union branches collapsed)."""
-    seen: dict[str, LineError] = {}
-    for error in exc.errors():
+    errors = exc.errors()
+    chat = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and e["loc"] in (("messages",), ("prompt",))]
+    if chat:  # a chat/prompt line reached the token-id schema: no tokenizer rendered it
+        flag = "--tokenizer PATH (Python: `submit(..., tokenizer=...)`)"
+        errors = [e for e in errors if e["loc"] not in (("input_ids",), ("messages",), ("prompt",))]
+        first = LineError(path, line, str(chat[0]), f"a {'chat' if chat[0] == 'messages' else 'prompt'} line needs "
+                          f"a tokenizer to render it into input_ids: pass {flag}")
+    seen: dict[str, LineError] = {first.field: first} if chat else {}
+    for error in errors:
         field = _field_path(error["loc"])
         seen.setdefault(field, LineError(path, line, field, _message(error)))
     return list(seen.values())

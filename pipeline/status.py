@@ -15,7 +15,9 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline import commit_log, control, keys, registry, reward_log
+from pipeline.errors import UnknownRunError
 from pipeline.submit import rollout_queue
+from pipeline.suggest import did_you_mean, listing
 from schemas.capabilities import describe
 from schemas.control import DesiredState
 
@@ -54,6 +56,11 @@ def unservable(conn: redis.Redis, pool: str) -> dict[str, Any]:
 def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) -> dict[str, Any]:
     """Every pool's status (`pools`: name → status), or only `pool`'s when one is named."""
     names = [keys.pool_name(pool)] if pool else registry.pools(conn)
+    if run and not any(conn.sismember(keys.pool(name).runs, run) for name in names):
+        known = registry.runs(conn)
+        where = f"pool {keys.pool_name(pool)!r}" if pool else "any pool"
+        raise UnknownRunError(f"no run {run!r} was submitted to {where} in this Redis; runs submitted here: "
+                              f"{listing(known)}{did_you_mean(run, known)}")
     return {"pools": {name: collect_pool(conn, name, run) for name in names}}
 
 
@@ -99,6 +106,22 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
             "canceled": conn.scard(keys.canceled(run)),
             "rewards": dataclasses.asdict(reward_log.totals(conn, run)) if conn.sismember(keys.REWARD_RUNS, run)
             else None}
+
+
+def stalled_hint(conn: redis.Redis, run: str) -> str:
+    """Why a run's jobs may not be moving, for a wait that ran out of time: its pool is paused,
+    has no live worker, or (otherwise) the question to look into."""
+    pools = [name for name in registry.pools(conn) if conn.sismember(keys.pool(name).runs, run)]
+    for name in pools:
+        try:
+            if control.read_state(conn, name).paused:
+                return f"pool {name!r} is paused: its workers take no job until `pipeline resume --pool {name}`"
+        except control.ControlAuthError:
+            continue
+    for name in pools:
+        if not registry.live_workers(conn, name):
+            return f"no worker is live in pool {name!r}: start one (`pipeline worker --pool {name}`)"
+    return "are workers running? (`pipeline status`)"
 
 
 def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:

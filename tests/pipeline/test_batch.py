@@ -69,3 +69,31 @@ def test_wait_never_blocks_past_the_clients_read_timeout(redis_url: str, tmp_pat
     batch = Batch(conn, submit_requests(conn, [request], run="slow", output=f"file://{tmp_path}"))
     with pytest.raises(pipeline.WaitTimeoutError, match="0/1 jobs done"):
         batch.wait(timeout=2.5, poll_s=NEVER, progress=False)  # no worker
+
+
+def test_read_before_the_batch_is_complete_raises_unless_partial(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit([{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [3]}], run="early",
+                          output=f"file://{tmp_path}", batch_size=1)
+    with pytest.raises(pipeline.IncompleteBatchError, match=r"run 'early' is not complete: 0 of 2 job\(s\) ended "
+                       r"\(0 committed\); `wait\(\)` first, or `read\(partial=True\)`"):
+        batch.read()
+    assert batch.read(partial=True).num_rows == 0
+    RolloutWorker(redis_client, FakeEngine(), control_poll_s=0.2).work(burst=True, with_scheduler=False,
+                                                                       logging_level="WARNING")
+    assert batch.read().num_rows == 2
+
+
+def test_a_wait_that_runs_out_says_the_pool_is_paused_or_has_no_worker(
+    redis_client: redis.Redis, tmp_path: Path,
+) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit([{"id": "a", "input_ids": [1, 2]}], run="held", output=f"file://{tmp_path}")
+    with pytest.raises(pipeline.WaitTimeoutError, match="no worker is live in pool 'default'"):
+        batch.wait(timeout=0.2, progress=False)
+    client.pause()
+    paused = "pool 'default' is paused: its workers take no job until `pipeline resume --pool default`"
+    with pytest.raises(pipeline.WaitTimeoutError, match=paused):
+        batch.wait(timeout=0.2, progress=False)
+    with pytest.raises(pipeline.WaitTimeoutError, match=paused):
+        list(client.follow("held", timeout=0.2))

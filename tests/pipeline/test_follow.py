@@ -17,7 +17,7 @@ from rq.job import Job
 from pipeline import keys
 from pipeline.client import Client
 from pipeline.commit_log import Commit, append
-from pipeline.errors import JobsFailedError, PipelineError, WaitTimeoutError
+from pipeline.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
 from pipeline.follow import Shard
 from schemas.request import RolloutRequest
 from workers.engines.base import Finish, SampleOutput
@@ -156,11 +156,14 @@ def test_failed_jobs_end_the_follow(tmp_path: Path, redis_client: redis.Redis) -
     assert set(quiet.failed) == {jobs[1]}
 
 
-def test_no_batch_submitted_waits_until_timeout(redis_client: redis.Redis) -> None:
-    started = time.monotonic()
-    with pytest.raises(WaitTimeoutError, match=RUN):
-        list(Client(redis_client).follow(RUN, block_ms=100, timeout=0.4))
-    assert time.monotonic() - started >= 0.4
+def test_a_run_with_no_jobs_fails_fast_naming_the_runs_there(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = Client(redis_client)
+    with pytest.raises(UnknownRunError, match=f"run {RUN!r} has no jobs in this Redis .*runs submitted here: nothing"):
+        list(client.follow(RUN, timeout=5))  # failing fast, not after the timeout (nor never without one)
+    client.submit([{"id": "a", "input_ids": [1, 2]}], run=RUN, output=f"file://{tmp_path}")
+    typo = RUN.replace("-", "_")
+    with pytest.raises(UnknownRunError, match=f"runs submitted here: {RUN}; did you mean {RUN!r}"):
+        list(client.follow(typo, timeout=5))
     with pytest.raises(PipelineError, match="block_ms"):
         Client(redis_client).follow(RUN, block_ms=0)
     with pytest.raises(PipelineError, match="cursor"):

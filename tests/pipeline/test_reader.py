@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from pipeline import commit_log, keys
-from pipeline.errors import PipelineError
+from pipeline.cli import main
+from pipeline.errors import NoShardsError, PipelineError
 from pipeline.reader import (
     all_of,
     finish_reason_in,
@@ -80,7 +81,30 @@ def test_reads_a_run_from_its_output_root_with_projection(shards: tuple[str, dic
     projected = read_rollouts(output, run=RUN, columns=["rollout_id", "weight_version"])
     assert projected.column_names == ["rollout_id", "weight_version"]
     assert projected.num_rows == table.num_rows
-    assert read_rollouts(output, run="no-such-run").num_rows == 0
+    assert read_rollouts(output, run="no-such-run", missing_ok=True).num_rows == 0
+
+
+def test_a_run_or_url_with_no_shards_is_an_error_naming_what_is_there(
+    shards: tuple[str, dict[str, pa.Table]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    output, _ = shards
+    typo = "stpe-1"
+    with pytest.raises(NoShardsError) as info:
+        read_rollouts(output, run=typo)
+    assert f"no shards under {output}/{typo} (run {typo!r} of output {output}): it does not exist; runs there: " \
+        f"{RUN}; did you mean {RUN!r}?" == str(info.value)
+    with pytest.raises(NoShardsError, match=f"did you mean {RUN!r}"):  # a misspelled URL, the same
+        read_rollouts(f"{output}/{typo}")
+    with pytest.raises(NoShardsError, match=r"nope\.parquet: it does not exist; entries there: "):
+        read_rollouts(f"{output}/{RUN}/nope.parquet")
+    with pytest.raises(NoShardsError, match=r"does not exist either"):
+        rollouts_dataset(str(tmp_path / "nowhere" / "out"), run=RUN)
+    # `pipeline show` says the same on stderr (exit 1) instead of a bare path.
+    assert main(["show", f"{output}/{RUN}/nope.parquet"]) == 1
+    assert "nope.parquet: it does not exist; entries there: " in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoShardsError, match="exists but holds no"):
+        read_rollouts(str(tmp_path / "empty"))
 
 
 def test_filters_select_the_right_rows(shards: tuple[str, dict[str, pa.Table]]) -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import redis
 
 import pipeline
 from pipeline import commit_log, keys
+from pipeline.cli import main
+from pipeline.errors import UnknownRunError
 from pipeline.status import collect, format_status
 from pipeline.submit import JOB_FUNCTION, rollout_queue
 
@@ -22,6 +25,19 @@ def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(red
     run = status["pools"]["default"]["runs"]["r"]
     assert run["weight_versions"] == [1, 3] and run["staleness"] == 3
     assert "staleness 3 (oldest token v1 vs pushed v4)" in format_status(status)
+
+
+def test_status_of_an_unknown_run_is_an_error_naming_the_runs(
+    redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    redis_client.sadd(keys.pool(None).runs, "tiny-step1")
+    with pytest.raises(UnknownRunError, match="runs submitted here: tiny-step1; did you mean 'tiny-step1'"):
+        collect(redis_client, run="tiny-stpe1")
+    assert list(collect(redis_client, run="tiny-step1")["pools"]["default"]["runs"]) == ["tiny-step1"]
+    url = redis_client.connection_pool.connection_kwargs
+    monkeypatch.setenv("PIPELINE_REDIS_URL", f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}")
+    assert main(["status", "--run", "tiny-stpe1"]) == 1
+    assert "error: no run 'tiny-stpe1' was submitted to any pool" in capsys.readouterr().err
 
 
 def test_jobs_waiting_out_their_retry_backoff_are_shown(redis_client: redis.Redis) -> None:

@@ -36,7 +36,11 @@ BAD_FILES = {
         [json.dumps({**GOOD, "sampling_params": {"max_new_tokens": "4"}})], 1,
         "sampling_params.max_new_tokens: Input should be a valid integer",
     ),
-    "unknown_field": ([json.dumps({**GOOD, "temprature": 0.5})], 1, "temprature: unknown field"),
+    "unknown_field": ([json.dumps({**GOOD, "temprature": 0.5})], 1,
+                      "temprature: unknown field; did you mean 'temperature' inside \"sampling_params\"?"),
+    "chat_without_tokenizer": ([json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}]})], 1,
+                               "messages: a chat line needs a tokenizer to render it into input_ids: pass "
+                               "--tokenizer PATH"),
     "negative_token": ([json.dumps({**GOOD, "input_ids": [1, -5]})], 1, "input_ids[1]: Input should be greater"),
     "huge_token": ([json.dumps({**GOOD, "input_ids": [2**40]})], 1, "input_ids[0]: Input should be less"),
     "scalar_stop": (

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.errors import PipelineError
+from pipeline.errors import NoShardsError, PipelineError
 from pipeline.reader import finish_reason_in
 from pipeline.torch_data import RolloutBatches, collate_rollouts, grpo_advantages, pack_groups
 from schemas.shard import REWARDS_SCHEMA, REWARDS_SUFFIX, SHARD_SCHEMA
@@ -302,6 +302,14 @@ def test_packed_batches_filters_and_dataloader_workers(tmp_path: Path) -> None:
     expected = [f"{s['request_id']}:{s['sample_index']}" for shard in shards for s in shard
                 if s["finish_reason"] == "stop"]
     assert sorted(got) == sorted(expected)
+
+
+def test_a_misspelled_run_is_an_error_not_an_empty_epoch(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    output = write_shards(tmp_path, [random_samples(rng, requests=2, n=2, prefix="q")])
+    expected = f"no shards under {output}/rr \\(run 'rr' of output {output}\\): .*did you mean 'r'"
+    with pytest.raises(NoShardsError, match=expected):
+        list(RolloutBatches(output, run="rr", batch_size=4))
 
 
 def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:

@@ -1,0 +1,26 @@
+"""'Did you mean': the known names closest to a mistyped one, for error messages."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+SHOWN = 10
+
+
+def did_you_mean(name: str, known: Iterable[str], *, aliases: dict[str, str] | None = None) -> str:
+    """`"; did you mean 'x'?"` naming the known name closest to `name` (or its alias), else ""."""
+    candidates = sorted(set(known))
+    if aliases and name in aliases:
+        close = [aliases[name]]
+    else:
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def listing(names: Iterable[str]) -> str:
+    """The first names, sorted, comma-separated ("..." when there are more), or "nothing"."""
+    ordered = sorted(set(names))
+    if not ordered:
+        return "nothing"
+    return ", ".join(ordered[:SHOWN]) + (f", ... ({len(ordered)} in all)" if len(ordered) > SHOWN else "")
