@@ -157,4 +157,4 @@ def test_report_shows_staleness_of_a_partial_swap(redis_client: redis.Redis, tmp
 
 def test_an_empty_location_is_refused(tmp_path: Path) -> None:
     with pytest.raises(pipeline.PipelineError, match="no rows under"):
-        render(str(tmp_path), gather(pipeline.rollouts_dataset(str(tmp_path))))
+        render(str(tmp_path), gather(pipeline.rollouts_dataset(str(tmp_path), missing_ok=True)))
