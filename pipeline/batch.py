@@ -11,11 +11,11 @@ import pyarrow as pa
 import redis
 from rq.job import Job
 from rq.results import Result
-from tqdm import tqdm
 
 from pipeline import commit_log, keys
 from pipeline.cancel import CancelResult, cancel
 from pipeline.errors import IncompleteBatchError, JobsFailedError, WaitTimeoutError
+from pipeline.progress import Progress
 from pipeline.reader import read_rollouts
 from pipeline.status import failure_reason, stalled_hint
 from pipeline.submit import SubmitPlan
@@ -103,9 +103,9 @@ class Batch:
         checks otherwise (a failure of a job not watched yet is seen within it). Only unfinished
         jobs' states are read, at most once per `MIN_CHECK_S` however fast jobs commit.
         """
-        show = sys.stderr.isatty() if progress is None else progress
         deadline = None if timeout is None else time.monotonic() + timeout
-        bar = tqdm(total=len(self.job_ids), unit="job", disable=not show, desc=self.run)
+        # A bar on a terminal; `progress=True` elsewhere prints a line at each 10 % instead.
+        bar = Progress(len(self.job_ids), self.run, show=sys.stderr.isatty() if progress is None else progress)
         results: dict[str, str] = {}  # job id -> last RQ result entry read
         final: dict[str, str] = {}  # jobs in a terminal state: not asked about again
         caught_up = True
@@ -115,10 +115,7 @@ class Batch:
                 states = {**final, **self.job_states([j for j in self.job_ids if j not in final])}
                 final.update((j, s) for j, s in states.items() if s in TERMINAL)
                 status = BatchStatus(Counter(states.values()), len(states))
-                bar.n = status.done
-                if show:
-                    bar.set_postfix(rows=sum(self._rows.values()), failed=status.counts["failed"])
-                bar.refresh()
+                bar.update(status.done, sum(self._rows.values()), status.counts["failed"])
                 if status.complete:
                     break
                 left = None if deadline is None else deadline - time.monotonic()

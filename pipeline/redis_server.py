@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,6 +151,10 @@ class RedisServer:
             deadline = time.monotonic() + START_TIMEOUT_S
             while time.monotonic() < deadline:
                 if self.is_running():
+                    # Said once, when started: later commands find it running and say nothing.
+                    print(f"pipeline: started the embedded Redis server (data in {self.directory}; "
+                          "`pipeline redis stop` stops it; --redis URL or $PIPELINE_REDIS_URL uses another)",
+                          file=sys.stderr, flush=True)
                     return self.url
                 time.sleep(0.05)
             log = self.directory / "redis.log"

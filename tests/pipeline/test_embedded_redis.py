@@ -18,6 +18,7 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
     env.pop("PIPELINE_REDIS_URL", None)
     started = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
     url = started.stdout.strip()
+    assert started.stderr.count("started the embedded Redis server") == 1  # said once, on stderr
     directory = tmp_path / "home" / "redis"
     password = (directory / "password").read_text().strip()
     assert url == f"unix://{directory / 'redis.sock'}?password={password}"
@@ -35,10 +36,10 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
         client.set("marker", "1")
         # A second command reuses the same server instead of starting another.
         again = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
-        assert again.stdout.strip() == url
+        assert again.stdout.strip() == url and "embedded Redis" not in again.stderr
         assert client.get("marker") == b"1"
         status = subprocess.run([*PIPELINE, "status"], env=env, capture_output=True, text=True, check=True)
-        assert "workers: 0 live" in status.stdout
+        assert "workers: 0 live" in status.stdout and status.stderr == ""
         assert "desired: running, weights v0 (generation 0)" in status.stdout
         # Unix socket only: no TCP port is open.
         assert client.config_get("port")["port"] == "0"

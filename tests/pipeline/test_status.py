@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
 import redis
 
 import pipeline
-from pipeline import commit_log, keys
+from pipeline import commit_log, keys, registry
 from pipeline.cli import main
 from pipeline.errors import UnknownRunError
 from pipeline.status import collect, format_status
 from pipeline.submit import JOB_FUNCTION, rollout_queue
+from schemas.worker_info import WorkerInfo
 
 
 def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(redis_client: redis.Redis) -> None:
@@ -38,6 +40,15 @@ def test_status_of_an_unknown_run_is_an_error_naming_the_runs(
     monkeypatch.setenv("PIPELINE_REDIS_URL", f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}")
     assert main(["status", "--run", "tiny-stpe1"]) == 1
     assert "error: no run 'tiny-stpe1' was submitted to any pool" in capsys.readouterr().err
+
+
+def test_a_heartbeat_from_a_clock_ahead_is_never_negative(redis_client: redis.Redis) -> None:
+    ahead = time.time() + 5  # a worker host whose clock runs ahead
+    registry.publish(redis_client, WorkerInfo(worker_id="w", host="h", pid=1, engine="fake", model="m",
+                                              started_at=ahead, heartbeat_at=ahead), ttl_s=30)
+    status = collect(redis_client)
+    assert status["pools"]["default"]["workers"][0]["heartbeat_age_s"] == 0.0
+    assert "heartbeat=0.0s ago" in format_status(status) and "-" not in format_status(status).split("heartbeat=")[1][:2]
 
 
 def test_jobs_waiting_out_their_retry_backoff_are_shown(redis_client: redis.Redis) -> None:

@@ -312,6 +312,33 @@ def test_a_misspelled_run_is_an_error_not_an_empty_epoch(tmp_path: Path) -> None
         list(RolloutBatches(output, run="rr", batch_size=4))
 
 
+def test_the_readme_grpo_example_runs_and_trains(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("```python\nimport torch\nfrom torch.utils.data import DataLoader\n")
+    example = readme[start + len("```python\n"): readme.index("```", start + 3)]
+    rng = np.random.default_rng(5)
+    samples = random_samples(rng, requests=4, n=4, prefix="q", with_nulls=False)
+    output = write_shards(tmp_path, [samples], run="step-42")
+    ids = [f"{s['request_id']}:{s['sample_index']}" for s in samples]
+    pq.write_table(pa.table({"rollout_id": ids, "reward": rng.random(len(ids)), "reward_info": [None] * len(ids)},
+                            schema=REWARDS_SCHEMA), f"{output}/step-42/j0{REWARDS_SUFFIX}")
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(1000, 8), torch.nn.Linear(8, 1000)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+            return type("Output", (), {"logits": self.head(self.embed(input_ids))})
+
+    model = TinyLM()
+    before = model.head.weight.detach().clone()
+    scope: dict[str, Any] = {"OUT": output, "model": model,
+                             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(compile(example, "README.md", "exec"), scope)
+    assert torch.isfinite(scope["loss"]) and not torch.equal(model.head.weight, before)
+
+
 def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:
     """Every module of `pipeline` but `torch_data` loads without torch, transformers or sglang
     (a trainer-side install has none of them); `pipeline.torch_data` does load torch."""
