@@ -1,12 +1,18 @@
 """Which Redis to talk to, and how: `--redis URL`, else `$PIPELINE_REDIS_URL`, else the embedded server.
 
 URLs may carry a password (`redis://:secret@host:6379/0`, `unix:///path.sock?password=secret`)
-and TLS (`rediss://host:6380/0`). Outside the URL:
+and TLS (`rediss://host:6380/0`). A Sentinel URL,
+`redis+sentinel://[:password@]host:port[,host:port…]/MASTER_NAME[/DB]` (`rediss+sentinel://` for
+TLS; parsed by `pipeline.sentinel_url`), asks the sentinels for the current master on every new
+connection, so a client follows a failover: its commands retry (as below) until the promoted
+replica answers. Outside the URL:
 
 - `PIPELINE_REDIS_PASSWORD`: the password when the URL has none;
 - `PIPELINE_REDIS_TLS_CA`, `PIPELINE_REDIS_TLS_CERT`, `PIPELINE_REDIS_TLS_KEY`: CA bundle and
   client certificate for `rediss://`; `PIPELINE_REDIS_TLS_VERIFY=none` skips verification
   (testing only);
+- `PIPELINE_REDIS_SENTINEL_PASSWORD`: the sentinels' own password, for sentinels started with
+  `requirepass` (the URL's password is the master's and replicas');
 - `PIPELINE_REDIS_RECONNECT_S` (default 60): how long a command keeps retrying, with
   exponential backoff and jitter, while Redis is down or restarting, before it raises.
 """
@@ -19,12 +25,14 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from pipeline.errors import RedisURLError
 from pipeline.redis_server import embedded_server
+from pipeline.sentinel_url import SENTINEL_SCHEMES, SentinelURL, is_sentinel_url, parse_sentinel_url
 
 ENV_URL = "PIPELINE_REDIS_URL"
 ENV_PASSWORD = "PIPELINE_REDIS_PASSWORD"
@@ -33,11 +41,12 @@ ENV_TLS_CERT = "PIPELINE_REDIS_TLS_CERT"
 ENV_TLS_KEY = "PIPELINE_REDIS_TLS_KEY"
 ENV_TLS_VERIFY = "PIPELINE_REDIS_TLS_VERIFY"
 ENV_RECONNECT_S = "PIPELINE_REDIS_RECONNECT_S"
+ENV_SENTINEL_PASSWORD = "PIPELINE_REDIS_SENTINEL_PASSWORD"
 
 DEFAULT_RECONNECT_S = 60.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
-SCHEMES = ("redis", "rediss", "unix")
+SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -50,7 +59,11 @@ def resolve_url(url: str | None = None) -> str:
 
 def redacted(url: str) -> str:
     """The URL with any password replaced by `***`, for logs and error messages."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparseable (e.g. an unclosed IPv6 bracket): keep only what precedes the credentials
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else url
     netloc = parts.netloc
     if parts.password is not None:
         user = parts.username or ""
@@ -85,34 +98,72 @@ def retry_policy(reconnect_for_s: float | None = None) -> Retry:
 
 
 def client_kwargs(url: str, *, reconnect_for_s: float | None = None) -> dict[str, Any]:
-    """Keyword arguments for `redis.Redis.from_url(url, **kwargs)`: reconnects, password, TLS."""
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
+    """Keyword arguments for the data connections to `url`: reconnects, password, TLS.
+
+    For plain URLs these go to `redis.Redis.from_url(url, **kwargs)`; for Sentinel URLs they are
+    the master connections' (the URL's own parts are added by `connect_redis`).
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
         raise RedisURLError(
-            f"Redis URL {redacted(url)!r} has scheme {parts.scheme!r}; use redis://, rediss:// (TLS) or unix://"
+            f"Redis URL {redacted(url)!r} has scheme {scheme!r}; use redis://, rediss:// (TLS), unix://, "
+            "redis+sentinel:// or rediss+sentinel://"
         )
+    sentinel = parse_sentinel_url(url) if scheme in SENTINEL_SCHEMES else None
     kwargs: dict[str, Any] = {
         "health_check_interval": 30,
         "retry": retry_policy(reconnect_for_s),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
     }
-    if parts.scheme != "unix":  # TCP only
+    if scheme != "unix":  # TCP only
         kwargs.update(socket_keepalive=True, socket_connect_timeout=10)
-    query = parse_qs(parts.query)
-    has_password = parts.password is not None or "password" in query
+    if sentinel is not None:
+        query: dict[str, list[str]] = {}
+        has_password = sentinel.password is not None
+    else:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        has_password = parts.password is not None or "password" in query
     if not has_password and os.environ.get(ENV_PASSWORD):
         kwargs["password"] = os.environ[ENV_PASSWORD]
-    if parts.scheme == "rediss":
-        for env, key in ((ENV_TLS_CA, "ssl_ca_certs"), (ENV_TLS_CERT, "ssl_certfile"), (ENV_TLS_KEY, "ssl_keyfile")):
-            if os.environ.get(env) and key not in query:
-                kwargs[key] = os.environ[env]
-        if os.environ.get(ENV_TLS_VERIFY, "").lower() in {"none", "0", "false", "no"}:
-            kwargs["ssl_cert_reqs"] = "none"
-            kwargs["ssl_check_hostname"] = False
+    if scheme in ("rediss", "rediss+sentinel"):
+        kwargs.update(_tls_kwargs(query))
     return kwargs
 
 
+def _tls_kwargs(query: dict[str, list[str]]) -> dict[str, Any]:
+    """Certificates from the environment (unless the URL's query names them) and the verification switch."""
+    kwargs: dict[str, Any] = {}
+    for env, key in ((ENV_TLS_CA, "ssl_ca_certs"), (ENV_TLS_CERT, "ssl_certfile"), (ENV_TLS_KEY, "ssl_keyfile")):
+        if os.environ.get(env) and key not in query:
+            kwargs[key] = os.environ[env]
+    if os.environ.get(ENV_TLS_VERIFY, "").lower() in {"none", "0", "false", "no"}:
+        kwargs["ssl_cert_reqs"] = "none"
+        kwargs["ssl_check_hostname"] = False
+    return kwargs
+
+
+def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.Redis:
+    """A client of the master the sentinels name now; every new connection asks them again."""
+    data = dict(data_kwargs, db=parsed.db)
+    if parsed.password is not None:
+        data["password"] = parsed.password
+    if parsed.username is not None:
+        data["username"] = parsed.username
+    if parsed.tls:
+        data["ssl"] = True  # SentinelConnectionPool picks its TLS connection class from this
+    probe: dict[str, Any] = {key: value for key, value in data.items() if key.startswith(("socket_", "ssl_"))}
+    probe.update(ssl=parsed.tls, retry=Retry(NoBackoff(), 0))  # a sentinel that fails passes the turn to the next
+    if os.environ.get(ENV_SENTINEL_PASSWORD):
+        probe["password"] = os.environ[ENV_SENTINEL_PASSWORD]
+    manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=probe)
+    return manager.master_for(parsed.master, **data)
+
+
 def connect_redis(url: str | None = None, *, reconnect_for_s: float | None = None) -> redis.Redis:
-    """A client that rides out Redis restarts: every command retries with backoff for a while."""
+    """A client that rides out Redis restarts and Sentinel failovers: commands retry with backoff for a while."""
     chosen = resolve_url(url)
-    return redis.Redis.from_url(chosen, **client_kwargs(chosen, reconnect_for_s=reconnect_for_s))
+    kwargs = client_kwargs(chosen, reconnect_for_s=reconnect_for_s)
+    if is_sentinel_url(chosen):
+        return sentinel_client(parse_sentinel_url(chosen), kwargs)
+    return redis.Redis.from_url(chosen, **kwargs)
