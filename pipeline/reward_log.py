@@ -58,6 +58,15 @@ class RewardCommit:
                    entry_id=entry_id)
 
 
+def ensure_group(conn: redis.Redis, run: str) -> None:
+    """The reward workers' consumer group on the run's commit log, from its start (kept if it exists)."""
+    try:
+        conn.xgroup_create(keys.commit_log(run), keys.REWARD_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
 def append(conn: redis.Redis, run: str, commit: RewardCommit, reward_sum: float = 0.0, groups: int = 0,
            equal_groups: int = 0) -> bool:
     """Record a job's rewards (or their failure) once, with their sum and how many of the job's groups

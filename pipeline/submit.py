@@ -18,7 +18,7 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
-from pipeline import keys, registry, rewards
+from pipeline import keys, registry, reward_log, rewards
 from pipeline.capabilities import Placement
 from pipeline.dataset_input import ColumnMapping, RequestColumns, dataset_blocks
 from pipeline.dataset_source import open_memory, open_path
@@ -229,7 +229,7 @@ def submit_blocks(
             raise PipelineError(f"groups={groups} with oversample={oversample or 1:g} needs {limit} requests; the "
                                 f"input has {jobs.requests}; nothing was enqueued")
         if reward is not None:
-            _reward_group(conn, run)
+            reward_log.ensure_group(conn, run)
         with conn.pipeline(transaction=True) as pipe:
             stager.confirm(pipe)
             pipe.multi()
@@ -290,15 +290,6 @@ def _first(blocks: Iterable[Sequence[Any]], limit: int) -> Iterator[Sequence[Any
             return
         yield block[:left]
         left -= len(block)
-
-
-def _reward_group(conn: redis.Redis, run: str) -> None:
-    """The reward workers' consumer group on the run's commit log, from its start (kept if it exists)."""
-    try:
-        conn.xgroup_create(keys.commit_log(run), keys.REWARD_GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
 
 
 def _pack_columns(block: RequestColumns, placement: Placement, pending: dict[Hashable, _Group], jobs: _Jobs,

@@ -102,8 +102,17 @@ class RewardWorker:
         """Score commits until stopped (or, with `burst`, until nothing is left); jobs recorded."""
         while not self.stop.is_set():
             runs = sorted(r.decode() for r in self.conn.smembers(keys.REWARD_RUNS))
-            claimed = sum(self._claim(run) for run in runs)
-            read = self._read(runs, block=not burst and not claimed)
+            try:
+                claimed = sum(self._claim(run) for run in runs)
+                read = self._read(runs, block=not burst and not claimed)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # A run's commit log was deleted (and with it the group): start it again, empty.
+                log.warning("reward runs without their consumer group (%s); recreating it", exc)
+                for run in runs:
+                    reward_log.ensure_group(self.conn, run)
+                continue
             if burst and not claimed and not read:
                 break
         return self.scored

@@ -158,3 +158,16 @@ def test_a_reward_worker_killed_mid_shard_leaves_each_row_rewarded_once(
                 for rid in pq.read_table(path).column("rollout_id").to_pylist()]
     assert sorted(rewarded) == sorted(table.column("rollout_id").to_pylist())  # each row once
     assert redis_client.xpending(keys.commit_log("k"), keys.REWARD_GROUP)["pending"] == 0
+
+
+def test_a_reward_run_whose_commit_log_was_deleted_does_not_stop_the_worker(
+    redis_client: redis.Redis, tmp_path: Path,
+) -> None:
+    client = pipeline.Client(redis_client)
+    client.submit(requests("a", 1), run="gone-log", output=f"file://{tmp_path}", reward="length")
+    redis_client.delete(keys.commit_log("gone-log"))  # an operator's cleanup: the group goes with it
+    later = client.submit(requests("b", 1), run="later", output=f"file://{tmp_path}", reward="length")
+    generate(redis_client)  # the first run's commit recreates its log, without the group
+    assert RewardWorker(redis_client, block_ms=50).work(burst=True) == 2  # the group restarts from the log's start
+    assert [c.job_id for c in reward_log.read_all(redis_client, "later")] == later.job_ids
+    assert len(reward_log.read_all(redis_client, "gone-log")) == 1
