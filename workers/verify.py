@@ -151,11 +151,11 @@ def _rows_of(batch: pa.RecordBatch, vocab: int, skipped: dict[str, int]) -> Iter
     for i, row in enumerate(batch.select(scalars).to_pylist()):
         rid = row["rollout_id"]
         prompt, completion, logprobs = prompts[i], completions[i], stored[i]
-        for name, value in (("prompt_token_ids", prompt), ("completion_token_ids", completion),
-                            *((n, row[n]) for n in ("weight_version", "temperature", "engine"))):
-            if value is None:
-                raise PipelineError(f"row {rid!r}: column {name} is null; the shard is inconsistent")
-        assert prompt is not None and completion is not None
+        nulls = [name for name, value in (("prompt_token_ids", prompt), ("completion_token_ids", completion),
+                                          *((n, row[n]) for n in ("weight_version", "temperature", "engine")))
+                 if value is None]
+        if nulls or prompt is None or completion is None:
+            raise PipelineError(f"row {rid!r}: column {nulls[0]} is null; the shard is inconsistent")
         if logprobs is None:
             skipped["stored without logprobs"] = skipped.get("stored without logprobs", 0) + 1
             continue
@@ -180,11 +180,13 @@ class _Checker:
     """One reference model: teacher-forced logprobs (and router top-k) for groups of rows."""
 
     def __init__(self, path: str, device: str) -> None:
+        import torch
+
         from workers.engines.hf import HFEngine
 
         self.path = path
         self.engine = HFEngine(path, device=device)
-        self.torch = self.engine._torch
+        self.torch = torch
         self.vocab = self.engine.vocab_size
 
     def close(self) -> None:

@@ -210,3 +210,19 @@ def test_no_shards_and_bad_model_arguments_are_clear(tmp_path: Path, tiny_model_
     assert parse_models(["0=/a", "3=/b=c"]) == {0: "/a", 3: "/b=c"}
     assert parse_models("/m") == {None: "/m"}
     np.testing.assert_equal(parse_models({2: Path("/x")}), {2: "/x"})
+
+
+def test_demo_model_same_weights_agree_and_its_v1_does_not(
+    redis_client: redis.Redis, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The issue's figure on the demo model (SmolLM2-135M): rows of v0 checked against v0 within
+    1e-3 with k3 ~ 0; rows of the demo's perturbed v1 against v0 clearly off."""
+    from workers.demo_model import ensure_perturbed_copy
+
+    requests = [{"id": f"d{i}", "input_ids": [1, 504, 3458, 314, 260 + i], "sampling_params": {
+        "max_new_tokens": 12, "temperature": [1.0, 0.0][i % 2], "seed": i, "ignore_eos": True}} for i in range(2)]
+    v0 = make_run(redis_client, demo_model_dir, tmp_path, "demo-v0", requests)
+    v1 = make_run(redis_client, ensure_perturbed_copy(demo_model_dir), tmp_path, "demo-v1", requests)
+    same = pipeline.verify(v0, str(demo_model_dir))
+    assert same.max_abs_diff <= SAME_WEIGHTS and abs(same.table.column("k3")[0].as_py()) < 1e-6
+    assert pipeline.verify(v1, str(demo_model_dir)).max_abs_diff > 0.1
