@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -34,6 +34,7 @@ from pipeline.errors import JobsFailedError, PipelineError, UnknownRunError, Wai
 from pipeline.reader import read_rollouts
 from pipeline.status import stalled_hint
 from pipeline.suggest import did_you_mean, listing
+from pipeline.take import split_groups
 
 START = "0-0"
 FAILED_STATES = frozenset({"failed", "stopped"})
@@ -181,6 +182,15 @@ class Follower:
             f"runs submitted here: {listing(known)}{did_you_mean(self.run, known)}; submit before following, "
             "or check the run name and the Redis URL"
         )
+
+    def groups(self, keep: Callable[[pa.Table], bool] | None = None) -> Iterator[pa.Table]:
+        """Complete groups (all samples of a request, rewards joined with `rewards=True`) as their
+        shards commit, those `keep` accepts (e.g. `pipeline.take.rewards_differ`); the cursor moves
+        shard by shard."""
+        for shard in self:
+            for _, group in split_groups(shard.read(rewards=self.rewards)):
+                if keep is None or keep(group):
+                    yield group
 
     def __iter__(self) -> Iterator[Shard]:
         self._check_run()

@@ -92,8 +92,7 @@ def take(batch: Batch, groups: int | None = None, keep: GroupFilter | None = Non
         for job_id, url in ready:
             taken.add(job_id)
             table = read_rollouts(url, rewards=reward is not None, conn=None)
-            for request_id in _request_ids(table):
-                group = table.filter(pc.equal(table.column("request_id"), request_id))
+            for request_id, group in split_groups(table):
                 if len(result.groups) >= wanted:
                     result.surplus.append(request_id)
                 elif keep is None or keep(group):
@@ -120,9 +119,11 @@ def take(batch: Batch, groups: int | None = None, keep: GroupFilter | None = Non
     return result
 
 
-def _request_ids(table: pa.Table) -> list[str]:
-    """The table's request ids in order of first appearance."""
-    return list(dict.fromkeys(table.column("request_id").to_pylist()))
+def split_groups(table: pa.Table) -> list[tuple[str, pa.Table]]:
+    """(request id, the request's rows) for each request of a shard's rows, in order of first appearance."""
+    ids = table.column("request_id")
+    return [(request_id, table.filter(pc.equal(ids, request_id)))
+            for request_id in dict.fromkeys(ids.to_pylist())]
 
 
 def _wait(batch: Batch, reward: str | None) -> None:

@@ -54,6 +54,10 @@ def test_take_keeps_groups_the_filter_accepts_and_cancels_the_rest(
     assert rollout_queue(redis_client).count == 0
     assert batch.job_states()[batch.job_ids[4]] == "canceled" and batch.last_take is result
     assert collect(redis_client, run="t")["pools"]["default"]["runs"]["t"]["rewards"]["zero_variance"] == 0.5
+    # The follower's option: the same groups, as their shards commit, rewards joined.
+    followed = client.follow("t", rewards=True, timeout=30, raise_on_failure=False)
+    kept = [g.column("request_id")[0].as_py() for g in followed.groups(keep=rewards_differ)]
+    assert kept == ["q1", "q3"] and followed.canceled == {batch.job_ids[4]}
 
 
 def test_take_without_a_filter_or_rewards_returns_the_first_groups(redis_client: redis.Redis, tmp_path: Path) -> None:
