@@ -6,7 +6,12 @@ time taking `--job-seconds`; or `--engine sim`, the concurrent simulated engine,
 feeding several jobs at once, a step every `--step-seconds`), submits `--requests` requests,
 then every `--kill-every` seconds SIGKILLs a worker mid-batch (with `sim`, the one holding the
 most jobs in flight) and starts a replacement; with `--restart-redis` it also shuts Redis down
-once mid-run and starts it again on the same data. At the end it prints
+once mid-run and starts it again on the same data. With `--kill-master N` Redis is instead a
+Sentinel group (a master, a replica, three sentinels: `pipeline.sentinel_group`) that everyone
+reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
+jobs run (the first time with half of the requests still to submit, which the submitter then
+sends while the master is down), prints the seconds from the kill to the first commit after it,
+and restarts the dead server (the sentinels make it a replica). At the end it prints
 
     requested: N samples  rows: R  missing: M  duplicated: D  (... seconds)
 
@@ -17,7 +22,7 @@ each killed worker held. Exit status 0 only for 0 missing, 0 duplicated.
 The baseline is the same submit served without any kill, in the same process (`--baseline`).
 
     .venv/bin/python benchmarks/chaos.py [--requests 5000] [--workers 4] [--kills 8] [--restart-redis]
-                                         [--engine sim]
+                                         [--engine sim] [--kill-master 5]
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from pipeline import commit_log, keys  # noqa: E402
 from pipeline.batch import Batch  # noqa: E402
 from pipeline.connection import connect_redis  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
+from pipeline.sentinel_group import SentinelGroup  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402
@@ -98,6 +104,8 @@ class Outcome:
     committed_jobs: int = 0  # distinct job ids among them
     temp_files: int = 0  # temporary shard files left by writes a kill interrupted
     in_flight_at_kills: list[int] = dataclasses.field(default_factory=list)  # jobs the victim held
+    master_kills: int = 0
+    recovery_s: list[float] = dataclasses.field(default_factory=list)  # master kill -> first commit after it
 
     @property
     def ok(self) -> bool:
@@ -109,7 +117,8 @@ class Outcome:
                 f"redis restarts: {self.redis_restarts}, failed jobs: {len(self.failed_jobs)}, "
                 f"commit entries: {self.commit_entries} for {self.committed_jobs} of {self.jobs} jobs, "
                 f"temp files left: {self.temp_files}, jobs held by each victim: {self.in_flight_at_kills}, "
-                f"{self.seconds:.1f} s)")
+                f"master kills: {self.master_kills}, seconds from each to the next commit: "
+                f"{[round(r, 2) for r in self.recovery_s]}, {self.seconds:.1f} s)")
 
 
 def _free_port() -> int:
@@ -131,13 +140,15 @@ def run(
     *, requests: int = 2000, workers: int = 4, batch_size: int = 25, job_seconds: float = 0.1,
     kills: int = 6, kill_every: float = 0.6, restart_redis: bool = False, seed: int = 0,
     timeout: float = 120.0, retries: int = 6, directory: Path | None = None, engine: str = "fake",
-    step_seconds: float = 0.05,
+    step_seconds: float = 0.05, kill_master: int = 0,
 ) -> Outcome:
     """Run one chaos round and count what came out."""
     rng = random.Random(seed)
     work = Path(directory or tempfile.mkdtemp(prefix="chaos-"))
+    group = SentinelGroup(work / "sentinel", replicas=2, password="chaos", down_after_ms=1000,
+                                                  appendfsync="always") if kill_master else None
     server = RedisServer(work / "redis", port=_free_port(), appendfsync="always")
-    url = server.ensure_started()
+    url = group.start() if group else server.ensure_started()
     context = mp.get_context("fork")
     processes: list[mp.process.BaseProcess] = []
 
@@ -169,19 +180,50 @@ def run(
     started = time.monotonic()
     killed = restarts = 0
     in_flight_at_kills: list[int] = []
+    recovery_s: list[float] = []
     try:
         conn = connect_redis(url)
         wanted = make_requests(requests, seed)
         output = f"file://{work / 'shards'}"
-        plan = submit_requests(conn, wanted, run="chaos", output=output, batch_size=batch_size, retries=retries)
-        batch = Batch(conn, plan)
+        later = wanted[len(wanted) // 2:] if group else []  # submitted right after the first master kill
+        batches = [Batch(conn, submit_requests(conn, wanted[:len(wanted) - len(later)], run="chaos", output=output,
+                                               batch_size=batch_size, retries=retries))]
+
+        def kill_the_master() -> None:
+            """SIGKILL the master once commits flow, submit what is left while it is down, time the recovery."""
+            assert group is not None
+            group.wait_ready(replicas=1, timeout=max(1.0, deadline - time.monotonic()))
+            commits = conn.xlen(keys.commit_log("chaos"))
+            while conn.xlen(keys.commit_log("chaos")) == commits and time.monotonic() < deadline:
+                time.sleep(0.01)
+            commits = conn.xlen(keys.commit_log("chaos"))
+            dead = group.kill_master()
+            killed_at = time.monotonic()
+            if later and len(recovery_s) == 0:
+                batches.append(Batch(conn, submit_requests(conn, later, run="chaos", output=output,
+                                                           batch_size=batch_size, retries=retries)))
+            while conn.xlen(keys.commit_log("chaos")) <= commits:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"chaos: no commit within {timeout}s after the master on port {dead} died")
+                time.sleep(0.01)
+            recovery_s.append(time.monotonic() - killed_at)
+            print(f"master on port {dead} killed; {recovery_s[-1]:.2f} s to the next commit (master now on port "
+                  f"{group.master_port()})", file=sys.stderr)
+            group.restart(dead)  # a replica again once the sentinels notice it; the other replica takes the next kill
+
+        def complete() -> bool:
+            return all(b.status().complete for b in batches)
+
         for _ in range(workers):
             start_worker()
         deadline = time.monotonic() + timeout
         next_kill = time.monotonic() + kill_every
-        while not batch.status().complete:
+        while not complete() or len(recovery_s) < kill_master:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"chaos: batch not done after {timeout}s: {dict(batch.status().counts)}")
+                raise TimeoutError(f"chaos: batch not done after {timeout}s: "
+                                   f"{[dict(b.status().counts) for b in batches]}")
+            if len(recovery_s) < kill_master:
+                kill_the_master()
             if killed < kills and time.monotonic() >= next_kill:
                 target, held = victim()
                 os.kill(target.pid, signal.SIGKILL)  # type: ignore[arg-type]
@@ -196,9 +238,9 @@ def run(
                     server.ensure_started()
                     restarts += 1
             time.sleep(0.05)
-        failed = batch.failures()
+        failed = {job: reason for b in batches for job, reason in b.failures().items()}
         expected = Counter(f"{r.id}:{i}" for r in wanted for i in range(r.sampling_params.n))
-        got = Counter(batch.read(columns=["rollout_id"]).column("rollout_id").to_pylist())
+        got = Counter(rid for b in batches for rid in b.read(columns=["rollout_id"]).column("rollout_id").to_pylist())
         files = sorted((work / "shards" / "chaos").glob("*.parquet"))
         files_rows = sum(pq.read_metadata(f).num_rows for f in files)
         entries = commit_log.read_after(conn, "chaos", None)
@@ -213,11 +255,13 @@ def run(
             redis_restarts=restarts,
             failed_jobs=failed,
             seconds=time.monotonic() - started,
-            jobs=len(plan.job_ids),
+            jobs=sum(len(b.job_ids) for b in batches),
             commit_entries=len(entries),
             committed_jobs=len({e.job_id for e in entries}),
             temp_files=len(temp_files),
             in_flight_at_kills=in_flight_at_kills,
+            master_kills=len(recovery_s),
+            recovery_s=recovery_s,
         )
     finally:
         for process in processes:
@@ -226,6 +270,8 @@ def run(
                 process.join()
         with contextlib.suppress(redis.RedisError):
             server.stop()
+        if group:
+            group.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--kill-every", type=float, default=0.8)
     parser.add_argument("--restart-redis", action="store_true")
+    parser.add_argument("--kill-master", type=int, default=0,
+                        help="run Redis as a Sentinel group and SIGKILL its master this many times")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--baseline", action="store_true", help="first run the same load without kills")
@@ -254,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         base = run(**common, kills=0)  # type: ignore[arg-type]
         print("baseline:", base.line(), flush=True)
     outcome = run(**common, kills=args.kills, kill_every=args.kill_every,  # type: ignore[arg-type]
-                  restart_redis=args.restart_redis, directory=args.directory)
+                  restart_redis=args.restart_redis, directory=args.directory, kill_master=args.kill_master)
     print(json.dumps(dataclasses.asdict(outcome)) if args.json else outcome.line())
     if args.baseline:
         print(f"time ratio chaos/baseline: {outcome.seconds / base.seconds:.2f}")

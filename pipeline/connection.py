@@ -26,9 +26,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.connection import SSLConnection
 from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from pipeline.errors import RedisURLError
 from pipeline.redis_server import embedded_server
@@ -143,6 +144,23 @@ def _tls_kwargs(query: dict[str, list[str]]) -> dict[str, Any]:
     return kwargs
 
 
+class FailoverConnection(SentinelManagedConnection):
+    """A master connection that asks the sentinels again on every reconnect.
+
+    redis-py's own reconnects inside a command's retries go straight back to the last address,
+    the dead master's, so a command never reaches the promoted replica; this one rediscovers.
+    """
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock or not retry_socket_connect:  # `connect_to` (after discovery) comes back here
+            return super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        return self.connect()
+
+
+class FailoverSSLConnection(FailoverConnection, SSLConnection):
+    """`FailoverConnection` over TLS."""
+
+
 def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.Redis:
     """A client of the master the sentinels name now; every new connection asks them again."""
     data = dict(data_kwargs, db=parsed.db)
@@ -150,8 +168,7 @@ def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.R
         data["password"] = parsed.password
     if parsed.username is not None:
         data["username"] = parsed.username
-    if parsed.tls:
-        data["ssl"] = True  # SentinelConnectionPool picks its TLS connection class from this
+    data["connection_class"] = FailoverSSLConnection if parsed.tls else FailoverConnection
     probe: dict[str, Any] = {key: value for key, value in data.items() if key.startswith(("socket_", "ssl_"))}
     probe.update(ssl=parsed.tls, retry=Retry(NoBackoff(), 0))  # a sentinel that fails passes the turn to the next
     if os.environ.get(ENV_SENTINEL_PASSWORD):

@@ -68,7 +68,8 @@ class RedisServer:
     """One `redis-server` process: on a unix socket (the embedded default) or a loopback port."""
 
     def __init__(
-        self, directory: Path, *, port: int = 0, password: str | None = None, appendfsync: str = "everysec"
+        self, directory: Path, *, port: int = 0, password: str | None = None, appendfsync: str = "everysec",
+        replica_of: int | None = None,
     ) -> None:
         if appendfsync not in {"always", "everysec", "no"}:
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
@@ -76,6 +77,7 @@ class RedisServer:
         self.port = port
         self.password = password
         self.appendfsync = appendfsync
+        self.replica_of = replica_of  # a loopback port: start as that server's replica
 
     @property
     def socket_path(self) -> Path:
@@ -104,8 +106,10 @@ class RedisServer:
             f"appendfsync {self.appendfsync}",
             "save 60 1000",
         ]
-        if self.password:
-            lines.append(f"requirepass {self.password}")
+        if self.password:  # masterauth too: under Sentinel any server may become a replica
+            lines += [f"requirepass {self.password}", f"masterauth {self.password}"]
+        if self.replica_of:
+            lines.append(f"replicaof 127.0.0.1 {self.replica_of}")
         return "\n".join(lines) + "\n"
 
     def client(self) -> redis.Redis:
@@ -152,8 +156,9 @@ class RedisServer:
             while time.monotonic() < deadline:
                 if self.is_running():
                     # Said once, when started: later commands find it running and say nothing.
-                    print(f"pipeline: started the embedded Redis server (data in {self.directory}; "
-                          "`pipeline redis stop` stops it; --redis URL or $PIPELINE_REDIS_URL uses another)",
+                    if not self.port:  # the embedded server (loopback-port servers are tests' and benchmarks')
+                        print(f"pipeline: started the embedded Redis server (data in {self.directory}; "
+                              "`pipeline redis stop` stops it; --redis URL or $PIPELINE_REDIS_URL uses another)",
                           file=sys.stderr, flush=True)
                     return self.url
                 time.sleep(0.05)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import redis
-from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.sentinel import SentinelConnectionPool
 
-from pipeline.connection import client_kwargs, connect_redis, redacted
+from pipeline.connection import FailoverConnection, FailoverSSLConnection, client_kwargs, connect_redis, redacted
 from pipeline.errors import PipelineError, RedisURLError
 from pipeline.sentinel_url import SentinelURL, is_sentinel_url, parse_sentinel_url
 
@@ -91,7 +91,7 @@ def test_the_client_asks_the_sentinels_for_the_master_with_the_urls_settings(mon
     client = connect_redis("redis+sentinel://:data-secret@s1:1,s2:2/prod/3", reconnect_for_s=5)
     pool = client.connection_pool
     assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "prod" and pool.is_master
-    assert pool.connection_class is SentinelManagedConnection
+    assert pool.connection_class is FailoverConnection
     assert pool.connection_kwargs["db"] == 3 and pool.connection_kwargs["password"] == "data-secret"
     assert pool.connection_kwargs["retry"]._retries > 1  # commands ride out the failover
     sentinels = pool.sentinel_manager.sentinels
@@ -109,7 +109,7 @@ def test_password_and_tls_variables_apply_as_for_plain_urls(monkeypatch: pytest.
     assert "ssl_ca_certs" not in client_kwargs("redis+sentinel://s:1/m")
     client = connect_redis("rediss+sentinel://s:1/m")
     pool = client.connection_pool
-    assert pool.connection_class is SentinelManagedSSLConnection
+    assert pool.connection_class is FailoverSSLConnection
     assert pool.connection_kwargs["ssl_ca_certs"] == "/etc/ca.pem" and pool.connection_kwargs["password"] == "from-env"
     sentinel = pool.sentinel_manager.sentinels[0].connection_pool
     assert sentinel.connection_class is redis.SSLConnection
