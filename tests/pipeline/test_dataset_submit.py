@@ -359,3 +359,12 @@ def test_a_mapping_for_request_dicts_or_jsonl_is_refused(redis_url: str, redis_c
     with pytest.raises(pipeline.PipelineError, match="map the columns of a table"):
         client.submit([{"id": "a", "input_ids": [1]}], sampling={"n": 2})
     _nothing_enqueued(redis_client)
+
+
+@pytest.mark.parametrize("kind", [pa.list_(pa.int16()), pa.large_list(pa.int64()), pa.list_(pa.uint32(), 3)])
+def test_prompt_ids_of_every_integer_list_type_and_a_sliced_table(kind: pa.DataType, redis_url: str,
+                                                                  redis_client: redis.Redis) -> None:
+    prompts = [[i, i + 1, i + 2] for i in range(8)]
+    table = pa.table({"input_ids": pa.array(prompts, kind)}).slice(3, 4)  # offsets not starting at 0
+    pipeline.connect(redis_url).submit(table, output=OUT)
+    assert [(r.id, r.input_ids) for r in _queued(redis_client)] == [(str(i), prompts[3 + i]) for i in range(4)]
