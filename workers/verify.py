@@ -81,9 +81,7 @@ def open_source(source: str, conn: redis.Redis | None) -> Any:
             raise PipelineError(f"{source!r} is neither a URL nor an existing path; reading a run by name "
                                 "needs a Redis connection (conn=... / --redis URL)")
         dataset = rollouts_dataset([], source, conn=conn)
-    files = getattr(dataset, "files", None)  # an empty in-memory dataset when nothing is there
-    if not files:
-        raise PipelineError(f"no shards under {source!r} (a run name reads its commit log; a URL its Parquet files)")
+    files = dataset.files  # rollouts_dataset raises NoShardsError, naming what is there, when there are none
     missing = [c for c in REQUIRED_COLUMNS if c not in dataset.schema.names]
     if missing:
         raise PipelineError(f"shards under {source!r} lack columns {missing} (first shard {files[0]}); "

@@ -10,12 +10,13 @@ from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import redis
 from matplotlib import image
 
 import pipeline
-from pipeline.report import gather, render
+from schemas.shard import SHARD_SCHEMA
 from tests.conftest import PIPELINE
 from tests.workers.test_verify import make_run, make_swap_run
 
@@ -156,5 +157,8 @@ def test_report_shows_staleness_of_a_partial_swap(redis_client: redis.Redis, tmp
 
 
 def test_an_empty_location_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(pipeline.NoShardsError):
+        pipeline.report(str(tmp_path))
+    pq.write_table(SHARD_SCHEMA.empty_table(), tmp_path / "empty.parquet")  # a shard without rows
     with pytest.raises(pipeline.PipelineError, match="no rows under"):
-        render(str(tmp_path), gather(pipeline.rollouts_dataset(str(tmp_path), missing_ok=True)))
+        pipeline.report(str(tmp_path))
