@@ -14,6 +14,7 @@ from typing import Self
 import redis
 
 from pipeline import keys
+from pipeline.replication import replicated
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,10 @@ def append(conn: redis.Redis, run: str, commit: Commit) -> bool:
         keys=[keys.commit_log(run), keys.run_jobs(run), keys.run_totals(run), keys.canceled(run)],
         args=[commit.job_id, commit.batch_id, commit.url, commit.rows, commit.tokens, commit.weight_version],
     )
-    return entry is not None
+    if entry is None:
+        return False
+    replicated(conn, f"commit of job {commit.job_id} in run {run!r}")
+    return True
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import redis
 
 from pipeline import keys, registry
 from pipeline.errors import ControlAuthError, PipelineError, WeightPushError, WeightVersionError
+from pipeline.replication import replicated
 from pipeline.security import check_weight_path, control_secret
 from schemas.control import (
     SWAP_MODES,
@@ -117,6 +118,7 @@ def _change(
                 break
             except redis.WatchError:
                 continue
+    replicated(conn, f"control state generation {new.generation} of pool {where.name!r}")
     conn.publish(where.control_channel, str(new.generation))
     return new
 

@@ -134,6 +134,7 @@ def canceled(run: str) -> str:
 
 # Runs submitted with a reward function (`--reward`): the streams reward workers read.
 REWARD_RUNS = f"{PREFIX}:rewards:runs"
+REPLICATION_PROBE = f"{PREFIX}:replication:probe"  # `pipeline.replication` writes it before each WAIT
 # The consumer group reward workers share on each such run's commit log.
 REWARD_GROUP = "rewards"
 

@@ -25,6 +25,7 @@ from pipeline.dataset_source import open_memory, open_path
 from pipeline.errors import PipelineError
 from pipeline.prompt_staging import PromptStager
 from pipeline.redis_server import state_dir
+from pipeline.replication import replicated
 from pipeline.request_file import ParsedRequest, iter_request_blocks
 from pipeline.security import check_output_url
 from schemas.capabilities import Needs
@@ -265,6 +266,7 @@ def submit_blocks(
         raise
     finally:
         stager.close()
+    replicated(conn, f"batch {jobs.batch_id} of run {run!r} (its {len(jobs.job_ids)} jobs)")
     return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name, reward,
                       groups)
 

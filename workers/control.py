@@ -22,6 +22,7 @@ from rq.job import Job
 from pipeline import keys
 from pipeline.control import encode_ack
 from pipeline.errors import PolicyError
+from pipeline.replication import replicated
 from pipeline.security import check_weight_path
 from schemas.control import SwapMode, WeightAck
 from workers.engines.base import Engine
@@ -124,6 +125,7 @@ def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, onl
         conn.hsetnx(key, ack.worker, encode_ack(ack, pool))
     else:
         conn.hset(key, ack.worker, encode_ack(ack, pool))
+    replicated(conn, f"acknowledgement of weights v{ack.version} by {ack.worker}")
 
 
 def hand_back(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:
