@@ -95,6 +95,20 @@ def test_a_job_no_live_worker_can_serve_waits_then_fails_with_the_reason(
     assert collect(redis_client)["pools"]["default"]["unservable"] == {}
 
 
+def test_a_token_id_beyond_the_vocabulary_submitted_with_no_worker_live_is_never_retried(
+    redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")
+    client = pipeline.Client(redis_client)  # no worker live: submit cannot check the ids
+    batch = client.submit([{"id": "big", "input_ids": [1, 5000]}], run="vocab", output=f"file://{tmp_path}")
+    engine = FakeEngine()  # vocabulary of 1000
+    _burst(_worker(redis_client, engine, "small"))
+    [job_id] = batch.job_ids
+    assert engine.calls == []  # refused before it ran, not run and failed
+    assert "token id 5000 in its vocabulary" in batch.failures()[job_id]
+    assert len(list(_job(redis_client, job_id).results())) == 1  # failed once, not retried
+
+
 class Refusing(FakeEngine):
     """Refuses every request (as an SGLang server with a shorter context would): deterministic."""
 
