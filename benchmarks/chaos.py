@@ -10,7 +10,8 @@ once mid-run and starts it again on the same data. With `--kill-master N` Redis 
 Sentinel group (a master, a replica, three sentinels: `pipeline.sentinel_group`) that everyone
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
 jobs run (the first time with half of the requests still to submit, which the submitter then
-sends while the master is down), prints the seconds from the kill to the first commit after it,
+sends while the master is down; the second time in the middle of a weight push),
+prints the seconds from the kill to the first commit after it,
 and restarts the dead server (the sentinels make it a replica). At the end it prints
 
     requested: N samples  rows: R  missing: M  duplicated: D  (... seconds)
@@ -38,6 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -53,9 +55,10 @@ from rq.job import Job  # noqa: E402
 from rq.registry import StartedJobRegistry  # noqa: E402
 from rq.serializers import JSONSerializer  # noqa: E402
 
-from pipeline import commit_log, keys  # noqa: E402
+from pipeline import commit_log, control, keys, registry  # noqa: E402
 from pipeline.batch import Batch  # noqa: E402
 from pipeline.connection import connect_redis  # noqa: E402
+from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
 from pipeline.sentinel_group import SentinelGroup  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
@@ -106,10 +109,13 @@ class Outcome:
     in_flight_at_kills: list[int] = dataclasses.field(default_factory=list)  # jobs the victim held
     master_kills: int = 0
     recovery_s: list[float] = dataclasses.field(default_factory=list)  # master kill -> first commit after it
+    pushes: list[str] = dataclasses.field(default_factory=list)  # weight pushes a master kill interrupted
+    weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # live workers' at the end
 
     @property
     def ok(self) -> bool:
-        return self.missing == 0 and self.duplicated == 0 and not self.failed_jobs
+        return self.missing == 0 and self.duplicated == 0 and not self.failed_jobs and \
+            not any("failed" in push for push in self.pushes)
 
     def line(self) -> str:
         return (f"requested: {self.requested} samples  rows: {self.rows}  missing: {self.missing}  "
@@ -118,7 +124,8 @@ class Outcome:
                 f"commit entries: {self.commit_entries} for {self.committed_jobs} of {self.jobs} jobs, "
                 f"temp files left: {self.temp_files}, jobs held by each victim: {self.in_flight_at_kills}, "
                 f"master kills: {self.master_kills}, seconds from each to the next commit: "
-                f"{[round(r, 2) for r in self.recovery_s]}, {self.seconds:.1f} s)")
+                f"{[round(r, 2) for r in self.recovery_s]}, weight pushes during a master kill: {self.pushes}, "
+                f"{self.seconds:.1f} s)")
 
 
 def _free_port() -> int:
@@ -181,6 +188,7 @@ def run(
     killed = restarts = 0
     in_flight_at_kills: list[int] = []
     recovery_s: list[float] = []
+    pushes: list[str] = []
     try:
         conn = connect_redis(url)
         wanted = make_requests(requests, seed)
@@ -197,6 +205,10 @@ def run(
             while conn.xlen(keys.commit_log("chaos")) == commits and time.monotonic() < deadline:
                 time.sleep(0.01)
             commits = conn.xlen(keys.commit_log("chaos"))
+            push = None
+            if len(recovery_s) == 1:  # the second kill lands in a weight push
+                push = threading.Thread(target=push_weights, args=(len(recovery_s),), daemon=True)
+                push.start()
             dead = group.kill_master()
             killed_at = time.monotonic()
             if later and len(recovery_s) == 0:
@@ -210,6 +222,15 @@ def run(
             print(f"master on port {dead} killed; {recovery_s[-1]:.2f} s to the next commit (master now on port "
                   f"{group.master_port()})", file=sys.stderr)
             group.restart(dead)  # a replica again once the sentinels notice it; the other replica takes the next kill
+            if push is not None:
+                push.join()
+
+        def push_weights(version: int) -> None:
+            try:
+                result = control.push_weights(conn, f"/weights/v{version}", version, timeout=60)
+                pushes.append(f"v{version}: {sum(a.ok for a in result.acks)} of {len(result.acks)} workers loaded")
+            except PipelineError as error:
+                pushes.append(f"v{version}: failed: {error}")
 
         def complete() -> bool:
             return all(b.status().complete for b in batches)
@@ -262,6 +283,8 @@ def run(
             in_flight_at_kills=in_flight_at_kills,
             master_kills=len(recovery_s),
             recovery_s=recovery_s,
+            pushes=pushes,
+            weight_versions={w.worker_id: w.weight_version for w in registry.live_workers(conn)},
         )
     finally:
         for process in processes:
