@@ -11,7 +11,8 @@ Sentinel group (a master, a replica, three sentinels: `pipeline.sentinel_group`)
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
 jobs run (the first time with half of the requests still to submit, which the submitter then
 sends while the master is down; the second time in the middle of a weight push),
-prints the seconds from the kill to the first commit after it,
+prints the seconds from the kill to the first commit after it, counts the shards a follower
+(started at the first submit) received,
 and restarts the dead server (the sentinels make it a replica). At the end it prints
 
     requested: N samples  rows: R  missing: M  duplicated: D  (... seconds)
@@ -59,6 +60,7 @@ from pipeline import commit_log, control, keys, registry  # noqa: E402
 from pipeline.batch import Batch  # noqa: E402
 from pipeline.connection import connect_redis  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.follow import Follower  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
 from pipeline.sentinel_group import SentinelGroup  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
@@ -111,6 +113,8 @@ class Outcome:
     recovery_s: list[float] = dataclasses.field(default_factory=list)  # master kill -> first commit after it
     pushes: list[str] = dataclasses.field(default_factory=list)  # weight pushes a master kill interrupted
     weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # live workers' at the end
+    followed: int = 0  # shards a follower started at the first submit received (with --kill-master)
+    followed_distinct: int = 0  # of them, distinct jobs of the batches
 
     @property
     def ok(self) -> bool:
@@ -196,6 +200,12 @@ def run(
         later = wanted[len(wanted) // 2:] if group else []  # submitted right after the first master kill
         batches = [Batch(conn, submit_requests(conn, wanted[:len(wanted) - len(later)], run="chaos", output=output,
                                                batch_size=batch_size, retries=retries))]
+        followed: list[str] = []  # job ids a trainer's follower received, through every failover
+        follower = None
+        if group:
+            follower = threading.Thread(target=lambda: followed.extend(
+                shard.job_id for shard in Follower(connect_redis(url), "chaos", raise_on_failure=False)), daemon=True)
+            follower.start()
 
         def kill_the_master() -> None:
             """SIGKILL the master once commits flow, submit what is left while it is down, time the recovery."""
@@ -259,6 +269,8 @@ def run(
                     server.ensure_started()
                     restarts += 1
             time.sleep(0.05)
+        if follower is not None:
+            follower.join(timeout=max(1.0, deadline - time.monotonic()))
         failed = {job: reason for b in batches for job, reason in b.failures().items()}
         expected = Counter(f"{r.id}:{i}" for r in wanted for i in range(r.sampling_params.n))
         got = Counter(rid for b in batches for rid in b.read(columns=["rollout_id"]).column("rollout_id").to_pylist())
@@ -285,6 +297,8 @@ def run(
             recovery_s=recovery_s,
             pushes=pushes,
             weight_versions={w.worker_id: w.weight_version for w in registry.live_workers(conn)},
+            followed=len(followed),
+            followed_distinct=len(set(followed) & {j for b in batches for j in b.job_ids}),
         )
     finally:
         for process in processes:

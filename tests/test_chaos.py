@@ -56,7 +56,8 @@ def test_sigkilled_redis_masters_fail_over_under_sentinel_and_lose_and_duplicate
     """A master, two replicas and three sentinels; everyone reaches Redis through a `redis+sentinel://`
     URL. The master is SIGKILLed three times while sim workers run jobs (once while half of the
     requests are still to be submitted, once during a weight push): workers and the submitter follow
-    each failover without a restart, and every request still has exactly one row."""
+    each failover without a restart, every request still has exactly one row, and a follower
+    received every shard once."""
     outcome = chaos(tmp_path, "--engine", "sim", "--step-seconds", "0.05", "--requests", "1200", "--workers", "3",
                     "--batch-size", "25", "--kills", "1", "--kill-every", "1", "--kill-master", "3")
     assert outcome["master_kills"] == 3 and len(outcome["recovery_s"]) == 3
@@ -67,3 +68,4 @@ def test_sigkilled_redis_masters_fail_over_under_sentinel_and_lose_and_duplicate
     assert loaded == of and int(of) >= 1, push
     assert sorted(outcome["weight_versions"].values()) == [1, 1, 1], outcome["weight_versions"]
     assert_exactly_once(outcome, 1440)
+    assert outcome["followed"] == outcome["followed_distinct"] == outcome["jobs"]  # the follower: each shard once
