@@ -76,12 +76,15 @@ def test_exit_codes_tell_failure_timeout_usage_and_unreachable_redis_apart() -> 
         assert f"| {code} |" in readme
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis+sentinel://x"])
-def test_a_redis_url_with_an_unknown_scheme_is_one_line(url: str, pipeline_env: dict[str, str]) -> None:
+@pytest.mark.parametrize(("url", "message"), [
+    ("http://127.0.0.1:6379", "use redis://, rediss:// (TLS), unix://, redis+sentinel:// or rediss+sentinel://"),
+    ("redis+sentinel://x", "no master name after the hosts; expected redis+sentinel://"),
+])
+def test_a_redis_url_with_an_unknown_scheme_is_one_line(url: str, message: str, pipeline_env: dict[str, str]) -> None:
     result = subprocess.run([*PIPELINE, "status", "--redis", url], env=pipeline_env, capture_output=True, text=True)
     assert result.returncode == EXIT_USAGE
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert "use redis://, rediss:// (TLS) or unix://" in result.stderr
+    assert message in result.stderr
 
 
 def test_a_wait_that_times_out_exits_with_the_timeout_code(tmp_path: Path, pipeline_env: dict[str, str]) -> None:
