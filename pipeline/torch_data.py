@@ -1,6 +1,7 @@
 """Shard rows to training tensors: a vectorized collate and a group-aware IterableDataset.
 
-This is the only module of `pipeline` that imports torch; `import pipeline` never does.
+With `pipeline.importance`, the only modules of `pipeline` that import torch; `import pipeline`
+never does.
 
 Every sequence is the prompt followed by the completion. Per position `t` of a sequence:
 
