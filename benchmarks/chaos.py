@@ -10,7 +10,8 @@ once mid-run and starts it again on the same data. With `--kill-master N` Redis 
 Sentinel group (a master, a replica, three sentinels: `pipeline.sentinel_group`) that everyone
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
 jobs run (the first time with half of the requests still to submit, which the submitter then
-sends while the master is down; the second time in the middle of a weight push),
+sends while the master is down; with `--push-during-kill` the second time in the middle of a weight
+push),
 prints the seconds from the kill to the first commit after it, counts the shards a follower
 (started at the first submit) received,
 and restarts the dead server (the sentinels make it a replica). At the end it prints
@@ -63,6 +64,7 @@ from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.follow import Follower  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
 from pipeline.sentinel_group import SentinelGroup  # noqa: E402
+from pipeline.status import collect  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402
@@ -113,6 +115,7 @@ class Outcome:
     recovery_s: list[float] = dataclasses.field(default_factory=list)  # master kill -> first commit after it
     pushes: list[str] = dataclasses.field(default_factory=list)  # weight pushes a master kill interrupted
     weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # live workers' at the end
+    status: dict[str, int] = dataclasses.field(default_factory=dict)  # `pipeline status`: queue and run totals
     followed: int = 0  # shards a follower started at the first submit received (with --kill-master)
     followed_distinct: int = 0  # of them, distinct jobs of the batches
 
@@ -151,7 +154,7 @@ def run(
     *, requests: int = 2000, workers: int = 4, batch_size: int = 25, job_seconds: float = 0.1,
     kills: int = 6, kill_every: float = 0.6, restart_redis: bool = False, seed: int = 0,
     timeout: float = 120.0, retries: int = 6, directory: Path | None = None, engine: str = "fake",
-    step_seconds: float = 0.05, kill_master: int = 0,
+    step_seconds: float = 0.05, kill_master: int = 0, push_during_kill: bool = False,
 ) -> Outcome:
     """Run one chaos round and count what came out."""
     rng = random.Random(seed)
@@ -216,7 +219,7 @@ def run(
                 time.sleep(0.01)
             commits = conn.xlen(keys.commit_log("chaos"))
             push = None
-            if len(recovery_s) == 1:  # the second kill lands in a weight push
+            if push_during_kill and len(recovery_s) == 1:  # the second kill lands in a weight push
                 push = threading.Thread(target=push_weights, args=(len(recovery_s),), daemon=True)
                 push.start()
             dead = group.kill_master()
@@ -277,6 +280,11 @@ def run(
         files = sorted((work / "shards" / "chaos").glob("*.parquet"))
         files_rows = sum(pq.read_metadata(f).num_rows for f in files)
         entries = commit_log.read_after(conn, "chaos", None)
+        pool_status = collect(conn, run="chaos")["pools"][keys.pool(None).name]  # what `pipeline status` shows
+        settle = time.monotonic() + 30  # jobs whose end a dead master lost stay "started" until maintenance
+        while pool_status["queue"]["started"] and time.monotonic() < settle:
+            time.sleep(0.5)
+            pool_status = collect(conn, run="chaos")["pools"][keys.pool(None).name]
         temp_files = [p for p in (work / "shards" / "chaos").glob(".*") if ".tmp-" in p.name]
         return Outcome(
             requested=sum(expected.values()),
@@ -297,6 +305,8 @@ def run(
             recovery_s=recovery_s,
             pushes=pushes,
             weight_versions={w.worker_id: w.weight_version for w in registry.live_workers(conn)},
+            status={**{k: v for k, v in pool_status["queue"].items() if k != "name"},
+                    **{k: pool_status["runs"]["chaos"][k] for k in ("shards", "rows")}},
             followed=len(followed),
             followed_distinct=len(set(followed) & {j for b in batches for j in b.job_ids}),
         )
@@ -326,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart-redis", action="store_true")
     parser.add_argument("--kill-master", type=int, default=0,
                         help="run Redis as a Sentinel group and SIGKILL its master this many times")
+    parser.add_argument("--push-during-kill", action="store_true",
+                        help="with --kill-master 2 or more: the second kill lands in a weight push")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--baseline", action="store_true", help="first run the same load without kills")
@@ -339,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         base = run(**common, kills=0)  # type: ignore[arg-type]
         print("baseline:", base.line(), flush=True)
     outcome = run(**common, kills=args.kills, kill_every=args.kill_every,  # type: ignore[arg-type]
-                  restart_redis=args.restart_redis, directory=args.directory, kill_master=args.kill_master)
+                  restart_redis=args.restart_redis, directory=args.directory, kill_master=args.kill_master,
+                  push_during_kill=args.push_during_kill)
     print(json.dumps(dataclasses.asdict(outcome)) if args.json else outcome.line())
     if args.baseline:
         print(f"time ratio chaos/baseline: {outcome.seconds / base.seconds:.2f}")

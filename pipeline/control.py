@@ -180,6 +180,14 @@ def _roll_back(conn: redis.Redis, pool: str, before: DesiredState, pushed: Desir
     return restored
 
 
+class _AlreadyApplied(Exception):
+    """Raised inside `_change` when the stored state is already the one being written."""
+
+    def __init__(self, state: DesiredState) -> None:
+        super().__init__(state.generation)
+        self.state = state
+
+
 def push_weights(
     conn: redis.Redis,
     path: str,
@@ -215,6 +223,10 @@ def push_weights(
     before: list[DesiredState] = []
 
     def update(state: DesiredState) -> DesiredState:
+        if before and (state.weight_version, state.weight_path, state.swap_mode) == (version, str(path), mode):
+            # A retry after our own EXEC went out but its reply was lost (a failover, a dropped
+            # connection: redis-py reports that as a WatchError): the push is already in.
+            raise _AlreadyApplied(state)
         before[:] = [state]
         if version <= state.weight_version and not force:
             raise WeightVersionError(
@@ -226,7 +238,12 @@ def push_weights(
     started = time.monotonic()
     # A fresh push collects fresh acknowledgements.
     where = keys.pool(pool)
-    state = _change(conn, where.name, update, also=lambda pipe: pipe.delete(where.weight_acks(version)))
+    try:
+        state = _change(conn, where.name, update, also=lambda pipe: pipe.delete(where.weight_acks(version)))
+    except _AlreadyApplied as applied:
+        state = applied.state
+        replicated(conn, f"control state generation {state.generation} of pool {where.name!r}")
+        conn.publish(where.control_channel, str(state.generation))
     deadline = None if timeout is None else started + timeout
     while True:
         live = [w.worker_id for w in registry.live_workers(conn, where.name)]
