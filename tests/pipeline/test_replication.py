@@ -38,8 +38,10 @@ def master_and_replica(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServe
             wait_until(lambda s=server: not _rewriting(s), what="the AOF rewrite")
         yield master, replica
     finally:
-        replica.stop()
-        master.stop()
+        try:
+            replica.stop()
+        finally:
+            master.stop()
 
 
 def test_no_wait_without_replicas_or_when_turned_off(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
