@@ -205,10 +205,26 @@ def run(
                                                batch_size=batch_size, retries=retries))]
         followed: list[str] = []  # job ids a trainer's follower received, through every failover
         follower = None
+        all_submitted = threading.Event()  # the later half is submitted during the first master kill
+
+        def follow_the_run() -> None:
+            """A trainer's follower: a Follower ends once every batch submitted so far has ended, so one
+            started before the later half is submitted resumes from its cursor until that half is in."""
+            cursor = None
+            while True:
+                submitted = all_submitted.is_set()
+                follower = Follower(connect_redis(url), "chaos", cursor=cursor, raise_on_failure=False)
+                followed.extend(shard.job_id for shard in follower)
+                cursor = follower.cursor
+                if submitted:
+                    return
+                all_submitted.wait(0.1)
+
         if group:
-            follower = threading.Thread(target=lambda: followed.extend(
-                shard.job_id for shard in Follower(connect_redis(url), "chaos", raise_on_failure=False)), daemon=True)
+            follower = threading.Thread(target=follow_the_run, daemon=True)
             follower.start()
+        else:
+            all_submitted.set()
 
         def kill_the_master() -> None:
             """SIGKILL the master once commits flow, submit what is left while it is down, time the recovery."""
@@ -227,6 +243,7 @@ def run(
             if later and len(recovery_s) == 0:
                 batches.append(Batch(conn, submit_requests(conn, later, run="chaos", output=output,
                                                            batch_size=batch_size, retries=retries)))
+                all_submitted.set()
             while conn.xlen(keys.commit_log("chaos")) <= commits:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"chaos: no commit within {timeout}s after the master on port {dead} died")
