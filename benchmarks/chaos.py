@@ -209,13 +209,12 @@ def run(
 
         def follow_the_run() -> None:
             """A trainer's follower: a Follower ends once every batch submitted so far has ended, so one
-            started before the later half is submitted resumes from its cursor until that half is in."""
-            cursor = None
+            started before the later half is submitted iterates again (same cursor, same seen jobs)
+            until that half is in."""
+            trainer = Follower(connect_redis(url), "chaos", raise_on_failure=False)
             while True:
                 submitted = all_submitted.is_set()
-                follower = Follower(connect_redis(url), "chaos", cursor=cursor, raise_on_failure=False)
-                followed.extend(shard.job_id for shard in follower)
-                cursor = follower.cursor
+                followed.extend(shard.job_id for shard in trainer)
                 if submitted:
                     return
                 all_submitted.wait(0.1)
@@ -298,8 +297,11 @@ def run(
         files_rows = sum(pq.read_metadata(f).num_rows for f in files)
         entries = commit_log.read_after(conn, "chaos", None)
         pool_status = collect(conn, run="chaos")["pools"][keys.pool(None).name]  # what `pipeline status` shows
-        settle = time.monotonic() + 30  # jobs whose end a dead master lost stay "started" until maintenance
-        while pool_status["queue"]["started"] and time.monotonic() < settle:
+        # Jobs whose end a dead master lost stay "started" until maintenance finds them abandoned, then
+        # wait out their retry backoff ("retrying") and run again, rewriting the same shard: let them settle.
+        settle = time.monotonic() + 30
+        while (any(pool_status["queue"][state] for state in ("queued", "retrying", "started"))
+               and time.monotonic() < settle):
             time.sleep(0.5)
             pool_status = collect(conn, run="chaos")["pools"][keys.pool(None).name]
         temp_files = [p for p in (work / "shards" / "chaos").glob(".*") if ".tmp-" in p.name]
