@@ -19,8 +19,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
-LONG_RUNNING = ["redis", "minio", "sglang-0", "sglang-1", "gateway", "dashboard"]
-WORKERS = ["worker-0", "worker-1", "worker-gateway", "worker-cpu"]
+LONG_RUNNING = ["redis", "minio", "sglang-0", "sglang-1", "gateway", "vllm-0", "dashboard"]
+WORKERS = ["worker-0", "worker-1", "worker-gateway", "worker-cpu", "worker-vllm"]
 
 
 def test_the_cluster_services_are_there() -> None:
@@ -77,6 +77,23 @@ def test_the_gateway_is_smg_in_front_of_both_servers_which_workers_behind_it_rea
     assert SERVICES["worker-0"]["profiles"] == ["gpu"], "per-server workers stay out of the gateway layout"
 
 
+def test_the_vllm_profile_serves_the_contract_and_its_worker_reaches_it() -> None:
+    """The flags the vllm-http engine needs: dev endpoints (pause, reload, aborts) and the contract's
+    logprobs (tests/vllm_server.py starts the test server the same way)."""
+    from tests.vllm_server import SERVER_FLAGS
+
+    server = SERVICES["vllm-0"]
+    assert server["profiles"] == SERVICES["worker-vllm"]["profiles"] == ["vllm"]
+    assert server["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert " ".join(SERVER_FLAGS) in server["command"] and "--port 8000" in server["command"]
+    assert server["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "ports" not in server, "the development endpoints must stay on the compose network"
+    assert "/models:ro" in server["volumes"][0], "weight reloads read the paths the workers are pushed"
+    worker = SERVICES["worker-vllm"]["command"]
+    assert worker[:3] == ["worker", "--engine", "vllm-http"] and worker[worker.index("--url") + 1] == "http://vllm-0:8000"
+    assert "vllm-0" in SERVICES["worker-vllm"]["depends_on"]
+
+
 def test_every_compose_variable_is_in_env_example() -> None:
     used = set(re.findall(r"\$\{([A-Z0-9_]+)", (ROOT / "compose.yaml").read_text()))
     documented = set(re.findall(r"^([A-Z0-9_]+)=", (ROOT / ".env.example").read_text(), re.MULTILINE))
@@ -103,5 +120,6 @@ def test_docker_compose_config(tmp_path: Path) -> None:
     env = tmp_path / ".env"
     env.write_text((ROOT / ".env.example").read_text())
     result = subprocess.run(["docker", "compose", "--env-file", str(env), "--profile", "gpu", "--profile", "cpu",
-                             "--profile", "gateway", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True)
+                             "--profile", "gateway", "--profile", "vllm", "config", "--quiet"],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
