@@ -15,7 +15,9 @@ log = logging.getLogger(__name__)
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="hf")
-    parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the demo model); for the HTTP engines, the directory "
+                             "the servers load (read for its vocabulary size)")
     parser.add_argument("--device", default="cpu", help="torch device for the hf engine")
     parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
                         help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
@@ -26,7 +28,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--url", action="append", default=[], dest="urls",
-        help="SGLang server or gateway (smg) URL for --engine sglang-http (repeat for several)",
+        help="SGLang server or gateway (smg) URL for --engine sglang-http, vLLM server URL for --engine vllm-http "
+             "(repeat for several)",
     )
     parser.add_argument(
         "--routed-experts", action="store_true",
@@ -133,7 +136,7 @@ def register_worker(sub: argparse._SubParsersAction, add_redis: Callable[[argpar
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--max-jobs-in-flight", type=int, default=64,
-                        help="jobs fed to a concurrent engine (sim, sglang-http) at once")
+                        help="jobs fed to a concurrent engine (sim, sglang-http, vllm-http) at once")
     parser.add_argument("--no-feed", action="store_true",
                         help="one job at a time even on a concurrent engine (a barrier at each job's end)")
     parser.add_argument("--log-level", default="INFO")

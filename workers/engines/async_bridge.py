@@ -6,18 +6,21 @@ across batches (a fresh `asyncio.run` per batch would throw it away). If the cal
 interrupted while it waits (KeyboardInterrupt, RQ's job-timeout signal), the coroutine is
 cancelled and given a moment to clean up (abort its requests) before the exception goes on.
 
-`gather_or_cancel` is the batch rule both SGLang adapters follow: all or nothing, and the first
-failure cancels everything still running.
+`gather_or_cancel` is the batch rule the SGLang and vLLM adapters follow: all or nothing, and the
+first failure cancels everything still running; `run_batch` applies it to a batch's calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+C = TypeVar("C")
+R = TypeVar("R")
+S = TypeVar("S")
 
 
 class AsyncBridge:
@@ -82,3 +85,15 @@ async def gather_or_cancel(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def run_batch(requests: Sequence[R], plan: Callable[[R], list[C]],
+                    answer: Callable[[C], Awaitable[list[S]]]) -> list[list[S]]:
+    """Every call `plan` makes of every request at once (the first failure cancels the rest; a
+    request `plan` refuses sends nothing at all), each request's samples regrouped in call order."""
+    calls = [(index, call) for index, request in enumerate(requests) for call in plan(request)]
+    answers = await gather_or_cancel(answer(call) for _, call in calls)  # type: ignore[arg-type]
+    outputs: list[list[S]] = [[] for _ in requests]
+    for (index, _), samples in zip(calls, answers, strict=True):
+        outputs[index].extend(samples)
+    return outputs

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from workers.engines.base import Engine
 from workers.errors import EngineUnavailableError
 
-ENGINES = ("hf", "sglang", "sglang-http", "sim")
+ENGINES = ("hf", "sglang", "sglang-http", "vllm-http", "sim")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class EngineOptions:
     max_top_logprobs: int = 0
     weight_version: int = 0
     max_batch_sequences: int = 64  # hf: samples decoded together
-    urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways
+    urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways; vllm-http: vLLM servers
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
     routed_experts: bool = False  # sglang and sim engines: serve return_routed_experts
     experts_layout: str | None = None  # "LAYERS,TOP_K,EXPERTS" when no model config is at hand
@@ -46,18 +46,25 @@ def _sglang_model_facts(options: EngineOptions) -> dict[str, object]:
                 "--routed-experts needs the layout: --model DIR with a MoE config.json, or --experts-layout"
             )
         facts["experts_layout"] = layout
-    if options.model:
-        import json
-        from pathlib import Path
-
-        try:
-            config = json.loads((Path(options.model) / "config.json").read_text())
-            vocab = config.get("text_config", config).get("vocab_size")
-            if isinstance(vocab, int):
-                facts["vocab_size"] = vocab
-        except (OSError, ValueError):
-            pass
+    vocab = _vocab_size(options)
+    if vocab is not None:
+        facts["vocab_size"] = vocab
     return facts
+
+
+def _vocab_size(options: EngineOptions) -> int | None:
+    """The vocabulary size in `--model`'s config.json, when given and readable."""
+    if not options.model:
+        return None
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(options.model) / "config.json").read_text())
+        vocab = config.get("text_config", config).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
 
 
 def build_engine(options: EngineOptions) -> Engine:
@@ -92,6 +99,15 @@ def build_engine(options: EngineOptions) -> Engine:
             options.urls, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version,
             **_sglang_model_facts(options),  # type: ignore[arg-type]
         )
+    if options.engine == "vllm-http":
+        from workers.engines.vllm_http import VLLMHTTPEngine
+
+        if not options.urls:
+            raise EngineUnavailableError("--engine vllm-http needs at least one --url http://host:port")
+        if options.routed_experts:
+            raise EngineUnavailableError("--engine vllm-http does not serve routed experts; drop --routed-experts")
+        return VLLMHTTPEngine(options.urls, max_top_logprobs=options.max_top_logprobs,
+                              weight_version=options.weight_version, vocab_size=_vocab_size(options))
     if options.engine == "sglang":
         from workers.engines.sglang_engine import SGLangEngine
 

@@ -4,11 +4,15 @@ SGLang gives all samples of an `n > 1` request the same `sampling_seed` (identic
 so engines derive one seed per sample from (seed, sample index) the same way. A sample continued
 after a partial weight swap draws from a seed derived from (seed, sample index, tokens generated
 before), so each continuation is reproducible and distinct from the sample's own start.
+
+`plan_calls` splits a request into the server calls of the HTTP and in-process adapters that way.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
+from typing import NamedTuple
 
 from schemas.request import RolloutRequest
 from workers.engines.base import ContinuedRequest
@@ -34,3 +38,31 @@ def request_sample_seed(request: RolloutRequest, sample_index: int) -> int:
     if isinstance(request, ContinuedRequest):
         return continuation_seed(seed, request.sample_index, request.generated)
     return sample_seed(seed, sample_index)
+
+
+class PlannedCall(NamedTuple):
+    """One server call of a request: its id, how many samples, their seed, the first one's index."""
+
+    rid: str
+    n: int
+    seed: int | None
+    first_sample: int
+
+
+def plan_calls(request: RolloutRequest, *, rid_prefix: str | None = None) -> list[PlannedCall]:
+    """The calls that produce all `n` samples of `request`.
+
+    Without a seed, one call with the server's own `n`. With a seed and n > 1, one call per
+    sample, each seeded like the hf engine does (`seed`, sample index): SGLang gives every sample
+    of an `n` request the same seed, so they would all be the same sample. A continuation is one
+    sample under its continuation seed; its id says so: `{id}+{tokens before}-...`.
+    """
+    params = request.sampling_params
+    continued = isinstance(request, ContinuedRequest)
+    suffix = f"+{request.generated}" if isinstance(request, ContinuedRequest) else ""
+    base = rid_prefix or f"{request.id}{suffix}-{uuid.uuid4().hex[:16]}"
+    if continued and params.seed is not None:
+        return [PlannedCall(base, 1, request_sample_seed(request, 0), 0)]
+    if params.seed is None or params.n == 1:
+        return [PlannedCall(base, params.n, params.seed, 0)]
+    return [PlannedCall(f"{base}-s{i}", 1, sample_seed(params.seed, i), i) for i in range(params.n)]

@@ -55,7 +55,7 @@ def describe_answer(url: str, answer: Answer) -> str:
     """One failed answer in words, naming the server."""
     if isinstance(answer, httpx.HTTPError):
         return (f"{url}: cannot connect ({type(answer).__name__}: {answer or 'connection failed'}); "
-                "is the SGLang server running and reachable from this worker?")
+                "is the server running and reachable from this worker?")
     return f"{url}: HTTP {answer.status_code}: {error_message(answer)}"
 
 

@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
+from workers.engines.async_bridge import run_batch
 from workers.engines.base import EngineDescription, EngineIdentity, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout
-from workers.engines.sglang_mapping import GenerateCall, parse_call_results, run_batch
+from workers.engines.sglang_mapping import GenerateCall, generate_calls, parse_call_results
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 T = TypeVar("T")
@@ -122,7 +123,7 @@ class SGLangEngine(EngineIdentity):
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
         slots = asyncio.Semaphore(self.max_in_flight)
-        return self._run(run_batch(requests, lambda call: self._call(call, slots)))
+        return self._run(run_batch(requests, generate_calls, lambda call: self._call(call, slots)))
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -1,41 +1,32 @@
 """The `sglang-http` engine: SGLang servers, or gateways in front of them, over native `POST /generate`.
 
-Every request of a batch is sent at once (bounded by `max_in_flight`) so SGLang's continuous
-batching stays full; see `sglang_client` for URL choice, retries and aborts, and
-`sglang_mapping` for the wire format. The lifecycle calls (`update_weights` → `/update_weights_from_disk`,
-`pause_generation`, `continue_generation`, `flush_cache`, `abort`) go to every SGLang server
-directly, those behind a gateway included (`sglang_backends`): gateways do not serve them. The
-`health` probe goes where generation goes.
+Batching, the concurrent interface and partial-swap interrupts are `http_engine.HTTPEngine`'s;
+see `sglang_client` for the wire (aborts by rid) and `sglang_mapping` for the format. The lifecycle
+calls (`update_weights` → `/update_weights_from_disk`, `pause_generation`, `continue_generation`,
+`flush_cache`, `abort`) go to every SGLang server directly, those behind a gateway included
+(`sglang_backends`): gateways do not serve them. The `health` probe goes where generation goes.
 
 Partial weight swaps (`interrupt`): `/abort_request` by rid for each of this worker's calls in
-flight, on the server it went to (behind a gateway, every server behind it), so other workers
-sharing the servers keep theirs. SGLang answers each aborted `/generate` normally, with the
-tokens it generated so far and a finish of type `abort`, which become interrupted samples here
-(`Finish("abort", message=INTERRUPTED)`); the worker continues them on the new weights. A
-continued sample's text is decoded with the model's tokenizer when this worker can read it
-(`decode`), else it is null.
+flight, on the server it went to (behind a gateway, every server behind it). SGLang answers each
+aborted `/generate` normally, with the tokens it generated so far and a finish of type `abort`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import httpx
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.async_bridge import AsyncBridge
-from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
+from workers.engines.base import EngineDescription, SampleOutput
+from workers.engines.http_engine import HTTPEngine
 from workers.engines.routed_experts import ExpertsLayout
-from workers.engines.sglang_backends import Answer, answered, error_message
+from workers.engines.sglang_backends import Answer, error_message
 from workers.engines.sglang_client import RetryPolicy, SGLangClient
-from workers.engines.sglang_mapping import GenerateCall, parse_call_results, parse_weight_version, run_batch
+from workers.engines.sglang_mapping import GenerateCall, generate_calls, parse_call_results, parse_weight_version
 from workers.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)
@@ -43,7 +34,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class SGLangHTTPEngine(EngineIdentity):
+class SGLangHTTPEngine(HTTPEngine):
     """One worker's view of one or more SGLang servers (or gateways in front of them)."""
 
     def __init__(
@@ -63,11 +54,7 @@ class SGLangHTTPEngine(EngineIdentity):
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._bridge = AsyncBridge(name="sglang-http")
-        self._in_flight = 0
-        self._in_flight_lock = threading.Condition()
-        self._interrupts = 0  # bumped by `interrupt`: aborted answers of calls started before are interrupted
-        self._tokenizer: Any = None  # loaded on first `decode`, False when unreadable
+        super().__init__(name="sglang-http")
         self._client = SGLangClient(
             urls, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             max_in_flight=max_in_flight, retry=retry, transport=transport,
@@ -110,91 +97,16 @@ class SGLangHTTPEngine(EngineIdentity):
         )
 
     @property
-    def urls(self) -> list[str]:
-        """Where generation goes: the URLs given (servers or gateways)."""
-        return self._client.pool.urls
-
-    @property
     def servers(self) -> list[str]:
         """Where lifecycle calls go: every SGLang server, those behind a gateway included."""
         return self._client.backends.servers()
 
-    @property
-    def client(self) -> SGLangClient:
-        return self._client
+    def _plan(self, request: RolloutRequest) -> list[GenerateCall]:
+        return generate_calls(request)
 
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
-        # All or nothing: the first bad answer cancels (and aborts) the rest of the batch.
-        return self._bridge.run(run_batch(requests, self._generate))
-
-    # -- the concurrent interface (`workers.feeder`): several jobs in flight at once ----------
-
-    @property
-    def capacity(self) -> int:
-        return self._client.max_in_flight
-
-    def load(self) -> int:
-        """Samples submitted and not answered yet."""
-        return self._in_flight
-
-    def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
-        """`generate` without waiting: the batch runs on the engine loop; cancel the future to abort it."""
-        samples = sum(r.sampling_params.n for r in requests)
-        with self._in_flight_lock:
-            self._in_flight += samples
-        future = asyncio.run_coroutine_threadsafe(run_batch(requests, self._generate), self._bridge.loop)
-
-        def done(_: Future) -> None:
-            with self._in_flight_lock:
-                self._in_flight -= samples
-                self._in_flight_lock.notify_all()
-
-        future.add_done_callback(done)
-        return future
-
-    async def _generate(self, call: GenerateCall) -> list[SampleOutput]:
-        interrupts = self._interrupts
-        url, body = await self._client.generate(call)
+    def _parse(self, call: GenerateCall, url: str, body: Any) -> list[SampleOutput]:
         gateway = url if url in self._client.backends.gateways else None
-        samples = parse_call_results(call, body, layout=self._layout, gateway=gateway)
-        if self._interrupts != interrupts:  # aborted by `interrupt`: to be continued, not an abort row
-            for sample in samples:
-                if sample.finish.kind == "abort":
-                    sample.finish = Finish("abort", message=INTERRUPTED)
-        return samples
-
-    # -- the interruptible interface (partial weight swaps) ----------------------------------
-
-    def interrupt(self) -> int:
-        """Abort this worker's requests in flight (by rid); return once every call has answered
-        (each with its partial output), with the number of samples that were in flight."""
-        with self._in_flight_lock:
-            stopped = self._in_flight
-            self._interrupts += 1
-        if stopped:
-            answers = self._bridge.run(self._client.abort_sent())
-            failed = sorted({server for per_server in answers.values()
-                             for server, answer in per_server.items() if not answered(answer)})
-            if failed:
-                log.warning("aborts at a partial swap not answered by %s; their samples finish first", failed)
-            with self._in_flight_lock:
-                self._in_flight_lock.wait_for(lambda: self._in_flight == 0)
-        return stopped
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
-        """The text of `token_ids` with the model's tokenizer, if this worker can read it."""
-        if self._tokenizer is None:
-            try:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
-            except Exception as exc:  # not readable from here: continued rows get no text
-                log.warning("tokenizer of %s not readable here (%s); continued samples' text is null",
-                            self._model_path, exc)
-                self._tokenizer = False
-        if self._tokenizer is False:
-            return None
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return parse_call_results(call, body, layout=self._layout, gateway=gateway)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -205,13 +117,6 @@ class SGLangHTTPEngine(EngineIdentity):
             self._client.backends.fan_out(method, path, json, timeout_s=timeout_s, rediscover=rediscover)
         )
         return self._all_answered(f"{method} {path}", answers)
-
-    def _all_answered(self, call: str, answers: dict[str, Answer]) -> dict[str, httpx.Response]:
-        """The answers if every server answered without an HTTP error; else raise naming each failure."""
-        failures = [self._client.backends.describe(url, a) for url, a in answers.items() if not answered(a)]
-        if failures:
-            raise EngineUnavailableError(f"SGLang {call} failed on " + "; ".join(failures))
-        return answers  # type: ignore[return-value]
 
     def model_info(self) -> dict[str, dict[str, Any]]:
         """Every server's `GET /model_info` (model_path, weight_version, ...); `GET /get_model_info`
@@ -284,11 +189,6 @@ class SGLangHTTPEngine(EngineIdentity):
     def abort_all(self) -> dict[str, Answer]:
         """Abort everything in flight on every server; what each answered, as for `abort`."""
         return self._bridge.run(self._client.backends.abort_all())
-
-    def close(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            self._bridge.run(self._client.aclose())
-        self._bridge.close()
 
 
 def _is_404(answer: Answer) -> bool:

@@ -11,18 +11,16 @@ A result that breaks an invariant (lengths disagree, ids in the logprob triples 
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
-from workers.engines.async_bridge import gather_or_cancel
-from workers.engines.base import ContinuedRequest, Finish, SampleOutput
+from workers.engines.base import Finish, SampleOutput
 from workers.engines.routed_experts import ExpertsLayout, decode_routed_experts, expected_rows
-from workers.engines.seeds import request_sample_seed, sample_seed
+from workers.engines.seeds import plan_calls
 from workers.errors import ContractViolation
 
 
@@ -72,17 +70,7 @@ def sampling_params_payload(params: SamplingParams, *, n: int, seed: int | None)
 
 
 def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) -> list[GenerateCall]:
-    """The calls that produce all `n` samples of `request`.
-
-    Without a seed, one call with SGLang's own `n`. With a seed and n > 1, one call per sample,
-    each seeded like the hf engine does (`seed`, sample index): SGLang gives every sample of an
-    `n` request the same `sampling_seed`, so they would all be the same sample.
-    """
-    params = request.sampling_params
-    continued = isinstance(request, ContinuedRequest)
-    # A continuation's rid says so: `{id}+{tokens before}-...` (one sample, its continuation seed).
-    suffix = f"+{request.generated}" if isinstance(request, ContinuedRequest) else ""
-    base = rid_prefix or f"{request.id}{suffix}-{uuid.uuid4().hex[:16]}"
+    """The `/generate` calls that produce all `n` samples of `request` (`seeds.plan_calls`)."""
     common: dict[str, Any] = {"input_ids": list(request.input_ids)}
     if request.logprobs is not None or request.prompt_logprobs is not None:
         common["return_logprob"] = True
@@ -91,28 +79,12 @@ def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) ->
     if request.return_routed_experts:
         common["return_routed_experts"] = True
         common["routed_experts_start_len"] = 0
-
-    def call(rid: str, n: int, seed: int | None, first: int) -> GenerateCall:
+    params = request.sampling_params
+    calls = []
+    for rid, n, seed, first in plan_calls(request, rid_prefix=rid_prefix):
         payload = {"rid": rid, **common, "sampling_params": sampling_params_payload(params, n=n, seed=seed)}
-        return GenerateCall(request, rid, payload, n, first)
-
-    if continued and params.seed is not None:
-        return [call(base, 1, request_sample_seed(request, 0), 0)]
-    if params.seed is None or params.n == 1:
-        return [call(base, params.n, params.seed, 0)]
-    return [call(f"{base}-s{i}", 1, sample_seed(params.seed, i), i) for i in range(params.n)]
-
-
-async def run_batch(
-    requests: Sequence[RolloutRequest], answer: Callable[[GenerateCall], Awaitable[list[SampleOutput]]]
-) -> list[list[SampleOutput]]:
-    """Every call of every request at once (the first failure cancels the rest), regrouped per request."""
-    plan = [(index, call) for index, request in enumerate(requests) for call in generate_calls(request)]
-    answers = await gather_or_cancel(answer(call) for _, call in plan)
-    outputs: list[list[SampleOutput]] = [[] for _ in requests]
-    for (index, _), samples in zip(plan, answers, strict=True):
-        outputs[index].extend(samples)
-    return outputs
+        calls.append(GenerateCall(request, rid, payload, n, first))
+    return calls
 
 
 # -- results -> SampleOutput -------------------------------------------------------------------

@@ -187,7 +187,7 @@ def test_seeded_sampling_is_reproducible_and_follows_sglangs_rules(tiny_server: 
 
 def test_server_down_at_start_is_a_clear_error() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(EngineUnavailableError, match=f"{url}: cannot connect .*is the SGLang server running"):
+    with pytest.raises(EngineUnavailableError, match=f"{url}: cannot connect .*is the server running"):
         SGLangHTTPEngine([url], connect_timeout_s=2)
 
 
