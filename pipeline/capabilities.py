@@ -16,13 +16,14 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 
 from pipeline.errors import CapabilityError
-from schemas.capabilities import Asks, Needs, describe, missing, needs_of
+from schemas.capabilities import SAMPLING_HINTS, Asks, Needs, describe, missing, needs_of
 from schemas.worker_info import Capabilities, WorkerInfo
 
 MAX_PROBLEMS = 20
 _HINTS = {
     "routed experts": "routed experts need a mixture-of-experts model on an engine that captures routing",
     "stop strings (a tokenizer)": "stop strings need an engine with a tokenizer",
+    **SAMPLING_HINTS,
 }
 
 

@@ -185,6 +185,11 @@ class ParsedRequest:
         return params if self._seed is None else params.model_copy(update={"seed": self._seed})
 
     @property
+    def sampling_shape(self) -> SamplingParams:
+        """The sampling parameters without the seed (no copy per line), as the capability rules read them."""
+        return self._shape.params
+
+    @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids.tolist()
 

@@ -3,7 +3,9 @@
 (`workers.contracts`, `workers.routing`, against its own capabilities).
 
 A request's `Needs` are what it asks of a worker: top-k logprobs, prompt logprobs, routed
-experts, a tokenizer (for stop strings), token ids inside the vocabulary. A job needs the union
+experts, a tokenizer (for stop strings), token ids inside the vocabulary, and logprobs under
+sampling settings not every engine reports exactly (`SAMPLING_RULES`: vLLM's logprobs depend on
+its --logprobs-mode). A job needs the union
 of its requests' needs, so one worker serves a job only if it serves every request in it.
 `missing(needs, capabilities)` names each need the worker lacks, in words that are the same
 for every worker, so the needs missing on every worker of a pool are their intersection.
@@ -12,9 +14,10 @@ for every worker, so the needs missing on every worker of a pool are their inter
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Protocol
 
+from schemas.request import SamplingParams
 from schemas.worker_info import Capabilities
 
 
@@ -30,6 +33,11 @@ class Asks(Protocol):
     @property
     def stop_strings(self) -> tuple[str, ...]: ...
 
+    @property
+    def sampling_shape(self) -> SamplingParams:
+        """The sampling parameters; the seed may be left out (no rule reads it)."""
+        ...
+
     def max_token_id(self) -> int: ...
 
 
@@ -42,15 +50,17 @@ class Needs:
     routed_experts: bool = False
     stop_strings: bool = False
     max_token_id: int = -1  # -1: not checked
+    # The sampling rules (`SAMPLING_RULES`), named as the `Capabilities` that meet them.
+    tempered_logprobs: bool = False
+    filtered_logprobs: bool = False
+    penalised_logprobs: bool = False
+    tempered_prompt_logprobs: bool = False
+    repetition_penalty: bool = False
 
     def __or__(self, other: Needs) -> Needs:
-        return Needs(
-            top_logprobs=max(self.top_logprobs, other.top_logprobs),
-            prompt_logprobs=self.prompt_logprobs or other.prompt_logprobs,
-            routed_experts=self.routed_experts or other.routed_experts,
-            stop_strings=self.stop_strings or other.stop_strings,
-            max_token_id=max(self.max_token_id, other.max_token_id),
-        )
+        """What a job of both needs: the larger of the numbers, either of the flags."""
+        return Needs(**{f.name: (max if f.type == "int" else _either)(getattr(self, f.name), getattr(other, f.name))
+                        for f in fields(self)})
 
     def without_token_ids(self) -> Needs:
         return replace(self, max_token_id=-1)
@@ -72,6 +82,56 @@ class Needs:
         return cls(**fields)
 
 
+def _either(a: bool, b: bool) -> bool:
+    return a or b
+
+
+# Needs an engine may not meet exactly (the name is both the `Needs` and the `Capabilities`
+# field): what a refusal says, and what to do about it.
+SAMPLING_RULES: dict[str, tuple[str, str]] = {
+    "tempered_logprobs": (
+        "logprobs at a temperature other than 0 or 1",
+        "a vLLM server gives them with --logprobs-mode processed_logprobs (its default, raw_logprobs, ignores "
+        "the temperature); or sample at temperature 1",
+    ),
+    "filtered_logprobs": (
+        "logprobs of top-k/top-p/min-p filtered sampling",
+        "vLLM's processed_logprobs renormalise them over the tokens the filter keeps; a raw_logprobs vLLM server "
+        "gives them at temperature 1, or drop the filter",
+    ),
+    "penalised_logprobs": (
+        "logprobs with frequency/presence penalties or min_new_tokens",
+        "a vLLM server gives them with --logprobs-mode processed_logprobs (raw_logprobs are taken before "
+        "penalties)",
+    ),
+    "tempered_prompt_logprobs": (
+        "prompt logprobs at a temperature other than 0 or 1",
+        "vLLM never divides prompt logprobs by the temperature; ask for them at temperature 1 or 0",
+    ),
+    "repetition_penalty": (
+        "repetition_penalty (over generated tokens only, as SGLang)",
+        "vLLM's repetition penalty also counts the prompt's tokens; use frequency/presence penalties",
+    ),
+}
+SAMPLING_HINTS = dict(SAMPLING_RULES.values())
+
+
+def sampling_needs(params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None) -> dict[str, bool]:
+    """The `SAMPLING_RULES` a request with these parameters needs met. Greedy requests (plain
+    log-softmax) need none of the temperature or filter rules."""
+    sampled = not params.greedy
+    tempered = sampled and params.temperature != 1.0
+    return {
+        "tempered_logprobs": logprobs is not None and tempered,
+        "filtered_logprobs": logprobs is not None and sampled
+        and (params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0),
+        "penalised_logprobs": logprobs is not None
+        and bool(params.frequency_penalty or params.presence_penalty or params.min_new_tokens),
+        "tempered_prompt_logprobs": prompt_logprobs is not None and tempered,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+    }
+
+
 def needs_of(request: Asks, *, token_ids: bool = True) -> Needs:
     """What `request` asks of a worker (`token_ids=False` leaves the vocabulary unchecked)."""
     return Needs(
@@ -80,6 +140,7 @@ def needs_of(request: Asks, *, token_ids: bool = True) -> Needs:
         routed_experts=request.return_routed_experts,
         stop_strings=bool(request.stop_strings),
         max_token_id=request.max_token_id() if token_ids else -1,
+        **sampling_needs(request.sampling_shape, request.logprobs, request.prompt_logprobs),
     )
 
 
@@ -105,6 +166,8 @@ def missing(needs: Needs, capabilities: Capabilities) -> list[str]:
     vocab = capabilities.vocab_size
     if vocab is not None and needs.max_token_id >= vocab:
         lacks.append(f"token id {needs.max_token_id} in its vocabulary")
+    lacks.extend(words for name, (words, _) in SAMPLING_RULES.items()
+                 if getattr(needs, name) and not getattr(capabilities, name))
     return lacks
 
 
@@ -118,4 +181,5 @@ def describe(capabilities: Capabilities) -> str:
         parts.append("no stop strings")
     if capabilities.vocab_size is not None:
         parts.append(f"vocab {capabilities.vocab_size}")
+    parts.extend(f"no {words}" for name, (words, _) in SAMPLING_RULES.items() if not getattr(capabilities, name))
     return ", ".join(parts)

@@ -209,6 +209,11 @@ class RolloutRequest(_Strict):
         return max((*self.input_ids, *self.sampling_params.user_stop_token_ids))
 
     @property
+    def sampling_shape(self) -> SamplingParams:
+        """`sampling_params`, as the capability rules read them (`schemas.capabilities.Asks`)."""
+        return self.sampling_params
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         """The user's string stops (`sampling_params.stop_strings`)."""
         return self.sampling_params.stop_strings

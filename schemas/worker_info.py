@@ -24,6 +24,16 @@ class Capabilities(BaseModel):
     # A tokenizer to match stop strings with (set by the worker from its engine's description).
     stop_strings: bool = True
     vocab_size: int | None = None
+    # Which logprobs the engine gives exactly as the contract says (SGLang's: after penalties and
+    # temperature, before top-k/top-p/min-p); vLLM's depend on its --logprobs-mode. Sampled (not
+    # greedy) at a temperature other than 1; sampled with a top-k/top-p/min-p filter; with frequency
+    # or presence penalties or min_new_tokens; prompt logprobs sampled at a temperature other than 1.
+    tempered_logprobs: bool = True
+    filtered_logprobs: bool = True
+    penalised_logprobs: bool = True
+    tempered_prompt_logprobs: bool = True
+    # SGLang's repetition penalty (over the generated tokens only).
+    repetition_penalty: bool = True
 
 
 class WorkerInfo(BaseModel):

@@ -17,7 +17,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from schemas.capabilities import missing, needs_of
+from schemas.capabilities import SAMPLING_HINTS, missing, needs_of
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines.base import Finish, SampleOutput
@@ -75,10 +75,11 @@ def check_request_supported(request: RolloutRequest, capabilities: Capabilities)
     dropping a field."""
     lacks = missing(needs_of(request), capabilities)
     if lacks:
-        hint = ""
+        hints = [SAMPLING_HINTS[lack] for lack in lacks if lack in SAMPLING_HINTS]
         if request.logprobs and f"top-{request.logprobs} logprobs" in lacks:
-            hint = f" (this worker allows at most {capabilities.max_top_logprobs}; start it with --max-top-logprobs " \
-                   f"{request.logprobs})"
+            hints.insert(0, f"this worker allows at most {capabilities.max_top_logprobs}; start it with "
+                            f"--max-top-logprobs {request.logprobs}")
+        hint = f" ({'; '.join(hints)})" if hints else ""
         raise UnsupportedRequestError(f"request {request.id!r}: this worker cannot serve {', '.join(lacks)}{hint}")
 
 

@@ -121,6 +121,28 @@ def test_capabilities_checked_against_live_workers(redis_url: str, redis_client:
     assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
 
 
+def test_logprobs_a_vllm_worker_cannot_give_exactly_fail_at_submit(redis_url: str, redis_client: redis.Redis) -> None:
+    import time
+
+    from pipeline import registry
+    from schemas.worker_info import Capabilities, WorkerInfo
+    from workers.engines.vllm_mapping import logprob_capabilities
+
+    registry.publish(redis_client, WorkerInfo(
+        worker_id="w1", host="h", pid=1, engine="vllm-http", model="m", started_at=time.time(), heartbeat_at=0,
+        capabilities=Capabilities(**logprob_capabilities("raw_logprobs")),
+    ))
+    client = pipeline.connect(redis_url)
+    hot = {**GOOD, "sampling_params": {"max_new_tokens": 4, "temperature": 0.7}}
+    with pytest.raises(pipeline.CapabilityError, match=r"logprobs at a temperature other than 0 or 1 \(a vLLM server "
+                                                       r"gives them with --logprobs-mode processed_logprobs"):
+        client.submit([hot])
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 0
+    client.submit([{**hot, "logprobs": None}, {**GOOD, "id": "greedy",
+                                               "sampling_params": {"max_new_tokens": 4, "temperature": 0}}])
+    assert Queue(keys.pool().queue_name, connection=redis_client).count == 1
+
+
 def test_a_missing_file_or_an_unreachable_redis_is_a_clear_error(tmp_path: Path, pipeline_env: dict[str, str]) -> None:
     missing = subprocess.run([*PIPELINE, "submit", str(tmp_path / "nope.jsonl")], env=pipeline_env,
                              capture_output=True, text=True)

@@ -11,9 +11,11 @@ token id, prompt logprobs, finish and stop reasons per choice).
 
 Logprob semantics depend on the server's `--logprobs-mode`; the engine reads it at start (from
 `GET /server_info` on a server with development endpoints, else from a two-request probe, see
-`probe_logprobs_mode`) and refuses, with `UnsupportedRequestError`, any request the server cannot
-serve exactly (`vllm_mapping.refusal`). Greedy requests without penalties are served in either
-logprobs mode.
+`probe_logprobs_mode`) and registers what it serves exactly as its capabilities
+(`vllm_mapping.logprob_capabilities`; the rules are `schemas.capabilities.SAMPLING_RULES`), so a
+submit fails fast and a mixed pool routes such requests to other engines; what the server cannot
+serve is refused with `UnsupportedRequestError`. Greedy requests without penalties are served in
+either logprobs mode.
 
 Lifecycle: `health` (`GET /health`), `models` (`GET /v1/models`), `version` (`GET /version`)
 work on every server. Weight reloads, pause/resume, prefix-cache resets, aborts by request id
@@ -39,6 +41,7 @@ import httpx
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
+from workers.contracts import check_request_supported
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http_client import Aborts, GenerateClient, RetryPolicy, Wire
 from workers.engines.http_engine import HTTPEngine
@@ -50,6 +53,7 @@ from workers.engines.vllm_mapping import (
     RAW_LOGPROBS,
     CompletionCall,
     completion_calls,
+    logprob_capabilities,
     parse_completion,
     refusal,
     token_of,
@@ -137,8 +141,8 @@ class VLLMHTTPEngine(HTTPEngine):
         self._description = EngineDescription(
             name="vllm-http",
             model=model_name or self._model_path,
-            capabilities=Capabilities(max_top_logprobs=max_top_logprobs, prompt_logprobs=True,
-                                      routed_experts=False, vocab_size=vocab_size),
+            capabilities=Capabilities(max_top_logprobs=max_top_logprobs, prompt_logprobs=True, routed_experts=False,
+                                      vocab_size=vocab_size, **logprob_capabilities(self.logprobs_mode)),
             has_tokenizer=has_tokenizer,
         )
         log.info("vllm-http: %s serving %s (logprobs mode %s, development endpoints %s)", self.urls,
@@ -148,6 +152,7 @@ class VLLMHTTPEngine(HTTPEngine):
     # -- generation --------------------------------------------------------------------------
 
     def _plan(self, request: RolloutRequest) -> list[CompletionCall]:
+        check_request_supported(request, self._description.served)  # the worker checks too; `generate` may not
         reason = refusal(request, self.logprobs_mode)
         if reason:
             raise UnsupportedRequestError(reason)

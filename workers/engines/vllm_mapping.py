@@ -1,6 +1,5 @@
 """vLLM's OpenAI-compatible `/v1/completions`, both ways: a `RolloutRequest` to a token-id
-completion request, and a completion response back to `SampleOutput`s; and which requests a
-server's `--logprobs-mode` serves exactly (`refusal`).
+completion request, and a completion response back to `SampleOutput`s.
 
 Field names and shapes are vLLM 0.32's (`entrypoints/openai/completion/protocol.py`:
 `CompletionRequest`, `CompletionResponseChoice`; `serving.py`: `_create_completion_logprobs`).
@@ -8,6 +7,9 @@ The prompt is sent as token ids with `return_token_ids`, so each choice carries 
 verbatim (the stop or EOS token included) and the `prompt_token_ids` the server saw. Token
 strings in `logprobs` are asked as `token_id:N` (`return_tokens_as_token_ids`), so top-k
 alternatives name their token ids exactly.
+
+Which requests a server serves exactly depends on its `--logprobs-mode` (`logprob_capabilities`,
+the worker's capability check; `refusal` for the rest).
 
 A response that breaks an invariant (lengths disagree, logprob tokens name other ids than
 `token_ids`, an unknown finish, a missing field) raises `ContractViolation`.
@@ -60,60 +62,39 @@ class CompletionCall:
 # -- which requests a server serves exactly ------------------------------------------------
 
 
-def refusal(request: RolloutRequest, logprobs_mode: str) -> str | None:
-    """Why a vLLM server in `logprobs_mode` cannot serve `request` as the contracts say, or None.
+def logprob_capabilities(logprobs_mode: str) -> dict[str, bool]:
+    """Which of `schemas.capabilities.SAMPLING_RULES` a vLLM server in `logprobs_mode` meets.
 
     The logprob contract is SGLang's: log-softmax of the penalised logits over the temperature,
     before top-k/top-p/min-p (plain log-softmax for greedy); prompt logprobs over the temperature
-    too. vLLM's `raw_logprobs` (the default) are the log-softmax before penalties and temperature;
-    `processed_logprobs` are after penalties, temperature and top-k/top-p/min-p filtering, which
-    renormalises over the kept tokens; prompt logprobs are never tempered; `*_logits` modes return
-    logits. (vllm/v1/sample/sampler.py, v1/sample/ops/topk_topp_sampler.py,
-    v1/worker/gpu_model_runner.py: _get_prompt_logprobs_dict.)
+    too. vLLM's `raw_logprobs` (the default) are the log-softmax before penalties (and min_tokens'
+    masking) and temperature, so before filtering too; `processed_logprobs` are after penalties,
+    temperature and top-k/top-p/min-p filtering, which renormalises over the kept tokens; prompt
+    logprobs are never tempered; vLLM's repetition penalty counts the prompt's tokens too
+    (vllm/v1/sample/sampler.py, v1/sample/ops/topk_topp_sampler.py, v1/worker/gpu_model_runner.py:
+    _get_prompt_logprobs_dict, model_executor/layers/utils.py: apply_penalties). The `*_logits`
+    modes give no logprobs at all (`refusal`).
     """
+    raw, processed = logprobs_mode == RAW_LOGPROBS, logprobs_mode == PROCESSED_LOGPROBS
+    return {"tempered_logprobs": processed, "filtered_logprobs": raw, "penalised_logprobs": processed,
+            "tempered_prompt_logprobs": False, "repetition_penalty": False}
+
+
+def refusal(request: RolloutRequest, logprobs_mode: str) -> str | None:
+    """Why a vLLM server in `logprobs_mode` cannot serve `request`, beyond what its capabilities
+    say (`logprob_capabilities`, checked by the worker for every engine): logprobs from a server
+    that returns logits, and a temperature vLLM decodes greedily but SGLang samples at."""
     params = request.sampling_params
     where = f"request {request.id!r}"
-    if params.repetition_penalty != 1.0:
-        return (f"{where}: repetition_penalty {params.repetition_penalty:g}: vLLM's repetition penalty also "
-                "counts the prompt's tokens, SGLang's (the contract's) only the generated ones; use "
-                "frequency_penalty/presence_penalty, or another engine")
     if not params.greedy and params.temperature < VLLM_GREEDY_BELOW:
         return (f"{where}: temperature {params.temperature:g} samples under SGLang's rule (greedy below 1e-6) but "
                 f"vLLM decodes greedily below {VLLM_GREEDY_BELOW:g}; use 0 for greedy or at least "
                 f"{VLLM_GREEDY_BELOW:g}")
-    if request.logprobs is None and request.prompt_logprobs is None:
-        return None
-    if logprobs_mode not in (RAW_LOGPROBS, PROCESSED_LOGPROBS):
+    if (request.logprobs is not None or request.prompt_logprobs is not None) \
+            and logprobs_mode not in (RAW_LOGPROBS, PROCESSED_LOGPROBS):
         return (f"{where} asks for logprobs, but the vLLM server returns {logprobs_mode} (--logprobs-mode), "
                 "not logprobs; restart it with --logprobs-mode processed_logprobs (or raw_logprobs), "
                 "or ask for logprobs: null")
-    tempered = not params.greedy and params.temperature != 1.0
-    if request.prompt_logprobs is not None and tempered:
-        return (f"{where}: prompt logprobs at temperature {params.temperature:g}: vLLM's prompt logprobs are "
-                "never divided by the temperature (the contract's are); use temperature 1 or 0, or ask "
-                "for prompt_logprobs: null")
-    if request.logprobs is None:
-        return None
-    restart = "restart the server with --logprobs-mode processed_logprobs"
-    if logprobs_mode == RAW_LOGPROBS:
-        if tempered:
-            return (f"{where}: logprobs at temperature {params.temperature:g} on a vLLM server with "
-                    f"--logprobs-mode raw_logprobs (the default), whose logprobs ignore the temperature; "
-                    f"{restart}, or use temperature 1 or 0")
-        penalties = [name for name, on in (
-            ("frequency_penalty", params.frequency_penalty != 0), ("presence_penalty", params.presence_penalty != 0),
-            ("min_new_tokens", params.min_new_tokens > 0)) if on]
-        if penalties:
-            return (f"{where}: logprobs with {', '.join(penalties)} on a vLLM server with --logprobs-mode "
-                    f"raw_logprobs (the default), whose logprobs are taken before penalties; {restart}")
-        return None
-    filters = [] if params.greedy else [name for name, on in (
-        ("top_k", params.top_k not in (-1, 0)), ("top_p", params.top_p < 1.0), ("min_p", params.min_p > 0.0)) if on]
-    if filters:
-        return (f"{where}: logprobs with {'/'.join(filters)} filtering on a vLLM server with --logprobs-mode "
-                "processed_logprobs, which renormalises them over the tokens the filter keeps (the contract's "
-                "are before filtering); at temperature 1 without penalties a raw_logprobs server serves them "
-                "exactly, or drop the filter")
     return None
 
 

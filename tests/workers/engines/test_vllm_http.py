@@ -159,7 +159,8 @@ def test_seeded_n_goes_as_one_call_per_sample_and_comes_back_in_order(server: Fa
 def test_a_request_the_server_cannot_serve_exactly_is_refused_before_anything_is_sent(
         server: FakeVLLM, engine: VLLMHTTPEngine) -> None:
     request = request_of("completion_top_k_processed")  # temperature 0.7, top_k 5, logprobs
-    with pytest.raises(UnsupportedRequestError, match="renormalises"):
+    assert engine.description.served.filtered_logprobs is False  # registered: submit fails fast on it
+    with pytest.raises(UnsupportedRequestError, match=r"cannot serve logprobs of top-k/top-p/min-p .*renormalise"):
         engine.generate([request_of("completion_eos", rid="fine"), request])
     assert not server.bodies("/v1/completions")
     future = engine.submit([request])

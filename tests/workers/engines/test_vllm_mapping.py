@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from schemas.capabilities import missing, needs_of
 from schemas.request import RolloutRequest
+from schemas.worker_info import Capabilities
 from tests.workers.engines.fake_vllm import fixture, request_of
 from workers.engines.base import ContinuedRequest, Finish, SampleOutput
 from workers.engines.seeds import continuation_seed, sample_seed
@@ -18,6 +20,7 @@ from workers.engines.vllm_mapping import (
     CompletionCall,
     completion_calls,
     completion_payload,
+    logprob_capabilities,
     parse_completion,
     refusal,
 )
@@ -235,7 +238,7 @@ def test_answers_that_break_an_invariant_are_contract_violations() -> None:
         parse("completion_top_logprobs_text_keys", request_of("completion_top_logprobs_text_keys"))
 
 
-# -- which requests each logprobs mode serves exactly ----------------------------------------
+# -- which requests each logprobs mode serves exactly ------------------------------------------
 
 
 def asks(logprobs: int | None = 0, prompt_logprobs: int | None = None, **sampling: Any) -> RolloutRequest:
@@ -243,34 +246,44 @@ def asks(logprobs: int | None = 0, prompt_logprobs: int | None = None, **samplin
                                           "prompt_logprobs": prompt_logprobs, "sampling_params": sampling})
 
 
+def lacks(request: RolloutRequest, mode: str) -> list[str]:
+    """What a worker in front of a vLLM server in `mode` says it cannot serve of `request`."""
+    return missing(needs_of(request), Capabilities(max_top_logprobs=5, **logprob_capabilities(mode)))
+
+
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_greedy_and_temperature_1_are_served_in_either_logprobs_mode(mode: str) -> None:
-    assert refusal(asks(temperature=0.0), mode) is None
-    assert refusal(asks(temperature=0.0, top_k=5, prompt_logprobs=0), mode) is None
-    assert refusal(asks(logprobs=3, temperature=1.0), mode) is None
-    assert refusal(asks(logprobs=None, temperature=0.7, top_k=5), mode) is None  # no logprobs: anything goes
+    assert lacks(asks(temperature=0.0), mode) == []
+    assert lacks(asks(temperature=0.0, top_k=5, prompt_logprobs=0), mode) == []
+    assert lacks(asks(logprobs=3, temperature=1.0, prompt_logprobs=0), mode) == []
+    assert lacks(asks(logprobs=None, temperature=0.7, top_k=5), mode) == []  # no logprobs: anything goes
+    assert refusal(asks(temperature=0.7, top_k=5), mode) is None
 
 
-def test_a_raw_logprobs_server_refuses_what_its_logprobs_do_not_show() -> None:
-    assert "processed_logprobs" in (refusal(asks(temperature=0.7), "raw_logprobs") or "")
-    assert "before penalties" in (refusal(asks(temperature=1.0, frequency_penalty=0.5), "raw_logprobs") or "")
-    assert "min_new_tokens" in (refusal(asks(temperature=0.0, min_new_tokens=3), "raw_logprobs") or "")
+def test_a_raw_logprobs_server_lacks_what_its_logprobs_do_not_show() -> None:
+    assert lacks(asks(temperature=0.7), "raw_logprobs") == ["logprobs at a temperature other than 0 or 1"]
+    assert lacks(asks(temperature=1.0, frequency_penalty=0.5), "raw_logprobs") == [
+        "logprobs with frequency/presence penalties or min_new_tokens"]
+    assert lacks(asks(temperature=0.0, min_new_tokens=3), "raw_logprobs") == [
+        "logprobs with frequency/presence penalties or min_new_tokens"]
     # Raw logprobs are taken before top-k/top-p/min-p, as the contract's: served at temperature 1.
-    assert refusal(asks(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1), "raw_logprobs") is None
+    assert lacks(asks(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1), "raw_logprobs") == []
 
 
-def test_a_processed_logprobs_server_refuses_filtered_sampling_it_renormalises() -> None:
-    message = refusal(asks(temperature=0.7, top_k=5), "processed_logprobs") or ""
-    assert "top_k" in message and "renormalises" in message
-    assert "top_p" in (refusal(asks(temperature=1.0, top_p=0.9), "processed_logprobs") or "")
-    assert "min_p" in (refusal(asks(temperature=1.0, min_p=0.1), "processed_logprobs") or "")
-    assert refusal(asks(temperature=0.7, frequency_penalty=0.5, min_new_tokens=2), "processed_logprobs") is None
+def test_a_processed_logprobs_server_lacks_filtered_sampling_it_renormalises() -> None:
+    assert lacks(asks(temperature=0.7, top_k=5), "processed_logprobs") == [
+        "logprobs of top-k/top-p/min-p filtered sampling"]
+    assert lacks(asks(temperature=1.0, top_p=0.9), "processed_logprobs") != []
+    assert lacks(asks(temperature=1.0, min_p=0.1), "processed_logprobs") != []
+    assert lacks(asks(temperature=0.7, frequency_penalty=0.5, min_new_tokens=2), "processed_logprobs") == []
 
 
 def test_what_no_mode_serves_exactly_is_refused_everywhere() -> None:
     for mode in ("raw_logprobs", "processed_logprobs"):
-        assert "prompt" in (refusal(asks(logprobs=None, prompt_logprobs=0, temperature=0.7), mode) or "")
-        assert "repetition" in (refusal(asks(logprobs=None, repetition_penalty=1.1), mode) or "")
+        assert lacks(asks(logprobs=None, prompt_logprobs=0, temperature=0.7), mode) == [
+            "prompt logprobs at a temperature other than 0 or 1"]
+        assert lacks(asks(logprobs=None, repetition_penalty=1.1), mode) == [
+            "repetition_penalty (over generated tokens only, as SGLang)"]
         assert "greedily below" in (refusal(asks(logprobs=None, temperature=5e-6), mode) or "")
     for mode in ("raw_logits", "processed_logits"):
         assert "not logprobs" in (refusal(asks(temperature=0.0), mode) or "")
