@@ -149,6 +149,10 @@ class GenerateClient:
             self._client = httpx.AsyncClient(timeout=self._timeout, limits=limits, transport=self._transport)
         return self._client
 
+    def sent(self) -> set[str]:
+        """The request ids of the calls sent and not answered yet."""
+        return set(self._sent)
+
     @property
     def slots(self) -> asyncio.Semaphore:
         if self._slots is None:
@@ -218,11 +222,12 @@ class GenerateClient:
             f"last error: {last_error}"
         )
 
-    async def abort_sent(self, timeout_s: float = 10.0) -> Aborts:
-        """Abort every call sent and not answered yet, on the server it went to: only this
-        client's requests stop, not those of other workers sharing the servers. What each
-        server answered, per id."""
-        targets = [(url, self.wire.ids(call)) for url, call in self._sent.values()]
+    async def abort_sent(self, timeout_s: float = 10.0, *, only: set[str] | None = None) -> Aborts:
+        """Abort every call sent and not answered yet (or those of them whose request ids are in
+        `only`), on the server it went to: only this client's requests stop, not those of other
+        workers sharing the servers. What each server answered, per id."""
+        targets = [(url, self.wire.ids(call)) for rid, (url, call) in list(self._sent.items())
+                   if only is None or rid in only]
         self.aborted.extend(i for _, ids in targets for i in ids)
         answers = await asyncio.gather(*(self.wire.abort(url, ids, timeout_s) for url, ids in targets))
         return {i: per_server for per_call in answers for i, per_server in per_call.items()}

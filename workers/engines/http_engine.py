@@ -110,21 +110,31 @@ class HTTPEngine(EngineIdentity):
 
     # -- the interruptible interface (partial weight swaps) --------------------------------
 
+    # Seconds between aborts of the calls an interrupt stops: an abort that reached the server
+    # before the request did (still on its way in) finds nothing to stop, so it is sent again.
+    reabort_s = 1.0
+
     def interrupt(self) -> int:
         """Abort this worker's calls in flight; return once every call has answered (each with
         its partial output), with the number of samples that were in flight."""
         with self._in_flight_lock:
             stopped = self._in_flight
             self._interrupts += 1
-        if stopped:
-            answers = self._bridge.run(self._client.abort_sent())
+        if not stopped:
+            return stopped
+        targets = self._bridge.run(_sent_now(self._client))
+        while True:
+            answers = self._bridge.run(self._client.abort_sent(only=targets))
             failed = sorted({server for per_server in answers.values()
                              for server, answer in per_server.items() if not answered(answer)})
             if failed:
                 log.warning("aborts at a partial swap not answered by %s; their samples finish first", failed)
+                targets = set()
             with self._in_flight_lock:
-                self._in_flight_lock.wait_for(lambda: self._in_flight == 0)
-        return stopped
+                if self._in_flight_lock.wait_for(lambda: self._in_flight == 0,
+                                                 timeout=self.reabort_s if targets else None):
+                    return stopped
+            targets &= self._bridge.run(_sent_now(self._client))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
         """The text of `token_ids` with the model's tokenizer, if this worker can read it."""
@@ -154,3 +164,8 @@ class HTTPEngine(EngineIdentity):
         with contextlib.suppress(RuntimeError, AttributeError):
             self._bridge.run(self._client.aclose())
         self._bridge.close()
+
+
+async def _sent_now(client: GenerateClient) -> set[str]:
+    """The client's calls in flight, read on its loop."""
+    return client.sent()

@@ -315,3 +315,30 @@ def test_interrupt_aborts_this_workers_requests_by_id_and_keeps_their_tokens(ser
     [sent] = server.bodies("/v1/completions")
     assert server.bodies("/abort_requests") == [{"request_ids": [f"cmpl-{sent['request_id']}-0"]}]
     assert engine.client.aborted == [f"cmpl-{sent['request_id']}-0"]
+
+
+def test_an_abort_that_arrives_before_its_request_is_sent_again(server: FakeVLLM, engine: VLLMHTTPEngine) -> None:
+    aborted = asyncio.Event()
+    started = asyncio.Event()
+    loop = engine._bridge.loop
+    aborts: list[Any] = []
+
+    async def until_aborted(body: Any) -> httpx.Response:
+        loop.call_soon_threadsafe(started.set)
+        await aborted.wait()
+        return recorded("completion_aborted")
+
+    def abort(body: Any) -> httpx.Response:
+        aborts.append(body)
+        if len(aborts) == 2:  # the first found nothing to stop: the request was still on its way in
+            loop.call_soon_threadsafe(aborted.set)
+        return recorded("abort_requests_by_id")
+
+    server.completions = [until_aborted]
+    server.overrides[("POST", "/abort_requests")] = abort
+    engine.reabort_s = 0.05
+    future = engine.submit([request_of("completion_aborted")])
+    asyncio.run_coroutine_threadsafe(started.wait(), loop).result(timeout=10)
+    assert engine.interrupt() == 1
+    assert future.result(timeout=10)[0][0].finish.interrupted
+    assert len(aborts) == 2 and aborts[0] == aborts[1]
