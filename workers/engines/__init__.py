@@ -1,1 +1,1 @@
-"""Engine adapters behind one `Engine` protocol (`base`): hf, sglang, sglang-http, sim."""
+"""Engine adapters behind one `Engine` protocol (`base`): hf, sglang, sglang-http, vllm-http, sim."""

@@ -1,4 +1,4 @@
-"""The engine seam: what every adapter (hf, sglang, sglang-http, sim) takes and returns.
+"""The engine seam: what every adapter (hf, sglang, sglang-http, vllm-http, sim) takes and returns.
 
 An engine returns raw outputs in SGLang's terms (a finish with a `matched` int or string);
 `workers.contracts` turns them into rows, the same way for every engine.
