@@ -241,14 +241,21 @@ class VLLMHTTPEngine(HTTPEngine):
         flight finish, new ones wait), `reload_weights`, reset the prefix cache, tag, resume."""
         self._require_dev_mode("a weight reload")
         check_weights_dir(path)
-        self.pause_generation("wait")
+        done = False
         try:
+            self.pause_generation("wait")
             self._each("POST", "/collective_rpc",
                        {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             self.flush_cache()
             self._each("POST", "/update_weight_version", {"new_version": str(version)}, timeout_s=60)
+            done = True
         finally:
-            self.continue_generation()
+            try:
+                self.continue_generation()  # every server, paused by this call or not
+            except EngineUnavailableError as exc:
+                if done:
+                    raise
+                log.warning("after the failed reload, resuming failed too: %s", exc)
         self._weight_version = version
 
     def pause_generation(self, mode: str = "wait") -> None:

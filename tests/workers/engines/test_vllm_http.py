@@ -342,3 +342,21 @@ def test_an_abort_that_arrives_before_its_request_is_sent_again(server: FakeVLLM
     assert engine.interrupt() == 1
     assert future.result(timeout=10)[0][0].finish.interrupted
     assert len(aborts) == 2 and aborts[0] == aborts[1]
+
+
+def test_a_pause_that_fails_on_one_server_still_resumes_the_others(checkpoint: Path) -> None:
+    server = FakeVLLM()
+    engine = start(server, urls=(URL, B))
+    try:
+        def pause(body: Any) -> httpx.Response:
+            if server.sent[-1][0] == B:
+                raise httpx.ConnectError("refused")
+            return server._set_paused(True, "pause_wait")
+
+        server.overrides[("POST", "/pause")] = pause
+        with pytest.raises(EngineUnavailableError, match=f"POST /pause\\?mode=wait failed on {B}: cannot connect"):
+            engine.update_weights(str(checkpoint), 5)
+        assert (URL, "POST", "/resume", None) in server.sent and not server.paused
+        assert not server.bodies("/collective_rpc") and engine.weight_version == 0
+    finally:
+        engine.close()
