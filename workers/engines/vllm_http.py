@@ -31,6 +31,7 @@ answers each aborted completion with what it generated so far and `finish_reason
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -240,7 +241,7 @@ class VLLMHTTPEngine(HTTPEngine):
         """Reload the weights from `path` on every server and tag them `version`: pause (requests in
         flight finish, new ones wait), `reload_weights`, reset the prefix cache, tag, resume."""
         self._require_dev_mode("a weight reload")
-        check_weights_dir(path)
+        check_weights_dir(path, served=self._model_path)
         done = False
         try:
             self.pause_generation("wait")
@@ -290,11 +291,18 @@ class VLLMHTTPEngine(HTTPEngine):
         return self._bridge.run(self._client.backends.each("POST", "/abort_requests", {}, timeout_s=30))
 
 
-def check_weights_dir(path: str) -> None:
-    """Refuse a reload path vLLM could not load: vLLM 0.32 answers a `reload_weights` from a path it
-    cannot load with HTTP 500 and its engine dies (the server exits), so the worker checks first.
-    The path must be a directory holding the checkpoint (*.safetensors or *.bin), as the worker sees it
-    (the server must see it at the same path)."""
+def check_weights_dir(path: str, served: str | None = None) -> None:
+    """Refuse a reload vLLM 0.32 would get wrong, before the server sees it:
+
+    - a path it cannot load: it answers HTTP 500 and its engine dies (the server exits). The path
+      must be a directory holding the checkpoint (*.safetensors or *.bin), as the worker sees it
+      (the server must see it at the same path);
+    - a model whose embeddings are tied (`tie_word_embeddings: true` in the new checkpoint's
+      config.json, or in that of the model the server serves, `served`, when readable here): the
+      in-place reload skips the tied output projection (its log: "ParallelLMHead: Failed to load
+      weights"), so the server would serve the new body with the old lm_head, silently
+      (vllm/model_executor/model_loader/reload/inplace.py, layerwise.py).
+    """
     where = Path(path)
     if not where.is_dir():
         raise EngineUnavailableError(
@@ -306,6 +314,29 @@ def check_weights_dir(path: str) -> None:
             f"weights path {path!r} holds no *.safetensors or *.bin checkpoint files; vLLM's reload would fail "
             "and kill its engine"
         )
+    for directory in (where, Path(served) if served else None):
+        if directory is not None and _ties_embeddings(directory):
+            raise EngineUnavailableError(
+                f"{directory}/config.json ties the word embeddings (tie_word_embeddings: true): vLLM 0.32's in-place "
+                "reload skips a tied lm_head (ParallelLMHead: Failed to load weights) and would serve the new "
+                "weights with the old output projection; save the checkpoints untied (lm_head.weight written, "
+                "tie_word_embeddings: false) and start the server on an untied copy, or restart the server on "
+                "the new path"
+            )
+
+
+def _ties_embeddings(directory: Path) -> bool:
+    """`tie_word_embeddings: true` in the directory's config.json (or its text_config); False when
+    it says otherwise, says nothing, or is not readable here."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    text = config.get("text_config")
+    return config.get("tie_word_embeddings") is True or (isinstance(text, dict)
+                                                         and text.get("tie_word_embeddings") is True)
 
 
 def _config(info: dict[str, Any], key: str) -> Any:

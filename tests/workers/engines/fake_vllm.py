@@ -57,8 +57,11 @@ class FakeVLLM:
     """Routes -> recorded answers; what was sent, in order, as (url, method, path with query, body)."""
 
     def __init__(self, *, dev_mode: bool = True, logprobs_mode: str = "processed_logprobs",
-                 completions: list[str | Answer] | None = None) -> None:
+                 completions: list[str | Answer] | None = None, model_root: str | None = None) -> None:
+        """`model_root`: the model directory `/v1/models` names instead of the recorded one (which
+        may or may not exist on this machine; the engine reads its config.json when it can)."""
         self.dev_mode = dev_mode
+        self.model_root = model_root
         self.logprobs_mode = logprobs_mode
         self.completions: list[str | Answer] = list(completions or [])
         self.weight_version = "default"
@@ -95,7 +98,7 @@ class FakeVLLM:
         if (method, path) in self._DEV and not self.dev_mode:
             return lambda body: httpx.Response(404, json={"detail": "Not Found"})
         routes: dict[tuple[str, str], Answer] = {
-            ("GET", "/v1/models"): lambda body: recorded("v1_models"),
+            ("GET", "/v1/models"): lambda body: self._models(),
             ("GET", "/version"): lambda body: recorded("version"),
             ("GET", "/health"): lambda body: httpx.Response(200),
             ("GET", "/is_paused"): lambda body: httpx.Response(200, json={"is_paused": self.paused}),
@@ -111,6 +114,12 @@ class FakeVLLM:
             ("GET", "/workers"): lambda body: httpx.Response(404, json={"detail": "Not Found"}),
         }
         return routes.get((method, path), lambda body: httpx.Response(404, json={"detail": "Not Found"}))
+
+    def _models(self) -> httpx.Response:
+        models = fixture("v1_models")["response"]
+        if self.model_root is not None:
+            models["data"][0]["root"] = self.model_root
+        return httpx.Response(200, json=models)
 
     def _server_info(self) -> httpx.Response:
         info = copy.deepcopy(fixture("server_info_json")["response"])

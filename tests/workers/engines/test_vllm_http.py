@@ -6,6 +6,7 @@ tests/workers/test_vllm_*.py (the vllm test group)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,16 +23,28 @@ from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.001, max_backoff_s=0.002, down_cooldown_s=60.0)
 B = "http://vllm-b:8000"
-MODEL = fixture("v1_models")["response"]["data"][0]["root"]
 
 
 def start(server: FakeVLLM, urls: tuple[str, ...] = (URL,), **options: Any) -> VLLMHTTPEngine:
     return VLLMHTTPEngine(list(urls), retry=FAST, transport=server.transport(), **options)
 
 
+def model_dir(root: Path, *, tied: bool) -> Path:
+    """A model directory as the server and the worker see it: its config.json, its checkpoint."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": tied}))
+    (root / "model.safetensors").write_bytes(b"weights")
+    return root
+
+
 @pytest.fixture
-def server() -> FakeVLLM:
-    return FakeVLLM()
+def served(tmp_path: Path) -> Path:
+    return model_dir(tmp_path / "served", tied=False)
+
+
+@pytest.fixture
+def server(served: Path) -> FakeVLLM:
+    return FakeVLLM(model_root=str(served))
 
 
 @pytest.fixture
@@ -43,16 +56,15 @@ def engine(server: FakeVLLM) -> Iterator[VLLMHTTPEngine]:
 
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
-    (tmp_path / "model.safetensors").write_bytes(b"weights")
-    return tmp_path
+    return model_dir(tmp_path / "step-5", tied=False)
 
 
 # -- start-up ----------------------------------------------------------------------------------
 
 
-def test_start_reads_the_model_the_logprobs_mode_and_the_weight_version(server: FakeVLLM,
+def test_start_reads_the_model_the_logprobs_mode_and_the_weight_version(server: FakeVLLM, served: Path,
                                                                          engine: VLLMHTTPEngine) -> None:
-    assert engine.description.name == "vllm-http" and engine.description.model == MODEL
+    assert engine.description.name == "vllm-http" and engine.description.model == str(served)
     assert engine.description.capabilities.max_top_logprobs == 2
     assert not engine.description.capabilities.routed_experts
     assert engine.logprobs_mode == "processed_logprobs" and engine.dev_mode == {URL: True}
@@ -235,9 +247,24 @@ def test_a_path_vllm_cannot_load_is_refused_before_the_server_sees_it(server: Fa
     before = len(server.sent)
     with pytest.raises(EngineUnavailableError, match="not a directory"):
         engine.update_weights(str(tmp_path / "missing"), 5)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(EngineUnavailableError, match=r"no \*\.safetensors"):
-        engine.update_weights(str(tmp_path), 5)
+        engine.update_weights(str(tmp_path / "empty"), 5)
+    # vLLM 0.32's in-place reload skips a tied lm_head: the server would mix new and old weights.
+    with pytest.raises(EngineUnavailableError, match=r"ties the word embeddings.*untied"):
+        engine.update_weights(str(model_dir(tmp_path / "tied", tied=True)), 5)
     assert len(server.sent) == before and engine.weight_version == 4
+
+
+def test_a_reload_of_a_server_serving_tied_embeddings_is_refused(tmp_path: Path, checkpoint: Path) -> None:
+    server = FakeVLLM(model_root=str(model_dir(tmp_path / "tied-served", tied=True)))
+    engine = start(server)
+    try:
+        with pytest.raises(EngineUnavailableError, match=r"tied-served/config\.json ties the word embeddings"):
+            engine.update_weights(str(checkpoint), 5)
+        assert not server.bodies("/collective_rpc")
+    finally:
+        engine.close()
 
 
 def test_a_failed_reload_resumes_the_servers_and_keeps_the_version(server: FakeVLLM, engine: VLLMHTTPEngine,
@@ -344,8 +371,8 @@ def test_an_abort_that_arrives_before_its_request_is_sent_again(server: FakeVLLM
     assert len(aborts) == 2 and aborts[0] == aborts[1]
 
 
-def test_a_pause_that_fails_on_one_server_still_resumes_the_others(checkpoint: Path) -> None:
-    server = FakeVLLM()
+def test_a_pause_that_fails_on_one_server_still_resumes_the_others(checkpoint: Path, served: Path) -> None:
+    server = FakeVLLM(model_root=str(served))
     engine = start(server, urls=(URL, B))
     try:
         def pause(body: Any) -> httpx.Response:
