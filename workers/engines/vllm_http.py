@@ -113,7 +113,6 @@ class VLLMHTTPEngine(HTTPEngine):
             log.warning("vLLM servers serve different models: %s", roots)
         first = self.urls[0]
         self._model_path = roots[first]
-        self._served_name = str(cards[first].get("id"))
         paused = self._bridge.run(self._client.backends.each("GET", "/is_paused", timeout_s=30))
         self.dev_mode = {url: answered(answer) for url, answer in paused.items()}
         infos = self.server_info()
@@ -139,11 +138,14 @@ class VLLMHTTPEngine(HTTPEngine):
                 log.warning("vLLM servers report different weight versions: %s", versions)
             served = parse_weight_version(versions[first])
         self._weight_version = weight_version if served is None else served
+        if vocab_size is None:
+            vocab_size = _vocab_size(self._model_path)
         self._description = EngineDescription(
             name="vllm-http",
             model=model_name or self._model_path,
             capabilities=Capabilities(max_top_logprobs=max_top_logprobs, prompt_logprobs=True, routed_experts=False,
-                                      vocab_size=vocab_size, **logprob_capabilities(self.logprobs_mode)),
+                                      vocab_size=vocab_size,
+                                      **logprob_capabilities(self.logprobs_mode)),
             has_tokenizer=has_tokenizer,
         )
         log.info("vllm-http: %s serving %s (logprobs mode %s, development endpoints %s)", self.urls,
@@ -325,18 +327,29 @@ def check_weights_dir(path: str, served: str | None = None) -> None:
             )
 
 
-def _ties_embeddings(directory: Path) -> bool:
-    """`tie_word_embeddings: true` in the directory's config.json (or its text_config); False when
-    it says otherwise, says nothing, or is not readable here."""
+def _model_configs(directory: Path) -> list[dict[str, Any]]:
+    """The directory's config.json and its text_config, those readable here (none when not)."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return []
     if not isinstance(config, dict):
-        return False
+        return []
     text = config.get("text_config")
-    return config.get("tie_word_embeddings") is True or (isinstance(text, dict)
-                                                         and text.get("tie_word_embeddings") is True)
+    return [config, text] if isinstance(text, dict) else [config]
+
+
+def _ties_embeddings(directory: Path) -> bool:
+    """`tie_word_embeddings: true` in the directory's config.json (or its text_config); False when
+    it says otherwise, says nothing, or is not readable here."""
+    return any(config.get("tie_word_embeddings") is True for config in _model_configs(directory))
+
+
+def _vocab_size(directory: str) -> int | None:
+    """The served model's vocabulary size, when its config.json is readable here (else the server
+    alone refuses out-of-vocabulary ids, with HTTP 400)."""
+    sizes = [c["vocab_size"] for c in reversed(_model_configs(Path(directory))) if isinstance(c.get("vocab_size"), int)]
+    return sizes[0] if sizes else None
 
 
 def _config(info: dict[str, Any], key: str) -> Any:

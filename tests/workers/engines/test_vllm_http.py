@@ -32,7 +32,8 @@ def start(server: FakeVLLM, urls: tuple[str, ...] = (URL,), **options: Any) -> V
 def model_dir(root: Path, *, tied: bool) -> Path:
     """A model directory as the server and the worker see it: its config.json, its checkpoint."""
     root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": tied}))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": tied,
+                                                  "vocab_size": 49152}))
     (root / "model.safetensors").write_bytes(b"weights")
     return root
 
@@ -66,6 +67,7 @@ def test_start_reads_the_model_the_logprobs_mode_and_the_weight_version(server: 
                                                                          engine: VLLMHTTPEngine) -> None:
     assert engine.description.name == "vllm-http" and engine.description.model == str(served)
     assert engine.description.capabilities.max_top_logprobs == 2
+    assert engine.description.capabilities.vocab_size == 49152  # the served model's config.json, read here
     assert not engine.description.capabilities.routed_experts
     assert engine.logprobs_mode == "processed_logprobs" and engine.dev_mode == {URL: True}
     assert engine.weight_version == 4  # the server says "default": the worker's own version stands
