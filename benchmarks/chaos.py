@@ -21,7 +21,8 @@ and restarts the dead server (the sentinels make it a replica). At the end it pr
 counting rows in the committed shards (deduped by job id, as readers do) and, separately,
 every Parquet file under the run's directory, the raw commit-log entries (a job re-run after
 its commit appends a second one), the temporary shard files left behind, and how many jobs
-each killed worker held. Exit status 0 only for 0 missing, 0 duplicated.
+each killed worker held. Exit status 0 only for 0 missing, 0 duplicated, no failed job or weight
+push, and every live worker on the weight version of the pool's (durable) control state.
 The baseline is the same submit served without any kill, in the same process (`--baseline`).
 
     .venv/bin/python benchmarks/chaos.py [--requests 5000] [--workers 4] [--kills 8] [--restart-redis]
@@ -34,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -115,6 +117,7 @@ class Outcome:
     recovery_s: list[float] = dataclasses.field(default_factory=list)  # master kill -> first commit after it
     pushes: list[str] = dataclasses.field(default_factory=list)  # weight pushes a master kill interrupted
     weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # live workers' at the end
+    desired_version: int = 0  # the pool's weight version in the (durable) control state at the end
     status: dict[str, int] = dataclasses.field(default_factory=dict)  # `pipeline status`: queue and run totals
     followed: int = 0  # shards a follower started at the first submit received (with --kill-master)
     followed_distinct: int = 0  # of them, distinct jobs of the batches
@@ -122,7 +125,8 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.missing == 0 and self.duplicated == 0 and not self.failed_jobs and \
-            not any("failed" in push for push in self.pushes)
+            not any("failed" in push for push in self.pushes) and \
+            all(version == self.desired_version for version in self.weight_versions.values())
 
     def line(self) -> str:
         return (f"requested: {self.requested} samples  rows: {self.rows}  missing: {self.missing}  "
@@ -132,6 +136,8 @@ class Outcome:
                 f"temp files left: {self.temp_files}, jobs held by each victim: {self.in_flight_at_kills}, "
                 f"master kills: {self.master_kills}, seconds from each to the next commit: "
                 f"{[round(r, 2) for r in self.recovery_s]}, weight pushes during a master kill: {self.pushes}, "
+                f"workers' weight versions: {sorted(self.weight_versions.values())} (the pool's: "
+                f"{self.desired_version}), "
                 f"{self.seconds:.1f} s)")
 
 
@@ -201,6 +207,7 @@ def run(
         wanted = make_requests(requests, seed)
         output = f"file://{work / 'shards'}"
         later = wanted[len(wanted) // 2:] if group else []  # submitted right after the first master kill
+        total_jobs = math.ceil((len(wanted) - len(later)) / batch_size) + math.ceil(len(later) / batch_size)
         batches = [Batch(conn, submit_requests(conn, wanted[:len(wanted) - len(later)], run="chaos", output=output,
                                                batch_size=batch_size, retries=retries))]
         followed: list[str] = []  # job ids a trainer's follower received, through every failover
@@ -226,11 +233,14 @@ def run(
             all_submitted.set()
 
         def kill_the_master() -> None:
-            """SIGKILL the master once commits flow, submit what is left while it is down, time the recovery."""
+            """SIGKILL the master mid-run, submit what is left while it is down, time the recovery.
+
+            Kill i of N comes once i/(N+1) of all the jobs have committed, so each lands while jobs
+            run and some are still to come (the first before the later half is submitted)."""
             assert group is not None
             group.wait_ready(replicas=1, timeout=max(1.0, deadline - time.monotonic()))
-            commits = conn.xlen(keys.commit_log("chaos"))
-            while conn.xlen(keys.commit_log("chaos")) == commits and time.monotonic() < deadline:
+            goal = (len(recovery_s) + 1) * total_jobs // (kill_master + 1)
+            while conn.xlen(keys.commit_log("chaos")) < goal and time.monotonic() < deadline:
                 time.sleep(0.01)
             commits = conn.xlen(keys.commit_log("chaos"))
             push = None
@@ -324,23 +334,33 @@ def run(
             recovery_s=recovery_s,
             pushes=pushes,
             weight_versions={w.worker_id: w.weight_version for w in registry.live_workers(conn)},
+            desired_version=control.read_state(conn).weight_version,
             status={**{k: v for k, v in pool_status["queue"].items() if k != "name"},
                     **{k: pool_status["runs"]["chaos"][k] for k in ("shards", "rows")}},
             followed=len(followed),
             followed_distinct=len(set(followed) & {j for b in batches for j in b.job_ids}),
         )
-    finally:
+    finally:  # also on a timeout, an error or SIGTERM (`main`): nothing it started outlives it
         for process in processes:
             if process.is_alive():
                 os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
                 process.join()
-        with contextlib.suppress(redis.RedisError):
-            server.stop()
         if group:
             group.stop()
+        else:
+            with contextlib.suppress(redis.RedisError):
+                server.stop()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM/SIGHUP (a test's or a shell's timeout) end the run through its cleanup: every worker
+    process, the Redis server and the Sentinel group it started are stopped."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("size", nargs="?", type=int, default=None, help="number of requests (same as --requests)")
     parser.add_argument("--requests", type=int, default=5000)

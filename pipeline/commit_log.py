@@ -14,7 +14,7 @@ from typing import Self
 import redis
 
 from pipeline import keys
-from pipeline.replication import replicated
+from pipeline.replication import Proof, replicated, write_until_kept
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,22 @@ return entry
 
 def append(conn: redis.Redis, run: str, commit: Commit) -> bool:
     """Append the commit to the run's stream and update the run's totals, atomically; False (and
-    nothing appended) when the job was canceled (`pipeline.cancel`)."""
-    entry = conn.register_script(_APPEND)(
-        keys=[keys.commit_log(run), keys.run_jobs(run), keys.run_totals(run), keys.canceled(run)],
-        args=[commit.job_id, commit.batch_id, commit.url, commit.rows, commit.tokens, commit.weight_version],
-    )
-    if entry is None:
-        return False
-    replicated(conn, f"commit of job {commit.job_id} in run {run!r}")
-    return True
+    nothing appended) when the job was canceled (`pipeline.cancel`). Returns once a replica has it
+    (`pipeline.replication`); an append lost in a failover is made again on the new master."""
+    stream = keys.commit_log(run)
+
+    def write() -> bytes | None:
+        return conn.register_script(_APPEND)(
+            keys=[stream, keys.run_jobs(run), keys.run_totals(run), keys.canceled(run)],
+            args=[commit.job_id, commit.batch_id, commit.url, commit.rows, commit.tokens, commit.weight_version],
+        )
+
+    def confirm(entry: bytes | None) -> None:
+        if entry is not None:  # refused (canceled): nothing was written
+            replicated(conn, what, Proof(("XRANGE", stream, entry, entry)))
+
+    what = f"commit of job {commit.job_id} in run {run!r}"
+    return write_until_kept(write, confirm, what) is not None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import redis
 
 from pipeline import keys, registry
 from pipeline.errors import ControlAuthError, PipelineError, WeightPushError, WeightVersionError
-from pipeline.replication import replicated
+from pipeline.replication import Proof, replicated, write_until_kept
 from pipeline.security import check_weight_path, control_secret
 from schemas.control import (
     SWAP_MODES,
@@ -91,9 +91,21 @@ def _change(
     update: Callable[[DesiredState], DesiredState],
     also: Callable[[redis.client.Pipeline], None] | None = None,
 ) -> DesiredState:
-    """Apply `update` to the pool's state atomically (WATCH/MULTI), bump the generation, then wake
-    the pool's workers."""
+    """Apply `update` to the pool's state atomically (WATCH/MULTI), bump the generation, wait for a
+    replica to have it, then wake the pool's workers. A change lost in a failover is applied again
+    to the new master's state."""
     where = keys.pool(pool)
+    new = write_until_kept(lambda: _apply(conn, where, update, also), lambda state: _confirm(conn, where, state),
+                           f"control state change of pool {where.name!r}")
+    conn.publish(where.control_channel, str(new.generation))
+    return new
+
+
+def _apply(
+    conn: redis.Redis, where: keys.PoolKeys, update: Callable[[DesiredState], DesiredState],
+    also: Callable[[redis.client.Pipeline], None] | None,
+) -> DesiredState:
+    """One WATCH/MULTI round of `_change`: the state written."""
     with conn.pipeline() as pipe:
         while True:
             try:
@@ -115,12 +127,22 @@ def _change(
                 pipe.set(where.control_state, encode_state(new, where.name))
                 pipe.sadd(keys.POOLS, where.name)
                 pipe.execute()
-                break
+                return new
             except redis.WatchError:
                 continue
-    replicated(conn, f"control state generation {new.generation} of pool {where.name!r}")
-    conn.publish(where.control_channel, str(new.generation))
-    return new
+
+
+def _confirm(conn: redis.Redis, where: keys.PoolKeys, state: DesiredState) -> None:
+    """Wait for a replica to have the pool's state `state` (`WriteLostError`: the master has another)."""
+
+    def holds(raw: bytes | None) -> bool:
+        try:
+            return raw is not None and parse_state(raw, where.name) == state
+        except ControlAuthError:
+            return False
+
+    replicated(conn, f"control state generation {state.generation} of pool {where.name!r}",
+               Proof(("GET", where.control_state), holds))
 
 
 def _claimed_generation(raw: bytes | str | None) -> int:
@@ -242,7 +264,7 @@ def push_weights(
         state = _change(conn, where.name, update, also=lambda pipe: pipe.delete(where.weight_acks(version)))
     except _AlreadyApplied as applied:
         state = applied.state
-        replicated(conn, f"control state generation {state.generation} of pool {where.name!r}")
+        _confirm(conn, where, state)
         conn.publish(where.control_channel, str(state.generation))
     deadline = None if timeout is None else started + timeout
     while True:

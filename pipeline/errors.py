@@ -19,6 +19,8 @@
     ├── NoShardsError                  a run or URL has no shards; names what is there ("did you mean")
     ├── UnknownRunError                no job was ever submitted to a run of that name ("did you mean")
     ├── IncompleteBatchError           `Batch.read()` before every job ended (`partial=True` reads so far)
+    ├── WriteLostError                 a write is not on the master named after a failover (lost with the old one)
+    │   └── SubmitLostError            a submit's whole batch was lost that way: nothing of it will run
     └── workers.errors.WorkerError     raised in worker processes; the job fails with its message
         ├── UnsupportedRequestError    a job asks for something this worker cannot serve
         ├── ContractViolation          an engine's output breaks an invariant; never written
@@ -214,3 +216,29 @@ class UnknownRunError(PipelineError):
 
 class IncompleteBatchError(PipelineError):
     """`Batch.read()` while jobs are still queued or running; `read(partial=True)` reads what is committed."""
+
+
+class WriteLostError(PipelineError):
+    """A write the pipeline was about to report as done is not on the Redis master the sentinels name
+    now: the master that took it failed over (or was demoted) before any replica had it
+    (`pipeline.replication`). Callers write again where that is safe (commits, control changes,
+    acknowledgements)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"{what}: lost in a Redis failover (the master that took it is gone and the new master "
+                         "does not have it)")
+
+
+class SubmitLostError(WriteLostError):
+    """A submit's batch was enqueued on a Redis master that failed over before any replica had it, and
+    the new master has none of it: nothing of that batch will run, and submitting again duplicates
+    nothing. `submit_requests`, `submit_file` and `submit_dataset` do that themselves a few times."""
+
+    def __init__(self, batch_id: str, run: str) -> None:
+        self.batch_id = batch_id
+        self.run = run
+        WriteLostError.__init__(self, f"batch {batch_id} of run {run!r}")
+        self.args = (f"batch {batch_id} of run {run!r} was enqueued on a Redis master that failed over before any "
+                     "replica had it; the new master has none of it, so nothing of it will run: submit again "
+                     "(nothing is duplicated)",)

@@ -75,6 +75,12 @@ class PoolKeys:
         return f"{self._base}:runs"
 
     @property
+    def open_batches(self) -> str:
+        """The set of the pool's batch ids that may still have jobs to run (every submit adds its
+        batch; `workers.reconcile` drops it once every job has ended)."""
+        return f"{self._base}:batches:open"
+
+    @property
     def unservable(self) -> str:
         """A hash of job id → why no live worker of the pool can serve it, and since when (JSON)."""
         return f"{self._base}:unservable"

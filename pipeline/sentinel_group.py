@@ -23,6 +23,7 @@ from pipeline.errors import EmbeddedRedisError
 from pipeline.redis_server import RedisServer, _write_private, find_redis_server
 
 READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 5.0
 
 
 def _free_port() -> int:
@@ -31,6 +32,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class SentinelGroup:
@@ -170,17 +180,29 @@ class SentinelGroup:
         raise EmbeddedRedisError(f"no failover away from port {old_port} within {timeout}s")
 
     def restart(self, port: int) -> None:
-        """Start a killed server again on its data; the sentinels make it a replica of the current master."""
-        self.servers[port].ensure_started()
+        """Start a killed server again on its data, as a replica of the current master (as the
+        sentinels would reconfigure it; a server restarted as a master with stale data could take
+        writes until they noticed)."""
+        server = self.servers[port]
+        server.replica_of = self.master_port()
+        server.ensure_started()
 
     def stop(self) -> None:
-        for index in range(len(self.sentinel_ports)):
-            pidfile = self._sentinel_dir(index) / "sentinel.pid"
+        """SIGKILL every process of the group (sentinels and servers, whatever state they are in) and
+        wait until they are gone: nothing of a test's or benchmark's group outlives it."""
+        pidfiles = [self._sentinel_dir(index) / "sentinel.pid" for index in range(len(self.sentinel_ports))]
+        pidfiles += [server.directory / "redis.pid" for server in self.servers.values()]
+        pids = []
+        for pidfile in pidfiles:
             with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
-        for server in self.servers.values():
-            with contextlib.suppress(redis.RedisError, OSError):
-                server.client().shutdown(nosave=True)
+                pid = int(pidfile.read_text().strip())
+                # A killed server leaves its pidfile: only a process running in that directory is ours.
+                if Path(f"/proc/{pid}/cwd").resolve() == pidfile.parent.resolve():
+                    os.kill(pid, signal.SIGKILL)
+                    pids.append(pid)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def __enter__(self) -> SentinelGroup:
         self.start()

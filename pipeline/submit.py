@@ -3,6 +3,7 @@ and enqueue every job in one Redis transaction (all of a submit or none of it)."
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -22,10 +23,10 @@ from pipeline import keys, registry, reward_log, rewards
 from pipeline.capabilities import Placement
 from pipeline.dataset_input import ColumnMapping, RequestColumns, dataset_blocks
 from pipeline.dataset_source import open_memory, open_path
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, SubmitLostError, WriteLostError
 from pipeline.prompt_staging import PromptStager
 from pipeline.redis_server import state_dir
-from pipeline.replication import replicated
+from pipeline.replication import Proof, replicated
 from pipeline.request_file import ParsedRequest, iter_request_blocks
 from pipeline.security import check_output_url
 from schemas.capabilities import Needs
@@ -47,6 +48,8 @@ RESULT_TTL_S = 7 * 24 * 3600
 # Prompt ids stored beside their job (`pipeline:prompts:<job id>`) outlive any job that is still
 # queued or retried in this time; a worker that finds them gone fails the job saying so.
 PROMPTS_TTL_S = 30 * 24 * 3600
+LOST_SUBMIT_ATTEMPTS = 3  # submits lost in failovers in a row before `SubmitLostError` reaches the caller
+log = logging.getLogger(__name__)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -111,7 +114,7 @@ def submit_requests(
     """
     if not requests:
         raise PipelineError("nothing to submit: no requests")
-    return submit_blocks(conn, [requests], **options)
+    return _resubmitting(lambda run: submit_blocks(conn, [requests], **{**options, "run": run}), options.get("run"))
 
 
 def submit_file(
@@ -125,9 +128,12 @@ def submit_file(
     """Validate every line of a JSONL file and enqueue all of it, or nothing (`RequestFileError`
     listing every bad line). Jobs are packed and their prompt ids staged while the file is still
     being read, so a large file never sits in memory whole and Redis works alongside the parse."""
-    with open(path, "rb") as handle:
-        blocks = iter_request_blocks(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
-        return submit_blocks(conn, blocks, **options)
+    def submit(run: str) -> SubmitPlan:
+        with open(path, "rb") as handle:
+            blocks = iter_request_blocks(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
+            return submit_blocks(conn, blocks, **{**options, "run": run})
+
+    return _resubmitting(submit, options.get("run"))
 
 
 def submit_dataset(
@@ -143,9 +149,27 @@ def submit_dataset(
     `datasets.save_to_disk` directory; or a `pyarrow.Table`, `pandas.DataFrame`, `datasets.Dataset`)
     and enqueue all of it, or nothing (`DatasetError` naming rows and columns). Read and packed
     record batch by record batch, like a JSONL file line block by line block."""
-    opened = open_path(source) if isinstance(source, str | Path) else open_memory(source)
-    blocks = dataset_blocks(opened, mapping or ColumnMapping(), vocab_size=vocab_size, renderer=renderer)
-    return submit_blocks(conn, blocks, **options)
+    def submit(run: str) -> SubmitPlan:
+        opened = open_path(source) if isinstance(source, str | Path) else open_memory(source)
+        blocks = dataset_blocks(opened, mapping or ColumnMapping(), vocab_size=vocab_size, renderer=renderer)
+        return submit_blocks(conn, blocks, **{**options, "run": run})
+
+    return _resubmitting(submit, options.get("run"))
+
+
+def _resubmitting(submit: Callable[[str], SubmitPlan], run: str | None) -> SubmitPlan:
+    """`submit(run)`; again, into the same run, when its whole batch was lost in a Redis failover
+    (`SubmitLostError`: the new master has none of it, so nothing is duplicated)."""
+    run = run or new_run_name()
+    attempt = 1
+    while True:
+        try:
+            return submit(run)
+        except SubmitLostError as lost:
+            if attempt >= LOST_SUBMIT_ATTEMPTS:
+                raise
+            log.warning("%s; submitting it again (%d/%d)", lost, attempt, LOST_SUBMIT_ATTEMPTS)
+            attempt += 1
 
 
 def submit_blocks(
@@ -181,6 +205,10 @@ def submit_blocks(
 
     `groups=N` enqueues only the first N requests (`oversample=F`: the first ceil(N x F)) and records
     N on the batch for `Batch.take` (README "Group filters and over-sampling").
+
+    Returns once a replica has the batch (`pipeline.replication`). `SubmitLostError` when the master
+    that took it failed over before any replica had it and the new master has none of it (the
+    submit functions above then submit again, once the input can be read again).
     """
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be at least 1, not {batch_size}")
@@ -254,19 +282,27 @@ def submit_blocks(
             if reward is not None:
                 pipe.sadd(keys.REWARD_RUNS, run)
             pipe.sadd(keys.run_batches(run), jobs.batch_id)
+            pipe.sadd(where.open_batches, jobs.batch_id)
             pipe.sadd(where.runs, run)
             pipe.sadd(keys.POOLS, where.name)
             try:
                 pipe.execute()
             except redis.WatchError:
-                raise PipelineError("staged prompt ids changed in Redis before the jobs were enqueued; "
-                                    "nothing was enqueued, submit again") from None
+                # redis-py also says WatchError when the connection died under the EXEC, which may
+                # have gone through: the batch's record says whether it did.
+                if not conn.exists(keys.batch(jobs.batch_id)):
+                    raise PipelineError("staged prompt ids changed in Redis before the jobs were enqueued; "
+                                        "nothing was enqueued, submit again") from None
     except BaseException:
         stager.discard()
         raise
     finally:
         stager.close()
-    replicated(conn, f"batch {jobs.batch_id} of run {run!r} (its {len(jobs.job_ids)} jobs)")
+    try:
+        replicated(conn, f"batch {jobs.batch_id} of run {run!r} (its {len(jobs.job_ids)} jobs)",
+                   Proof(("EXISTS", keys.batch(jobs.batch_id))))
+    except WriteLostError:
+        raise SubmitLostError(jobs.batch_id, run) from None
     return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name, reward,
                       groups)
 

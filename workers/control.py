@@ -22,7 +22,7 @@ from rq.job import Job
 from pipeline import keys
 from pipeline.control import encode_ack
 from pipeline.errors import PolicyError
-from pipeline.replication import replicated
+from pipeline.replication import Proof, replicated, write_until_kept
 from pipeline.security import check_weight_path
 from schemas.control import SwapMode, WeightAck
 from workers.engines.base import Engine
@@ -119,13 +119,22 @@ def load_weights(engine: Engine, worker_id: str, path: str, version: int, mode: 
 
 
 def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, only_if_missing: bool = False) -> None:
-    """Acknowledge a push in `pool`'s acknowledgements of the version."""
+    """Acknowledge a push in `pool`'s acknowledgements of the version, once a replica has it (an ack
+    lost in a failover is written again on the new master)."""
     key = keys.pool(pool).weight_acks(ack.version)
-    if only_if_missing:
-        conn.hsetnx(key, ack.worker, encode_ack(ack, pool))
-    else:
-        conn.hset(key, ack.worker, encode_ack(ack, pool))
-    replicated(conn, f"acknowledgement of weights v{ack.version} by {ack.worker}")
+    encoded = encode_ack(ack, pool)
+
+    def holds(raw: bytes | None) -> bool:  # any ack of this worker counts when only a missing one was due
+        return raw is not None if only_if_missing else raw in (encoded, encoded.encode())
+
+    def write() -> None:
+        if only_if_missing:
+            conn.hsetnx(key, ack.worker, encoded)
+        else:
+            conn.hset(key, ack.worker, encoded)
+
+    what = f"acknowledgement of weights v{ack.version} by {ack.worker}"
+    write_until_kept(write, lambda _: replicated(conn, what, Proof(("HGET", key, ack.worker), holds)), what)
 
 
 def hand_back(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:

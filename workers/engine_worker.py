@@ -5,7 +5,9 @@
 RQ's forking worker would reload the engine per job, so this builds on `SimpleWorker`, which
 never refreshes its heartbeat while a job runs; a heartbeat thread does (`maintain_heartbeats`)
 and also keeps this worker's registry entry fresh, so a long batch is never declared
-abandoned and `pipeline status` always shows the worker.
+abandoned and `pipeline status` always shows the worker. It also puts each running job back in
+RQ's started registry should a Redis failover have lost its entry (`rq_seam.reassert_started`),
+so that a job a live worker holds is never taken for orphaned (`workers.reconcile`).
 
 The control channel (`workers.control`, DESIGN.md "Control channel"): a listener thread
 re-reads the desired state on every wake-up and loads pushed weights while no batch runs
@@ -179,9 +181,10 @@ class EngineWorker(SimpleWorker):
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
             self._publish()
-            for running in list(self._inflight.values()):
+            for job, execution in list(self._inflight.values()):
                 try:
-                    self.maintain_heartbeats(*running)
+                    self.maintain_heartbeats(job, execution)
+                    rq_seam.reassert_started(self.connection, job, execution, self.get_heartbeat_ttl(job))
                 except redis.RedisError as exc:
                     log.warning("job heartbeat failed: %s", exc)
 

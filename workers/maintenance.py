@@ -13,7 +13,9 @@ intermediate queue. Here:
   the next cleanup by that much, not 15 minutes);
 - jobs stuck in the intermediate queue are recovered after `stuck_after_s`;
 - retries RQ scheduled for later (jobs are submitted with backoff between attempts) are
-  enqueued once due, looked for every second: workers need no RQ scheduler process.
+  enqueued once due, looked for every second: workers need no RQ scheduler process;
+- jobs whose state a Redis failover orphaned (waiting or running, but held nowhere) are
+  requeued (`workers.reconcile`).
 
 So a dead worker's job runs again within about heartbeat TTL + maintenance interval.
 """
@@ -35,6 +37,7 @@ from rq.registry import clean_registries
 from rq.utils import now
 
 from workers import rq_seam
+from workers.reconcile import Reconciler
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class RegistryMaintenance:
     def __init__(
         self, connection: redis.Redis, queues: Sequence[Queue], *, interval_s: int,
         exception_handlers: list[Any], fail_job: Callable[[Job, Queue, str], None],
-        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S, reconcilers: Sequence[Reconciler] = (),
     ) -> None:
         self.connection = connection
         self.queues = queues
@@ -58,6 +61,7 @@ class RegistryMaintenance:
         self.exception_handlers = exception_handlers  # RQ's registry cleaning hands abandoned jobs to them
         self.fail_job = fail_job  # (job, queue, reason): the worker's failure path (retries, then failed)
         self.stuck_after_s = stuck_after_s
+        self.reconcilers = {r.queue.name: r for r in reconcilers}  # by queue name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -71,6 +75,9 @@ class RegistryMaintenance:
                 clean_registries(queue, self.exception_handlers)
                 worker_registration.clean_worker_registry(queue)
                 self._recover_intermediate(queue)
+                reconciler = self.reconcilers.get(queue.name)
+                if reconciler is not None and reconciler.due():
+                    reconciler.sweep()
             finally:
                 self.connection.delete(queue.registry_cleaning_key)
 

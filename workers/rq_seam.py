@@ -13,10 +13,12 @@ rely on), adjust, update the parameter lists and the pin.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from types import TracebackType
 from typing import Any
 
+from redis import Redis
 from redis.client import Pipeline
 from rq.executions import Execution
 from rq.job import Job
@@ -74,6 +76,25 @@ def finalize_failure(worker: BaseWorker, job: Job, queue: Queue, execution: Exec
 def enqueue(queue: Queue, job: Job, pipeline: Pipeline, *, at_front: bool) -> None:
     """Put an existing job (back) on `queue` (what RQ's own `Job.retry` and scheduler do)."""
     queue._enqueue_job(job, pipeline=pipeline, at_front=at_front)
+
+
+# KEYS: the job's hash, the queue's started registry. ARGV: the execution's `job id:execution id`,
+# its expiry (a timestamp), the worker's name. Only while the job is still started by that worker.
+_REASSERT_STARTED = """
+if redis.call('HGET', KEYS[1], 'status') == 'started' and redis.call('HGET', KEYS[1], 'worker_name') == ARGV[3] then
+  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+end
+"""
+
+
+def reassert_started(conn: Redis, job: Job, execution: Execution, ttl: int) -> None:
+    """Put a running execution back in its queue's started registry if a write lost in a Redis
+    failover took its entry out (RQ's own heartbeat only refreshes an entry that is there), so a
+    job a live worker runs is never taken for orphaned (`workers.reconcile`)."""
+    conn.register_script(_REASSERT_STARTED)(
+        keys=[job.key, job.started_job_registry.key],
+        args=[execution.composite_key, time.time() + ttl, execution.worker_name],
+    )
 
 
 def shutdown_requested_at(worker: BaseWorker) -> datetime | None:

@@ -1,7 +1,8 @@
 """The worker process `pipeline worker` runs: `EngineWorker` (engine, heartbeats, registry,
 control channel, feeding; `workers.engine_worker`) plus fault handling:
 
-- abandoned jobs of dead workers found within seconds (`workers.maintenance`);
+- abandoned jobs of dead workers found within seconds (`workers.maintenance`), and jobs a
+  Redis failover orphaned requeued (`workers.reconcile`);
 - SIGTERM: warm shutdown; a second SIGTERM aborts the job and hands it back (`workers.shutdown`);
 - an engine that fails makes the worker hand its job back, mark itself unhealthy and stop
   dequeuing until a health probe passes (`workers.health`).
@@ -37,6 +38,7 @@ from workers.errors import JobCanceledError, NotAllowedJobError, UnsupportedRequ
 from workers.handback import hand_back_started
 from workers.health import PROBE_MAX_S, EngineHealth
 from workers.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, RegistryMaintenance
+from workers.reconcile import Reconciler
 from workers.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class RolloutWorker(EngineWorker):
             conn, self.queues, interval_s=interval, stuck_after_s=stuck_after_s,
             exception_handlers=rq_seam.exception_handlers(self),
             fail_job=lambda job, queue, reason: self.handle_job_failure(job, queue, exc_string=reason),
+            reconcilers=[Reconciler(conn, queue, self.pool.name, grace_s=stuck_after_s, interval_s=interval)
+                         for queue in self.queues],
         )
         # RQ passes a failing job's exception to handle_exception, then (same thread) calls
         # handle_job_failure without it. Jobs fail on two threads (the work loop, and the
