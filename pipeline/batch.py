@@ -14,7 +14,7 @@ from rq.results import Result
 
 from pipeline import commit_log, keys
 from pipeline.cancel import CancelResult, cancel
-from pipeline.errors import IncompleteBatchError, JobsFailedError, WaitTimeoutError
+from pipeline.errors import IncompleteBatchError, JobsFailedError, SubmitLostError, WaitTimeoutError
 from pipeline.progress import Progress
 from pipeline.reader import read_rollouts
 from pipeline.status import failure_reason, stalled_hint
@@ -95,7 +95,9 @@ class Batch:
 
     def wait(self, timeout: float | None = None, *, progress: bool | None = None,
              poll_s: float = DEFAULT_RECHECK_S) -> BatchStatus:
-        """Block until every job finished or was canceled; raise `JobsFailedError` naming the failed ones.
+        """Block until every job finished or was canceled; raise `JobsFailedError` naming the failed ones,
+        `SubmitLostError` when the whole batch is gone from Redis (lost with a failed-over master
+        after its submit returned; submitting it again duplicates nothing).
 
         Blocks on Redis (`XREAD BLOCK`) rather than polling: on the run's commit log, which wakes
         it at every commit, and on RQ's result streams of the first `WATCHED_JOBS` unfinished
@@ -115,6 +117,9 @@ class Batch:
                 states = {**final, **self.job_states([j for j in self.job_ids if j not in final])}
                 final.update((j, s) for j, s in states.items() if s in TERMINAL)
                 status = BatchStatus(Counter(states.values()), len(states))
+                if status.counts["missing"] == status.total and not self.conn.exists(keys.batch(self.plan.batch_id)):
+                    # Enqueued with its record in one transaction: both gone means lost with a Redis master.
+                    raise SubmitLostError(self.plan.batch_id, self.run)
                 bar.update(status.done, sum(self._rows.values()), status.counts["failed"])
                 if status.complete:
                     break

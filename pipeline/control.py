@@ -145,6 +145,37 @@ def _confirm(conn: redis.Redis, where: keys.PoolKeys, state: DesiredState) -> No
                Proof(("GET", where.control_state), holds))
 
 
+def restore_state(conn: redis.Redis, raw: bytes | str, pool: str | None = None) -> bool:
+    """Write back `raw`, a stored state record a worker followed, where the stored one is older: a
+    Redis failover lost the newer one (workers never go back to an older generation, so Redis and
+    the workers would disagree until the next change). The record is the trainer's own, verified
+    by the worker (signed when a secret is set): nothing new is written. True when written back."""
+    where = keys.pool(pool)
+    state = parse_state(raw, where.name)
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(where.control_state)
+                stored = pipe.get(where.control_state)
+                try:
+                    generation = -1 if stored is None else parse_state(stored, where.name).generation
+                except ControlAuthError:
+                    generation = _claimed_generation(stored)
+                if generation >= state.generation:
+                    return False
+                pipe.multi()
+                pipe.set(where.control_state, raw)
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue
+    log.warning("control state of pool %s: generation %d written back over generation %d (lost in a Redis "
+                "failover?)", where.name, state.generation, generation)
+    _confirm(conn, where, state)
+    conn.publish(where.control_channel, str(state.generation))
+    return True
+
+
 def _claimed_generation(raw: bytes | str | None) -> int:
     """The generation a refused record claims, if any can be read (for continuity only)."""
     try:

@@ -7,9 +7,10 @@ calls `replicated(conn, what, proof)`, which waits with `WAIT` until enough repl
 everything written so far, and proves, in the same round trip, that the write is still on the
 server it waits on:
 
-- `PIPELINE_REDIS_WAIT_REPLICAS`: `auto` (default) waits for one replica when the master has any
-  connected (checked at most every `CHECK_EVERY_S` per client, and again after a wait that timed
-  out) and not at all when it has none; a number waits for that many; `0` turns the wait off.
+- `PIPELINE_REDIS_WAIT_REPLICAS`: `auto` (default) waits for every replica the master has
+  connected (counted at most every `CHECK_EVERY_S` per client, and again after a slice that timed
+  out), so that whichever the sentinels promote has the write, and not at all when it has none;
+  a number waits for that many; `0` turns the wait off.
 - `PIPELINE_REDIS_WAIT_TIMEOUT_MS` (default 10000): how long to wait in all, in slices of at most
   `SLICE_MS`. Each slice asks the master the sentinels name *now*, so a failover during the wait
   is noticed: when the write is not on the new master, `WriteLostError` is raised and the caller
@@ -81,7 +82,7 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
             connected = 0
         seen = (now, connected)
         _replicas_seen[pool] = seen
-    return 1 if seen[1] > 0 else 0
+    return seen[1]
 
 
 def timeout_ms() -> int:

@@ -42,6 +42,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline import control as pipeline_control
 from pipeline import keys, registry
+from pipeline.errors import WriteLostError
 from schemas.control import DesiredState, SwapMode, WeightAck
 from schemas.worker_info import WorkerInfo, WorkerState
 from workers import context, control, logs, routing, rq_seam
@@ -121,6 +122,7 @@ class EngineWorker(SimpleWorker):
         self._control_lock = threading.RLock()
         self._desired = DesiredState()
         self._refused_generation: int | None = None
+        self._followed: bytes | None = None  # the stored record of the state followed (as read)
         # What the engine serves (version, path; no path: as it started), and the last load tried
         # (target and generation: a failed load is retried at the next change of the state).
         self._loaded: tuple[int, str | None] = (engine.weight_version, None)
@@ -219,21 +221,25 @@ class EngineWorker(SimpleWorker):
         a load first drains every batch in flight, so weights only ever change between batches.
         """
         try:
-            state = pipeline_control.read_state(self.connection, self.pool.name)
+            raw = self.connection.get(self.pool.control_state)
+            state = pipeline_control.parse_state(raw, self.pool.name)
         except (redis.RedisError, pipeline_control.ControlAuthError) as exc:  # forged/unsigned: refused, logged
             log.warning("control state unreadable (%s); keeping %s", exc, self._desired)
             return self._desired
         with self._control_lock:
             if state.generation < self.info.control_generation:
-                # Older than one already followed: a replayed record (signed states can be copied)
-                # or Redis restored from an old snapshot. The next change starts past ours.
+                # Older than one already followed: a replayed record (signed states can be copied),
+                # Redis restored from an old snapshot, or a failover that lost the newer one. The
+                # record followed is written back (`restore_state`), so Redis and workers agree.
                 if state.generation != self._refused_generation:
                     self._refused_generation = state.generation
                     log.warning("control state of generation %d refused: generation %d was already applied "
-                                "(a replayed or restored record?); keeping %s",
-                                state.generation, self.info.control_generation, self._desired)
+                                "(a replayed or restored record, or one a Redis failover lost?); keeping %s and "
+                                "writing it back", state.generation, self.info.control_generation, self._desired)
+                    self._restore_followed()
                 return self._desired
             self._desired = state
+            self._followed = raw
             with self._lock:
                 self.info.control_generation = state.generation
             try:
@@ -252,6 +258,16 @@ class EngineWorker(SimpleWorker):
                 self.set_registry_state(self._resting_state())
         self._changed.set()
         return state
+
+    def _restore_followed(self) -> None:
+        """Write the state record this worker follows back to Redis, where an older one stands."""
+        if self._followed is None:
+            return
+        try:
+            pipeline_control.restore_state(self.connection, self._followed, self.pool.name)
+        except (redis.RedisError, WriteLostError) as exc:
+            log.warning("writing the control state back failed (%s); retried at the next read", exc)
+            self._refused_generation = None
 
     def _swap(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
         """Load pushed weights: partially (samples in flight continue on them) or after a drain."""

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import redis
+from rq.job import Job
 
 import pipeline
+from pipeline import keys
 from pipeline.batch import Batch
 from pipeline.submit import submit_requests
 from schemas.request import RolloutRequest
@@ -97,3 +99,16 @@ def test_a_wait_that_runs_out_says_the_pool_is_paused_or_has_no_worker(
         batch.wait(timeout=0.2, progress=False)
     with pytest.raises(pipeline.WaitTimeoutError, match=paused):
         list(client.follow("held", timeout=0.2))
+
+
+def test_wait_on_a_batch_a_failover_lost_raises_instead_of_waiting_forever(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The master that took a submit died after the submit returned, and the promoted replica never had
+    it: the batch's record and its jobs are gone together (one transaction). `wait` says so."""
+    plan = submit_requests(redis_client, [RolloutRequest(id="r0", input_ids=[1, 2])], run="lost",
+                           output=f"file://{tmp_path}/shards")
+    redis_client.delete(keys.batch(plan.batch_id), *(Job.key_for(job_id) for job_id in plan.job_ids))
+    with pytest.raises(pipeline.SubmitLostError, match=f"batch {plan.batch_id} of run 'lost' was enqueued on a "
+                       "Redis master that failed over"):
+        Batch(redis_client, plan).wait(timeout=30)

@@ -68,7 +68,7 @@ def test_acknowledged_writes_are_on_the_replica_when_they_return(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, master_and_replica: tuple[RedisServer, RedisServer],
 ) -> None:
     master, replica = master_and_replica
-    monkeypatch.delenv("PIPELINE_REDIS_WAIT_REPLICAS", raising=False)  # auto: one replica, as it has one
+    monkeypatch.delenv("PIPELINE_REDIS_WAIT_REPLICAS", raising=False)  # auto: every replica it has (one)
     conn, copy = connect_redis(master.url), replica.client()
     assert wanted_replicas(conn) == 1
     plan = submit_requests(conn, [RolloutRequest(id="r0", input_ids=[1, 2])], run="rep",
@@ -163,6 +163,25 @@ def test_a_commit_lost_with_its_master_is_appended_again_on_the_new_one(
     new = group.servers[replica].client()
     assert [(c.job_id, c.rows) for c in commit_log.read_all(new, "lost")] == [("job-0", 3)]
     assert commit_log.totals(new, "lost").shards == 1
+
+
+def test_a_control_change_lost_with_its_master_is_applied_again(
+    cut_off_replica: tuple[SentinelGroup, int, int],
+) -> None:
+    """A pause written on a master that dies before any replica has it is applied again to the new
+    master's state, past its generation: workers, which refuse older generations, follow it."""
+    group, old, replica = cut_off_replica
+    conn = connect_redis(group.url, reconnect_for_s=30)
+    before = control.read_state(conn)
+    states: list[control.DesiredState] = []
+    pausing = threading.Thread(target=lambda: states.append(control.pause(conn)))
+    pausing.start()
+    _kill_once(group, old, lambda master: control.read_state(master).paused)
+    pausing.join(timeout=60)
+    (state,) = states
+    assert group.wait_for_failover(old) == replica
+    durable = control.read_state(group.servers[replica].client())
+    assert durable == state and durable.paused and durable.generation > before.generation
 
 
 def test_a_submit_lost_with_its_master_is_submitted_again_into_the_same_run(

@@ -98,6 +98,7 @@ def test_a_replayed_older_signed_state_is_refused(
     client.push_weights("/ckpt/v1", version=1, timeout=5)
     copied = redis_client.get(keys.pool().control_state)  # a validly signed record, copied by whoever can read Redis
     client.push_weights("/ckpt/v2", version=2, timeout=5)
+    followed = redis_client.get(keys.pool().control_state)
     engine = FakeEngine()
     worker = RolloutWorker(redis_client, engine, control_poll_s=0.2)
     worker.sync_control()
@@ -105,6 +106,8 @@ def test_a_replayed_older_signed_state_is_refused(
     redis_client.set(keys.pool().control_state, copied)  # replayed: would roll the weights back to v1
     worker.sync_control()
     assert engine.updates == [("/ckpt/v2", 2)] and engine.weight_version == 2
+    # The worker writes the record it follows back (as after a failover that lost it): Redis and workers agree.
+    assert redis_client.get(keys.pool().control_state) == followed
     # Redis loses the state: the next change still goes past what the live worker followed.
     worker.set_registry_state("idle")
     redis_client.delete(keys.pool().control_state)
