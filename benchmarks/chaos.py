@@ -235,12 +235,13 @@ def run(
         def kill_the_master() -> None:
             """SIGKILL the master mid-run, submit what is left while it is down, time the recovery.
 
-            Kill i of N comes once i/(N+1) of all the jobs have committed, so each lands while jobs
-            run and some are still to come (the first before the later half is submitted)."""
+            Kill i of N comes once i/(N+1) of all the jobs have committed (distinct jobs: a re-run job
+            commits again), so each lands while jobs run and some are still to come (the first
+            before the later half is submitted)."""
             assert group is not None
             group.wait_ready(replicas=1, timeout=max(1.0, deadline - time.monotonic()))
             goal = (len(recovery_s) + 1) * total_jobs // (kill_master + 1)
-            while conn.xlen(keys.commit_log("chaos")) < goal and time.monotonic() < deadline:
+            while conn.hlen(keys.run_jobs("chaos")) < goal and time.monotonic() < deadline:
                 time.sleep(0.01)
             commits = conn.xlen(keys.commit_log("chaos"))
             push = None

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,3 +79,39 @@ def test_sigkilled_redis_masters_fail_over_under_sentinel_and_lose_and_duplicate
     # `pipeline status` on the last master: nothing queued, running or failed; one shard per job, every row.
     assert outcome["status"] == {"queued": 0, "retrying": 0, "started": 0, "failed": 0,
                                  "shards": outcome["jobs"], "rows": 1440}, outcome["status"]
+
+
+def _processes_under(directory: Path) -> list[int]:
+    """Live processes whose working directory lies under `directory` (Redis servers run in their data dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            if (proc / "cwd").resolve().is_relative_to(directory):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_chaos_run_stopped_by_sigterm_leaves_no_redis_process(tmp_path: Path) -> None:
+    """A test's or a shell's timeout SIGTERMs the script mid-run: its cleanup still stops the Sentinel
+    group (every server and sentinel) and its workers."""
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--directory", str(tmp_path), "--engine", "sim",
+         "--requests", "100000", "--workers", "1", "--kills", "0", "--kill-master", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        # Mid-run: the group up (3 servers, 3 sentinels), the worker committing shards.
+        wait_until(lambda: any((tmp_path / "shards" / "chaos").glob("*.parquet")), timeout=120, what="a shard")
+        assert len(_processes_under(tmp_path)) == 6
+        process.terminate()
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    assert _processes_under(tmp_path) == []
