@@ -37,7 +37,7 @@ from rq.registry import clean_registries
 from rq.utils import now
 
 from workers import rq_seam
-from workers.reconcile import Reconciler
+from workers.reconcile import ENDED, Reconciler
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,8 @@ class RegistryMaintenance:
                 jobs = Job.fetch_many(job_ids, connection=self.connection, serializer=queue.serializer)
                 with self.connection.pipeline() as pipe:
                     for job_id, job in zip(job_ids, jobs, strict=True):
-                        if job is not None:
+                        # A job that ended meanwhile (see `workers.reconcile`) is not run again.
+                        if job is not None and job.get_status(refresh=False) not in ENDED:
                             rq_seam.enqueue(queue, job, pipe, at_front=False)
                         registry.remove(job_id, pipeline=pipe)
                     pipe.execute()

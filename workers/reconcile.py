@@ -11,7 +11,9 @@ a worker or the maintenance would ever take it from: not in its queue, not in th
 queue, not in the started registry (under any execution, live or expired), not in the scheduled
 or deferred registry. Nothing would ever run or end it, and its batch would wait forever. A job
 `finished` without its commit in the run's commit log (a commit lost while the end survived) is
-orphaned the same way: its rows would be missing.
+orphaned the same way: its rows would be missing. And a retry still scheduled for a job that has
+ended (RQ took it for abandoned, its started-registry entry having outlived a lost end, while its
+worker ran it to the end) is dropped rather than run again.
 
 Each sweep looks at the jobs of the pool's open batches (`pipeline.keys.PoolKeys.open_batches`:
 every submit adds its batch; a sweep drops a batch once all its jobs have ended, committed, over
@@ -68,6 +70,13 @@ return 1
 """
 
 
+# KEYS: the job's hash, the scheduled registry. ARGV: the job id, the (ended) status the sweep saw.
+_DROP_ENDED_RETRY = """
+if redis.call('HGET', KEYS[1], 'status') ~= ARGV[2] then return 0 end
+return redis.call('ZREM', KEYS[2], ARGV[1])
+"""
+
+
 @dataclass
 class _Seen:
     """What a sweep saw of one job (or batch) first, and when."""
@@ -86,6 +95,7 @@ class Reconciler:
         self.grace_s = grace_s
         self.interval_s = interval_s
         self._script = conn.register_script(_REQUEUE_ORPHAN)
+        self._drop_ended_retry = conn.register_script(_DROP_ENDED_RETRY)
         self._replid: str | None = None
         self._frequent_until = 0.0
         self._next_sweep = 0.0
@@ -118,7 +128,7 @@ class Reconciler:
         open_batches = sorted(m.decode() for m in self.conn.smembers(self.pool.open_batches))
         batches = self._batches(open_batches)
         statuses = self._statuses(batches)
-        held = self._held()
+        held, scheduled = self._held()
         requeued: list[str] = []
         orphans: dict[str, _Seen] = {}
         for batch_id, (run, job_ids) in batches.items():
@@ -126,6 +136,8 @@ class Reconciler:
             for job_id in job_ids:
                 status, committed = statuses[job_id]
                 if status in ENDED and (status != "finished" or committed):
+                    if job_id in scheduled:
+                        self._drop_retry(job_id, status)
                     continue
                 if status is None:  # the job's record expired (results are kept for days): nothing to run
                     continue
@@ -179,8 +191,9 @@ class Reconciler:
                 statuses[job_id] = (status.decode() if status else None, commit is not None)
         return statuses
 
-    def _held(self) -> set[str]:
-        """Every job id in the queue, the intermediate queue or a registry, read in one transaction."""
+    def _held(self) -> tuple[set[str], set[str]]:
+        """Every job id in the queue, the intermediate queue or a registry, read in one transaction;
+        and those of the scheduled registry (retries waiting out their backoff)."""
         queue = self.queue
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.lrange(queue.key, 0, -1)
@@ -191,7 +204,15 @@ class Reconciler:
             queued, intermediate, started, scheduled, deferred = pipe.execute()
         held = {m.decode() for m in (*queued, *intermediate, *scheduled, *deferred)}
         held.update(m.decode().split(":", 1)[0] for m in started)  # `job id:execution id`
-        return held
+        return held, {m.decode() for m in scheduled}
+
+    def _drop_retry(self, job_id: str, status: str) -> None:
+        """A retry scheduled for a job that has ended since: a failover's lost writes made RQ take the
+        job for abandoned while its worker still ran it to the end. Dropped, not run again."""
+        if self._drop_ended_retry(keys=[Job.key_for(job_id), self.queue.scheduled_job_registry.key],
+                                  args=[job_id, status]):
+            log.warning("job %s is %s, but a retry of it was scheduled (a Redis failover made it look "
+                        "abandoned?); the retry is dropped", job_id, status)
 
     def _requeue(self, job_id: str, run: str, status: str) -> bool:
         queue = self.queue

@@ -53,3 +53,10 @@ def test_a_worker_enqueuing_retries_keeps_the_others_out(queue: Queue) -> None:
 
 def test_no_scheduled_retry_means_nothing_to_wait_for(queue: Queue) -> None:
     assert maintenance(queue).next_retry_in() is None
+
+
+def test_a_due_retry_of_a_job_that_ended_meanwhile_is_not_run_again(queue: Queue) -> None:
+    job = queue.enqueue_in(timedelta(seconds=-1), FUNCTION, {"n": 1})
+    job.set_status("finished")  # its worker ran it to the end after RQ took it for abandoned
+    maintenance(queue).enqueue_due_retries()
+    assert queue.count == 0 and queue.scheduled_job_registry.get_job_ids() == []

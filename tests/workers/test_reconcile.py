@@ -128,3 +128,18 @@ def test_a_worker_runs_an_orphaned_job_to_the_end(
     batch.wait(timeout=60)
     rows = batch.read(columns=["request_id"]).column("request_id").to_pylist()
     assert sorted(rows) == ["r0", "r1", "r2"]
+
+
+def test_a_retry_scheduled_for_a_job_that_ended_since_is_dropped(redis_client: redis.Redis, tmp_path: Path) -> None:
+    """RQ took the job for abandoned (its started entry outlived a lost end) and scheduled a retry,
+    while its worker ran it to the end: the retry is dropped, not run a second time."""
+    batch = _submit(redis_client, tmp_path, 2)
+    ended, waiting = batch.job_ids
+    queue = rollout_queue(redis_client)
+    for job_id in batch.job_ids:
+        redis_client.lrem(queue.key, 0, job_id)
+        redis_client.zadd(queue.scheduled_job_registry.key, {job_id: time.time() + 60})
+    redis_client.hset(Job.key_for(waiting), "status", "scheduled")
+    redis_client.hset(Job.key_for(ended), "status", "failed")
+    assert _reconciler(redis_client).sweep() == []
+    assert [m.decode() for m in redis_client.zrange(queue.scheduled_job_registry.key, 0, -1)] == [waiting]
