@@ -7,14 +7,13 @@ feeding several jobs at once, a step every `--step-seconds`), submits `--request
 then every `--kill-every` seconds SIGKILLs a worker mid-batch (with `sim`, the one holding the
 most jobs in flight) and starts a replacement; with `--restart-redis` it also shuts Redis down
 once mid-run and starts it again on the same data. With `--kill-master N` Redis is instead a
-Sentinel group (a master, a replica, three sentinels: `pipeline.sentinel_group`) that everyone
+Sentinel group (a master, two replicas, three sentinels: `pipeline.sentinel_group`) that everyone
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
-jobs run (the first time with half of the requests still to submit, which the submitter then
-sends while the master is down; with `--push-during-kill` the second time in the middle of a weight
-push),
-prints the seconds from the kill to the first commit after it, counts the shards a follower
-(started at the first submit) received,
-and restarts the dead server (the sentinels make it a replica). At the end it prints
+jobs run (the requests go in N + 1 parts: the first at the start, each other right after a kill,
+while the master is down; with `--push-during-kill` the second kill lands in the middle of a weight
+push), prints the seconds from the kill to the first commit after it, counts the shards a follower
+(started at the first submit) received, and restarts the dead server as a replica. At the end it
+prints
 
     requested: N samples  rows: R  missing: M  duplicated: D  (... seconds)
 
@@ -35,7 +34,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -206,18 +204,20 @@ def run(
         conn = connect_redis(url)
         wanted = make_requests(requests, seed)
         output = f"file://{work / 'shards'}"
-        later = wanted[len(wanted) // 2:] if group else []  # submitted right after the first master kill
-        total_jobs = math.ceil((len(wanted) - len(later)) / batch_size) + math.ceil(len(later) / batch_size)
-        batches = [Batch(conn, submit_requests(conn, wanted[:len(wanted) - len(later)], run="chaos", output=output,
-                                               batch_size=batch_size, retries=retries))]
+        # With --kill-master N: N + 1 parts, the first submitted now, each other right after a kill
+        # (while the master is down), so every kill is followed by jobs still to run.
+        parts = [wanted[i * len(wanted) // (kill_master + 1):(i + 1) * len(wanted) // (kill_master + 1)]
+                 for i in range(kill_master + 1)] if group else [wanted]
+        batches = [Batch(conn, submit_requests(conn, parts[0], run="chaos", output=output, batch_size=batch_size,
+                                               retries=retries))]
         followed: list[str] = []  # job ids a trainer's follower received, through every failover
         follower = None
-        all_submitted = threading.Event()  # the later half is submitted during the first master kill
+        all_submitted = threading.Event()  # the last part is submitted (after the last master kill)
 
         def follow_the_run() -> None:
             """A trainer's follower: a Follower ends once every batch submitted so far has ended, so one
-            started before the later half is submitted iterates again (same cursor, same seen jobs)
-            until that half is in."""
+            started before the last part is submitted iterates again (same cursor, same seen jobs)
+            until that part is in."""
             trainer = Follower(connect_redis(url), "chaos", raise_on_failure=False)
             while True:
                 submitted = all_submitted.is_set()
@@ -233,14 +233,13 @@ def run(
             all_submitted.set()
 
         def kill_the_master() -> None:
-            """SIGKILL the master mid-run, submit what is left while it is down, time the recovery.
+            """SIGKILL the master mid-run, submit the next part while it is down, time the recovery.
 
-            Kill i of N comes once i/(N+1) of all the jobs have committed (distinct jobs: a re-run job
-            commits again), so each lands while jobs run and some are still to come (the first
-            before the later half is submitted)."""
+            The kill comes once half of the jobs of the last part submitted have committed (distinct
+            jobs: a re-run job commits again), so it lands while jobs run."""
             assert group is not None
             group.wait_ready(replicas=1, timeout=max(1.0, deadline - time.monotonic()))
-            goal = (len(recovery_s) + 1) * total_jobs // (kill_master + 1)
+            goal = sum(len(b.job_ids) for b in batches) - len(batches[-1].job_ids) // 2
             while conn.hlen(keys.run_jobs("chaos")) < goal and time.monotonic() < deadline:
                 time.sleep(0.01)
             commits = conn.xlen(keys.commit_log("chaos"))
@@ -250,9 +249,9 @@ def run(
                 push.start()
             dead = group.kill_master()
             killed_at = time.monotonic()
-            if later and len(recovery_s) == 0:
-                batches.append(Batch(conn, submit_requests(conn, later, run="chaos", output=output,
-                                                           batch_size=batch_size, retries=retries)))
+            batches.append(Batch(conn, submit_requests(conn, parts[len(batches)], run="chaos", output=output,
+                                                       batch_size=batch_size, retries=retries)))
+            if len(batches) == len(parts):
                 all_submitted.set()
             while conn.xlen(keys.commit_log("chaos")) <= commits:
                 if time.monotonic() > deadline:

@@ -63,8 +63,8 @@ def test_kills_of_workers_holding_several_jobs_lose_and_duplicate_nothing(tmp_pa
 
 def test_sigkilled_redis_masters_fail_over_under_sentinel_and_lose_and_duplicate_nothing(tmp_path: Path) -> None:
     """A master, two replicas and three sentinels; everyone reaches Redis through a `redis+sentinel://`
-    URL. The master is SIGKILLed three times while sim workers run jobs (once while half of the
-    requests are still to be submitted, once in the middle of a weight push): workers and the
+    URL. The master is SIGKILLed three times while sim workers run jobs (each time with a part of the
+    requests submitted while it is down, once in the middle of a weight push): workers and the
     submitter follow each failover without a restart, every request still has exactly one row, a
     follower received every shard once, `pipeline status` adds up and every worker serves the
     pushed weights."""
