@@ -7,8 +7,8 @@ calls `replicated(conn, what, proof)`, which waits with `WAIT` until enough repl
 everything written so far, and proves, in the same round trip, that the write is still on the
 server it waits on:
 
-- `PIPELINE_REDIS_WAIT_REPLICAS`: `auto` (default) waits for every replica the master has
-  connected (counted at most every `CHECK_EVERY_S` per client, and again after a slice that timed
+- `PIPELINE_REDIS_WAIT_REPLICAS`: `auto` (default) waits for every replica the master has online
+  (in sync; counted at most every `CHECK_EVERY_S` per client, and again after a slice that timed
   out), so that whichever the sentinels promote has the write, and not at all when it has none;
   a number waits for that many; `0` turns the wait off.
 - `PIPELINE_REDIS_WAIT_TIMEOUT_MS` (default 10000): how long to wait in all, in slices of at most
@@ -77,9 +77,12 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
     seen = _replicas_seen.get(pool)
     if fresh or seen is None or now - seen[0] > CHECK_EVERY_S:
         try:
-            connected = int(conn.info("replication").get("connected_slaves", 0))
+            info = conn.info("replication")
         except redis.ResponseError:  # a server without INFO (fakeredis): no replicas to wait for
-            connected = 0
+            info = {}
+        # Replicas in sync (a replica still loading a full copy acknowledges nothing until it is done).
+        connected = sum(1 for key, value in info.items()
+                        if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
         seen = (now, connected)
         _replicas_seen[pool] = seen
     return seen[1]
