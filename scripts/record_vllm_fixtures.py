@@ -9,9 +9,10 @@ started (version, flags, model). Regenerate only on purpose (after a vLLM upgrad
     .venv/bin/python scripts/record_vllm_fixtures.py --url http://127.0.0.1:8000   # a server already up
 
 A server you start yourself needs the flags of `tests.vllm_server` (`VLLM_SERVER_DEV_MODE=1`,
-`--logprobs-mode processed_logprobs`) and the demo model (`workers.demo_model.ensure_demo_model()`).
-The weight-reload cases load the demo's perturbed copy and then the original again, so the
-server ends where it started.
+`--logprobs-mode processed_logprobs`) and the demo model's untied copy
+(`tests.vllm_server.untied_copy(workers.demo_model.ensure_demo_model())`: vLLM 0.32 cannot
+reload a tied output projection in place). The weight-reload cases load the (untied) perturbed
+copy and then the original again, so the server ends where it started.
 """
 
 from __future__ import annotations
@@ -130,8 +131,10 @@ def main() -> None:
     args = parser.parse_args()
     from workers.demo_model import ensure_demo_model, ensure_perturbed_copy
 
-    model_dir = ensure_demo_model()
-    perturbed = ensure_perturbed_copy(model_dir)
+    from tests.vllm_server import untied_copy
+
+    model_dir = untied_copy(ensure_demo_model())
+    perturbed = untied_copy(ensure_perturbed_copy(ensure_demo_model()))
     server = None
     if args.url:
         url = args.url

