@@ -129,9 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server (started with tests.vllm_server's flags)")
     args = parser.parse_args()
-    from workers.demo_model import ensure_demo_model, ensure_perturbed_copy
-
     from tests.vllm_server import untied_copy
+    from workers.demo_model import ensure_demo_model, ensure_perturbed_copy
 
     model_dir = untied_copy(ensure_demo_model())
     perturbed = untied_copy(ensure_perturbed_copy(ensure_demo_model()))

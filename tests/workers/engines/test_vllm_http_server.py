@@ -5,7 +5,7 @@ The reference is the project's own: the hf engine on the same lines (greedy rows
 rows token for token) and `pipeline.verify` (every stored logprob recomputed, teacher-forced, by
 the hf model under the row's sampling contract). Both run float32 on the CPU, but vLLM's CPU
 kernels (its attention, fused ops, another matmul order) are not transformers': measured on this
-machine the largest difference of a logprob is about 1e-4; `LOGPROB_TOLERANCE` leaves a margin
+machine the largest difference of a logprob is about 4e-5; `LOGPROB_TOLERANCE` leaves a margin
 for other CPUs.
 
 One server serves the whole session (`vllm_server`); a test that changes its weights puts the
@@ -22,15 +22,14 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from workers.engines.vllm_http import VLLMHTTPEngine
 
 import pipeline
 from pipeline import registry
 from tests.conftest import PIPELINE
 from tests.helpers import drive_worker, wait_until
 from tests.vllm_server import VLLMServer
-from workers.demo import QUESTIONS
 from workers.engines.hf import HFEngine
+from workers.engines.vllm_http import VLLMHTTPEngine
 from workers.worker import RolloutWorker
 
 pytestmark = pytest.mark.vllm
@@ -39,16 +38,6 @@ LOGPROB_TOLERANCE = 2e-3
 TOP = 2  # top logprobs asked for (workers started with --max-top-logprobs 2)
 # "What is the capital of France?" greedy: The capital of France is Paris . <|im_end|>
 THE, CAPITAL, OF, FRANCE, IS, PARIS, DOT, EOS = 504, 3575, 282, 4649, 314, 7042, 30, 2
-
-
-@pytest.fixture(scope="module")
-def prompts(demo_model_dir: Path) -> list[list[int]]:
-    """The demo's questions with the demo model's chat template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               return_dict=False)) for q in QUESTIONS]
 
 
 def greedy(prompt: list[int], id: str, **params: Any) -> dict[str, Any]:
@@ -92,10 +81,10 @@ def assert_same_rows(got: dict[str, dict], want: dict[str, dict]) -> None:
 
 
 def test_greedy_rows_equal_the_hf_engines_token_for_token(
-    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, prompts: list[list[int]],
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    lines = [greedy(prompt, f"q{i}") for i, prompt in enumerate(prompts)]
+    lines = [greedy(prompt, f"q{i}") for i, prompt in enumerate(demo_prompts)]
     lines[0]["prompt_logprobs"] = 0
     got = run(redis_client, vllm(vllm_server), lines, "vllm-greedy", tmp_path)
     want = run(redis_client, HFEngine(demo_model_dir, max_top_logprobs=TOP), lines, "hf-greedy", tmp_path)
@@ -109,10 +98,10 @@ def test_greedy_rows_equal_the_hf_engines_token_for_token(
 
 
 def test_the_stop_contract_on_rows_through_the_whole_loop(
-    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, prompts: list[list[int]],
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    france = prompts[0]
+    france = demo_prompts[0]
     lines = [
         greedy(france, "eos"),
         greedy(france, "str", stop=[" Paris"]),
@@ -140,13 +129,13 @@ def test_the_stop_contract_on_rows_through_the_whole_loop(
 
 
 def test_sampled_rows_n_gt_1_with_seeds_and_their_logprobs(
-    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, prompts: list[list[int]],
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
     """Sampling follows vLLM's generator (not hf's), so the check is per row: seeds reproduce,
     samples of a request differ, and every stored logprob is the contract's (`pipeline.verify`
     recomputes it with the hf model at the row's temperature)."""
-    lines = [{"id": f"s{i}", "input_ids": prompts[i],
+    lines = [{"id": f"s{i}", "input_ids": demo_prompts[i],
               "sampling_params": {"max_new_tokens": 16, "temperature": t, "n": 3, "seed": 11 + i},
               "logprobs": 0} for i, t in enumerate((1.0, 0.7))]
     first = run(redis_client, vllm(vllm_server), lines, "vllm-sampled", tmp_path / "a")
@@ -158,31 +147,42 @@ def test_sampled_rows_n_gt_1_with_seeds_and_their_logprobs(
         samples = {tuple(first[f"s{i}:{k}"]["completion_token_ids"]) for k in range(3)}
         assert len(samples) > 1, f"s{i}: the samples of one seeded request are all the same"
         assert {first[f"s{i}:{k}"]["finish_reason"] for k in range(3)} <= {"stop", "length"}
-    report = pipeline.verify(str(tmp_path / "a"), str(demo_model_dir))
-    assert report.tokens == sum(len(r["completion_token_ids"]) for r in first.values())
+    assert_verified(tmp_path / "a", demo_model_dir, first)
+
+
+def assert_verified(shards: Path, model_dir: Path, rows: dict[str, dict]) -> None:
+    """Every stored logprob of `rows` (in `shards`) is the contract's: `pipeline.verify` recomputes
+    each, teacher-forced, with the hf model at the row's temperature."""
+    report = pipeline.verify(str(shards), str(model_dir))
+    assert report.tokens == sum(len(r["completion_token_ids"]) for r in rows.values())
     assert report.max_abs_diff <= LOGPROB_TOLERANCE, report.worst.to_pylist()[:3]
 
 
+def refusal(server: VLLMServer, conn: redis.Redis, line: dict, out: Path) -> str:
+    """Submit `line` with no other worker around and run a burst worker on `server`: the job's
+    failure (set PIPELINE_UNSERVABLE_WAIT_S=0 first). Asserts no shard was written."""
+    batch = pipeline.Client(conn).submit([line], run=f"refused-{line['id']}", output=f"file://{out}")
+    engine = VLLMHTTPEngine([server.url])
+    try:
+        RolloutWorker(conn, engine).work(burst=True, with_scheduler=False, logging_level="CRITICAL")
+    finally:
+        engine.close()
+    assert not list(out.rglob("*.parquet"))
+    return batch.failures()[batch.job_ids[0]]
+
+
 def test_requests_vllm_cannot_report_exactly_fail_with_the_reason(
-    vllm_server: VLLMServer, redis_client: redis.Redis, prompts: list[list[int]], tmp_path: Path,
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_prompts: list[list[int]], tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """top-k sampling with logprobs: vLLM's processed logprobs are renormalised over the kept
-    tokens, the contract's are not. The worker refuses the job (no other worker to hand it to:
-    it fails, naming the reason) and writes no shard."""
+    tokens, the contract's are not, so a vllm-http worker on such a server does not register the
+    capability; the job fails (nobody can serve it) naming what it needs, nothing ran, no shard."""
     monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")
-    line = {"id": "topk", "input_ids": prompts[0], "logprobs": 0,
+    line = {"id": "topk", "input_ids": demo_prompts[0], "logprobs": 0,
             "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_k": 5, "seed": 1}}
-    batch = pipeline.Client(redis_client).submit([line], run="vllm-topk", output=f"file://{tmp_path}")
-    for _ in range(2):  # refused, handed back; then failed by the only worker there is
-        engine = vllm(vllm_server)
-        try:
-            RolloutWorker(redis_client, engine).work(burst=True, with_scheduler=False, logging_level="CRITICAL")
-        finally:
-            engine.close()
-    reason = batch.failures()[batch.job_ids[0]]
-    assert "top_k filtering" in reason and "processed_logprobs" in reason
-    assert not list(tmp_path.rglob("*.parquet"))
+    reason = refusal(vllm_server, redis_client, line, tmp_path)
+    assert "no live worker" in reason and "top-k/top-p/min-p filtered sampling" in reason, reason
 
 
 # -- lifecycle -------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def put_back_the_demo_weights(server: VLLMServer) -> None:
 
 
 def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
-    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, prompts: list[list[int]],
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
     from tests.vllm_server import untied_copy
@@ -209,7 +209,7 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     pushed = untied_copy(v1)
     lines = [{"id": f"w{i}", "input_ids": prompt, "logprobs": 0,
               "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": i}}
-             for i, prompt in enumerate(prompts[:4])]
+             for i, prompt in enumerate(demo_prompts[:4])]
     client = pipeline.Client(redis_client)
     before = run(redis_client, vllm(vllm_server), lines, "vllm-v0", tmp_path / "v0")
     try:
@@ -231,13 +231,54 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     assert client.control_state().weight_version == 1
 
 
+def generated_tokens(server: VLLMServer) -> float:
+    """vLLM's count of tokens generated so far (`/metrics`, updated every engine step)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
+    tmp_path: Path,
+) -> None:
+    """A partial push lands while vLLM generates: the worker aborts its requests by id, the server
+    reloads, the samples continue on v1; each token keeps the version that generated it, and each
+    stored logprob is that version's (`pipeline.verify` with a model per version)."""
+    from tests.vllm_server import untied_copy
+    from tests.workers.test_partial_swap import run_with_push
+    from workers.demo_model import ensure_perturbed_copy
+
+    v1 = ensure_perturbed_copy(demo_model_dir)
+    lines = [{"id": f"p{i}", "input_ids": prompt, "logprobs": 0,
+              "sampling_params": {"max_new_tokens": 160, "temperature": 1.0, "seed": i, "ignore_eos": True}}
+             for i, prompt in enumerate(demo_prompts[:2])]
+    batch = pipeline.Client(redis_client).submit(lines, run="vllm-partial", output=f"file://{tmp_path}",
+                                                 batch_size=2)
+    before = generated_tokens(vllm_server)
+    try:
+        acks = run_with_push(redis_client, vllm(vllm_server), "partial", path=str(untied_copy(v1)),
+                             ready=lambda: generated_tokens(vllm_server) >= before + 20)
+        assert [(a["version"], a["ok"], a["mode"]) for a in acks] == [(1, True, "partial")]
+        batch.wait(timeout=120)
+    finally:
+        put_back_the_demo_weights(vllm_server)
+    rows = {r["rollout_id"]: r for r in batch.read().to_pylist()}
+    assert sorted(rows) == ["p0:0", "p1:0"] and all(len(r["completion_token_ids"]) == 160 for r in rows.values())
+    for rid, row in rows.items():
+        segments = [(s["start"], s["version"]) for s in row["weight_version_segments"]]
+        assert segments[0] == (0, 0) and segments[-1][1] == 1 and row["weight_version"] == 0, (rid, segments)
+    report = pipeline.verify(str(tmp_path), {0: str(demo_model_dir), 1: str(v1)})
+    assert report.tokens == 320 and report.max_abs_diff <= LOGPROB_TOLERANCE, report.worst.to_pylist()[:3]
+
+
 def test_a_paused_server_holds_the_request_until_it_resumes(
-    vllm_server: VLLMServer, redis_client: redis.Redis, prompts: list[list[int]], tmp_path: Path,
+    vllm_server: VLLMServer, redis_client: redis.Redis, demo_prompts: list[list[int]], tmp_path: Path,
 ) -> None:
     """The engine's pause (`POST /pause?mode=keep`) holds a request that arrives meanwhile on the
     server; after `continue_generation` it finishes and its row is whole."""
     control = vllm(vllm_server)
-    batch = pipeline.Client(redis_client).submit([greedy(prompts[0], "held")], run="vllm-held",
+    batch = pipeline.Client(redis_client).submit([greedy(demo_prompts[0], "held")], run="vllm-held",
                                                  output=f"file://{tmp_path}")
 
     def driver() -> None:
@@ -261,7 +302,7 @@ def test_a_paused_server_holds_the_request_until_it_resumes(
 
 
 def test_a_server_killed_mid_job_hands_the_job_back_and_nothing_is_lost(
-    vllm_server: VLLMServer, redis_url: str, pipeline_env: dict[str, str], prompts: list[list[int]],
+    vllm_server: VLLMServer, redis_url: str, pipeline_env: dict[str, str], demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
     """Run last (it restarts the session's server): SIGKILL the server while it generates; the worker
@@ -277,7 +318,7 @@ def test_a_server_killed_mid_job_hands_the_job_back_and_nothing_is_lost(
         wait_until(lambda: [w.state for w in registry.live_workers(client.conn)] == ["idle"], 60, "an idle worker")
         lines = [{"id": f"k{i}", "input_ids": prompt, "logprobs": 0,
                   "sampling_params": {"max_new_tokens": 64, "temperature": 1.0, "seed": i, "ignore_eos": True}}
-                 for i, prompt in enumerate(prompts[:2])]
+                 for i, prompt in enumerate(demo_prompts[:2])]
         batch = client.submit(lines, run="vllm-killed", output=f"file://{tmp_path}", batch_size=2)
         wait_until(lambda: vllm_server.load() >= 1, 60, "the requests on the server")
         vllm_server.stop(signal.SIGKILL)
