@@ -252,7 +252,7 @@ class EngineWorker(SimpleWorker):
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
                     control.write_ack(self.connection, self._last_ack, self.pool.name, only_if_missing=True)
-            except redis.RedisError as exc:
+            except (redis.RedisError, WriteLostError) as exc:  # acked again at the next read of the state
                 log.warning("control acknowledgement failed: %s", exc)
             if not self._busy:
                 self.set_registry_state(self._resting_state())

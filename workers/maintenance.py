@@ -15,7 +15,9 @@ intermediate queue. Here:
 - retries RQ scheduled for later (jobs are submitted with backoff between attempts) are
   enqueued once due, looked for every second: workers need no RQ scheduler process;
 - jobs whose state a Redis failover orphaned (waiting or running, but held nowhere) are
-  requeued (`workers.reconcile`).
+  requeued (`workers.reconcile`); for `stuck_after_s` after the Redis master changed, no job is
+  taken for abandoned (running jobs' entries may have expired while no master answered, until
+  their workers' next heartbeats refresh them).
 
 So a dead worker's job runs again within about heartbeat TTL + maintenance interval.
 """
@@ -69,13 +71,16 @@ class RegistryMaintenance:
         """Clean each queue's registries unless another worker is at it (a lock of 2 × interval)."""
         lock_ttl = max(2, int(self.interval_s) * 2)
         for queue in self.queues:
+            reconciler = self.reconcilers.get(queue.name)
+            if reconciler is not None:
+                reconciler.observe_master()
             if not self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl):
                 continue
             try:
-                clean_registries(queue, self.exception_handlers)
-                worker_registration.clean_worker_registry(queue)
-                self._recover_intermediate(queue)
-                reconciler = self.reconcilers.get(queue.name)
+                if reconciler is None or not reconciler.settling():  # see `Reconciler.settling`
+                    clean_registries(queue, self.exception_handlers)
+                    worker_registration.clean_worker_registry(queue)
+                    self._recover_intermediate(queue)
                 if reconciler is not None and reconciler.due():
                     reconciler.sweep()
             finally:

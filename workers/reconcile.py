@@ -29,7 +29,10 @@ Requeueing spends none of the job's retries: the fault was Redis's, not the job'
 
 Sweeps are frequent (every maintenance interval) for a while after the Redis master changed (its
 replication id differs from the one seen last, including at a worker's start), and otherwise
-every `IDLE_SWEEP_S`, as long as no job is suspected.
+every `IDLE_SWEEP_S`, as long as no job is suspected. For `grace_s` after a change, no job is
+taken for abandoned (`settling`): no heartbeat reached any master during the failover, so the
+started-registry entries of jobs live workers still run may have expired; RQ would retry every
+one of them (spending a retry each, and running them twice).
 """
 
 from __future__ import annotations
@@ -97,23 +100,37 @@ class Reconciler:
         self._script = conn.register_script(_REQUEUE_ORPHAN)
         self._drop_ended_retry = conn.register_script(_DROP_ENDED_RETRY)
         self._replid: str | None = None
+        self._changed_at: float | None = None  # when the master last changed (monotonic)
         self._frequent_until = 0.0
         self._next_sweep = 0.0
         self._orphans: dict[str, _Seen] = {}  # job id -> status seen orphaned
         self._ended: dict[str, _Seen] = {}  # batch id -> seen with every job ended and committed
 
-    def due(self) -> bool:
-        """Whether a sweep is due now (after a change of master: every call; else now and then)."""
+    def observe_master(self) -> None:
+        """Note the Redis master's replication id; a change (a failover, or a restart on other data)
+        makes sweeps frequent for a while and starts a settling period (`settling`)."""
         now = time.monotonic()
         replid = self._master_replid()
-        if replid is not None and replid != self._replid:
-            if self._replid is not None:
-                log.warning("the Redis master changed (replication id %s -> %s): looking for jobs its "
-                            "lost writes orphaned", self._replid, replid)
-            self._replid = replid
-            self._frequent_until = now + WINDOW_GRACES * self.grace_s
-            self._next_sweep = now
-        return now >= self._next_sweep
+        if replid is None or replid == self._replid:
+            return
+        if self._replid is not None:
+            log.warning("the Redis master changed (replication id %s -> %s): looking for jobs its lost writes "
+                        "orphaned; abandoned jobs are looked for again in %.0f s", self._replid, replid,
+                        self.grace_s)
+            self._changed_at = now
+        self._replid = replid
+        self._frequent_until = now + WINDOW_GRACES * self.grace_s
+        self._next_sweep = now
+
+    def settling(self) -> bool:
+        """Whether the master changed less than `grace_s` ago: running jobs' started-registry entries
+        may have expired during the failover (no heartbeat reached any master), and their workers'
+        heartbeats have not refreshed them yet, so none of them may be taken for abandoned."""
+        return self._changed_at is not None and time.monotonic() - self._changed_at < self.grace_s
+
+    def due(self) -> bool:
+        """Whether a sweep is due now (after a change of master: every call; else now and then)."""
+        return time.monotonic() >= self._next_sweep
 
     def _master_replid(self) -> str | None:
         try:

@@ -16,6 +16,7 @@ from pipeline.batch import Batch
 from pipeline.commit_log import Commit
 from pipeline.submit import rollout_queue, submit_requests
 from schemas.request import RolloutRequest
+from workers.maintenance import RegistryMaintenance
 from workers.reconcile import Reconciler
 
 POOL = keys.pool(None)
@@ -143,3 +144,30 @@ def test_a_retry_scheduled_for_a_job_that_ended_since_is_dropped(redis_client: r
     redis_client.hset(Job.key_for(ended), "status", "failed")
     assert _reconciler(redis_client).sweep() == []
     assert [m.decode() for m in redis_client.zrange(queue.scheduled_job_registry.key, 0, -1)] == [waiting]
+
+
+def _maintenance(conn: redis.Redis, grace_s: float) -> RegistryMaintenance:
+    queue = rollout_queue(conn)
+    return RegistryMaintenance(conn, [queue], interval_s=1, exception_handlers=[], stuck_after_s=grace_s,
+                               fail_job=lambda job, q, reason: None, reconcilers=[_reconciler(conn, grace_s)])
+
+
+def test_no_job_is_taken_for_abandoned_while_the_new_master_settles(redis_client: redis.Redis, tmp_path: Path) -> None:
+    """No heartbeat reaches any master during a failover, so the started entries of jobs that live
+    workers still run have expired when the new master answers. For a grace period after the master
+    changed, maintenance takes none of them for abandoned (their next heartbeats refresh them)."""
+    batch = _submit(redis_client, tmp_path, 1)
+    (job_id,) = batch.job_ids
+    queue = rollout_queue(redis_client)
+    redis_client.lrem(queue.key, 0, job_id)
+    redis_client.hset(Job.key_for(job_id), "status", "started")
+    patient = _maintenance(redis_client, grace_s=3600)
+    patient.clean()  # the master as the worker first sees it: nothing changed yet
+    redis_client.execute_command("DEBUG", "CHANGE-REPL-ID")  # what a promotion does to the replication id
+    redis_client.zadd(queue.started_job_registry.key, {f"{job_id}:exec1": time.time() - 1})  # expired
+    patient.clean()
+    assert _where(redis_client, job_id) == ("started", False)
+    assert redis_client.zcard(queue.started_job_registry.key) == 1  # left for its worker's next heartbeat
+    eager = _maintenance(redis_client, grace_s=0)
+    eager.clean()  # without a change seen (or once the grace is over): abandoned, retried
+    assert _where(redis_client, job_id)[0] == "scheduled"
