@@ -238,7 +238,9 @@ def run(
             The kill comes once half of the jobs of the last part submitted have committed (distinct
             jobs: a re-run job commits again), so it lands while jobs run."""
             assert group is not None
-            group.wait_ready(replicas=1, timeout=max(1.0, deadline - time.monotonic()))
+            # Every replica in sync first (the restarted one too): whichever the sentinels promote has the
+            # data (Sentinel may promote a replica still catching up, and its master's newer writes are lost).
+            group.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
             goal = sum(len(b.job_ids) for b in batches) - len(batches[-1].job_ids) // 2
             while conn.hlen(keys.run_jobs("chaos")) < goal and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.connection import SSLConnection
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
@@ -155,6 +155,18 @@ class FailoverConnection(SentinelManagedConnection):
         if self._sock or not retry_socket_connect:  # `connect_to` (after discovery) comes back here
             return super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
         return self.connect()
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """A write refused inside a Lua script because the master was demoted (`-READONLY` wrapped in
+        a script error, which redis-py does not recognise) is a failover too: reconnect and retry."""
+        try:
+            return super().read_response(*args, **kwargs)
+        except ResponseError as error:
+            if self.connection_pool.is_master and "READONLY" in str(error) and "script" in str(error):
+                self.disconnect()
+                raise redis.ConnectionError("the previous master is now a replica (a script's write was refused)") \
+                    from error
+            raise
 
 
 class FailoverSSLConnection(FailoverConnection, SSLConnection):
