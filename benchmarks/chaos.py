@@ -60,7 +60,7 @@ from rq.serializers import JSONSerializer  # noqa: E402
 from pipeline import commit_log, control, keys, registry  # noqa: E402
 from pipeline.batch import Batch  # noqa: E402
 from pipeline.connection import connect_redis  # noqa: E402
-from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.errors import EmbeddedRedisError, PipelineError  # noqa: E402
 from pipeline.follow import Follower  # noqa: E402
 from pipeline.redis_server import RedisServer  # noqa: E402
 from pipeline.sentinel_group import SentinelGroup  # noqa: E402
@@ -68,6 +68,8 @@ from pipeline.status import collect  # noqa: E402
 from pipeline.submit import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402
+
+ALL_REPLICAS_WAIT_S = 15.0  # before a master kill: how long to wait for every replica to be in sync
 
 
 def run_worker(url: str, job_s: float, engine: str, step_s: float, worker_id: str) -> None:
@@ -238,9 +240,13 @@ def run(
             The kill comes once half of the jobs of the last part submitted have committed (distinct
             jobs: a re-run job commits again), so it lands while jobs run."""
             assert group is not None
-            # Every replica in sync first (the restarted one too): whichever the sentinels promote has the
-            # data (Sentinel may promote a replica still catching up, and its master's newer writes are lost).
-            group.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+            # Every replica in sync first (the restarted one too) where that comes soon: whichever the
+            # sentinels promote then has the data (Sentinel may promote a replica still catching up, and
+            # its master's newer writes are lost); at least one in any case.
+            try:
+                group.wait_ready(timeout=min(ALL_REPLICAS_WAIT_S, max(1.0, deadline - time.monotonic())))
+            except EmbeddedRedisError:
+                group.wait_ready(replicas=1, timeout=max(1.0, deadline - time.monotonic()))
             goal = sum(len(b.job_ids) for b in batches) - len(batches[-1].job_ids) // 2
             while conn.hlen(keys.run_jobs("chaos")) < goal and time.monotonic() < deadline:
                 time.sleep(0.01)
