@@ -115,8 +115,10 @@ class SentinelGroup:
         return self.url
 
     def wait_ready(self, replicas: int | None = None, timeout: float = READY_TIMEOUT_S) -> None:
-        """Until every sentinel names the same live master, knows the other sentinels and sees `replicas`
-        (default: all) replicas linked to it, and the master reports them online: a failover can happen."""
+        """Until a majority of the sentinels (what an election needs) name the same live master, know
+        the other sentinels and see `replicas` (default: all) replicas linked to it, and the master
+        reports them online: a failover can happen. (After a failover a sentinel can take minutes to
+        refresh its view of a replica; the majority does not wait for it.)"""
         want = len(self.servers) - 1 if replicas is None else replicas
         deadline = time.monotonic() + timeout
         while True:
@@ -132,9 +134,9 @@ class SentinelGroup:
                     views.append(None if down else (master["port"], master["num-other-sentinels"], len(linked)))
                 except (redis.RedisError, OSError):
                     views.append(None)
-            ports = {v[0] for v in views if v}
-            if (all(v is not None and v[1] >= len(views) - 1 and v[2] >= want for v in views) and len(ports) == 1
-                    and self._has_replicas(ports.pop(), want)):
+            ready = [v for v in views if v is not None and v[1] >= len(views) - 1 and v[2] >= want]
+            ports = {v[0] for v in ready}
+            if len(ready) > len(views) // 2 and len(ports) == 1 and self._has_replicas(ports.pop(), want):
                 return
             if time.monotonic() > deadline:
                 raise EmbeddedRedisError(f"the Sentinel group was not ready within {timeout}s "
