@@ -54,17 +54,9 @@ def _sglang_model_facts(options: EngineOptions) -> dict[str, object]:
 
 def _vocab_size(options: EngineOptions) -> int | None:
     """The vocabulary size in `--model`'s config.json, when given and readable."""
-    if not options.model:
-        return None
-    import json
-    from pathlib import Path
+    from workers.engines import model_config
 
-    try:
-        config = json.loads((Path(options.model) / "config.json").read_text())
-        vocab = config.get("text_config", config).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return vocab if isinstance(vocab, int) else None
+    return model_config.vocab_size(options.model) if options.model else None
 
 
 def build_engine(options: EngineOptions) -> Engine:

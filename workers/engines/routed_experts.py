@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from workers.engines.model_config import language_config
 from workers.errors import ContractViolation
 
 # config.json keys that name the number of experts per layer, across MoE families.
@@ -38,12 +38,9 @@ class ExpertsLayout:
     @classmethod
     def from_model_config(cls, model_dir: str | Path) -> ExpertsLayout | None:
         """Read the layout from a model directory's config.json; None for a dense model."""
-        path = Path(model_dir) / "config.json"
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError):
+        config = language_config(model_dir)
+        if config is None:
             return None
-        config = config.get("text_config", config)
         top_k = config.get("num_experts_per_tok")
         layers = config.get("num_hidden_layers")
         if not isinstance(top_k, int) or not isinstance(layers, int) or top_k <= 0:

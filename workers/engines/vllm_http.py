@@ -31,7 +31,6 @@ answers each aborted completion with what it generated so far and `finish_reason
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ import httpx
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.contracts import check_request_supported
+from workers.engines import model_config
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http_client import Aborts, GenerateClient, RetryPolicy, Wire
 from workers.engines.http_engine import HTTPEngine
@@ -139,7 +139,7 @@ class VLLMHTTPEngine(HTTPEngine):
             served = parse_weight_version(versions[first])
         self._weight_version = weight_version if served is None else served
         if vocab_size is None:
-            vocab_size = _vocab_size(self._model_path)
+            vocab_size = model_config.vocab_size(self._model_path)
         self._description = EngineDescription(
             name="vllm-http",
             model=model_name or self._model_path,
@@ -317,7 +317,7 @@ def check_weights_dir(path: str, served: str | None = None) -> None:
             "and kill its engine"
         )
     for directory in (where, Path(served) if served else None):
-        if directory is not None and _ties_embeddings(directory):
+        if directory is not None and model_config.ties_embeddings(directory):
             raise EngineUnavailableError(
                 f"{directory}/config.json ties the word embeddings (tie_word_embeddings: true): vLLM 0.32's in-place "
                 "reload skips a tied lm_head (ParallelLMHead: Failed to load weights) and would serve the new "
@@ -325,31 +325,6 @@ def check_weights_dir(path: str, served: str | None = None) -> None:
                 "tie_word_embeddings: false) and start the server on an untied copy, or restart the server on "
                 "the new path"
             )
-
-
-def _model_configs(directory: Path) -> list[dict[str, Any]]:
-    """The directory's config.json and its text_config, those readable here (none when not)."""
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(config, dict):
-        return []
-    text = config.get("text_config")
-    return [config, text] if isinstance(text, dict) else [config]
-
-
-def _ties_embeddings(directory: Path) -> bool:
-    """`tie_word_embeddings: true` in the directory's config.json (or its text_config); False when
-    it says otherwise, says nothing, or is not readable here."""
-    return any(config.get("tie_word_embeddings") is True for config in _model_configs(directory))
-
-
-def _vocab_size(directory: str) -> int | None:
-    """The served model's vocabulary size, when its config.json is readable here (else the server
-    alone refuses out-of-vocabulary ids, with HTTP 400)."""
-    sizes = [c["vocab_size"] for c in reversed(_model_configs(Path(directory))) if isinstance(c.get("vocab_size"), int)]
-    return sizes[0] if sizes else None
 
 
 def _config(info: dict[str, Any], key: str) -> Any:
