@@ -27,10 +27,10 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline import keys
-from pipeline.redis_server import RedisServer
+from pipeline.broker import keys
+from pipeline.broker.redis_server import RedisServer
 from workers.engines.sim import SimConfig, SimEngine
-from workers.worker import RolloutWorker
+from workers.process.worker import RolloutWorker
 
 
 def requests(prefix: str, count: int) -> list[dict]:

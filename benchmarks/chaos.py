@@ -7,7 +7,7 @@ feeding several jobs at once, a step every `--step-seconds`), submits `--request
 then every `--kill-every` seconds SIGKILLs a worker mid-batch (with `sim`, the one holding the
 most jobs in flight) and starts a replacement; with `--restart-redis` it also shuts Redis down
 once mid-run and starts it again on the same data. With `--kill-master N` Redis is instead a
-Sentinel group (a master, two replicas, three sentinels: `pipeline.sentinel_group`) that everyone
+Sentinel group (a master, two replicas, three sentinels: `tests.sentinel_group`) that everyone
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
 jobs run (the requests go in N + 1 parts: the first at the start, each other right after a kill,
 while the master is down; with `--push-during-kill` the second kill lands in the middle of a weight
@@ -57,16 +57,16 @@ from rq.job import Job  # noqa: E402
 from rq.registry import StartedJobRegistry  # noqa: E402
 from rq.serializers import JSONSerializer  # noqa: E402
 
-from pipeline import commit_log, control, keys, registry  # noqa: E402
-from pipeline.batch import Batch  # noqa: E402
-from pipeline.connection import connect_redis  # noqa: E402
+from pipeline.audit.status import collect  # noqa: E402
+from pipeline.broker import commit_log, control_channel, keys, registry  # noqa: E402
+from pipeline.broker.connection import connect_redis  # noqa: E402
+from pipeline.broker.redis_server import RedisServer  # noqa: E402
 from pipeline.errors import EmbeddedRedisError, PipelineError  # noqa: E402
-from pipeline.follow import Follower  # noqa: E402
-from pipeline.redis_server import RedisServer  # noqa: E402
-from pipeline.sentinel_group import SentinelGroup  # noqa: E402
-from pipeline.status import collect  # noqa: E402
-from pipeline.submit import submit_requests  # noqa: E402
+from pipeline.intake.submit import submit_requests  # noqa: E402
+from pipeline.read.batch import Batch  # noqa: E402
+from pipeline.read.follow import Follower  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
+from tests.sentinel_group import SentinelGroup  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402
 
 ALL_REPLICAS_WAIT_S = 15.0  # before a master kill: how long to wait for every replica to be in sync
@@ -75,7 +75,7 @@ ALL_REPLICAS_WAIT_S = 15.0  # before a master kill: how long to wait for every r
 def run_worker(url: str, job_s: float, engine: str, step_s: float, worker_id: str) -> None:
     """One worker process (the target of `multiprocessing`)."""
     from workers.engines.sim import SimConfig, SimEngine
-    from workers.worker import RolloutWorker
+    from workers.process.worker import RolloutWorker
 
     if engine == "sim":  # every sequence runs its max_new_tokens steps (median far above them)
         chosen: object = SimEngine(SimConfig(capacity=64, step_s=step_s, median_tokens=10_000, p99_tokens=10_001))
@@ -274,7 +274,7 @@ def run(
 
         def push_weights(version: int) -> None:
             try:
-                result = control.push_weights(conn, f"/weights/v{version}", version, timeout=60)
+                result = control_channel.push_weights(conn, f"/weights/v{version}", version, timeout=60)
                 pushes.append(f"v{version}: {sum(a.ok for a in result.acks)} of {len(result.acks)} workers loaded")
             except PipelineError as error:
                 pushes.append(f"v{version}: failed: {error}")
@@ -342,7 +342,7 @@ def run(
             recovery_s=recovery_s,
             pushes=pushes,
             weight_versions={w.worker_id: w.weight_version for w in registry.live_workers(conn)},
-            desired_version=control.read_state(conn).weight_version,
+            desired_version=control_channel.read_state(conn).weight_version,
             status={**{k: v for k, v in pool_status["queue"].items() if k != "name"},
                     **{k: pool_status["runs"]["chaos"][k] for k in ("shards", "rows")}},
             followed=len(followed),

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline import control, registry
-from pipeline.redis_server import RedisServer
+from pipeline.broker import control_channel, registry
+from pipeline.broker.redis_server import RedisServer
 from workers.engines.fake import FakeEngine
 
 PING_CHANNEL = "bench:ping"
@@ -38,7 +38,7 @@ def _ping_responder(url: str, worker_id: str) -> None:
 
 
 def run_worker(url: str, load_s: float) -> None:
-    from workers.worker import RolloutWorker
+    from workers.process.worker import RolloutWorker
 
     worker_id = f"bench-{uuid.uuid4().hex[:6]}"
     threading.Thread(target=_ping_responder, args=(url, worker_id), daemon=True).start()
@@ -71,7 +71,7 @@ def measure(url: str, workers: int, pushes: int, load_s: float, first_version: i
         for i in range(pushes):
             version = first_version + i
             start = time.perf_counter()
-            result = control.push_weights(conn, f"/weights/v{version}", version, timeout=60)
+            result = control_channel.push_weights(conn, f"/weights/v{version}", version, timeout=60)
             elapsed = time.perf_counter() - start
             overheads.append(elapsed - max(ack.seconds for ack in result.acks))
             pings.append(ping_round_trip(conn, workers))

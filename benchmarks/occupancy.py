@@ -32,10 +32,10 @@ from pathlib import Path
 import redis
 
 import pipeline
-from pipeline.redis_server import RedisServer
+from pipeline.broker.redis_server import RedisServer
 from schemas.request import RolloutRequest
 from workers.engines.sim import SimConfig, SimEngine, SimStats
-from workers.worker import RolloutWorker
+from workers.process.worker import RolloutWorker
 
 REQUESTS_PER_JOB = 64
 CAPACITY = 256

@@ -34,13 +34,13 @@ from typing import Any
 import redis
 
 import pipeline
-from pipeline import registry
+from pipeline.broker import registry
+from pipeline.broker.redis_server import RedisServer
 from pipeline.errors import JobsFailedError
-from pipeline.redis_server import RedisServer
 from schemas.capabilities import job_needs, missing
 from schemas.request import RolloutRequest
 from workers.engines.sim import SimConfig, SimEngine
-from workers.worker import RolloutWorker
+from workers.process.worker import RolloutWorker
 
 SIM = {"capacity": 32, "step_s": 0.010, "median_tokens": 40, "p99_tokens": 200, "load_s": 0.3, "vocab_size": 1000}
 KINDS = {"dense": {}, "dense-top5": {"max_top_logprobs": 5}, "moe": {"experts": (2, 2, 8)}}

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/read_to_torch.py [--tokens 1048576] [--completion 512] [--p99 4096]
                                                  [--lengths lognormal] [--prompt 64] [--repeats 7] [--cpu 0]
 
-Writes shards as workers do (`workers.shard_writer.write_shard`, full shard schema, jobs of
+Writes shards as workers do (`workers.rows.shard_writer.write_shard`, full shard schema, jobs of
 64 requests x n=4) with completion lengths drawn lognormal (median `--completion`, p99
 `--p99`, as RL rollouts are: batches are padded to their longest row) or all equal
 (`--lengths fixed`), then, pinned to one core with one thread everywhere, times:
@@ -40,9 +40,9 @@ import pyarrow.parquet as pq
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from pipeline.torch_data import GROUP_COLUMN, TENSOR_COLUMNS, RolloutBatches
+from pipeline.read.torch_data import GROUP_COLUMN, TENSOR_COLUMNS, RolloutBatches
 from schemas.shard import SHARD_SCHEMA
-from workers.shard_writer import COMPRESSION, write_shard
+from workers.rows.shard_writer import COMPRESSION, write_shard
 
 RUN = "bench"
 Z99 = 2.3263478740408408  # the standard normal quantile of 0.99

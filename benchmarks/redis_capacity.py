@@ -37,18 +37,18 @@ if str(ROOT) not in sys.path:
 
 import redis  # noqa: E402
 
-from pipeline import control, registry  # noqa: E402
-from pipeline.batch import Batch  # noqa: E402
-from pipeline.redis_server import RedisServer  # noqa: E402
-from pipeline.submit import submit_requests  # noqa: E402
+from pipeline.broker import control_channel, registry  # noqa: E402
+from pipeline.broker.redis_server import RedisServer  # noqa: E402
+from pipeline.intake.submit import submit_requests  # noqa: E402
+from pipeline.read.batch import Batch  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 
 
 def run_worker(url: str, worker_id: str) -> None:
     """One worker process with the default intervals (the target of `multiprocessing`)."""
-    from pipeline.connection import connect_redis
+    from pipeline.broker.connection import connect_redis
     from workers.engines.fake import FakeEngine
-    from workers.worker import RolloutWorker
+    from workers.process.worker import RolloutWorker
 
     RolloutWorker(connect_redis(url), FakeEngine(), worker_id=worker_id).work(
         burst=False, with_scheduler=False, logging_level="ERROR")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
             before = snapshot(conn)
             for version in range(1, args.pushes + 1):
-                control.push_weights(conn, f"/weights/v{version}", version, timeout=120)
+                control_channel.push_weights(conn, f"/weights/v{version}", version, timeout=120)
             pushes = usage(conn, before)
             push_share = args.workers * pushes.seconds / idle_ws
             per_push = [(p - i * push_share) / (args.pushes * args.workers)

@@ -26,11 +26,11 @@ from pathlib import Path
 import redis
 
 import pipeline
-from pipeline import reward_log
-from pipeline.redis_server import RedisServer
+from pipeline.broker import reward_log
+from pipeline.broker.redis_server import RedisServer
 from workers.engines.sim import SimConfig, SimEngine
-from workers.reward_worker import RewardWorker
-from workers.worker import RolloutWorker
+from workers.process.worker import RolloutWorker
+from workers.rewards.reward_worker import RewardWorker
 
 COST_S = 0.002
 

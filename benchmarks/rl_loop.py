@@ -40,11 +40,11 @@ from pathlib import Path
 import redis
 
 import pipeline
-from pipeline import commit_log
-from pipeline.reader import read_rollouts
-from pipeline.redis_server import RedisServer
+from pipeline.broker import commit_log
+from pipeline.broker.redis_server import RedisServer
+from pipeline.read.reader import read_rollouts
 from workers.engines.sim import SimConfig, SimEngine
-from workers.worker import RolloutWorker
+from workers.process.worker import RolloutWorker
 
 
 def run(conn: redis.Redis, output: str, mode: str, steps: int, samples: int, job_size: int, step_s: float,

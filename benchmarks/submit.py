@@ -1,6 +1,6 @@
 """Submit throughput: requests/s from a JSONL of 512-token prompts into Redis, validated.
 
-Ours: `pipeline.submit.submit_file`, what `pipeline submit` runs: lines parsed by simdjson in
+Ours: `pipeline.intake.submit.submit_file`, what `pipeline submit` runs: lines parsed by simdjson in
 blocks (prompt ids straight into arrays; the other fields checked as the strict model would,
 each distinct sampling_params shape validated once by pydantic; anything unusual through the
 full pydantic parse), each job packed as soon as it fills and its prompt ids (raw bytes beside
@@ -26,8 +26,8 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from pipeline.redis_server import RedisServer
-from pipeline.submit import submit_file
+from pipeline.broker.redis_server import RedisServer
+from pipeline.intake.submit import submit_file
 
 
 def make_file(path: Path, count: int, prompt_len: int) -> None:
@@ -54,7 +54,7 @@ def bench_baseline(conn: redis.Redis, path: Path) -> float:
     count = 0
     with open(path) as handle:
         for line in handle:
-            queue.enqueue("workers.batch_job.run_rollout_batch", json.loads(line), description="x")
+            queue.enqueue("workers.jobs.batch_job.run_rollout_batch", json.loads(line), description="x")
             count += 1
     return count / (time.perf_counter() - start)
 

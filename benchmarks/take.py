@@ -32,11 +32,11 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.redis_server import RedisServer
-from pipeline.take import rewards_differ
+from pipeline.broker.redis_server import RedisServer
+from pipeline.read.take import rewards_differ
 from workers.engines.sim import SimConfig, SimEngine
-from workers.reward_worker import RewardWorker
-from workers.worker import RolloutWorker
+from workers.process.worker import RolloutWorker
+from workers.rewards.reward_worker import RewardWorker
 
 SAMPLES = 4
 

@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 import torch
 
 from schemas.request import RolloutRequest
-from workers.demo_model import ensure_demo_model, ensure_perturbed_copy
-from workers.engines.hf import HFEngine
-from workers.rows import RowContext, build_table
-from workers.verify import DEFAULT_MEMORY_MB, _groups_by_memory, _rows_of, exceeded, verify
+from workers.audit.recompute import DEFAULT_MEMORY_MB, _groups_by_memory, _rows_of, exceeded, verify
+from workers.demo.model import ensure_demo_model, ensure_perturbed_copy
+from workers.engines.hf.engine import HFEngine
+from workers.rows.table import RowContext, build_table
 
 
 def make_shard(model: Path, version: int, out: Path, requests: int, tokens: int) -> Path:

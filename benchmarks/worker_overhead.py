@@ -9,7 +9,7 @@ worker's own cost per job. Pinned to one core with one Arrow thread:
 
 - ours, end to end: `pipeline.Client.submit` stages the jobs (not timed), then a real
   `RolloutWorker` in burst mode (no fork) takes each job: RQ's dequeue and bookkeeping,
-  `workers.batch_job.prepare_batch` with its Redis reads of the staged prompts, the engine,
+  `workers.jobs.batch_job.prepare_batch` with its Redis reads of the staged prompts, the engine,
   `commit_batch` (contracts, Arrow table, Parquet shard written atomically, commit-log entry);
 - of which the commit alone: `commit_batch` on the same outputs (the earlier figure);
 - baseline, a plain pipeline doing the same work with the same tools as a user would write it:
@@ -42,14 +42,14 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.redis_server import RedisServer
+from pipeline.broker.redis_server import RedisServer
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
-from workers import context
-from workers.batch_job import PreparedBatch, commit_batch
 from workers.engines.base import SampleOutput
 from workers.engines.sim import SimConfig, SimEngine
-from workers.worker import RolloutWorker
+from workers.jobs.batch_job import PreparedBatch, commit_batch
+from workers.process import context
+from workers.process.worker import RolloutWorker
 
 REQUESTS_PER_JOB = 64
 N = 4

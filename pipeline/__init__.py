@@ -9,7 +9,9 @@
 Importing this package never imports torch, transformers or sglang.
 """
 
-from pipeline.batch import Batch
+from pipeline.audit.report import report
+from pipeline.audit.verify import verify
+from pipeline.audit.verify_stats import VerifyReport
 from pipeline.client import Client, connect
 from pipeline.errors import (
     CapabilityError,
@@ -36,17 +38,15 @@ from pipeline.errors import (
     WeightVersionError,
     WriteLostError,
 )
-from pipeline.reader import (
+from pipeline.read.batch import Batch
+from pipeline.read.reader import (
     finish_reason_in,
     read_rollouts,
     request_id_in,
     rollouts_dataset,
     weight_version_between,
 )
-from pipeline.report import report
-from pipeline.routed_experts import routed_experts, routed_experts_positions
-from pipeline.verify import verify
-from pipeline.verify_stats import VerifyReport
+from pipeline.read.routed_experts import routed_experts, routed_experts_positions
 
 __all__ = [
     "Batch",

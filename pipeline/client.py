@@ -11,16 +11,16 @@ from typing import Any, Unpack
 import redis
 from pydantic import ValidationError
 
-from pipeline import control, keys, registry
-from pipeline.batch import Batch
-from pipeline.cancel import CancelResult, cancel
-from pipeline.connection import connect_redis
-from pipeline.dataset_input import ColumnMapping
-from pipeline.dataset_source import is_dataset_path
+from pipeline.broker import control_channel, keys, registry
+from pipeline.broker.connection import connect_redis
 from pipeline.errors import REQUESTS, LineError, PipelineError, RequestFileError
-from pipeline.follow import DEFAULT_BLOCK_MS, Follower
-from pipeline.request_file import ParsedRequest, validation_errors
-from pipeline.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
+from pipeline.intake.dataset_input import ColumnMapping
+from pipeline.intake.dataset_source import is_dataset_path
+from pipeline.intake.request_file import ParsedRequest, validation_errors
+from pipeline.intake.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
+from pipeline.read.batch import Batch
+from pipeline.read.cancel import CancelResult, cancel
+from pipeline.read.follow import DEFAULT_BLOCK_MS, Follower
 from schemas.control import DesiredState, SwapMode
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
@@ -29,7 +29,7 @@ from schemas.worker_info import WorkerInfo
 def _as_requests(
     requests: Sequence[RolloutRequest | ParsedRequest | Mapping[str, Any]],
 ) -> list[RolloutRequest | ParsedRequest]:
-    """Models and lines already validated by `pipeline.request_file` pass; dicts are validated here."""
+    """Models and lines already validated by `pipeline.intake.request_file` pass; dicts are validated here."""
     parsed: list[RolloutRequest | ParsedRequest] = []
     errors: list[LineError] = []
     for index, item in enumerate(requests):
@@ -49,7 +49,7 @@ def _renderer(tokenizer: Any) -> Any:
     """`ChatRenderer.render_line` of a tokenizer (a path, a transformers tokenizer or a renderer); None without."""
     if tokenizer is None:
         return None
-    from pipeline.chat import ChatRenderer
+    from pipeline.intake.render import ChatRenderer
 
     return (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
 
@@ -86,19 +86,19 @@ class Client:
         """Validate and enqueue requests (dicts or models), or every row of a `pyarrow.Table`,
         `pandas.DataFrame` or `datasets.Dataset`; all or nothing.
 
-        `reward`: a registered reward function (`pipeline.rewards`) that reward workers run on every
+        `reward`: a registered reward function (`pipeline.read.rewards`) that reward workers run on every
         shard of the batch (README "Rewards"). `groups=N` (with `oversample=F`) submits only the first
         N (ceil(N x F)) requests, for `batch.take()` (README "Group filters and over-sampling").
 
         `max_staleness=K`: no committed sample holds a token from a weight version more than K
         behind the version its worker serves at commit (README "Staleness bound").
 
-        With `tokenizer` (a path, a transformers tokenizer or a `pipeline.chat.ChatRenderer`), dicts
+        With `tokenizer` (a path, a transformers tokenizer or a `pipeline.intake.render.ChatRenderer`), dicts
         carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
 
         For a table: `columns` maps request fields to columns (`{"input_ids": "prompt_ids"}`, dotted
         paths into structs), `metadata` metadata keys to columns, `sampling` gives every row's default
-        sampling parameters (`pipeline.dataset_input.ColumnMapping`); rows failing validation raise
+        sampling parameters (`pipeline.intake.dataset_input.ColumnMapping`); rows failing validation raise
         `DatasetError` naming their 0-based index and column.
         """
         options: SubmitOptions = {"run": run, "output": output, "batch_size": batch_size,
@@ -114,7 +114,7 @@ class Client:
             raise PipelineError("columns=, metadata= and sampling= map the columns of a table; "
                                 "a list of request dicts carries its fields itself")
         if tokenizer is not None:
-            from pipeline.chat import render_requests
+            from pipeline.intake.render import render_requests
 
             requests = render_requests(requests, tokenizer)
         plan = submit_requests(self.conn, _as_requests(requests), **options)
@@ -126,11 +126,11 @@ class Client:
         sampling: Mapping[str, Any] | None = None, **options: Unpack[SubmitOptions]
     ) -> Batch:
         """Validate every line of a JSONL file (chat lines rendered with `tokenizer`) and enqueue all
-        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.submit.submit_file`.
+        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.intake.submit.submit_file`.
 
         A dataset path (Parquet, Arrow/Feather, a directory of Parquet or of `datasets.save_to_disk`;
-        `pipeline.dataset_source.is_dataset_path`) is read by column instead, mapped by `columns`,
-        `metadata` and `sampling` as in `submit` (`pipeline.submit.submit_dataset`)."""
+        `pipeline.intake.dataset_source.is_dataset_path`) is read by column instead, mapped by `columns`,
+        `metadata` and `sampling` as in `submit` (`pipeline.intake.submit.submit_dataset`)."""
         renderer = _renderer(tokenizer)
         options["pool"] = self._pool(options.get("pool"))
         if is_dataset_path(path):
@@ -152,24 +152,24 @@ class Client:
 
     def pause(self, *, pool: str | None = None) -> DesiredState:
         """The pool's workers finish the batch in hand and take no new job until `resume()`."""
-        return control.pause(self.conn, self._pool(pool))
+        return control_channel.pause(self.conn, self._pool(pool))
 
     def resume(self, *, pool: str | None = None) -> DesiredState:
-        return control.resume(self.conn, self._pool(pool))
+        return control_channel.resume(self.conn, self._pool(pool))
 
     def control_state(self, *, pool: str | None = None) -> DesiredState:
-        return control.read_state(self.conn, self._pool(pool))
+        return control_channel.read_state(self.conn, self._pool(pool))
 
     def push_weights(
         self,
         path: str,
         *,
         version: int,
-        timeout: float | None = control.DEFAULT_PUSH_TIMEOUT_S,
+        timeout: float | None = control_channel.DEFAULT_PUSH_TIMEOUT_S,
         force: bool = False,
         mode: SwapMode = "drain",
         pool: str | None = None,
-    ) -> control.PushResult:
+    ) -> control_channel.PushResult:
         """Every worker of the pool loads `path` as `version`; returns when all its live workers acked.
         Other pools' workers are neither paused nor reloaded.
 
@@ -179,7 +179,7 @@ class Client:
         Raises `WeightVersionError` for a version not newer than the current one (unless
         `force`) and `WeightPushError` naming the workers that failed or timed out.
         """
-        return control.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode,
+        return control_channel.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode,
                                     pool=self._pool(pool))
 
     def cancel(

@@ -32,11 +32,11 @@
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
 `schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
-reaches a caller) and `workers.shutdown.ShutdownAbort` (a `BaseException` raised inside a job
+reaches a caller) and `workers.process.shutdown.ShutdownAbort` (a `BaseException` raised inside a job
 by a second SIGTERM, so that nothing swallows it).
 
 Every class here is importable from `pipeline`. The command line maps them to exit codes
-(`pipeline.cli.exit_code`, listed in the README).
+(`pipeline.cli.main.exit_code`, listed in the README).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class PoolNameError(PipelineError):
 
 
 class RewardNameError(PipelineError):
-    """A reward function name that is not registered (`pipeline.rewards`)."""
+    """A reward function name that is not registered (`pipeline.read.rewards`)."""
 
 
 class CapabilityError(PipelineError):
@@ -221,7 +221,7 @@ class IncompleteBatchError(PipelineError):
 class WriteLostError(PipelineError):
     """A write the pipeline was about to report as done is not on the Redis master the sentinels name
     now: the master that took it failed over (or was demoted) before any replica had it
-    (`pipeline.replication`). Callers write again where that is safe (commits, control changes,
+    (`pipeline.broker.replication`). Callers write again where that is safe (commits, control changes,
     acknowledgements)."""
 
     def __init__(self, what: str) -> None:

@@ -1,6 +1,6 @@
 """Whether a worker can serve a request: the one set of rules, used by submit
-(`pipeline.capabilities`, against each live worker of the pool) and by the worker
-(`workers.contracts`, `workers.routing`, against its own capabilities).
+(`pipeline.intake.placement`, against each live worker of the pool) and by the worker
+(`workers.rows.contracts`, `workers.jobs.admission`, against its own capabilities).
 
 A request's `Needs` are what it asks of a worker: top-k logprobs, prompt logprobs, routed
 experts, a tokenizer (for stop strings), token ids inside the vocabulary, and logprobs under

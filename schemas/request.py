@@ -6,7 +6,7 @@ input side lives here: `stop` is a string, a list of strings, or a list of token
 
 Size limits (each overridable by the environment variable named in its error): the prompt
 length, the number and length of stops, the metadata's JSON size, and `MAX_LINE_BYTES` for a
-whole JSONL line (checked by `pipeline.request_file`). `max_new_tokens`, `n` and `logprobs`
+whole JSONL line (checked by `pipeline.intake.request_file`). `max_new_tokens`, `n` and `logprobs`
 have fixed bounds in the schema.
 """
 
@@ -178,7 +178,7 @@ class RolloutRequest(_Strict):
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
     return_routed_experts: StrictBool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
-    # Set by the chat renderer (`pipeline.chat`): the text the ids were rendered from, kept in the row.
+    # Set by the chat renderer (`pipeline.intake.render`): the text the ids were rendered from, kept in the row.
     prompt_text: StrictStr | None = None
 
     @field_validator("input_ids")

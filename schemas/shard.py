@@ -38,7 +38,7 @@ ROW_FIELDS: list[pa.Field] = [
     pa.field("stop_reason_token", pa.int32()),
     # Flattened [rows, layers, top_k]; uint8 when the model has <= 256 experts, else uint16. Ascending
     # expert ids per (position, layer): the set the router chose; score order is not kept
-    # (workers.rows.canonical_routed_experts).
+    # (workers.rows.table.canonical_routed_experts).
     pa.field("routed_experts", pa.list_(pa.uint16())),
     pa.field("routed_experts_shape", pa.list_(pa.int32())),
     pa.field("routed_experts_start", pa.int32()),

@@ -1,6 +1,6 @@
 """Smoke test of the in-process `sglang` engine on a machine with SGLang and a GPU.
 
-Runs a few chat prompts of a real small model through `workers.engines.sglang_engine`,
+Runs a few chat prompts of a real small model through `workers.engines.sglang.engine`,
 builds shard rows with the same contracts as every engine, checks the invariants, and
 compares greedy outputs with the `hf` engine on the same model (same token ids expected for
 the first tokens; logprobs close). Not part of the test suite: no GPU there.
@@ -18,9 +18,9 @@ from datetime import UTC, datetime
 import numpy as np
 
 from schemas.request import RolloutRequest
-from workers.engines.hf import HFEngine
-from workers.engines.sglang_engine import SGLangEngine
-from workers.rows import RowContext, build_table
+from workers.engines.hf.engine import HFEngine
+from workers.engines.sglang.engine import SGLangEngine
+from workers.rows.table import RowContext, build_table
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]
 

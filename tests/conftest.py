@@ -13,10 +13,10 @@ import pytest
 import redis
 from hypothesis import settings
 
-from pipeline.redis_server import RedisServer
+from pipeline.broker.redis_server import RedisServer
 from tests.helpers import free_port
 from tests.models import build_random_model, build_random_moe_model, build_scripted_model
-from workers.demo_model import ensure_demo_model
+from workers.demo.model import ensure_demo_model
 
 # Property tests judge values, not speed: no per-example wall-clock deadline (a loaded machine
 # would fail them by chance).
@@ -80,7 +80,7 @@ def pipeline_env(tmp_path: Path, redis_url: str) -> dict[str, str]:
     return env
 
 
-PIPELINE = [sys.executable, "-m", "pipeline.cli"]
+PIPELINE = [sys.executable, "-m", "pipeline.cli.main"]
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], **kwargs: A
     Closes the engine; returns the worker."""
     import threading
 
-    from workers.worker import RolloutWorker
+    from workers.process.worker import RolloutWorker
 
     errors: list[BaseException] = []
 

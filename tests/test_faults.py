@@ -20,19 +20,19 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline import commit_log, registry
-from pipeline.batch import Batch
+from pipeline.audit.status import collect
+from pipeline.broker import commit_log, registry
 from pipeline.errors import JobsFailedError
-from pipeline.status import collect
-from pipeline.submit import submit_requests
+from pipeline.intake.submit import submit_requests
+from pipeline.read.batch import Batch
 from schemas.request import RolloutRequest
 from tests.helpers import FlakyStore, wait_until
-from workers import rq_seam
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
-from workers.worker import RolloutWorker
+from workers.jobs import rq_seam
+from workers.process.worker import RolloutWorker
 
 REQUESTS = [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2}) for i in range(3)]
 
@@ -70,7 +70,7 @@ class SignalNoting(RolloutWorker):
 
 
 def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False) -> None:
-    from pipeline.connection import connect_redis
+    from pipeline.broker.connection import connect_redis
 
     if slow_sim:  # a concurrent engine (several jobs in flight) whose sequences take minutes
         engine: Any = SimEngine(SimConfig(capacity=16, step_s=0.05, median_tokens=4000, p99_tokens=4001))

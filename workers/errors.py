@@ -26,7 +26,7 @@ class NotAllowedJobError(WorkerError):
 
 
 class JobCanceledError(WorkerError):
-    """The job was canceled (`pipeline.cancel`): it writes no shard and commits nothing."""
+    """The job was canceled (`pipeline.read.cancel`): it writes no shard and commits nothing."""
 
 
 class ShardWriteError(WorkerError):

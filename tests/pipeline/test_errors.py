@@ -14,7 +14,7 @@ import redis
 
 import pipeline
 from pipeline import errors
-from pipeline.cli import EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_USAGE, exit_code
+from pipeline.cli.main import EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_USAGE, exit_code
 from schemas.control import WeightAck
 from tests.conftest import PIPELINE
 from workers import errors as worker_errors

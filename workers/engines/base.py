@@ -1,13 +1,13 @@
 """The engine seam: what every adapter (hf, sglang, sglang-http, vllm-http, sim) takes and returns.
 
 An engine returns raw outputs in SGLang's terms (a finish with a `matched` int or string);
-`workers.contracts` turns them into rows, the same way for every engine.
+`workers.rows.contracts` turns them into rows, the same way for every engine.
 
 Partial weight swaps (`InterruptibleEngine`): `interrupt()` stops every sample in flight at its
 next step; each stopped sample comes back with what it generated so far and the finish
 `Finish("abort", message=INTERRUPTED)`. The worker later submits it again as a
 `ContinuedRequest` (prompt + generated ids, the remaining budget) on the new weights
-(`workers.continuation`).
+(`workers.rows.continuation`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class SampleOutput:
     routed_experts_start: int = 0
     weight_version: int | None = None
     # Per-token provenance of a sample continued across partial swaps: (start, version) runs over
-    # `token_ids`, set by `workers.continuation`; None: every token from `weight_version`.
+    # `token_ids`, set by `workers.rows.continuation`; None: every token from `weight_version`.
     version_segments: list[tuple[int, int]] | None = None
 
 
@@ -143,7 +143,7 @@ class ConcurrentEngine(Engine, Protocol):
     """The optional concurrent interface: several batches in flight at once.
 
     A worker feeds such an engine the next job's requests while the last long sequences of the
-    previous job finish (see `workers.feeder`); engines without it run one `generate` at a time.
+    previous job finish (see `workers.jobs.feeder`); engines without it run one `generate` at a time.
     """
 
     @property

@@ -26,7 +26,7 @@ class EngineOptions:
 
 def _sglang_model_facts(options: EngineOptions) -> dict[str, object]:
     """Routed-experts layout and vocabulary size for the SGLang adapters, from flags or the model's config."""
-    from workers.engines.routed_experts import ExpertsLayout
+    from workers.engines.sglang.expert_ids import ExpertsLayout
 
     facts: dict[str, object] = {"routed_experts": options.routed_experts}
     layout = None
@@ -61,8 +61,8 @@ def _vocab_size(options: EngineOptions) -> int | None:
 
 def build_engine(options: EngineOptions) -> Engine:
     if options.engine == "hf":
-        from workers.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-        from workers.engines.hf import HFEngine
+        from workers.demo.model import DEMO_MODEL_NAME, ensure_demo_model
+        from workers.engines.hf.engine import HFEngine
 
         path = options.model or ensure_demo_model()
         return HFEngine(
@@ -83,7 +83,7 @@ def build_engine(options: EngineOptions) -> Engine:
         return SimEngine(SimConfig(**{"max_top_logprobs": options.max_top_logprobs, "experts": experts,
                                       "weight_version": options.weight_version, **options.sim}))
     if options.engine == "sglang-http":
-        from workers.engines.sglang_http import SGLangHTTPEngine
+        from workers.engines.sglang.http_engine import SGLangHTTPEngine
 
         if not options.urls:
             raise EngineUnavailableError("--engine sglang-http needs at least one --url http://host:port")
@@ -92,7 +92,7 @@ def build_engine(options: EngineOptions) -> Engine:
             **_sglang_model_facts(options),  # type: ignore[arg-type]
         )
     if options.engine == "vllm-http":
-        from workers.engines.vllm_http import VLLMHTTPEngine
+        from workers.engines.vllm.http_engine import VLLMHTTPEngine
 
         if not options.urls:
             raise EngineUnavailableError("--engine vllm-http needs at least one --url http://host:port")
@@ -101,7 +101,7 @@ def build_engine(options: EngineOptions) -> Engine:
         return VLLMHTTPEngine(options.urls, max_top_logprobs=options.max_top_logprobs,
                               weight_version=options.weight_version, vocab_size=_vocab_size(options))
     if options.engine == "sglang":
-        from workers.engines.sglang_engine import SGLangEngine
+        from workers.engines.sglang.engine import SGLangEngine
 
         if not options.model:
             raise EngineUnavailableError("--engine sglang needs --model PATH (a model SGLang can load)")

@@ -97,10 +97,10 @@ def tiny_server(standins: dict[str, Standin]) -> Standin:
 
 @pytest.fixture(scope="session")
 def demo_prompts(demo_model_dir: Path) -> list[list[int]]:
-    """The demo's questions (`workers.demo.QUESTIONS`) with the demo model's chat template."""
+    """The demo's questions (`workers.demo.run.QUESTIONS`) with the demo model's chat template."""
     from transformers import AutoTokenizer
 
-    from workers.demo import QUESTIONS
+    from workers.demo.run import QUESTIONS
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.cli import engine_options
+from workers.commands.worker import engine_options
 from workers.engines.factory import EngineOptions, _sglang_model_facts
-from workers.engines.routed_experts import ExpertsLayout
+from workers.engines.sglang.expert_ids import ExpertsLayout
 from workers.errors import EngineUnavailableError
 
 
@@ -32,7 +32,7 @@ def test_explicit_layout_and_clear_errors(tiny_model_dir: Path) -> None:
 
 
 def test_cli_flags_reach_the_options() -> None:
-    from pipeline.cli import build_parser
+    from pipeline.cli.main import build_parser
 
     args = build_parser().parse_args(["worker", "--engine", "sglang-http", "--url", "http://a:1", "--url",
                                       "http://b:2", "--routed-experts", "--experts-layout", "4,2,16"])

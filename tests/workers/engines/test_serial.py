@@ -11,7 +11,7 @@ import pytest
 
 from schemas.request import RolloutRequest
 from tests.helpers import wait_until
-from workers.engines.hf import HFEngine
+from workers.engines.hf.engine import HFEngine
 
 
 def long(rid: str, **params: object) -> RolloutRequest:

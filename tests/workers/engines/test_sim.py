@@ -12,7 +12,7 @@ from schemas.request import RolloutRequest
 from workers.engines.base import is_concurrent
 from workers.engines.factory import EngineOptions, build_engine
 from workers.engines.sim import SimConfig, SimEngine, SimStats, simulate_sample
-from workers.rows import RowContext, build_table
+from workers.rows.table import RowContext, build_table
 
 
 def _requests(count: int, max_new_tokens: int = 10_000, **extra: object) -> list[RolloutRequest]:

@@ -1,0 +1,1 @@
+"""Seeing what happened: status, show, verify and the run report."""

@@ -1,0 +1,318 @@
+"""`pipeline report`: one self-contained HTML page of a run (plots embedded, nothing fetched).
+
+Sections, each a plot (PNG, base64 in the page) beside a table of its numbers:
+
+- completion lengths per weight version (histogram; rows, mean and percentiles);
+- finish and stop reasons (counts per version);
+- logprobs of the sampled tokens, and the entropy proxy: a row's mean −logprob of its sampled
+  tokens (a Monte-Carlo estimate of the policy's per-token entropy);
+- rows and tokens per worker (and engine);
+- throughput over time: completion tokens per interval, from the commit log's timestamps (a run
+  read through Redis) or the shards' `finished_at` (a URL);
+- staleness, when rows continued across partial swaps: per token, how many versions it lags
+  the newest version of its row;
+- the `pipeline verify` summary when one was run (`verify=` / `--verify-model`).
+
+Rows are read a record batch at a time into fixed-bin histograms and counters, so memory
+follows a batch, not the run. matplotlib (the `report` extra) draws the plots; `import
+pipeline` does not import it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import redis
+
+from pipeline.audit.verify_stats import VerifyReport
+from pipeline.broker import commit_log
+from pipeline.errors import PipelineError
+from pipeline.read.reader import is_location, rollouts_dataset
+
+COLUMNS = ["job_id", "worker_id", "engine", "weight_version", "weight_version_segments", "completion_tokens",
+           "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "finished_at"]
+LOGPROB_BINS = np.linspace(-20.0, 0.0, 81)
+READ_BATCH_ROWS = 4096
+
+
+@dataclass
+class RunFigures:
+    """What the page shows, gathered in one streaming pass over the shards."""
+
+    rows: int = 0
+    tokens: int = 0
+    lengths: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    finishes: Counter = field(default_factory=Counter)  # (version, finish_reason, stop) -> rows
+    logprob_hist: np.ndarray = field(default_factory=lambda: np.zeros(len(LOGPROB_BINS) + 1, np.int64))
+    logprob_sum: float = 0.0
+    logprob_count: int = 0
+    entropy: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    workers: Counter = field(default_factory=Counter)  # (worker, engine) -> rows
+    worker_tokens: Counter = field(default_factory=Counter)
+    job_finished: dict[str, tuple[datetime, int]] = field(default_factory=dict)  # job -> (last finish, tokens)
+    lag_tokens: Counter = field(default_factory=Counter)  # versions behind the row's newest -> tokens
+    continued_rows: int = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        for row in batch.to_pylist():
+            version = int(row["weight_version"])
+            n = int(row["completion_tokens"])
+            self.rows += 1
+            self.tokens += n
+            self.lengths[version].append(n)
+            stop = row["stop_reason_text"] if row["stop_reason_text"] is not None else row["stop_reason_token"]
+            self.finishes[(version, row["finish_reason"], "" if stop is None else repr(stop))] += 1
+            key = (row["worker_id"], row["engine"])
+            self.workers[key] += 1
+            self.worker_tokens[key] += n
+            finished, tokens = self.job_finished.get(row["job_id"], (row["finished_at"], 0))
+            self.job_finished[row["job_id"]] = (max(finished, row["finished_at"]), tokens + n)
+            logprobs = row["completion_logprobs"]
+            if logprobs:
+                values = np.asarray(logprobs, dtype=np.float64)
+                finite = values[np.isfinite(values)]
+                bins = np.searchsorted(LOGPROB_BINS, finite)
+                self.logprob_hist += np.bincount(bins, minlength=len(self.logprob_hist))
+                self.logprob_sum += float(finite.sum())
+                self.logprob_count += int(finite.size)
+                if finite.size:
+                    self.entropy[version].append(float(-finite.mean()))
+            segments = row["weight_version_segments"]
+            if segments:
+                self.continued_rows += 1
+                newest = max(int(s["version"]) for s in segments)
+                ends = [int(s["start"]) for s in segments[1:]] + [n]
+                for s, end in zip(segments, ends, strict=True):
+                    self.lag_tokens[newest - int(s["version"])] += end - int(s["start"])
+            elif n:
+                self.lag_tokens[0] += n
+
+
+def gather(dataset: pads.Dataset) -> RunFigures:
+    missing = [c for c in COLUMNS if c not in dataset.schema.names and c != "weight_version_segments"]
+    if missing:
+        raise PipelineError(f"the shards lack columns {missing}; they are not rollout shards of this pipeline")
+    names = [c for c in COLUMNS if c in dataset.schema.names]
+    figures = RunFigures()
+    for batch in dataset.to_batches(columns=names, batch_size=READ_BATCH_ROWS):
+        if "weight_version_segments" not in batch.schema.names:
+            batch = batch.append_column("weight_version_segments", pa.nulls(batch.num_rows))
+        figures.add(batch)
+    return figures
+
+
+# -- drawing -------------------------------------------------------------------------------------
+
+def _png(figure: Any) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _figure(columns: int = 1) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, columns, figsize=(4.0 + 2.0 * columns, 3.2))
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "—" if math.isnan(value) else f"{value:.4g}"
+        return html.escape(str(value))
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _section(title: str, image: str | None, table: str, note: str = "") -> str:
+    img = f'<img alt="{html.escape(title)}" src="{image}">' if image else ""
+    note_html = f"<p class='note'>{html.escape(note)}</p>" if note else ""
+    return (f"<section><h2>{html.escape(title)}</h2>{note_html}<div class='pair'><div>{img}</div>"
+            f"<div>{table}</div></div></section>")
+
+
+def _lengths_section(f: RunFigures) -> str:
+    fig, ax = _figure()
+    every = [n for values in f.lengths.values() for n in values]
+    bins = np.histogram_bin_edges(every or [0], bins=30)
+    for version, values in sorted(f.lengths.items()):
+        ax.hist(values, bins=bins, alpha=0.6, label=f"v{version}")
+    ax.set_xlabel("completion tokens")
+    ax.set_ylabel("rows")
+    ax.legend()
+    rows = [[f"v{v}", len(x), float(np.mean(x)), *(float(np.percentile(x, q)) for q in (50, 90, 99)), max(x)]
+            for v, x in sorted(f.lengths.items())]
+    return _section("Completion length per weight version", _png(fig),
+                    _table(["version", "rows", "mean", "p50", "p90", "p99", "max"], rows))
+
+
+def _finish_section(f: RunFigures) -> str:
+    fig, ax = _figure()
+    by_reason = Counter()
+    for (_, reason, stop), count in f.finishes.items():
+        by_reason[f"{reason} {stop}".strip()] += count
+    labels = sorted(by_reason, key=lambda k: -by_reason[k])
+    ax.barh(labels, [by_reason[k] for k in labels])
+    ax.set_xlabel("rows")
+    rows = [[f"v{v}", reason, stop or "—", count, count / f.rows]
+            for (v, reason, stop), count in sorted(f.finishes.items(), key=lambda kv: (kv[0][0], -kv[1]))]
+    return _section("Finish and stop reasons", _png(fig),
+                    _table(["version", "finish_reason", "stop", "rows", "share"], rows),
+                    note="stop: the user's stop string or token that matched (none: the model's own end token)")
+
+
+def _logprob_section(f: RunFigures) -> str:
+    if not f.logprob_count:
+        return _section("Logprobs and entropy proxy", None, "<p>no row stores logprobs</p>")
+    fig, (left, right) = _figure(columns=2)
+    centers = np.concatenate([[LOGPROB_BINS[0] - 0.125], (LOGPROB_BINS[:-1] + LOGPROB_BINS[1:]) / 2, [0.0]])
+    left.bar(centers, f.logprob_hist, width=0.25)
+    left.set_xlabel("logprob of the sampled token (≤ −20 at the left edge)")
+    left.set_ylabel("tokens")
+    for version, values in sorted(f.entropy.items()):
+        right.hist(values, bins=30, alpha=0.6, label=f"v{version}")
+    right.set_xlabel("row mean −logprob (entropy proxy)")
+    right.legend()
+    rows = [[f"v{v}", len(x), float(np.mean(x)), float(np.percentile(x, 10)), float(np.percentile(x, 90))]
+            for v, x in sorted(f.entropy.items())]
+    table = _table(["version", "rows", "mean entropy proxy", "p10", "p90"], rows)
+    table += _table(["tokens with logprobs", "mean logprob"], [[f.logprob_count, f.logprob_sum / f.logprob_count]])
+    return _section("Logprobs and entropy proxy", _png(fig), table)
+
+
+def _workers_section(f: RunFigures) -> str:
+    fig, ax = _figure()
+    keys = sorted(f.workers, key=lambda k: -f.worker_tokens[k])
+    ax.barh([f"{w} ({e})" for w, e in keys], [f.worker_tokens[k] for k in keys])
+    ax.set_xlabel("completion tokens")
+    rows = [[w, e, f.workers[(w, e)], f.worker_tokens[(w, e)]] for w, e in keys]
+    return _section("Rows and tokens per worker", _png(fig), _table(["worker", "engine", "rows", "tokens"], rows))
+
+
+def _throughput_section(f: RunFigures, commits: list[tuple[datetime, int]] | None) -> str:
+    points = commits if commits is not None else sorted(f.job_finished.values())
+    source = "the commit log's timestamps" if commits is not None else "each shard's last finished_at"
+    if not points:
+        return _section("Throughput", None, "<p>nothing committed</p>")
+    times = np.array([p[0].timestamp() for p in points])
+    tokens = np.array([p[1] for p in points])
+    start = times.min()
+    span = max(times.max() - start, 1.0)
+    edges = np.linspace(0.0, span, min(30, max(2, len(points))) + 1)
+    per_bin, _ = np.histogram(times - start, bins=edges, weights=tokens)
+    width = edges[1] - edges[0]
+    fig, ax = _figure()
+    ax.step(edges[:-1], per_bin / width, where="post")
+    ax.set_xlabel("seconds since the first commit")
+    ax.set_ylabel("completion tokens / s")
+    rows = [[datetime.fromtimestamp(start, UTC).isoformat(timespec="seconds"), f"{span:.1f}", len(points),
+             int(tokens.sum()), float(tokens.sum() / span)]]
+    return _section("Throughput over time", _png(fig),
+                    _table(["first commit (UTC)", "span (s)", "commits", "tokens", "tokens/s"], rows),
+                    note=f"from {source}")
+
+
+def _staleness_section(f: RunFigures) -> str:
+    if not f.continued_rows:
+        return _section("Staleness", None, "<p>no row was continued across a partial weight swap: every token "
+                        "of a row comes from one weight version</p>")
+    fig, ax = _figure()
+    lags = sorted(f.lag_tokens)
+    ax.bar([str(lag) for lag in lags], [f.lag_tokens[lag] for lag in lags])
+    ax.set_xlabel("versions behind the row's newest")
+    ax.set_ylabel("tokens")
+    total = sum(f.lag_tokens.values())
+    rows = [[lag, f.lag_tokens[lag], f.lag_tokens[lag] / total] for lag in lags]
+    return _section("Staleness (weight-version lag)", _png(fig), _table(["lag", "tokens", "share"], rows),
+                    note=f"{f.continued_rows} rows continued across partial swaps")
+
+
+def _verify_section(report: VerifyReport) -> str:
+    summary = report.table.to_pylist()
+    fig, ax = _figure()
+    labels = [f"v{r['weight_version']} {r['engine']}" for r in summary]
+    ax.bar(labels, [r["mean_abs_diff"] for r in summary], label="mean |Δ|")
+    ax.bar(labels, [r["max_abs_diff"] for r in summary], alpha=0.4, label="max |Δ|")
+    ax.set_yscale("log")
+    ax.set_ylabel("|Δ logprob|")
+    ax.legend()
+    names = ["weight_version", "engine", "tokens", "mean_abs_diff", "p99_abs_diff", "max_abs_diff", "k1", "k3",
+             "ratio_mean", "ratio_p99", "share_above"]
+    table = _table(names, [[r[n] for n in names] for r in summary])
+    if report.experts.num_rows:
+        table += _table(["version", "layer", "positions", "share equal"],
+                        [[e["weight_version"], e["layer"], e["positions"], e["share"]]
+                         for e in report.experts.to_pylist()])
+    return _section("Verify: stored vs recomputed logprobs", _png(fig), table,
+                    note=f"share_above: |Δ| > {report.threshold:g}")
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}h1{font-size:1.5em}
+section{margin:2em 0}.pair{display:flex;gap:2em;align-items:flex-start;flex-wrap:wrap}
+table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}
+th{background:#f3f3f3}.note{color:#666;font-size:.85em}img{max-width:640px}"""
+
+
+def render(source: str, figures: RunFigures, *, commits: list[tuple[datetime, int]] | None = None,
+           verify: VerifyReport | None = None) -> str:
+    """The page as one HTML string."""
+    if not figures.rows:
+        raise PipelineError(f"no rows under {source!r}: nothing to report")
+    overview = _table(["rows", "completion tokens", "weight versions", "workers", "jobs"], [[
+        figures.rows, figures.tokens, ", ".join(f"v{v}" for v in sorted(figures.lengths)), len(figures.workers),
+        len(figures.job_finished)]])
+    sections = [
+        _lengths_section(figures), _finish_section(figures), _logprob_section(figures), _workers_section(figures),
+        _throughput_section(figures, commits), _staleness_section(figures),
+    ]
+    if verify is not None:
+        sections.append(_verify_section(verify))
+    title = f"Rollout report: {source}"
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{overview}{''.join(sections)}"
+            "</body></html>")
+
+
+def _commit_points(conn: redis.Redis, run: str) -> list[tuple[datetime, int]]:
+    """(commit time, tokens) per committed job: the stream entry id's milliseconds."""
+    return [(datetime.fromtimestamp(int(c.entry_id.split("-")[0]) / 1000, UTC), c.tokens)
+            for c in commit_log.read_all(conn, run) if c.entry_id]
+
+
+def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = None,
+           verify_options: dict[str, Any] | None = None) -> str:
+    """The HTML page of `source` (a URL or directory of shards; a run name with `conn`, whose
+    commit log also gives the throughput timestamps). With `verify_model`, `pipeline.audit.verify` runs
+    first (`verify_options` passed on) and its summary is a section of the page."""
+    if is_location(source):
+        dataset, commits = rollouts_dataset(source), None
+    elif conn is not None:
+        dataset, commits = rollouts_dataset([], source, conn=conn), _commit_points(conn, source)
+    else:
+        raise PipelineError(f"{source!r} is neither a URL nor an existing path; a run name needs a Redis connection")
+    figures = gather(dataset)
+    checked = None
+    if verify_model is not None:
+        from pipeline.audit.verify import verify
+
+        checked = verify(source, verify_model, conn=conn, **(verify_options or {}))
+    return render(source, figures, commits=commits, verify=checked)
+

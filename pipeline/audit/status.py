@@ -1,0 +1,202 @@
+"""`pipeline status`: per pool, its queue, workers and their capability classes, jobs no live worker
+can serve, desired state, runs, shards and failures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import redis
+from rq.job import Job
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from pipeline.broker import commit_log, control_channel, keys, registry, reward_log
+from pipeline.errors import UnknownRunError
+from pipeline.intake.submit import rollout_queue
+from pipeline.suggest import did_you_mean, listing
+from schemas.capabilities import describe
+from schemas.control import DesiredState
+
+FAILURES_SHOWN = 20
+
+
+def failure_reason(conn: redis.Redis, job_id: str) -> str:
+    """The last line of a failed job's error (abandoned jobs say `AbandonedJobError`)."""
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        result = job.latest_result()
+    except Exception:  # an expired or unreadable record
+        return "job record is gone from Redis"
+    text = (result.exc_string if result is not None and result.exc_string else "") or ""
+    return text.strip().splitlines()[-1] if text.strip() else f"{job.get_status() or 'failed'} (no error recorded)"
+
+
+def _desired(conn: redis.Redis, pool: str) -> dict[str, Any]:
+    try:
+        return control_channel.read_state(conn, pool).model_dump()
+    except control_channel.ControlAuthError as exc:
+        return {**DesiredState().model_dump(), "error": str(exc)}
+
+
+def unservable(conn: redis.Redis, pool: str) -> dict[str, Any]:
+    """Jobs of `pool` waiting for a capability no live worker has: job id → {since, reason}."""
+    waiting: dict[str, Any] = {}
+    for job_id, raw in conn.hgetall(keys.pool(pool).unservable).items():
+        try:
+            waiting[job_id.decode(errors="replace")] = json.loads(raw)
+        except ValueError:
+            continue
+    return waiting
+
+
+def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) -> dict[str, Any]:
+    """Every pool's status (`pools`: name → status), or only `pool`'s when one is named."""
+    names = [keys.pool_name(pool)] if pool else registry.pools(conn)
+    if run and not any(conn.sismember(keys.pool(name).runs, run) for name in names):
+        known = registry.runs(conn)
+        where = f"pool {keys.pool_name(pool)!r}" if pool else "any pool"
+        raise UnknownRunError(f"no run {run!r} was submitted to {where} in this Redis; runs submitted here: "
+                              f"{listing(known)}{did_you_mean(run, known)}")
+    return {"pools": {name: collect_pool(conn, name, run) for name in names}}
+
+
+def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
+    """One pool: its desired state, queue, live workers and the capability classes they serve, jobs
+    waiting for a capability no live worker has (`workers.jobs.admission`), runs and failed jobs."""
+    where = keys.pool(pool)
+    queue = rollout_queue(conn, where.name)
+    failed = FailedJobRegistry(queue=queue, serializer=JSONSerializer)
+    started = StartedJobRegistry(queue=queue, serializer=JSONSerializer)
+    runs = sorted(m.decode() for m in conn.smembers(where.runs))
+    if run:
+        runs = [name for name in runs if name == run]
+    now = time.time()
+    workers = registry.live_workers(conn, where.name)
+    # Counts and ids without RQ's cleanup: looking at the status must not retry abandoned jobs.
+    failed_ids = failed.get_job_ids(0, FAILURES_SHOWN - 1, cleanup=False)
+    desired = _desired(conn, where.name)
+    return {
+        "desired": desired,
+        # retrying: failed jobs waiting out their backoff before they are queued again
+        "queue": {"name": queue.name, "queued": queue.count,
+                  "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
+                  "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
+        "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
+        "capability_classes": [
+            {"serves": describe(capabilities), "capabilities": capabilities.model_dump(), "workers": count}
+            for capabilities, count in Counter(w.capabilities for w in workers).most_common()
+        ],
+        "unservable": unservable(conn, where.name),
+        "runs": {name: _run(conn, name, desired.get("weight_version", 0)) for name in runs},
+        "failed_jobs": failed_ids,
+        "failure_reasons": {job_id: failure_reason(conn, job_id) for job_id in failed_ids},
+    }
+
+
+def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
+    """A run's totals and its staleness: how many versions the oldest token it committed is behind
+    the pool's latest pushed version (each shard records its oldest token's version)."""
+    totals = dataclasses.asdict(commit_log.totals(conn, run))
+    versions = totals["weight_versions"]
+    return {**totals, "staleness": max(0, current - min(versions)) if versions else None,
+            "canceled": conn.scard(keys.canceled(run)),
+            "rewards": dataclasses.asdict(reward_log.totals(conn, run)) if conn.sismember(keys.REWARD_RUNS, run)
+            else None}
+
+
+def stalled_hint(conn: redis.Redis, run: str) -> str:
+    """Why a run's jobs may not be moving, for a wait that ran out of time: its pool is paused,
+    has no live worker, or (otherwise) the question to look into."""
+    pools = [name for name in registry.pools(conn) if conn.sismember(keys.pool(name).runs, run)]
+    for name in pools:
+        try:
+            if control_channel.read_state(conn, name).paused:
+                return f"pool {name!r} is paused: its workers take no job until `pipeline resume --pool {name}`"
+        except control_channel.ControlAuthError:
+            continue
+    for name in pools:
+        if not registry.live_workers(conn, name):
+            return f"no worker is live in pool {name!r}: start one (`pipeline worker --pool {name}`)"
+    return "are workers running? (`pipeline status`)"
+
+
+def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
+    """The pool's desired weights and each live worker's actual ones (`converged`: serving them)."""
+    name = keys.pool_name(pool)
+    desired = _desired(conn, name)
+    workers = [
+        {"worker_id": w.worker_id, "state": w.state, "weight_version": w.weight_version, "error": w.error,
+         "converged": w.weight_version == desired["weight_version"] and not w.error}
+        for w in registry.live_workers(conn, name)
+    ]
+    return {"pool": name, "desired": {k: desired[k] for k in ("weight_version", "weight_path", "swap_mode",
+                                                             "generation")}, "workers": workers}
+
+
+def format_weights(status: dict[str, Any]) -> str:
+    desired = status["desired"]
+    lines = [f"pool {status['pool']}: desired weights v{desired['weight_version']} from "
+             f"{desired['weight_path'] or '(none pushed: as the workers started)'} ({desired['swap_mode']}, "
+             f"generation {desired['generation']})",
+             f"workers: {len(status['workers'])} live"]
+    for w in status["workers"]:
+        lines.append(f"  {w['worker_id']}  v{w['weight_version']}  {w['state']:<9} "
+                     + ("ok" if w["converged"] else f"BEHIND: {w['error'] or 'not loaded yet'}"))
+    return "\n".join(lines)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    return "\n\n".join(format_pool(name, pool) for name, pool in status["pools"].items())
+
+
+def format_pool(name: str, status: dict[str, Any]) -> str:
+    q = status["queue"]
+    desired = status["desired"]
+    lines = [
+        f"pool {name}",
+        f"desired: {'paused' if desired['paused'] else 'running'}, weights v{desired['weight_version']}"
+        + (f" from {desired['weight_path']}" if desired["weight_path"] else "")
+        + f" (generation {desired['generation']})",
+        f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
+        f"{q['failed']} failed",
+    ]
+    workers = status["workers"]
+    lines.append(f"workers: {len(workers)} live")
+    for w in workers:
+        caps = w["capabilities"]
+        lines.append(
+            f"  {w['worker_id']}  {w['state']:<9} engine={w['engine']} weights=v{w['weight_version']}"
+            f" job={w['current_job'] or '-'} heartbeat={w['heartbeat_age_s']}s ago"
+            f" top_logprobs<={caps['max_top_logprobs']} routed_experts={caps['routed_experts']}"
+            + (f" error={w['error']}" if w.get("error") else "")
+        )
+    for c in status["capability_classes"]:
+        lines.append(f"  {c['workers']} worker(s) serve: {c['serves']}")
+    if status["unservable"]:
+        lines.append(f"waiting for a capability no live worker has: {len(status['unservable'])} job(s)")
+        lines += [f"  {job_id}: {w.get('reason')}" for job_id, w in sorted(status["unservable"].items())]
+    lines.append(f"runs: {len(status['runs'])}")
+    for run, r in status["runs"].items():
+        lines.append(
+            f"  {run}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
+            f"weights {r['weight_versions']}"
+            + (f", {r['canceled']} job(s) canceled" if r.get("canceled") else "")
+            + (f"; rewards: {r['rewards']['jobs']}/{r['shards']} shards scored, {r['rewards']['failed']} failed"
+               + (f", mean {r['rewards']['mean']:.4g}" if r["rewards"]["mean"] is not None else "")
+               + (f", {r['rewards']['zero_variance']:.0%} of groups all-equal"
+                  if r["rewards"]["zero_variance"] is not None else "")
+               if r.get("rewards") else "")
+            + (f", staleness {r['staleness']} (oldest token v{min(r['weight_versions'])} vs pushed "
+               f"v{desired['weight_version']})" if r.get("staleness") is not None else "")
+        )
+    if desired.get("error"):
+        lines.insert(2, f"  REFUSED: {desired['error']}")
+    if status["failed_jobs"]:
+        lines.append("failed jobs: " + ", ".join(status["failed_jobs"]))
+        reasons = status.get("failure_reasons", {})
+        lines += [f"  {job_id}: {reasons[job_id]}" for job_id in status["failed_jobs"] if job_id in reasons]
+    return "\n".join(lines)

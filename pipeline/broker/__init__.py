@@ -1,0 +1,1 @@
+"""The broker: Redis connections, key names, replication, control channel, commit and reward logs, registry."""

@@ -1,0 +1,160 @@
+"""Names of the Redis keys and RQ queues the pipeline uses, in one place.
+
+Pools: a pool is a name (`[A-Za-z0-9][A-Za-z0-9_-]*`, at most 64 characters; default
+`default`, or `$PIPELINE_POOL`) that owns a queue, a desired control state, a wake-up channel,
+weight acknowledgements, a worker registry and a set of runs. `pool(name)` gives its keys.
+
+The `default` pool keeps the names of the single-pool releases (`rollouts`,
+`pipeline:control:state`, `pipeline:workers`, ...), so data written before pools existed is the
+default pool's as it stands: no migration, and workers of the previous release keep serving it
+during a rolling upgrade. Every other pool lives under `pipeline:pool:<name>:` and its queue is
+`rollouts.<name>`; pool names hold neither ':' nor '.', so no two pools' keys can be the same
+and none can be a default-pool key. Runs, batches, commit logs and staged prompt ids are keyed
+by run name or by unique batch/job ids and stay global: a run name is the user's namespace
+already (it is also the shard directory under the output URL).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from pipeline.errors import PoolNameError
+from schemas.worker_info import DEFAULT_POOL
+
+PREFIX = "pipeline"
+QUEUE_NAME = "rollouts"
+ENV_POOL = "PIPELINE_POOL"
+# Every pool ever named by a submit, a worker or a control change (status lists them).
+POOLS = f"{PREFIX}:pools"
+_POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class PoolKeys:
+    """The Redis keys of one pool."""
+
+    name: str
+
+    @property
+    def _base(self) -> str:
+        return PREFIX if self.name == DEFAULT_POOL else f"{PREFIX}:pool:{self.name}"
+
+    @property
+    def queue_name(self) -> str:
+        """The pool's RQ queue."""
+        return QUEUE_NAME if self.name == DEFAULT_POOL else f"{QUEUE_NAME}.{self.name}"
+
+    @property
+    def control_state(self) -> str:
+        """The pool's desired state (`schemas.control.DesiredState`, signed when a secret is set)."""
+        return f"{self._base}:control:state"
+
+    @property
+    def control_channel(self) -> str:
+        """The pub/sub channel that wakes the pool's workers (a message carries no state)."""
+        return f"{self._base}:control:wake"
+
+    def weight_acks(self, version: int) -> str:
+        """A hash of worker id → acknowledgement (JSON) of a push of weight `version`."""
+        return f"{self._base}:control:acks:{version}"
+
+    @property
+    def workers(self) -> str:
+        """The set of worker ids registered in the pool (entries expire; ids are pruned on read)."""
+        return f"{self._base}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's registry entry (a JSON string with a TTL refreshed by its heartbeat)."""
+        return f"{self._base}:worker:{worker_id}"
+
+    @property
+    def runs(self) -> str:
+        """The set of runs submitted to the pool."""
+        return f"{self._base}:runs"
+
+    @property
+    def open_batches(self) -> str:
+        """The set of the pool's batch ids that may still have jobs to run (every submit adds its
+        batch; `workers.jobs.reconcile` drops it once every job has ended)."""
+        return f"{self._base}:batches:open"
+
+    @property
+    def unservable(self) -> str:
+        """A hash of job id → why no live worker of the pool can serve it, and since when (JSON)."""
+        return f"{self._base}:unservable"
+
+
+def pool_name(name: str | None = None) -> str:
+    """`name`, else `$PIPELINE_POOL`, else `default`; `PoolNameError` if it is not a valid name."""
+    chosen = name or os.environ.get(ENV_POOL) or DEFAULT_POOL
+    if not _POOL_NAME.match(chosen):
+        where = "" if name else f" (from ${ENV_POOL})"
+        raise PoolNameError(
+            f"pool name {chosen!r}{where} must be 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return chosen
+
+
+def pool(name: str | None = None) -> PoolKeys:
+    """The keys of pool `name` (see `pool_name` for the default)."""
+    return PoolKeys(pool_name(name))
+
+
+def commit_log(run: str) -> str:
+    """The per-run Redis stream of committed shards."""
+    return f"{PREFIX}:commits:{run}"
+
+
+def run_jobs(run: str) -> str:
+    """A hash of job id → `rows tokens weight_version` of the job's latest commit."""
+    return f"{PREFIX}:run:{run}:jobs"
+
+
+def run_totals(run: str) -> str:
+    """A hash of a run's committed totals: shards, rows, tokens, and shards per weight version
+    (`shards_v<N>`), kept by `pipeline.broker.commit_log.append`."""
+    return f"{PREFIX}:run:{run}:totals"
+
+
+def batch(batch_id: str) -> str:
+    """A hash describing one submitted batch (run, output, pool, job ids)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def run_batches(run: str) -> str:
+    """The set of batch ids submitted to a run."""
+    return f"{PREFIX}:run:{run}:batches"
+
+
+def prompts(job_id: str) -> str:
+    """A job's prompt token ids as raw little-endian bytes (the fast submit path)."""
+    return f"{PREFIX}:prompts:{job_id}"
+
+
+def canceled(run: str) -> str:
+    """The set of a run's canceled job ids: workers abort them and never commit them (`pipeline.read.cancel`)."""
+    return f"{PREFIX}:run:{run}:canceled"
+
+
+# Runs submitted with a reward function (`--reward`): the streams reward workers read.
+REWARD_RUNS = f"{PREFIX}:rewards:runs"
+REPLICATION_PROBE = f"{PREFIX}:replication:probe"  # `pipeline.broker.replication` writes it before each WAIT
+# The consumer group reward workers share on each such run's commit log.
+REWARD_GROUP = "rewards"
+
+
+def reward_log(run: str) -> str:
+    """The per-run stream of committed rewards shards (one entry per job: its rewards or their error)."""
+    return f"{PREFIX}:rewards:{run}"
+
+
+def reward_jobs(run: str) -> str:
+    """A hash of job id → `ok` or `failed` once its rewards are committed (each job's rewards once)."""
+    return f"{PREFIX}:rewards:{run}:jobs"
+
+
+def reward_totals(run: str) -> str:
+    """A hash of a run's reward totals: jobs, failed, rows, sum (kept by `pipeline.broker.reward_log.append`)."""
+    return f"{PREFIX}:rewards:{run}:totals"

@@ -1,0 +1,1 @@
+"""The `pipeline` command line: one subcommand protocol, commands loaded from entry points."""

@@ -1,0 +1,1 @@
+"""Intake: requests in (JSONL files, datasets, chat rendering), validated, staged and enqueued."""

@@ -1,0 +1,75 @@
+"""Placing a submit's requests on the pool's live workers, so a mistake fails at submit.
+
+Each request must be servable by at least one live worker of the pool on its own (a worker
+having everything it asks, not the best of each capability across workers); otherwise the
+submit is refused, naming the request and what is missing on every worker. Requests are then
+packed into jobs by the set of worker classes that can serve them, so that no job mixes, say,
+a request needing routed experts with one needing top-5 logprobs when no single worker has
+both. With no live worker there is nothing to check against: requests asking for top-k
+logprobs or routed experts (what typically differs between workers) get jobs of their own,
+and the worker checks again (`workers.jobs.admission`). The rules are `schemas.capabilities`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+
+from pipeline.errors import CapabilityError
+from schemas.capabilities import SAMPLING_HINTS, Asks, Needs, describe, missing, needs_of
+from schemas.worker_info import Capabilities, WorkerInfo
+
+MAX_PROBLEMS = 20
+_HINTS = {
+    "routed experts": "routed experts need a mixture-of-experts model on an engine that captures routing",
+    "stop strings (a tokenizer)": "stop strings need an engine with a tokenizer",
+    **SAMPLING_HINTS,
+}
+
+
+class Placement:
+    """Where the requests of one submit can run among the pool's live workers."""
+
+    def __init__(self, workers: Sequence[WorkerInfo], pool: str) -> None:
+        self.pool = pool
+        self.counts = Counter(w.capabilities for w in workers)
+        self.classes: list[Capabilities] = list(self.counts)
+        # Token ids are checked only when some worker knows its vocabulary.
+        self.token_ids = any(c.vocab_size is not None for c in self.classes)
+        self.problems: list[str] = []
+        self._served: dict[Needs, tuple[int, ...]] = {}
+
+    def place(self, request: Asks, request_id: str) -> tuple[Needs, Hashable]:
+        """The request's needs, and the key of the jobs it may share (the classes that serve it)."""
+        needs = needs_of(request, token_ids=self.token_ids)
+        if not self.classes:
+            # Nothing known of the workers: keep apart what typically differs between them.
+            return needs, (needs.top_logprobs > 0, needs.routed_experts)
+        base = needs.without_token_ids()
+        served = self._served.get(base)
+        if served is None:
+            served = self._served[base] = tuple(i for i, c in enumerate(self.classes) if not missing(base, c))
+        if needs.max_token_id >= 0:
+            served = tuple(i for i in served if not missing(needs, self.classes[i]))
+        if not served and len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(self._explain(request_id, needs))
+        return needs, served
+
+    def check(self) -> None:
+        """`CapabilityError` listing the requests no live worker of the pool can serve."""
+        if self.problems:
+            raise CapabilityError("nothing was enqueued:\n  " + "\n  ".join(self.problems))
+
+    def _explain(self, request_id: str, needs: Needs) -> str:
+        lacks = [missing(needs, c) for c in self.classes]
+        everywhere = [need for need in lacks[0] if all(need in other for other in lacks[1:])]
+        who = f"request {request_id!r}"
+        if everywhere:
+            hints = [_HINTS[need] for need in everywhere if need in _HINTS]
+            if needs.top_logprobs and f"top-{needs.top_logprobs} logprobs" in everywhere:
+                hints.append(f"start a worker with --max-top-logprobs {needs.top_logprobs}")
+            return (f"{who}: no live worker of pool {self.pool!r} has {', '.join(everywhere)}"
+                    + (f" ({'; '.join(hints)})" if hints else ""))
+        each = "; ".join(f"{self.counts[c]} worker(s) [{describe(c)}] lack {', '.join(lack)}"
+                         for c, lack in zip(self.classes, lacks, strict=True))
+        return f"{who}: no single live worker of pool {self.pool!r} has all it asks ({each})"

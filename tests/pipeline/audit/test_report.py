@@ -1,0 +1,164 @@
+"""`pipeline report`: a self-contained HTML page of a real run, parsed back and checked."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import subprocess
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import redis
+from matplotlib import image
+
+import pipeline
+from schemas.shard import SHARD_SCHEMA
+from tests.conftest import PIPELINE
+from tests.workers.audit.test_verify import make_run, make_swap_run
+
+
+class Page(HTMLParser):
+    """Every image source, link target, section title and table of a page."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.images: list[str] = []
+        self.links: list[str] = []
+        self.titles: list[str] = []
+        self.tables: list[list[list[str]]] = []
+        self._in: str | None = None
+        self._row: list[str] | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag == "img":
+            self.images.append(values.get("src") or "")
+        if tag in ("link", "script", "a") and (values.get("href") or values.get("src")):
+            self.links.append(values.get("href") or values.get("src") or "")
+        if tag == "table":
+            self.tables.append([])
+        if tag == "tr":
+            self._row = []
+        if tag in ("td", "th", "h2"):
+            self._in = tag
+            if tag != "h2" and self._row is not None:
+                self._row.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tr" and self._row is not None:
+            self.tables[-1].append(self._row)
+            self._row = None
+        if tag in ("td", "th", "h2"):
+            self._in = None
+
+    def handle_data(self, data: str) -> None:
+        if self._in == "h2":
+            self.titles.append(data)
+        elif self._in in ("td", "th") and self._row is not None:
+            self._row[-1] += data
+
+    def table_with(self, column: str) -> list[dict[str, str]]:
+        """The rows of the first table with this column."""
+        for table in self.tables:
+            if table and column in table[0]:
+                return [dict(zip(table[0], row, strict=True)) for row in table[1:]]
+        raise AssertionError(f"no table with a column {column!r}")
+
+
+def assert_self_contained(page: Page) -> None:
+    assert page.images and not page.links
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        pixels = image.imread(io.BytesIO(base64.b64decode(src.split(",", 1)[1])), format="png")
+        assert pixels.shape[0] > 50 and pixels.shape[1] > 50 and pixels.std() > 0  # a drawn plot, not a blank
+
+
+@pytest.fixture
+def dense_run(redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> str:
+    return make_run(redis_client, tiny_model_dir, tmp_path, "dense")
+
+
+def test_report_of_a_run_shows_its_numbers(dense_run: str, tiny_model_dir: Path, tmp_path: Path,
+                                          pipeline_env: dict[str, str]) -> None:
+    out = tmp_path / "report.html"
+    done = subprocess.run([*PIPELINE, "report", "dense", "--out", str(out), "--verify-model", str(tiny_model_dir)],
+                          env=pipeline_env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    page = Page(out.read_text())
+    assert_self_contained(page)
+    assert len(page.images) == 6  # lengths, finishes, logprobs, workers, throughput, verify (no staleness plot)
+    assert page.titles[:5] == ["Completion length per weight version", "Finish and stop reasons",
+                               "Logprobs and entropy proxy", "Rows and tokens per worker", "Throughput over time"]
+    rows = pipeline.read_rollouts(dense_run).to_pylist()
+    (overview,) = page.table_with("completion tokens")
+    assert overview["rows"] == str(len(rows))
+    assert overview["completion tokens"] == str(sum(r["completion_tokens"] for r in rows))
+    finishes = Counter(r["finish_reason"] for r in rows)
+    shown = Counter()
+    for line in page.table_with("finish_reason"):
+        shown[line["finish_reason"]] += int(line["rows"])
+    assert shown == finishes
+    (verify,) = page.table_with("weight_version")
+    assert float(verify["max_abs_diff"]) <= 1e-3 and verify["tokens"] == overview["completion tokens"]
+    (throughput,) = page.table_with("first commit (UTC)")
+    assert throughput["tokens"] == overview["completion tokens"] and "commit log" in out.read_text()
+
+
+CHROMIUM = shutil.which("chromium")
+ARTIFACTS = Path(__file__).resolve().parents[3] / "build" / "test-artifacts"
+# Appended to a copy of the page: once loaded, the count of images and of broken ones.
+PROBE = ("<script>window.addEventListener('load',()=>{const all=[...document.images];"
+         "document.body.setAttribute('data-images',all.length+'/'+all.filter(i=>!(i.complete&&i.naturalWidth>0))"
+         ".length)})</script>")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_report_renders_in_a_real_browser(dense_run: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Headless chromium loads every image with no console message; the screenshot is kept in
+    build/test-artifacts/report.png."""
+    assert CHROMIUM is not None
+    page = pipeline.audit.report(dense_run, verify_model=str(tiny_model_dir))
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("</body>", PROBE + "</body>"))
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+             "--virtual-time-budget=5000"]
+    dom = subprocess.run([*flags, "--dump-dom", probed.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr
+    images = len(Page(page).images)
+    assert f'data-images="{images}/0"' in dom.stdout  # every image decoded, none broken
+    assert "CONSOLE" not in dom.stderr, dom.stderr  # no console message: no error, no warning
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    report_file = tmp_path / "report.html"
+    report_file.write_text(page)
+    shot = ARTIFACTS / "report.png"
+    shot.unlink(missing_ok=True)
+    done = subprocess.run([*flags, "--window-size=1280,3600", f"--screenshot={shot}", report_file.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and shot.exists(), done.stderr
+    pixels = image.imread(shot)
+    assert pixels.shape[:2] == (3600, 1280) and pixels.std() > 0
+
+
+def test_report_shows_staleness_of_a_partial_swap(redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path,
+                                                  v1_model_dir: Path) -> None:
+    url = make_swap_run(redis_client, tmp_path, tiny_model_dir, v1_model_dir)
+    rows = pipeline.read_rollouts(url).to_pylist()
+    behind = sum(r["weight_version_segments"][1]["start"] for r in rows)  # v0 tokens, 1 version behind v1
+    page = Page(pipeline.audit.report(url))
+    assert_self_contained(page)
+    assert "Staleness (weight-version lag)" in page.titles
+    lags = {line["lag"]: int(line["tokens"]) for line in page.table_with("lag")}
+    assert lags == {"0": 120 - behind, "1": behind}
+
+
+def test_an_empty_location_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(pipeline.NoShardsError):
+        pipeline.audit.report(str(tmp_path))
+    pq.write_table(SHARD_SCHEMA.empty_table(), tmp_path / "empty.parquet")  # a shard without rows
+    with pytest.raises(pipeline.PipelineError, match="no rows under"):
+        pipeline.audit.report(str(tmp_path))

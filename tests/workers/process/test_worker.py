@@ -1,0 +1,117 @@
+"""The worker process class: heartbeats during long jobs, the job allow-list, the registry."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.utils import import_attribute
+
+import pipeline
+from pipeline.broker import keys, registry
+from workers.engines.base import Engine
+from workers.engines.fake import FakeEngine
+from workers.engines.sim import SimConfig, SimEngine
+from workers.jobs import allowed_job, batch_job
+from workers.process.worker import RolloutWorker
+
+
+def test_heartbeat_keeps_a_long_job_alive(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.connect(redis_url)
+    batch = client.submit([{"id": "a", "input_ids": [1], "sampling_params": {"max_new_tokens": 3}}],
+                          run="long", output=f"file://{tmp_path}")
+    [job_id] = batch.job_ids
+    engine = FakeEngine(delay_s=4.0)
+    worker = RolloutWorker(redis_client, engine, heartbeat_interval_s=0.5)
+    ttl = worker.get_heartbeat_ttl(Job(job_id, connection=redis_client))
+    assert ttl < 4.0, "the test needs a job longer than one heartbeat TTL"
+    started = StartedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
+    observed: list[tuple[float, list[str], str]] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 3.8
+        while time.monotonic() < deadline:
+            started.cleanup()  # what other workers' maintenance does to abandoned jobs
+            entries = registry.live_workers(redis_client)
+            observed.append((time.monotonic(), started.get_job_ids(), entries[0].state if entries else "-"))
+            time.sleep(0.25)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    watcher.join()
+    late = [ids for t, ids, _ in observed if t - observed[0][0] > ttl + 0.5]
+    assert late and all(job_id in ids for ids in late), "the running job lost its heartbeat"
+    assert "busy" in {state for _, _, state in observed}
+    assert batch.wait(timeout=5).counts["finished"] == 1
+    assert batch.read().num_rows == 1
+    # The registry entry is removed when the worker exits.
+    assert registry.live_workers(redis_client) == []
+
+
+def test_only_project_job_functions_run(redis_client: redis.Redis, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    queue = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
+    job = queue.enqueue("os.system", f"touch {marker}")
+    RolloutWorker(redis_client, FakeEngine()).work(burst=True, with_scheduler=False, logging_level="WARNING")
+    assert not marker.exists()
+    failed = FailedJobRegistry(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer)
+    assert job.id in failed.get_job_ids()
+    fetched = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer)
+    assert "not a rollout pipeline job function" in fetched.latest_result().exc_string
+
+
+def test_submit_and_worker_name_the_same_job_function() -> None:
+    from pipeline.intake.submit import JOB_FUNCTION  # pipeline cannot import workers: the name is written twice
+
+    assert JOB_FUNCTION == allowed_job.JOB_FUNCTION
+    assert import_attribute(JOB_FUNCTION) is batch_job.run_rollout_batch
+
+
+@pytest.mark.parametrize("legacy_name", ["workers.job.run_rollout_batch", "workers.batch_job.run_rollout_batch"])
+@pytest.mark.parametrize("make_engine", [FakeEngine, lambda: SimEngine(SimConfig(median_tokens=3, p99_tokens=3))],
+                         ids=["plain", "feeder"])
+def test_jobs_queued_under_the_legacy_function_name_still_run(
+    redis_client: redis.Redis, tmp_path: Path, make_engine: Callable[[], Engine], legacy_name: str
+) -> None:
+    # A job an older release queued names the job function where it lived then, inside RQ's stored data.
+    client = pipeline.Client(redis_client)
+    batch = client.submit([{"id": "a", "input_ids": [1], "sampling_params": {"max_new_tokens": 2, "n": 2}}],
+                          run="legacy", output=f"file://{tmp_path}")
+    key = Job.key_for(batch.job_ids[0])
+    data = json.loads(zlib.decompress(redis_client.hget(key, "data")))
+    data[0] = legacy_name
+    redis_client.hset(key, "data", zlib.compress(json.dumps(data).encode()))
+    assert Job.fetch(batch.job_ids[0], connection=redis_client, serializer=JSONSerializer).func_name == data[0]
+
+    engine = make_engine()
+    try:
+        RolloutWorker(redis_client, engine).work(burst=True, with_scheduler=False, logging_level="WARNING")
+    finally:
+        engine.close()
+    assert batch.wait(timeout=5).counts["finished"] == 1
+    assert batch.read().num_rows == 2
+
+
+def test_worker_refuses_top_k_it_was_not_started_with(
+    redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")  # no worker can serve it: fail at once
+    # Submitted while no worker was live (so submit could not check), then served by one without top-k.
+    client = pipeline.Client(redis_client)
+    batch = client.submit([{"id": "a", "input_ids": [1], "logprobs": 3}], run="topk", output=f"file://{tmp_path}")
+    RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0)).work(burst=True, with_scheduler=False,
+                                                                     logging_level="WARNING")
+    failures = batch.failures()
+    assert "top-3 logprobs" in failures[batch.job_ids[0]]
+    assert not (tmp_path / "topk").exists()

@@ -1,0 +1,1 @@
+"""Teacher-forced recomputation behind `pipeline verify`."""

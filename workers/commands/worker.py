@@ -1,0 +1,180 @@
+"""`pipeline worker`: start one worker process around one engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from workers.engines.factory import ENGINES, EngineOptions
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=ENGINES, default="hf")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the demo model); for the HTTP engines, the directory "
+                             "the servers load (read for its vocabulary size)")
+    parser.add_argument("--device", default="cpu", help="torch device for the hf engine")
+    parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
+                        help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
+    parser.add_argument(
+        "--max-top-logprobs", type=int,
+        default=int(os.environ.get("PIPELINE_MAX_TOP_LOGPROBS", "0")),
+        help="serve top-k logprobs up to this k (default $PIPELINE_MAX_TOP_LOGPROBS or 0: off)",
+    )
+    parser.add_argument(
+        "--url", action="append", default=[], dest="urls",
+        help="SGLang server or gateway (smg) URL for --engine sglang-http, vLLM server URL for --engine vllm-http "
+             "(repeat for several)",
+    )
+    parser.add_argument(
+        "--routed-experts", action="store_true",
+        help="sglang engines: serve return_routed_experts (the servers need --enable-return-routed-experts); "
+             "sim: simulate a mixture-of-experts model of --experts-layout; "
+             "the layout comes from --model's config.json (for sglang-http, --model is then the model directory "
+             "the servers load) or --experts-layout",
+    )
+    parser.add_argument("--experts-layout", default=None, metavar="LAYERS,TOP_K,EXPERTS",
+                        help="routed-experts layout when no config.json is at hand, e.g. 48,8,128")
+    sim = parser.add_argument_group("--engine sim (a simulated continuous-batching engine)")
+    sim.add_argument("--sim-capacity", type=int, default=256, help="sequences decoded at once")
+    sim.add_argument("--sim-step-ms", type=float, default=20.0, help="latency of one decode step")
+    sim.add_argument("--sim-step-per-seq-us", type=float, default=0.0, help="added per running sequence")
+    sim.add_argument("--sim-median-tokens", type=float, default=300.0, help="median output length")
+    sim.add_argument("--sim-p99-tokens", type=float, default=4000.0, help="p99 output length (lognormal)")
+    sim.add_argument("--sim-seed", type=int, default=0, help="seed of the tokens and logprobs")
+
+
+def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """How fast dead workers' jobs are found again and a failed engine is re-probed."""
+    from workers.jobs.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S
+    from workers.process.engine_worker import HEARTBEAT_INTERVAL_S
+    from workers.process.health import PROBE_MAX_S
+
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S, metavar="S",
+        help="seconds between heartbeats; a job is abandoned 3 heartbeats + 1 s after its worker's last "
+             f"(default {HEARTBEAT_INTERVAL_S})",
+    )
+    parser.add_argument(
+        "--maintenance-interval", type=float, default=DEFAULT_MAINTENANCE_INTERVAL_S, metavar="S",
+        help="seconds between scans for abandoned jobs, which are retried or failed "
+             f"(default {DEFAULT_MAINTENANCE_INTERVAL_S})",
+    )
+    parser.add_argument(
+        "--stuck-after", type=float, default=DEFAULT_STUCK_AFTER_S, metavar="S",
+        help="a job dequeued but not started for this long (its worker died) is recovered "
+             f"(default {DEFAULT_STUCK_AFTER_S:g})",
+    )
+    parser.add_argument(
+        "--health-probe-max", type=float, default=PROBE_MAX_S, metavar="S",
+        help=f"longest wait between engine health probes while unhealthy (default {PROBE_MAX_S:g})",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(
+        engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs,
+        max_batch_sequences=args.max_batch_sequences, urls=tuple(args.urls), routed_experts=args.routed_experts,
+        experts_layout=args.experts_layout,
+        sim={
+            "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,
+            "step_per_seq_s": args.sim_step_per_seq_us / 1e6, "median_tokens": args.sim_median_tokens,
+            "p99_tokens": args.sim_p99_tokens, "seed": args.sim_seed,
+        } if args.engine == "sim" else {},
+    )
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from pipeline.broker.connection import connect_redis
+    from workers.engines.factory import build_engine
+    from workers.errors import WorkerError
+    from workers.process import logs
+    from workers.process.engine_worker import new_worker_id
+    from workers.process.worker import RolloutWorker
+
+    logs.configure(args.log_level, args.log_format)
+    worker_id = args.worker_id or new_worker_id()
+    logs.set_worker_id(worker_id)
+    try:
+        engine = build_engine(engine_options(args))
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    worker = RolloutWorker(
+        connect_redis(args.redis), engine, worker_id=worker_id,
+        heartbeat_interval_s=args.heartbeat_interval, maintenance_interval_s=args.maintenance_interval,
+        stuck_after_s=args.stuck_after, probe_max_s=args.health_probe_max,
+        max_jobs_in_flight=args.max_jobs_in_flight, feed=not args.no_feed,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, pool=args.pool,
+    )
+    started = (f"worker {worker.worker_id}: pool={worker.pool.name} engine={engine.description.name} "
+               f"model={engine.description.model}")
+    if worker.metrics.url:
+        started += f" metrics={worker.metrics.url}"
+    if args.log_format == "json":  # every line a JSON object: the start line is a log record too
+        log.info("%s", started)
+    else:
+        print(started, flush=True)
+    try:
+        worker.work(burst=args.burst, logging_level=args.log_level, with_scheduler=False)
+    except WorkerError as exc:  # e.g. the pool's weights do not load here: the worker does not join
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register_worker(sub: argparse._SubParsersAction, add_redis: Callable[[argparse.ArgumentParser], None]) -> None:
+    parser = sub.add_parser("worker", help="run a worker process around one engine")
+    add_redis(parser)
+    add_engine_arguments(parser)
+    add_fault_arguments(parser)
+    parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--max-jobs-in-flight", type=int, default=64,
+                        help="jobs fed to a concurrent engine (sim, sglang-http, vllm-http) at once")
+    parser.add_argument("--no-feed", action="store_true",
+                        help="one job at a time even on a concurrent engine (a barrier at each job's end)")
+    parser.add_argument("--log-level", default="INFO")
+    add_observability_arguments(parser)
+    parser.set_defaults(func=_run_worker)
+
+    from workers.rewards.reward_worker import register as register_reward_worker
+
+    register_reward_worker(sub, add_redis)  # `pipeline reward-worker`, the CPU side of rewards
+
+
+def _env_port(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"error: ${name} must be a port number, not {value!r}") from None
+
+
+def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
+    """Prometheus metrics endpoint and log format."""
+    from workers.process.logs import ENV_LOG_FORMAT, FORMATS, default_format
+    from workers.process.metrics import DEFAULT_METRICS_HOST, ENV_METRICS_PORT
+
+    parser.add_argument(
+        "--metrics-port", type=int, default=_env_port(ENV_METRICS_PORT), metavar="PORT",
+        help=f"serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port, logged); "
+             f"default ${ENV_METRICS_PORT}, else no endpoint",
+    )
+    parser.add_argument(
+        "--metrics-host", default=DEFAULT_METRICS_HOST, metavar="HOST",
+        help=f"address the metrics endpoint binds to (default {DEFAULT_METRICS_HOST}; 0.0.0.0 only on a "
+             "private network, e.g. inside a container)",
+    )
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default=default_format(),
+        help=f"text, or json: one JSON object per line with worker, job id and run (default ${ENV_LOG_FORMAT} "
+             "or text)",
+    )

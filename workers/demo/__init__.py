@@ -1,0 +1,1 @@
+"""`pipeline demo` and its model."""

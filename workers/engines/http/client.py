@@ -1,0 +1,242 @@
+"""Async HTTP client for the HTTP engines (SGLang's `/generate`, vLLM's `/v1/completions`), with retries.
+
+- Requests go to the least-loaded URL (fewest in flight, round robin among equals); a URL that
+  fails to connect is avoided for a short cool-down.
+- One pooled `httpx.AsyncClient`; at most `max_in_flight` requests outstanding at once.
+- Connection errors and 5xx answers are retried with exponential backoff (each attempt under a
+  fresh request id); 4xx answers and read timeouts are not.
+- A call cancelled while in flight (the batch failed elsewhere, or the worker was interrupted)
+  is aborted on the server it went to (the `Wire`'s abort: SGLang's `/abort_request` per rid,
+  behind a gateway on every server behind it; vLLM's `/abort_requests`), so the server stops
+  generating for nobody. `abort_sent` aborts every call in flight that way (a partial swap).
+
+What differs between servers is a `Wire`: the generation path, the server's name in errors, the
+ids a call is tracked under and how to abort them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from schemas.request import RolloutRequest
+from workers.engines.sglang.backends import Answer, Backends, error_message
+from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
+from workers.process import logs
+from workers.process.backoff import backoff_s
+
+log = logging.getLogger(__name__)
+# httpx logs every request at INFO (thousands a second on a busy worker): DEBUG here.
+logs.demote_to_debug("httpx")
+
+# Transport failures worth another attempt: nothing was generated, or the answer was lost.
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
+              httpx.ReadError, httpx.WriteError)
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class Call(Protocol):
+    """One HTTP generation call: its request, its id and JSON body."""
+
+    @property
+    def request(self) -> RolloutRequest: ...
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def payload(self) -> dict[str, Any]: ...
+
+    def with_rid(self, rid: str) -> Call:
+        """The same call under another id (a retry)."""
+        ...
+
+
+Aborts = dict[str, dict[str, Answer]]
+"""What each server answered to the abort of each id: {id: {server URL: answer}}."""
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What one kind of server needs of the client."""
+
+    server: str  # the server's name in errors: "SGLang", "vLLM"
+    path: str  # where generation calls go: "/generate", "/v1/completions"
+    ids: Callable[[Any], list[str]]  # the ids the server tracks a call under
+    # Abort these ids on the server(s) behind the URL the call went to, within a timeout.
+    abort: Callable[[str, list[str], float], Awaitable[Aborts]]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    down_cooldown_s: float = 5.0
+
+    def delay(self, retry: int) -> float:
+        """Seconds before retry number `retry` (1-based): exponential, with jitter."""
+        return backoff_s(retry, self.backoff_s, self.max_backoff_s)
+
+
+class ServerPool:
+    """Picks a URL per request: least in flight, skipping recently unreachable ones."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise EngineUnavailableError("an HTTP engine needs at least one --url http://host:port")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.in_flight = dict.fromkeys(self.urls, 0)
+        self.sent = dict.fromkeys(self.urls, 0)
+        self._down_until = dict.fromkeys(self.urls, 0.0)
+        self._turn = 0
+
+    def acquire(self, avoid: str | None = None) -> str:
+        now = time.monotonic()
+        candidates = [u for u in self.urls if self._down_until[u] <= now and u != avoid]
+        candidates = candidates or [u for u in self.urls if u != avoid] or self.urls
+        least = min(self.in_flight[u] for u in candidates)
+        tied = [u for u in candidates if self.in_flight[u] == least]
+        url = tied[self._turn % len(tied)]
+        self._turn += 1
+        self.in_flight[url] += 1
+        self.sent[url] += 1
+        return url
+
+    def release(self, url: str) -> None:
+        self.in_flight[url] -= 1
+
+    def mark_down(self, url: str, seconds: float) -> None:
+        self._down_until[url] = time.monotonic() + seconds
+
+
+class GenerateClient:
+    """All generation traffic of an HTTP engine. Use from one event loop."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        wire: Callable[[Backends], Wire],
+        *,
+        timeout_s: float = 3600.0,
+        connect_timeout_s: float = 10.0,
+        max_in_flight: int = 256,
+        retry: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.pool = ServerPool(urls)
+        self.backends = Backends(self.pool.urls, lambda: self.client, connect_timeout_s=connect_timeout_s)
+        self.wire = wire(self.backends)
+        self.retry = retry or RetryPolicy()
+        self.max_in_flight = max_in_flight
+        self.aborted: list[str] = []  # ids we asked servers to abort (for logs and tests)
+        self._sent: dict[str, tuple[str, Call]] = {}  # attempt rid -> (URL, call) awaiting an answer
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=limits, transport=self._transport)
+        return self._client
+
+    def sent(self) -> set[str]:
+        """The request ids of the calls sent and not answered yet."""
+        return set(self._sent)
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+        return self._slots
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(self, call: Call) -> tuple[str, Any]:
+        """POST one call, retrying transient failures; (url, JSON body)."""
+        who = f"request {call.request.id!r}"
+        last_error = "no attempt made"
+        avoid: str | None = None
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                await asyncio.sleep(self.retry.delay(attempt))
+            attempt_call = call if attempt == 0 else call.with_rid(f"{call.rid}-r{attempt}")
+            async with self.slots:
+                url = self.pool.acquire(avoid)
+                self._sent[attempt_call.rid] = (url, attempt_call)
+                try:
+                    response = await self.client.post(f"{url}{self.wire.path}", json=attempt_call.payload)
+                except _RETRYABLE as exc:
+                    last_error = f"{url}: {type(exc).__name__}: {exc or 'connection failed'}"
+                    log.warning("%s attempt %d failed: %s", who, attempt + 1, last_error)
+                    self.pool.mark_down(url, self.retry.down_cooldown_s)
+                    if not isinstance(exc, _NOT_SENT):  # the server may still be generating it
+                        await self._abort_quietly(url, attempt_call)
+                    avoid = url
+                    continue
+                except httpx.TimeoutException as exc:
+                    await self._abort_quietly(url, attempt_call)
+                    raise EngineUnavailableError(
+                        f"{who}: {self.wire.server} server {url} did not answer within the timeout "
+                        f"({type(exc).__name__})"
+                    ) from exc
+                except asyncio.CancelledError:
+                    await self._abort_quietly(url, attempt_call)
+                    raise
+                finally:
+                    self.pool.release(url)
+                    self._sent.pop(attempt_call.rid, None)
+            if response.status_code >= 500:
+                last_error = f"{url}: HTTP {response.status_code}: {error_message(response)}"
+                log.warning("%s attempt %d failed: %s", who, attempt + 1, last_error)
+                avoid = url
+                continue
+            if response.status_code >= 400:
+                raise UnsupportedRequestError(
+                    f"{who}: {self.wire.server} server {url} rejected it with HTTP {response.status_code}: "
+                    f"{error_message(response)}"
+                )
+            try:
+                return url, response.json()
+            except ValueError as exc:
+                raise ContractViolation(
+                    f"{who}: {self.wire.server} server {url} answered {self.wire.path} with a body that is not JSON: "
+                    f"{response.text[:200]!r}"
+                ) from exc
+        raise EngineUnavailableError(
+            f"{who}: no {self.wire.server} server answered after {self.retry.attempts} attempts; "
+            f"last error: {last_error}"
+        )
+
+    async def abort_sent(self, timeout_s: float = 10.0, *, only: set[str] | None = None) -> Aborts:
+        """Abort every call sent and not answered yet (or those of them whose request ids are in
+        `only`), on the server it went to: only this client's requests stop, not those of other
+        workers sharing the servers. What each server answered, per id."""
+        targets = [(url, self.wire.ids(call)) for rid, (url, call) in list(self._sent.items())
+                   if only is None or rid in only]
+        self.aborted.extend(i for _, ids in targets for i in ids)
+        answers = await asyncio.gather(*(self.wire.abort(url, ids, timeout_s) for url, ids in targets))
+        return {i: per_server for per_call in answers for i, per_server in per_call.items()}
+
+    async def _abort_quietly(self, url: str, call: Call) -> None:
+        """Best effort abort of a call on the server(s) behind `url`; never raises."""
+        ids = self.wire.ids(call)
+        self.aborted.extend(ids)
+        for i, answers in (await self.wire.abort(url, ids, 5.0)).items():
+            for server, answer in answers.items():
+                if not isinstance(answer, httpx.Response):
+                    log.warning("could not abort %s on %s: %s", i, server, answer)

@@ -1,0 +1,1 @@
+"""SGLang engines: in-process (`sglang`) and over HTTP (`sglang-http`, servers or the gateway)."""

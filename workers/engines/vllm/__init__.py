@@ -1,0 +1,1 @@
+"""The `vllm-http` engine: vLLM servers over `/v1/completions` with token ids."""

@@ -1,0 +1,1 @@
+"""Jobs on the worker: the allow-listed job function, admission, feeding the engine, hand-backs, reconciliation."""

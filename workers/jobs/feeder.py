@@ -1,0 +1,347 @@
+"""Keeping a concurrent engine fed across job boundaries, one shard per job.
+
+RQ's work loop runs one job at a time. With an engine that has the concurrent interface
+(`workers.engines.base.ConcurrentEngine`), the worker's `execute_job` hands each job to the
+`Feeder` instead: it does RQ's start-of-job bookkeeping, validates the payload, submits the
+requests to the engine and returns as soon as the engine has room for more, so the loop
+dequeues the next job while the last long sequences of this one still run. A completion
+thread then finishes each job on its own: rows, shard and commit (`workers.jobs.batch_job.commit_batch`),
+and RQ's success or failure handling (retries included) exactly as `perform_job` would.
+
+The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
+finished (drain) and no job starts while one waits or runs.
+
+A partial swap (`Feeder.partial_swap`, on an engine with `interrupt()`) keeps new jobs out but
+does not wait: it stops every sample in flight at its next step, loads, and submits each
+unfinished sample again as a continuation on the new weights (`workers.rows.continuation`); a job's
+shard is still written once, when every one of its samples has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue as queue_mod
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.timeouts import JobTimeoutException
+from rq.utils import now
+
+from pipeline.read.cancel import canceled_jobs
+from workers.engines.base import ConcurrentEngine, is_interruptible
+from workers.errors import JobCanceledError
+from workers.jobs import rq_seam
+from workers.jobs.allowed_job import is_job_function
+from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
+from workers.process import logs
+from workers.rows.continuation import Progress, Submission
+
+if TYPE_CHECKING:
+    from workers.process.engine_worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_JOBS_IN_FLIGHT = 64
+
+
+class Gate:
+    """Jobs in flight against exclusive engine operations (weight loads); exclusive ones win."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs = 0
+        self._exclusive = 0  # waiting for or holding exclusive use
+
+    @property
+    def jobs(self) -> int:
+        return self._jobs
+
+    def enter(self) -> None:
+        """A job starts; blocks while a weight load waits or runs."""
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._jobs += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._jobs -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, *, drain: bool = True) -> Iterator[None]:
+        """Keep new jobs out until done; with `drain`, first wait until no job is in flight."""
+        with self._cond:
+            self._exclusive += 1
+            while drain and self._jobs:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive -= 1
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._jobs == 0, timeout)
+
+
+@dataclass(eq=False)
+class InFlight:
+    job: Job
+    queue: Queue
+    execution: Execution
+    batch: PreparedBatch | None = None
+    progress: Progress | None = None
+    submission: Submission | None = None
+    future: Any = None
+    deadline: float = float("inf")
+    timed_out: bool = False
+    canceled: bool = False
+    samples: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Feeder:
+    """Several jobs in flight on one concurrent engine; RQ bookkeeping per job."""
+
+    def __init__(
+        self, worker: EngineWorker, engine: ConcurrentEngine, *,
+        max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
+    ) -> None:
+        self.worker = worker
+        self.engine = engine
+        self.max_jobs_in_flight = max(1, max_jobs_in_flight)
+        # Sequences fed beyond the capacity, so a freed slot never waits for a Redis round trip.
+        self.headroom = engine.capacity // 8 if headroom is None else headroom
+        self._done: queue_mod.Queue[InFlight | None] = queue_mod.Queue()
+        self._entries: dict[str, InFlight] = {}
+        self._cond = threading.Condition()
+        # Every engine submission holds this; a partial swap holds it from the interrupt until the
+        # continuations are submitted, so nothing reaches the engine while its weights change.
+        self._submit_lock = threading.RLock()
+        self._swapping = False
+        self._parked: list[InFlight] = []  # jobs stopped by the swap under way, to continue after it
+        self.can_interrupt = is_interruptible(engine)
+        self._thread: threading.Thread | None = None
+        self.admitted: list[tuple[float, str]] = []  # (monotonic time, job id), for tests and benchmarks
+
+    @staticmethod
+    def accepts(job: Job) -> bool:
+        """Only the project's job function is split; anything else goes the plain way (and is refused)."""
+        try:
+            return is_job_function(job.func_name)
+        except Exception:
+            return False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._entries)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._complete_loop, name="feeder-commit", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._done.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def has_room(self) -> bool:
+        return (len(self._entries) < self.max_jobs_in_flight
+                and self.engine.load() < self.engine.capacity + self.headroom)
+
+    def wait_for_room(self, stop: Callable[[], bool]) -> None:
+        """Return once the engine can take more (or a stop is requested)."""
+        with self._cond:
+            while not self.has_room() and not stop():
+                self._cond.wait(0.005)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job in flight has finished (shard committed or failed)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._entries, timeout)
+
+    def abort_all(self) -> None:
+        """Cold shutdown: cancel every batch in the engine; each job then fails (or is handed back)."""
+        for entry in list(self._entries.values()):
+            if entry.future is not None:
+                entry.future.cancel()
+
+    def abort_canceled(self) -> int:
+        """Abort the jobs in flight that were canceled (`pipeline.read.cancel`) at the engine's next step;
+        each then ends with `JobCanceledError` (no shard, no commit). Returns how many."""
+        entries = [e for e in list(self._entries.values()) if e.batch is not None and not e.canceled]
+        by_run: dict[str, list[InFlight]] = {}
+        for entry in entries:
+            assert entry.batch is not None
+            by_run.setdefault(entry.batch.job.run, []).append(entry)
+        aborted = 0
+        for run, in_run in by_run.items():
+            canceled = canceled_jobs(self.worker.connection, run, [e.job.id for e in in_run])
+            for entry in in_run:
+                if entry.job.id in canceled:
+                    entry.canceled = True
+                    aborted += 1
+                    if entry.future is not None:
+                        entry.future.cancel()
+        return aborted
+
+    # -- admission (the work loop's thread) -------------------------------------------------
+
+    def admit(self, job: Job, queue: Queue) -> None:
+        """Start `job` on the engine; failures before the engine runs it are finalised here."""
+        with logs.job_scope(job, self.worker.worker_id):
+            self._admit(job, queue)
+
+    def _admit(self, job: Job, queue: Queue) -> None:
+        worker = self.worker
+        worker.gate.enter()
+        execution = worker.prepare_execution(job)
+        entry = InFlight(job, queue, execution)
+        with self._cond:
+            self._entries[job.id] = entry
+        worker.track(job, execution)
+        try:
+            worker.prepare_job_execution(job, remove_from_intermediate_queue=len(worker.queues) == 1)
+            job.started_at = now()
+            job.func  # noqa: B018 - the job class refuses any function but the project's own
+            timeout = job.timeout or worker.queue_class.DEFAULT_TIMEOUT
+            if timeout and timeout > 0:
+                entry.deadline = time.monotonic() + timeout
+            batch = prepare_batch(job.args[0], worker.connection)
+            entry.batch = batch
+            entry.samples = sum(r.sampling_params.n for r in batch.requests)
+            entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
+            with self._submit_lock:
+                # The version the job starts on: a partial swap may have loaded one since `prepare_batch`.
+                batch.weight_version = self.engine.weight_version
+                self._submit(entry, entry.progress.first(batch.weight_version))
+            self.admitted.append((time.monotonic(), job.id))
+        except BaseException:
+            self._finish(entry, sys.exc_info())
+
+    def _submit(self, entry: InFlight, submission: Submission) -> None:
+        """Hand a submission to the engine (holding `_submit_lock`); its end reaches the commit thread."""
+        entry.submission = submission
+        future = self.engine.submit(submission.requests)
+        entry.future = future
+        future.add_done_callback(lambda _: self._done.put(entry))
+
+    # -- partial weight swaps ------------------------------------------------------------------
+
+    def partial_swap(self, load: Callable[[], Any]) -> int:
+        """Stop every sample in flight, `load` the new weights, continue the samples on them.
+
+        New jobs wait meanwhile (the gate); jobs in flight are not drained. Returns the number of
+        samples the engine stopped. Their batches resolve at once; the commit thread parks each
+        job so stopped until the load is done, then this submits their continuations, before any
+        new job (a job the commit thread reaches later continues from there).
+        """
+        with self.worker.gate.exclusive(drain=False), self._submit_lock:
+            with self._cond:
+                self._swapping = True
+            try:
+                stopped = self.engine.interrupt()  # type: ignore[attr-defined]
+                load()
+            finally:
+                with self._cond:
+                    self._swapping = False
+                    parked, self._parked = self._parked, []
+                for entry in parked:
+                    self._continue(entry)
+        return stopped
+
+    def _continue(self, entry: InFlight) -> None:
+        """Submit a job's unfinished samples again (after a swap's load); park them during one."""
+        with self._cond:
+            if self._swapping:
+                self._parked.append(entry)
+                return
+        try:
+            assert entry.progress is not None
+            if entry.canceled:
+                raise JobCanceledError(f"job {entry.job.id} was canceled; nothing was written")
+            with self._submit_lock:
+                self._submit(entry, entry.progress.resume(self.engine.weight_version))
+        except BaseException:
+            with logs.job_scope(entry.job, self.worker.worker_id):
+                self._finish(entry, sys.exc_info())
+
+    # -- completion (the feeder's thread) ---------------------------------------------------
+
+    def _complete_loop(self) -> None:
+        while True:
+            try:
+                entry = self._done.get(timeout=0.5)
+            except queue_mod.Empty:
+                self._check_deadlines()
+                continue
+            if entry is None:
+                return
+            with logs.job_scope(entry.job, self.worker.worker_id):
+                self._complete(entry)
+            self._check_deadlines()
+
+    def _check_deadlines(self) -> None:
+        moment = time.monotonic()
+        for entry in list(self._entries.values()):
+            if entry.future is not None and not entry.timed_out and moment > entry.deadline:
+                entry.timed_out = True
+                if not entry.future.cancel():  # already done: its completion is queued
+                    entry.timed_out = False
+
+    def _complete(self, entry: InFlight) -> None:
+        try:
+            if entry.canceled:
+                raise JobCanceledError(f"job {entry.job.id} was canceled; its requests were aborted, nothing written")
+            if entry.timed_out:
+                raise JobTimeoutException(
+                    f"Task exceeded maximum timeout value ({entry.job.timeout} seconds); its requests were aborted"
+                )
+            outputs = entry.future.result()
+            assert entry.batch is not None and entry.progress is not None and entry.submission is not None
+            progress = entry.progress
+            progress.record(entry.submission, outputs)
+            if progress.done:  # the staleness bound, against the weights served now
+                progress.stale(self.engine.weight_version)
+            if not progress.done:  # stopped by a partial swap (or too stale): continues on the new weights
+                self._continue(entry)
+                return
+            decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]
+            summary = commit_batch(entry.batch, progress.outputs(decode), self.worker.connection,
+                                   datetime.now(UTC))
+            if progress.continued:
+                summary.update(continued=progress.continued, restarted=progress.restarted)
+        except BaseException:
+            self._finish(entry, sys.exc_info())
+            return
+        self._finish(entry, None, summary)
+
+    def _finish(self, entry: InFlight, exc_info: Any, result: Any = None) -> None:
+        worker = self.worker
+        try:
+            if exc_info is None:
+                rq_seam.finalize_success(worker, entry.job, entry.queue, entry.execution, result)
+            else:
+                rq_seam.finalize_failure(worker, entry.job, entry.queue, entry.execution, exc_info)
+        except Exception:  # bookkeeping must never kill the completion thread
+            log.exception("worker %s: finishing job %s failed", worker.worker_id, entry.job.id)
+        finally:
+            with self._cond:
+                self._entries.pop(entry.job.id, None)
+                self._cond.notify_all()
+            worker.untrack(entry.job)
+            worker.gate.leave()

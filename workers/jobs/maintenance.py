@@ -1,0 +1,163 @@
+"""Finding abandoned jobs in seconds: RQ's registry maintenance, on a short and bounded clock.
+
+A worker killed with SIGKILL leaves its execution in the queue's `StartedJobRegistry`; its
+heartbeat stops, the entry's score (last heartbeat + TTL) passes, and RQ's
+`StartedJobRegistry.cleanup` (RQ 3.0) retries the job if it has retries left, else moves it to
+the failed registry with `AbandonedJobError`. RQ runs that cleanup only from idle workers'
+dequeue loops, every `maintenance_interval` (default ten minutes), under a lock held for
+up to 15 minutes, and a job killed between dequeue and start waits a minute in the
+intermediate queue. Here:
+
+- a thread runs the cleanup every `maintenance_interval` seconds, busy or idle;
+- the lock expires after `2 × maintenance_interval` (a worker killed holding it delays
+  the next cleanup by that much, not 15 minutes);
+- jobs stuck in the intermediate queue are recovered after `stuck_after_s`;
+- retries RQ scheduled for later (jobs are submitted with backoff between attempts) are
+  enqueued once due, looked for every second: workers need no RQ scheduler process;
+- jobs whose state a Redis failover orphaned (waiting or running, but held nowhere) are
+  requeued (`workers.jobs.reconcile`); for `stuck_after_s` after the Redis master changed, no job is
+  taken for abandoned (running jobs' entries may have expired while no master answered, until
+  their workers' next heartbeats refresh them).
+
+So a dead worker's job runs again within about heartbeat TTL + maintenance interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import redis
+from rq import worker_registration
+from rq.job import Job
+from rq.queue import Queue
+from rq.registry import clean_registries
+from rq.utils import now
+
+from workers.jobs import rq_seam
+from workers.jobs.reconcile import ENDED, Reconciler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAINTENANCE_INTERVAL_S = 10
+DEFAULT_STUCK_AFTER_S = 60.0
+RETRY_CHECK_S = 1.0  # how often due retries are looked for (one ZRANGEBYSCORE per queue)
+RETRY_LOCK_S = 10
+
+
+class RegistryMaintenance:
+    """Frequent, bounded registry cleanup of some queues, from its own thread as well as on demand."""
+
+    def __init__(
+        self, connection: redis.Redis, queues: Sequence[Queue], *, interval_s: int,
+        exception_handlers: list[Any], fail_job: Callable[[Job, Queue, str], None],
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S, reconcilers: Sequence[Reconciler] = (),
+    ) -> None:
+        self.connection = connection
+        self.queues = queues
+        self.interval_s = interval_s
+        self.exception_handlers = exception_handlers  # RQ's registry cleaning hands abandoned jobs to them
+        self.fail_job = fail_job  # (job, queue, reason): the worker's failure path (retries, then failed)
+        self.stuck_after_s = stuck_after_s
+        self.reconcilers = {r.queue.name: r for r in reconcilers}  # by queue name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def clean(self) -> None:
+        """Clean each queue's registries unless another worker is at it (a lock of 2 × interval)."""
+        lock_ttl = max(2, int(self.interval_s) * 2)
+        for queue in self.queues:
+            reconciler = self.reconcilers.get(queue.name)
+            if reconciler is not None:
+                reconciler.observe_master()
+            if not self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl):
+                continue
+            try:
+                if reconciler is None or not reconciler.settling():  # see `Reconciler.settling`
+                    clean_registries(queue, self.exception_handlers)
+                    worker_registration.clean_worker_registry(queue)
+                    self._recover_intermediate(queue)
+                if reconciler is not None and reconciler.due():
+                    reconciler.sweep()
+            finally:
+                self.connection.delete(queue.registry_cleaning_key)
+
+    def _recover_intermediate(self, queue: Queue) -> None:
+        """Jobs dequeued by a worker that died before starting them go back through the failure path."""
+        intermediate = queue.intermediate_queue
+        started = queue.started_job_registry
+        for job_id in intermediate.get_job_ids():
+            if job_id in started:
+                continue
+            job = queue.fetch_job(job_id)
+            if job is None:
+                intermediate.remove(job_id)
+                continue
+            if intermediate.set_first_seen(job_id):
+                continue
+            first_seen = intermediate.get_first_seen(job_id)
+            if first_seen is None or now() - first_seen < timedelta(seconds=self.stuck_after_s):
+                continue
+            log.warning("job %s was dequeued but never started (worker died?); recovering it", job_id)
+            self.fail_job(job, queue, "Job was stuck in intermediate queue (worker died?).")
+            intermediate.remove(job_id)
+
+    def enqueue_due_retries(self) -> None:
+        """Retries whose backoff has passed go to their queue (what RQ's scheduler process would do);
+        one worker at a time per queue, so none is enqueued twice."""
+        for queue in self.queues:
+            registry = queue.scheduled_job_registry
+            if not registry.get_jobs_to_schedule(int(time.time()), chunk_size=1):
+                continue
+            lock = f"{registry.key}:enqueuing"
+            if not self.connection.set(lock, 1, nx=True, ex=RETRY_LOCK_S):
+                continue
+            try:
+                job_ids = registry.get_jobs_to_schedule(int(time.time()))
+                jobs = Job.fetch_many(job_ids, connection=self.connection, serializer=queue.serializer)
+                with self.connection.pipeline() as pipe:
+                    for job_id, job in zip(job_ids, jobs, strict=True):
+                        # A job that ended meanwhile (see `workers.jobs.reconcile`) is not run again.
+                        if job is not None and job.get_status(refresh=False) not in ENDED:
+                            rq_seam.enqueue(queue, job, pipe, at_front=False)
+                        registry.remove(job_id, pipeline=pipe)
+                    pipe.execute()
+            finally:
+                self.connection.delete(lock)
+
+    def next_retry_in(self) -> float | None:
+        """Seconds until the earliest scheduled retry of these queues is due (None: there is none)."""
+        due = []
+        for queue in self.queues:
+            earliest = self.connection.zrange(queue.scheduled_job_registry.key, 0, 0, withscores=True)
+            if earliest:
+                due.append(earliest[0][1])
+        return max(0.0, min(due) - time.time()) if due else None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="maintenance", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _loop(self) -> None:
+        next_clean = time.monotonic() + self.interval_s
+        while not self._stop.wait(min(RETRY_CHECK_S, self.interval_s)):
+            try:
+                self.enqueue_due_retries()
+                if time.monotonic() >= next_clean:
+                    next_clean = time.monotonic() + self.interval_s
+                    self.clean()
+            except redis.RedisError as exc:
+                log.warning("registry maintenance failed: %s", exc)
+            except Exception:  # the thread must outlive any one failure
+                log.exception("registry maintenance failed")

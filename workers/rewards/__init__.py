@@ -1,0 +1,1 @@
+"""Scoring committed shards with a run's reward function (`pipeline reward-worker`)."""
