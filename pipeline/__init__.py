@@ -47,6 +47,7 @@ from pipeline.read.reader import (
     weight_version_between,
 )
 from pipeline.read.routed_experts import routed_experts, routed_experts_positions
+from pipeline.read.trajectories import read_trajectories
 
 __all__ = [
     "Batch",
@@ -78,6 +79,7 @@ __all__ = [
     "connect",
     "finish_reason_in",
     "read_rollouts",
+    "read_trajectories",
     "report",
     "request_id_in",
     "rollouts_dataset",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NotRequired, Protocol, TypedDict, Unpack
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from schemas import request as request_schema
 from schemas.request import RolloutRequest
@@ -55,6 +55,20 @@ def _concatenate(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
 
 
+class TurnTag(BaseModel):
+    """The agent turn a job is (`pipeline serve`): one call of a session, answered from its rows.
+
+    A turn's rows are not a shard of their own: the worker appends them to the run's turn log
+    and answers the server; a flusher writes many turns to one shard (`workers.jobs.turn_log`).
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    session_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    turn: Annotated[StrictInt, Field(ge=0)]
+    prefix_break: StrictBool = False
+
+
 class JobHeader(TypedDict):
     """What every job of a submit says besides its requests."""
 
@@ -65,6 +79,7 @@ class JobHeader(TypedDict):
     submitted_at_ms: int
     min_weight_version: NotRequired[int | None]
     max_staleness: NotRequired[int | None]
+    turn: NotRequired[TurnTag | None]
 
 
 def _job_fields(request: RolloutRequest | PromptRequest) -> dict[str, Any]:
@@ -95,6 +110,8 @@ class JobPayload(BaseModel):
     prompt_lengths: list[Annotated[StrictInt, Field(ge=1)]]
     # Each request line without its input_ids (those are in prompt_tokens), defaults omitted.
     requests: list[dict[str, Any]]
+    # Set on the jobs of agent turns (the interactive lane): where the rows go and whom to answer.
+    turn: TurnTag | None = None
 
     @classmethod
     def pack(cls, requests: Sequence[RolloutRequest | PromptRequest], **header: Unpack[JobHeader]) -> JobPayload:

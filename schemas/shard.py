@@ -72,6 +72,12 @@ ROW_FIELDS: list[pa.Field] = [
     pa.field("metadata", pa.string(), nullable=False),
     # The rendered chat/prompt text for inspection; null for token-id requests.
     pa.field("prompt_text", pa.string()),
+    # Agent turns (`pipeline serve`): the session, the turn's index in it (0 first) and whether the
+    # agent rewrote its history before this turn (its prompt was rendered anew, not extended). Null
+    # on rows of submitted batches.
+    pa.field("session_id", pa.string()),
+    pa.field("turn", pa.int32()),
+    pa.field("prefix_break", pa.bool_()),
 ]
 
 
@@ -86,6 +92,19 @@ def shard_schema(routed_experts_type: pa.DataType | None = None) -> pa.Schema:
 
 
 SHARD_SCHEMA = shard_schema()
+
+
+def rows_to_ipc(table: pa.Table) -> bytes:
+    """Rows as an Arrow IPC stream: how an agent turn's rows travel through Redis (never pickle)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def rows_from_ipc(data: bytes) -> pa.Table:
+    """The inverse of `rows_to_ipc`."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 # A rewards shard sits beside its rollout shard (`<job id>.rewards.parquet` next to `<job id>.parquet`;
 # readers of rollout shards skip it): one row per rollout row, written by a reward worker.

@@ -88,10 +88,15 @@ class FlakyStore(MemoryFileSystem):
         super().pipe_file(path, value, **kwargs)
 
 
-def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], **kwargs: Any) -> Any:
+def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], *, stop_when_done: bool = False,
+                 **kwargs: Any) -> Any:
     """Run a `RolloutWorker` around `engine` in this thread (it installs signal handlers) until it
     has been idle 2 s, while `driver` acts from another thread; re-raise the driver's failure.
+    `stop_when_done`: instead of the idle limit, a SIGTERM (a warm shutdown) once `driver` returns,
+    for drivers that may leave the queue empty for a while (an agent between its calls).
     Closes the engine; returns the worker."""
+    import os
+    import signal
     import threading
 
     from workers.process.worker import RolloutWorker
@@ -103,12 +108,16 @@ def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], **kwargs: A
             driver()
         except BaseException as exc:
             errors.append(exc)
+        finally:
+            if stop_when_done:
+                os.kill(os.getpid(), signal.SIGTERM)
 
+    worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)
     thread = threading.Thread(target=run)
     thread.start()
-    worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)
     try:
-        worker.work(burst=False, max_idle_time=2, with_scheduler=False, logging_level="WARNING")
+        worker.work(burst=False, max_idle_time=None if stop_when_done else 2, with_scheduler=False,
+                    logging_level="WARNING")
     finally:
         thread.join(timeout=30)
         engine.close()

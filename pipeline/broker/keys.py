@@ -16,16 +16,16 @@ already (it is also the shard directory under the output URL).
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
+from pipeline import settings
 from pipeline.errors import PoolNameError
 from schemas.worker_info import DEFAULT_POOL
 
 PREFIX = "pipeline"
 QUEUE_NAME = "rollouts"
-ENV_POOL = "PIPELINE_POOL"
+ENV_POOL = settings.POOL.name
 # Every pool ever named by a submit, a worker or a control change (status lists them).
 POOLS = f"{PREFIX}:pools"
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -45,6 +45,17 @@ class PoolKeys:
     def queue_name(self) -> str:
         """The pool's RQ queue."""
         return QUEUE_NAME if self.name == DEFAULT_POOL else f"{QUEUE_NAME}.{self.name}"
+
+    @property
+    def lane_queue_name(self) -> str:
+        """The pool's interactive lane: an RQ queue of agent turns (`pipeline serve`) that the pool's
+        workers take before its batch queue, so a turn never waits behind a long batch run."""
+        return f"lane.{self.queue_name}"
+
+    @property
+    def open_sessions(self) -> str:
+        """The set of the pool's open agent sessions (`pipeline serve`)."""
+        return f"{self._base}:sessions:open"
 
     @property
     def control_state(self) -> str:
@@ -88,7 +99,7 @@ class PoolKeys:
 
 def pool_name(name: str | None = None) -> str:
     """`name`, else `$PIPELINE_POOL`, else `default`; `PoolNameError` if it is not a valid name."""
-    chosen = name or os.environ.get(ENV_POOL) or DEFAULT_POOL
+    chosen = name or settings.pool() or DEFAULT_POOL
     if not _POOL_NAME.match(chosen):
         where = "" if name else f" (from ${ENV_POOL})"
         raise PoolNameError(
@@ -158,3 +169,48 @@ def reward_jobs(run: str) -> str:
 def reward_totals(run: str) -> str:
     """A hash of a run's reward totals: jobs, failed, rows, sum (kept by `pipeline.broker.reward_log.append`)."""
     return f"{PREFIX}:rewards:{run}:totals"
+
+
+# Agent sessions (`pipeline serve`): state lives here, so servers are stateless and interchangeable.
+def session(session_id: str) -> str:
+    """A hash describing one agent session: run, pool, output, metadata, state, reward, versions."""
+    return f"{PREFIX}:session:{session_id}"
+
+
+def session_turns(session_id: str) -> str:
+    """A list of a session's turns, one JSON record each in turn order (`pipeline.serve.sessions`)."""
+    return f"{PREFIX}:session:{session_id}:turns"
+
+
+def turn_reply(job_id: str) -> str:
+    """A list a worker pushes a finished turn's rows to (Arrow IPC); the server waits on it."""
+    return f"{PREFIX}:turn:{job_id}:reply"
+
+
+# Runs with agent turns: the turn logs flushers write to shards.
+TURN_RUNS = f"{PREFIX}:turns:runs"
+
+
+def turn_log(run: str) -> str:
+    """A run's stream of agent-turn rows not yet written to a shard (one entry per turn, Arrow IPC)."""
+    return f"{PREFIX}:turns:{run}"
+
+
+def turn_log_jobs(run: str) -> str:
+    """A hash of turn job id → its turn-log entry id: each turn's rows are logged once."""
+    return f"{PREFIX}:turns:{run}:jobs"
+
+
+def turn_log_output(run: str) -> str:
+    """The output URL a run's turn shards are written under (set by the server that opened the run)."""
+    return f"{PREFIX}:turns:{run}:output"
+
+
+def turn_flush_lock(run: str) -> str:
+    """Held by the one flusher writing a run's next turn shard."""
+    return f"{PREFIX}:turns:{run}:flush-lock"
+
+
+def run_turn_stats(run: str) -> str:
+    """A hash of a run's agent-turn counts: turns, prefix_breaks (`pipeline status`, the report)."""
+    return f"{PREFIX}:run:{run}:turn-stats"

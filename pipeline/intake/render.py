@@ -40,6 +40,9 @@ from pydantic import ValidationError
 from pipeline.errors import REQUESTS, LineError, PipelineError, RenderError, RequestFileError
 from schemas.chat import SHARED_FIELDS, ChatMessage, ChatRequest, NamedToolChoice, TextPart, is_chat_line
 
+# Stands for an earlier reply's content in `ChatRenderer.render_after_reply`.
+_REPLY_MARK = "\u2063reply\u2063"
+
 
 @dataclass(frozen=True)
 class Rendered:
@@ -371,6 +374,31 @@ class ChatRenderer:
         if prefix:
             ids += self._prefix_ids(prefix)
         return Rendered(ids, full_text + prefix)
+
+    def render_after_reply(self, request: ChatRequest, boundary: int, completion_text: str) -> Rendered:
+        """What follows an earlier reply whose sampled ids the caller keeps verbatim (agent turns).
+
+        `request.messages[boundary]` is the assistant message standing for that reply; the
+        messages after it are new. The template renders the conversation with a marker in place of
+        the reply's content; the text after the marker, less the end of it the sampled completion
+        (`completion_text`, decoded with special tokens) already holds (its end-of-turn token), is
+        the extension: the template's glue, the new messages and the generation prompt. Only that
+        is tokenized, so the sampled ids are never re-tokenized, whatever the template does with
+        tool calls or reasoning in earlier replies.
+        """
+        assert request.messages is not None
+        messages = list(request.messages)
+        marked = [*messages[:boundary], ChatMessage(role="assistant", content=_REPLY_MARK), *messages[boundary + 1:]]
+        text, _, prefix = self._render_messages(request, marked)
+        at = text.find(_REPLY_MARK)
+        if at < 0 or text.find(_REPLY_MARK, at + 1) >= 0:
+            raise RenderError(f"messages[{boundary}]", "the chat template does not render the earlier reply's "
+                                                       "content once, so the turn cannot extend it")
+        after = text[at + len(_REPLY_MARK):] + prefix
+        held = next((k for k in range(min(len(after), len(completion_text)), 0, -1)
+                     if completion_text.endswith(after[:k])), 0)
+        extension = after[held:]
+        return Rendered(self._encode_prompt(extension) if extension else [], extension)
 
     # -- the request_file hook -------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import time
 import uuid
@@ -19,6 +18,7 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
+from pipeline import settings
 from pipeline.broker import keys, registry, reward_log
 from pipeline.broker.redis_server import state_dir
 from pipeline.broker.replication import Proof, replicated
@@ -60,7 +60,7 @@ def retry_intervals(retries: int) -> list[int]:
 
 
 def default_output() -> str:
-    return os.environ.get("PIPELINE_OUTPUT") or f"file://{state_dir() / 'shards'}"
+    return settings.output() or f"file://{state_dir() / 'shards'}"
 
 
 def new_run_name() -> str:
@@ -80,6 +80,24 @@ class SubmitPlan:
     pool: str = keys.DEFAULT_POOL
     reward: str | None = None
     groups: int | None = None  # the groups `Batch.take` keeps by default (`submit(groups=N)`)
+
+
+def job_data(payload: JobPayload, *, timeout_s: int, retries: int, needs: Needs, description: str,
+             meta: dict[str, Any] | None = None) -> Any:
+    """RQ's data for one job of the project's job function (`Queue.enqueue_many` takes a list of them)."""
+    return Queue.prepare_data(
+        JOB_FUNCTION,
+        # The request dicts are plain JSON already (validated lines): not walked again.
+        args=({**payload.model_dump(mode="json", exclude={"requests"}), "requests": payload.requests},),
+        job_id=payload.job_id,
+        timeout=timeout_s,
+        result_ttl=RESULT_TTL_S,
+        failure_ttl=RESULT_TTL_S,
+        description=description,
+        retry=Retry(max=retries, interval=retry_intervals(retries)) if retries else None,
+        # What the job needs of its worker, read before it runs (`workers.jobs.admission`).
+        meta={**(meta or {}), "run": payload.run, "needs": needs.as_dict()},
+    )
 
 
 def rollout_queue(conn: redis.Redis, pool: str | None = None) -> Queue:
@@ -421,17 +439,7 @@ class _Jobs:
         self.requests += len(payload.requests)
         self.samples += samples
         self.datas.append(
-            Queue.prepare_data(
-                JOB_FUNCTION,
-                # The request dicts are plain JSON already (validated lines): not walked again.
-                args=({**payload.model_dump(mode="json", exclude={"requests"}), "requests": payload.requests},),
-                job_id=job_id,
-                timeout=self.job_timeout_s,
-                result_ttl=RESULT_TTL_S,
-                failure_ttl=RESULT_TTL_S,
-                description=f"rollouts run={self.run} job={index} requests={len(payload.requests)}",
-                retry=Retry(max=self.retries, interval=retry_intervals(self.retries)) if self.retries else None,
-                # What the job needs of its worker, read before it runs (`workers.jobs.admission`).
-                meta={"batch_id": self.batch_id, "run": self.run, "needs": needs.as_dict()},
-            )
+            job_data(payload, timeout_s=self.job_timeout_s, retries=self.retries, needs=needs,
+                     description=f"rollouts run={self.run} job={index} requests={len(payload.requests)}",
+                     meta={"batch_id": self.batch_id})
         )

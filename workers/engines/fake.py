@@ -2,17 +2,19 @@
 `MockTransport`): deterministic outputs, no model, optional delays, a record of every call.
 
 Sample i of a request emits `max_new_tokens` copies of token id (i + 1), each with logprob -0.5
-(when logprobs were asked for), finishing with `length`. Every batch takes `delay_s`; a batch
-holding a request whose id is in `fail_ids` raises `RuntimeError` (an engine bug, as far as the
-worker can tell); a weight load takes `load_s` and fails like a missing checkpoint when the
-path contains "bad".
+(when logprobs were asked for), finishing with `length`; or, with `replies`, the token ids
+`replies(request, i)` returns (a scripted model: tool calls, fixed answers), cut at
+`max_new_tokens`, finishing with `stop` when they end with one of `end_ids` (the model's EOS).
+Every batch takes `delay_s`; a batch holding a request whose id is in `fail_ids` raises
+`RuntimeError` (an engine bug, as far as the worker can tell); a weight load takes `load_s` and
+fails like a missing checkpoint when the path contains "bad".
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -27,7 +29,10 @@ class FakeEngine(EngineIdentity):
     def __init__(
         self, *, delay_s: float = 0.0, load_s: float = 0.0, weight_version: int = 0, max_top_logprobs: int = 0,
         name: str = "fake", fail_ids: Collection[str] = (),
+        replies: Callable[[RolloutRequest, int], Sequence[int]] | None = None, end_ids: Collection[int] = (),
     ) -> None:
+        self.replies = replies
+        self.end_ids = frozenset(end_ids)
         self.delay_s = delay_s
         self.load_s = load_s
         self.fail_ids = frozenset(fail_ids)
@@ -50,6 +55,9 @@ class FakeEngine(EngineIdentity):
         if failing:
             raise RuntimeError(f"fake engine: requests {failing} fail (fail_ids)")
         version = self._weight_version
+        if self.replies is not None:
+            return [[self._scripted(request, i, version) for i in range(request.sampling_params.n)]
+                    for request in requests]
         return [
             [
                 SampleOutput(
@@ -63,6 +71,16 @@ class FakeEngine(EngineIdentity):
             ]
             for request in requests
         ]
+
+    def _scripted(self, request: RolloutRequest, index: int, version: int) -> SampleOutput:
+        assert self.replies is not None
+        ids = np.asarray(list(self.replies(request, index))[: request.sampling_params.max_new_tokens], dtype=np.int32)
+        ended = ids.size > 0 and int(ids[-1]) in self.end_ids
+        return SampleOutput(
+            token_ids=ids, finish=Finish("stop", matched=int(ids[-1])) if ended else Finish("length"),
+            logprobs=np.full(ids.size, -0.5, dtype=np.float32) if request.logprobs is not None else None,
+            weight_version=version,
+        )
 
     def update_weights(self, path: str, version: int) -> None:
         """Record the load; a path containing "bad" fails like a missing checkpoint."""

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 
+from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import shard_schema
 from workers.engines.base import SampleOutput
@@ -31,6 +32,7 @@ class RowContext:
     started_at: datetime
     finished_at: datetime
     num_experts: int | None = None
+    turn: TurnTag | None = None  # an agent turn's session, index and prefix break (null columns otherwise)
 
 
 def _routed_type(num_experts: int | None) -> pa.DataType:
@@ -146,6 +148,9 @@ def build_table(
         "run": ctx.run, "job_id": ctx.job_id, "engine": ctx.engine, "model": ctx.model, "worker_id": ctx.worker_id,
         "submitted_at": ctx.submitted_at, "started_at": ctx.started_at,
         "finished_at": ctx.finished_at,
+        "session_id": ctx.turn.session_id if ctx.turn else None,
+        "turn": ctx.turn.turn if ctx.turn else None,
+        "prefix_break": ctx.turn.prefix_break if ctx.turn else None,
     }
     columns = []
     for field in schema:

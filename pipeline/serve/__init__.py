@@ -1,0 +1,1 @@
+"""The agent endpoint: OpenAI's Chat Completions over the rollout queue."""

@@ -1,0 +1,194 @@
+"""A turn's rows as OpenAI answers: chat completions (whole or as SSE chunks) and text completions.
+
+Each choice is one row (one sample). Its completion text is parsed the way SGLang's OpenAI
+server parses it (`pipeline.serve.parsers`): reasoning first, then tool calls in what is left,
+content never dropped; `finish_reason` is "tool_calls" when calls were parsed. Tool call ids are
+derived from the turn's job id, so an answer given again (a retried call) is the same answer.
+
+Beside OpenAI's fields every answer says where it came from, for trainers and agent logs:
+`session_id`, `turn`, and per choice `rollout_id`, `weight_version` and the completion's
+`token_ids`; clients that do not know them ignore them.
+
+Streaming sends the finished answer as chunks (role, reasoning, content, each tool call, the
+finish, usage when `stream_options.include_usage`, then `[DONE]`): a turn is generated and
+committed as a whole through the queue, so tokens are not streamed as they are sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.serve.parsers import parse_chat_answer
+
+TokenText = Any  # a callable: token id -> its text
+
+
+@dataclass(frozen=True)
+class ParseRules:
+    """How completions become chat answers: the server's parsers and the request's tools."""
+
+    reasoning_parser: str | None
+    tool_call_parser: str | None
+    tools: list[dict[str, Any]] | None
+    tool_choice_none: bool
+    chat_template_kwargs: dict[str, Any] | None
+
+
+def _call_id(job_id: str, choice: int, index: int) -> str:
+    return "call_" + hashlib.sha256(f"{job_id}:{choice}:{index}".encode()).hexdigest()[:24]
+
+
+def _rows(table: pa.Table) -> list[dict[str, Any]]:
+    rows = table.to_pylist()
+    return sorted(rows, key=lambda r: r["sample_index"])
+
+
+def usage(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    prompt = rows[0]["prompt_tokens"] if rows else 0
+    completion = sum(r["completion_tokens"] for r in rows)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": rows[0]["cached_tokens"] if rows else 0}}
+
+
+def _chat_logprobs(row: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
+    tops = row["completion_top_logprobs"]
+    content = []
+    for position, (token_id, logprob) in enumerate(zip(row["completion_token_ids"], row["completion_logprobs"],
+                                                       strict=True)):
+        text = token_text(token_id)
+        entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+        if tops is not None:
+            entry["top_logprobs"] = [
+                {"token": (t := token_text(alt["token_id"])), "logprob": alt["logprob"], "bytes": list(t.encode())}
+                for alt in tops[position]
+            ]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def chat_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, turn: int, rules: ParseRules,
+                text_of: Any, token_text: TokenText, logprobs: bool) -> dict[str, Any]:
+    """The `chat.completion` object for a turn's rows. `text_of(row)` is the completion text to parse."""
+    rows = _rows(table)
+    choices = []
+    for row in rows:
+        finish = row["finish_reason"]
+        parsed = parse_chat_answer(
+            text_of(row),
+            reasoning_parser=rules.reasoning_parser,
+            tool_call_parser=None if rules.tool_choice_none or not rules.tools else rules.tool_call_parser,
+            tools=rules.tools, chat_template_kwargs=rules.chat_template_kwargs, finish_reason=finish,
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning_content is not None:
+            message["reasoning_content"] = parsed.reasoning_content
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                {"id": _call_id(job_id, row["sample_index"], k), "index": k, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for k, call in enumerate(parsed.tool_calls)
+            ]
+        choices.append({
+            "index": row["sample_index"], "message": message,
+            "logprobs": _chat_logprobs(row, token_text) if logprobs else None,
+            "finish_reason": parsed.finish_reason,
+            "matched_stop": row["stop_reason_token"] if row["stop_reason_text"] is None else row["stop_reason_text"],
+            "rollout_id": row["rollout_id"], "weight_version": row["weight_version"],
+            "token_ids": row["completion_token_ids"],
+        })
+    return {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(rows), "session_id": session_id, "turn": turn}
+
+
+def text_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, turn: int, text_of: Any,
+                token_text: TokenText, logprobs: int | None) -> dict[str, Any]:
+    """The `text_completion` object for a turn's rows (`/v1/completions`)."""
+    rows = _rows(table)
+    choices = []
+    for row in rows:
+        lp = None
+        if logprobs is not None:
+            tokens = [token_text(t) for t in row["completion_token_ids"]]
+            offsets, at = [], 0
+            for token in tokens:
+                offsets.append(at)
+                at += len(token)
+            tops = row["completion_top_logprobs"]
+            lp = {"tokens": tokens, "token_logprobs": row["completion_logprobs"], "text_offset": offsets,
+                  "top_logprobs": None if tops is None else
+                  [{token_text(alt["token_id"]): alt["logprob"] for alt in position} for position in tops]}
+        choices.append({"index": row["sample_index"], "text": text_of(row), "logprobs": lp,
+                        "finish_reason": row["finish_reason"], "rollout_id": row["rollout_id"],
+                        "weight_version": row["weight_version"], "token_ids": row["completion_token_ids"]})
+    return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(rows), "session_id": session_id, "turn": turn}
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def chat_chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
+    """A finished chat answer as `chat.completion.chunk` server-sent events."""
+    head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+            "model": answer["model"]}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": extra.pop("logprobs", None),
+                                          "finish_reason": finish, **extra}]})
+
+    for choice in answer["choices"]:
+        index, message = choice["index"], choice["message"]
+        yield chunk(index, {"role": "assistant", "content": ""})
+        if message.get("reasoning_content"):
+            yield chunk(index, {"reasoning_content": message["reasoning_content"]})
+        if message["content"]:
+            yield chunk(index, {"content": message["content"]}, logprobs=choice["logprobs"])
+        for call in message.get("tool_calls", []):
+            yield chunk(index, {"tool_calls": [call]})
+        yield chunk(index, {}, choice["finish_reason"], matched_stop=choice["matched_stop"],
+                    rollout_id=choice["rollout_id"], weight_version=choice["weight_version"],
+                    token_ids=choice["token_ids"])
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": answer["usage"]})
+    yield b"data: [DONE]\n\n"
+
+
+def text_chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
+    """A finished text completion as server-sent events."""
+    head = {"id": answer["id"], "object": "text_completion", "created": answer["created"], "model": answer["model"]}
+    for choice in answer["choices"]:
+        yield _sse({**head, "choices": [{"index": choice["index"], "text": choice["text"],
+                                         "logprobs": choice["logprobs"], "finish_reason": None}]})
+        yield _sse({**head, "choices": [{"index": choice["index"], "text": "", "logprobs": None,
+                                         "finish_reason": choice["finish_reason"]}]})
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": answer["usage"]})
+    yield b"data: [DONE]\n\n"
+
+
+def canonical_assistant(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message reduced to what identifies a reply: its content (trimmed; parts joined)
+    and its tool calls (name and parsed arguments). Ids, reasoning and formatting are left out, since
+    agents send replies back with or without them."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = " ".join(part.get("text") or "" for part in content if isinstance(part, dict)
+                           and part.get("type") == "text")
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(arguments)
+        calls.append([function.get("name"), arguments])
+    return {"content": (content or "").strip(), "tool_calls": calls}

@@ -1,0 +1,195 @@
+"""The ASGI app of `pipeline serve` (Starlette): OpenAI's API for agents, and sessions.
+
+Routes (each `/v1/...` route also lives under `/sessions/<id>/v1/...`, so an unmodified agent
+joins a session by its base URL alone; an `X-Session-Id` header does the same):
+
+    POST /v1/chat/completions    POST /v1/completions    GET /v1/models    GET /health
+    POST /sessions               GET /sessions/<id>      POST /sessions/<id>/reward
+    POST /sessions/<id>/end
+
+Bodies are read up to `max_body_bytes` (413 beyond), must be UTF-8 JSON objects (400 for
+invalid UTF-8, malformed or too deeply nested JSON, naming what is wrong), and are validated
+strictly (400 naming the field). Handlers run in worker threads (sync Redis, rendering) under
+a limiter, so one slow turn never blocks another. With `api_key` set every route but
+`/health` wants `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import redis
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline.errors import PipelineError
+from pipeline.serve.answers import chat_chunks, text_chunks
+from pipeline.serve.errors import APIError, from_validation
+from pipeline.serve.protocol import ChatCompletionBody, CompletionBody
+from pipeline.serve.turns import Turns
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+THREADS = 1024  # turns waiting at once per server (each waits in a thread)
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, stopping past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+async def read_json(request: Request, max_bytes: int, *, empty: Any = None) -> Any:
+    """The body as JSON, refused cleanly when too large, not UTF-8, malformed or too deep; `empty`
+    for an empty body when given."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"the body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip() and empty is not None:
+        return empty
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the body is not UTF-8 (byte {exc.start})", code="invalid_json") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except ValueError as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    return data
+
+
+def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The app serving `turns`' pool."""
+    limiter = anyio.CapacityLimiter(THREADS)
+
+    async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(partial(fn, *args), limiter=limiter)
+
+    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if api_key is not None:
+                    given = request.headers.get("authorization", "")
+                    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                        raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                       code="invalid_api_key")
+                return await handler(request)
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            except ValidationError as exc:
+                error = from_validation(exc)
+                return JSONResponse(error.body(), status_code=error.status)
+            except redis.ConnectionError as exc:
+                error = APIError(503, f"Redis is unreachable: {exc}", code="redis_unreachable",
+                                 headers={"Retry-After": "5"})
+                return JSONResponse(error.body(), status_code=503, headers=error.headers)
+            except PipelineError as exc:
+                return JSONResponse(APIError(400, str(exc)).body(), status_code=400)
+            except Exception:
+                log.exception("unexpected error serving %s %s", request.method, request.url.path)
+                return JSONResponse(APIError(500, "internal error; see the server's log").body(), status_code=500)
+        return endpoint
+
+    def session_of(request: Request) -> str | None:
+        return request.path_params.get("session_id") or request.headers.get("x-session-id")
+
+    async def chat(request: Request) -> Response:
+        body = ChatCompletionBody.model_validate(await read_json(request, max_body_bytes))
+        answer = await in_thread(turns.chat, body, session_of(request))
+        if body.stream:
+            return StreamingResponse(iter(list(chat_chunks(answer, body.include_usage))),
+                                     media_type="text/event-stream")
+        return JSONResponse(answer)
+
+    async def completions(request: Request) -> Response:
+        body = CompletionBody.model_validate(await read_json(request, max_body_bytes))
+        answer = await in_thread(turns.completion, body, session_of(request))
+        if body.stream:
+            return StreamingResponse(iter(list(text_chunks(answer, body.include_usage))),
+                                     media_type="text/event-stream")
+        return JSONResponse(answer)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": turns.settings.model, "object": "model", "created": 0, "owned_by": "rollout-pipeline"}]})
+
+    async def health(request: Request) -> Response:
+        try:
+            await in_thread(turns.conn.ping)
+        except redis.RedisError as exc:
+            return JSONResponse({"status": "unhealthy", "redis": str(exc)}, status_code=503)
+        workers = await in_thread(turns.lane.live_workers)
+        return JSONResponse({"status": "ok", "pool": turns.settings.pool, "live_workers": len(workers)})
+
+    async def create_session(request: Request) -> Response:
+        data = await read_json(request, max_body_bytes, empty={})
+        if not isinstance(data, dict) or set(data) - {"run", "metadata", "session_id"}:
+            raise APIError(400, 'POST /sessions takes {"run": NAME, "metadata": {...}, "session_id": ID}, all '
+                                "optional", param=",".join(sorted(set(data) - {"run", "metadata", "session_id"}))
+                           if isinstance(data, dict) else None)
+        metadata = data.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise APIError(400, "metadata must be a JSON object", param="metadata")
+        session = await in_thread(partial(turns.sessions.create, run=data.get("run") or turns.settings.run,
+                                          pool=turns.settings.pool, output=turns.settings.output,
+                                          metadata=metadata, session_id=data.get("session_id")))
+        return JSONResponse(session.public(), status_code=201)
+
+    async def get_session(request: Request) -> Response:
+        session = await in_thread(turns.sessions.get, request.path_params["session_id"])
+        return JSONResponse(session.public())
+
+    async def reward(request: Request) -> Response:
+        data = await read_json(request, max_body_bytes)
+        session = await in_thread(turns.sessions.reward, request.path_params["session_id"], data)
+        return JSONResponse(session.public())
+
+    async def end(request: Request) -> Response:
+        session = await in_thread(turns.sessions.end, request.path_params["session_id"])
+        return JSONResponse(session.public())
+
+    routes = []
+    for prefix in ("", "/sessions/{session_id}"):
+        routes += [
+            Route(f"{prefix}/v1/chat/completions", guarded(chat), methods=["POST"]),
+            Route(f"{prefix}/v1/completions", guarded(completions), methods=["POST"]),
+            Route(f"{prefix}/v1/models", guarded(models), methods=["GET"]),
+        ]
+    routes += [
+        Route("/health", health, methods=["GET"]),
+        Route("/sessions", guarded(create_session), methods=["POST"]),
+        Route("/sessions/{session_id}", guarded(get_session), methods=["GET"]),
+        Route("/sessions/{session_id}/reward", guarded(reward), methods=["POST"]),
+        Route("/sessions/{session_id}/end", guarded(end), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)

@@ -1,0 +1,252 @@
+"""Agent sessions in Redis: what a server needs to serve a session's next turn, and nothing in memory.
+
+A session (`keys.session`) is a hash: its run, pool and output, metadata, state (`open` or
+`ended`), the number of turns committed, the reward, the weight versions its turns used, and
+two JSON records: `last`, the last committed turn (its prompt ids, each choice's completion ids
+and assistant message, and the answer sent, so a retried call is answered again, not generated
+again), and `pending`, the turn in flight (claimed with HSETNX, so two servers never run the
+same turn twice). Any server can serve any turn; a restarted server loses nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import redis
+
+from pipeline.broker import keys
+from pipeline.serve.errors import APIError
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires a week after its last turn
+
+
+def new_session_id(prefix: str = "s") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:20]}"
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID.match(session_id):
+        raise APIError(400, f"session id {session_id!r} must be 1-64 letters, digits, '.', '_' or '-', starting "
+                            "with a letter or digit", param="session_id")
+    return session_id
+
+
+def digest(value: Any) -> str:
+    """A stable digest of JSON-able data (sorted keys, no spaces)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def pack_ids(ids: Any) -> str:
+    return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
+
+
+def unpack_ids(packed: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(packed), dtype="<i4").tolist()
+
+
+@dataclass
+class Choice:
+    """One sample of a committed turn, as the next turn needs it."""
+
+    completion_ids: list[int]
+    completion_text: str  # decoded with special tokens: what the template's glue is matched against
+    assistant: dict[str, Any]  # the canonical assistant message sent (`canonical_assistant`)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ids": pack_ids(self.completion_ids), "text": self.completion_text, "assistant": self.assistant}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Choice:
+        return cls(unpack_ids(data["ids"]), data["text"], data["assistant"])
+
+
+@dataclass
+class TurnRecord:
+    """The last committed turn of a session."""
+
+    turn: int
+    job_id: str
+    request_digest: str
+    messages_digest: str
+    n_messages: int
+    prompt_ids: list[int]
+    prompt_text: str | None
+    choices: list[Choice]
+    response: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "turn": self.turn, "job_id": self.job_id, "request_digest": self.request_digest,
+            "messages_digest": self.messages_digest, "n_messages": self.n_messages,
+            "prompt_ids": pack_ids(self.prompt_ids), "prompt_text": self.prompt_text,
+            "choices": [c.to_json() for c in self.choices], "response": self.response,
+        }, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> TurnRecord:
+        data = json.loads(raw)
+        return cls(data["turn"], data["job_id"], data["request_digest"], data["messages_digest"], data["n_messages"],
+                   unpack_ids(data["prompt_ids"]), data["prompt_text"],
+                   [Choice.from_json(c) for c in data["choices"]], data["response"])
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A turn in flight: enough for any server to wait for it and record it."""
+
+    turn: int
+    job_id: str
+    request_digest: str
+    messages_digest: str
+    n_messages: int
+    prefix_break: bool
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Pending:
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class Session:
+    """A session as read from Redis."""
+
+    session_id: str
+    run: str
+    pool: str
+    output: str
+    state: str
+    turns: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    last: TurnRecord | None = None
+    pending: Pending | None = None
+    reward: dict[str, Any] | None = None
+    min_version: int | None = None
+    max_version: int | None = None
+    ephemeral: bool = False
+
+    def public(self) -> dict[str, Any]:
+        """The session as `GET /sessions/<id>` shows it."""
+        return {"session_id": self.session_id, "run": self.run, "pool": self.pool, "state": self.state,
+                "turns": self.turns, "metadata": self.metadata, "reward": self.reward,
+                "weight_versions": None if self.min_version is None else [self.min_version, self.max_version],
+                "turn_in_flight": None if self.pending is None else self.pending.turn}
+
+
+class SessionStore:
+    """Sessions of one Redis (sync client; the server calls it from worker threads)."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+
+    def create(self, *, run: str, pool: str, output: str, metadata: dict[str, Any] | None = None,
+               session_id: str | None = None, ephemeral: bool = False) -> Session:
+        """A new open session (409 if `session_id` is taken)."""
+        session_id = check_session_id(session_id) if session_id else new_session_id("call" if ephemeral else "s")
+        where = keys.pool(pool)
+        key = keys.session(session_id)
+        fields = {"run": run, "pool": where.name, "output": output, "state": "open", "turns": 0,
+                  "metadata": json.dumps(metadata or {}), "created_ms": int(time.time() * 1000),
+                  "ephemeral": int(ephemeral)}
+        if not self.conn.hsetnx(key, "run", run):
+            raise APIError(409, f"session {session_id!r} exists already; create it once, or use another id",
+                           param="session_id")
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, SESSION_TTL_S)
+            pipe.sadd(where.open_sessions, session_id)
+            pipe.sadd(where.runs, run)
+            pipe.sadd(keys.POOLS, where.name)
+            pipe.setnx(keys.turn_log_output(run), output)
+            pipe.execute()
+        return Session(session_id, run, where.name, output, "open", 0, metadata or {}, ephemeral=ephemeral)
+
+    def get(self, session_id: str) -> Session:
+        """The session, or 404."""
+        raw = self.conn.hgetall(keys.session(check_session_id(session_id)))
+        if not raw or b"pool" not in raw:
+            raise APIError(404, f"no session {session_id!r}: create it with POST /sessions (it may have expired "
+                                f"{SESSION_TTL_S // 86400} days after its last turn)", param="session_id",
+                           code="session_not_found")
+        data = {k.decode(): v.decode() for k, v in raw.items()}
+        return Session(
+            session_id, data["run"], data["pool"], data["output"], data["state"], int(data["turns"]),
+            json.loads(data.get("metadata") or "{}"),
+            TurnRecord.from_json(data["last"]) if "last" in data else None,
+            Pending.from_json(data["pending"]) if "pending" in data else None,
+            json.loads(data["reward"]) if "reward" in data else None,
+            int(data["min_version"]) if "min_version" in data else None,
+            int(data["max_version"]) if "max_version" in data else None,
+            data.get("ephemeral") == "1",
+        )
+
+    def claim(self, session: Session, pending: Pending) -> bool:
+        """Mark `pending` in flight; False if another turn got there first."""
+        return bool(self.conn.hsetnx(keys.session(session.session_id), "pending", pending.to_json()))
+
+    def release(self, session: Session, pending: Pending) -> None:
+        """Drop a pending turn that will not be recorded (its job failed or could not be enqueued)."""
+        key = keys.session(session.session_id)
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.watch(key)
+            if pipe.hget(key, "pending") == pending.to_json().encode():
+                pipe.multi()
+                pipe.hdel(key, "pending")
+                pipe.execute()
+
+    def record(self, session: Session, pending: Pending, record: TurnRecord, versions: tuple[int, int]) -> None:
+        """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move."""
+        key = keys.session(session.session_id)
+        low, high = versions
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"last": record.to_json(), "turns": pending.turn + 1})
+            pipe.hdel(key, "pending")
+            pipe.expire(key, SESSION_TTL_S)
+            pipe.hincrby(keys.run_turn_stats(session.run), "turns", 1)
+            if pending.prefix_break:
+                pipe.hincrby(keys.run_turn_stats(session.run), "prefix_breaks", 1)
+                pipe.hincrby(key, "prefix_breaks", 1)
+            pipe.execute()
+        # Versions the session's turns used (a script would do it in one step; two calls are fine
+        # since only the session's one turn in flight writes them).
+        current = self.conn.hmget(key, "min_version", "max_version")
+        low = low if current[0] is None else min(low, int(current[0]))
+        high = high if current[1] is None else max(high, int(current[1]))
+        self.conn.hset(key, mapping={"min_version": low, "max_version": high})
+
+    def reward(self, session_id: str, body: Any) -> Session:
+        """Record `{"reward": x}` or `{"rewards": {name: x}}` (numbers); replaces an earlier reward."""
+        session = self.get(session_id)
+        if not isinstance(body, dict) or set(body) - {"reward", "rewards"} or not body:
+            raise APIError(400, 'a reward is {"reward": NUMBER} or {"rewards": {"NAME": NUMBER, ...}}', param="reward")
+        values = dict(body.get("rewards") or {})
+        if "reward" in body:
+            values["reward"] = body["reward"]
+        for name, value in values.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or not np.isfinite(value):
+                raise APIError(400, f"reward {name!r} must be a finite number, not {value!r}", param=f"rewards.{name}")
+        self.conn.hset(keys.session(session_id), "reward", json.dumps(values))
+        session.reward = values
+        return session
+
+    def end(self, session_id: str) -> Session:
+        """Close a session: its turns stay readable; no new turn is accepted."""
+        session = self.get(session_id)
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.session(session_id), "state", "ended")
+            pipe.srem(keys.pool(session.pool).open_sessions, session_id)
+            pipe.execute()
+        session.state = "ended"
+        return session

@@ -1,0 +1,298 @@
+"""A call to `pipeline serve` as a turn: session, prompt ids by the prefix rule, the lane, the answer.
+
+The prefix rule (multi-turn without drift): when a chat call's messages are the session's last
+turn's messages, then an assistant message equal to a choice this server answered (same content,
+same tool calls), then new messages, its prompt ids are the last turn's prompt ids + that
+choice's completion ids verbatim + the rendering of only what follows
+(`ChatRenderer.render_after_reply`). Token-id calls (`/v1/completions`) extend when their ids start
+with the last prompt + a choice's completion. Anything else after the first turn (a history the
+agent truncated, summarised or edited) is rendered whole and recorded as a prefix break: on the
+row, in the session and the run's counts, never silent.
+
+A call equal to the last turn's (a client retrying after a lost answer) gets that answer again;
+a call equal to the turn in flight waits for it; each turn is generated once.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import redis
+
+from pipeline.errors import RenderError
+from pipeline.intake.render import ChatRenderer
+from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
+from pipeline.serve.errors import APIError
+from pipeline.serve.lane import Lane
+from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
+from pipeline.serve.sessions import Choice, Pending, Session, SessionStore, TurnRecord, digest
+from schemas.chat import ChatRequest
+from schemas.job_payload import TurnTag
+from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """What a server was started with that shapes every turn."""
+
+    run: str
+    output: str
+    pool: str
+    model: str
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    context_length: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    turn_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A turn's prompt: ids for the queue, text for the row, whether it broke the session's prefix."""
+
+    ids: list[int]
+    text: str | None
+    prefix_break: bool
+
+
+class Turns:
+    """Serves turns of any session of one pool (sessions and the lane are in Redis)."""
+
+    def __init__(self, conn: redis.Redis, settings: TurnSettings, renderer: ChatRenderer | None) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.renderer = renderer
+        self.sessions = SessionStore(conn)
+        self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s)
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def open_session(self, session_id: str | None) -> Session:
+        """The named session (404 if unknown, 409 if ended), or a new session of one turn."""
+        if session_id is None:
+            return self.sessions.create(run=self.settings.run, pool=self.settings.pool, output=self.settings.output,
+                                        ephemeral=True)
+        session = self.sessions.get(session_id)
+        if session.state != "open":
+            raise APIError(409, f"session {session_id!r} has ended; open a new one with POST /sessions",
+                           param="session_id", code="session_ended")
+        if session.pool != self.settings.pool:
+            raise APIError(409, f"session {session_id!r} belongs to pool {session.pool!r}; this server serves pool "
+                                f"{self.settings.pool!r}", param="session_id", code="wrong_pool")
+        return session
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def _tokenizer(self) -> Any:
+        if self.renderer is None:
+            raise APIError(400, "this server was started without --tokenizer: it serves token ids only "
+                                "(POST /v1/completions with a list of ids as the prompt)", code="no_tokenizer")
+        return self.renderer.tokenizer
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Turns per server, tokens are few
+    def token_text(self, token_id: int) -> str:
+        if self.renderer is None:
+            return f"token_id:{token_id}"
+        return self.renderer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _text_of(self, row: dict[str, Any], skip_special_tokens: bool = True) -> str:
+        """The row's completion text; decoded here (its end-of-turn token left out, as SGLang's
+        detokenizer leaves a matched stop token out) when the engine had no tokenizer."""
+        if row["completion_text"] is not None:
+            return row["completion_text"]
+        if self.renderer is None:
+            return ""
+        ids = row["completion_token_ids"]
+        if row["finish_reason"] == "stop" and row["stop_reason_text"] is None and ids:
+            ids = ids[:-1]
+        return self.renderer.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _special_text(self, ids: list[int]) -> str:
+        return self.renderer.tokenizer.decode(ids, skip_special_tokens=False) if self.renderer else ""
+
+    def _budget(self, prompt: Prompt, asked: int | None) -> int:
+        """max_new_tokens for the turn; 400 when the prompt (and what was asked) exceed the context."""
+        length, context = len(prompt.ids), self.settings.context_length
+        if length > MAX_PROMPT_TOKENS:
+            raise APIError(400, f"the prompt has {length} tokens, over the limit of {MAX_PROMPT_TOKENS}",
+                           param="messages", code="context_length_exceeded")
+        if context is None:
+            return asked or self.settings.default_max_tokens
+        if length + (asked or 1) > context:
+            raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has {length} "
+                                f"tokens" + (f" and max_tokens asks for {asked} more" if asked else "")
+                                + "; shorten the conversation or lower max_tokens", param="messages",
+                           code="context_length_exceeded")
+        return asked or min(self.settings.default_max_tokens, context - length)
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def chat(self, body: ChatCompletionBody, session_id: str | None) -> dict[str, Any]:
+        tokenizer_needed = self._tokenizer()
+        del tokenizer_needed
+        session = self.open_session(session_id)
+        messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+        request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"}, exclude_none=True))
+        rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
+                           self.settings.tool_call_parser,
+                           [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []] or None,
+                           body.tool_choice == "none", body.chat_template_kwargs)
+
+        def prompt(last: TurnRecord | None) -> Prompt:
+            return self._chat_prompt(body, messages, last)
+
+        # SGLang keeps special tokens in the text when tools may be called (tool-call markers often are).
+        keep_specials = bool(rules.tools) and not rules.tool_choice_none
+        if keep_specials:
+            body = body.model_copy(update={"skip_special_tokens": False})
+
+        def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
+            return chat_answer(table, job_id=pending.job_id, model=self.settings.model, session_id=session.session_id,
+                               turn=pending.turn, rules=rules, token_text=self.token_text, logprobs=body.logprobs,
+                               text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
+
+        return self._turn(session, body, request_digest, digest(messages), len(messages), prompt, answer,
+                          assistant_of=lambda choice: choice["message"])
+
+    def _chat_request(self, body: ChatCompletionBody, messages: list[dict[str, Any]]) -> ChatRequest:
+        data: dict[str, Any] = {"id": "turn", "messages": messages}
+        if body.tools is not None:
+            data["tools"] = [t.model_dump(mode="json", exclude_none=True) for t in body.tools]
+        if body.tool_choice is not None:
+            data["tool_choice"] = body.tool_choice if isinstance(body.tool_choice, str) \
+                else body.tool_choice.model_dump(mode="json")
+        if body.chat_template_kwargs is not None:
+            data["chat_template_kwargs"] = body.chat_template_kwargs
+        return ChatRequest.model_validate(data)
+
+    def _chat_prompt(self, body: ChatCompletionBody, messages: list[dict[str, Any]],
+                     last: TurnRecord | None) -> Prompt:
+        assert self.renderer is not None
+        request = self._chat_request(body, messages)
+        try:
+            if last is not None and last.n_messages + 1 < len(messages) \
+                    and digest(messages[: last.n_messages]) == last.messages_digest \
+                    and messages[last.n_messages].get("role") == "assistant":
+                reply = canonical_assistant(messages[last.n_messages])
+                choice = next((c for c in last.choices if c.assistant == reply), None)
+                if choice is not None:
+                    extension = self.renderer.render_after_reply(request, last.n_messages, choice.completion_text)
+                    return Prompt(last.prompt_ids + choice.completion_ids + extension.input_ids,
+                                  (last.prompt_text or "") + choice.completion_text + extension.prompt_text, False)
+            rendered = self.renderer.render(request)
+        except RenderError as exc:
+            raise APIError(400, exc.message, param=exc.field, code="render_error") from None
+        return Prompt(rendered.input_ids, rendered.prompt_text, last is not None)
+
+    # -- text / token ids ---------------------------------------------------------------------
+
+    def completion(self, body: CompletionBody, session_id: str | None) -> dict[str, Any]:
+        session = self.open_session(session_id)
+        if isinstance(body.prompt, str):
+            ids = list(self._tokenizer()(body.prompt)["input_ids"])
+            text: str | None = body.prompt
+        else:
+            ids, text = list(body.prompt), None
+        request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"}, exclude_none=True))
+
+        def prompt(last: TurnRecord | None) -> Prompt:
+            extends = last is not None and any(
+                ids[: len(last.prompt_ids) + len(c.completion_ids)] == last.prompt_ids + c.completion_ids
+                and len(ids) > len(last.prompt_ids) + len(c.completion_ids) for c in last.choices)
+            return Prompt(ids, text, last is not None and not extends)
+
+        def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
+            return text_answer(table, job_id=pending.job_id, model=self.settings.model, session_id=session.session_id,
+                               turn=pending.turn, text_of=self._text_of, token_text=self.token_text,
+                               logprobs=body.logprobs)
+
+        return self._turn(session, body, request_digest, "", 0, prompt, answer,
+                          assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]})
+
+    # -- the turn -----------------------------------------------------------------------------
+
+    def _turn(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
+              messages_digest: str, n_messages: int, prompt_of: Callable[[TurnRecord | None], Prompt],
+              answer: Callable[[pa.Table, Pending], dict[str, Any]],
+              assistant_of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        started = time.monotonic()
+        for _ in range(3):
+            if session.last is not None and session.last.request_digest == request_digest:
+                return session.last.response  # the client's retry of a call already answered
+            pending = session.pending
+            if pending is not None and pending.request_digest != request_digest:
+                if self._active(pending.job_id):
+                    raise APIError(409, f"session {session.session_id!r} has turn {pending.turn} in flight; a session "
+                                        "takes one call at a time", code="turn_in_flight")
+                self.sessions.release(session, pending)
+                pending = None
+            if pending is None:
+                pending = self._start(session, body, request_digest, messages_digest, n_messages, prompt_of)
+                if pending is None:  # another server claimed this session's turn meanwhile
+                    session = self.sessions.get(session.session_id)
+                    continue
+            try:
+                table = self.lane.wait(pending.job_id, started,
+                                       functools.partial(self._recorded, session.session_id, request_digest))
+            except APIError as exc:
+                if exc.code == "turn_failed":
+                    self.sessions.release(session, pending)
+                raise
+            if isinstance(table, dict):
+                return table
+            response = answer(table, pending)
+            self._record(session, pending, table, response, assistant_of)
+            return response
+        raise APIError(409, f"session {session.session_id!r}: another call keeps taking its turn", code="turn_conflict")
+
+    def _recorded(self, session_id: str, request_digest: str) -> dict[str, Any] | None:
+        """The answer of this call if another waiter recorded it meanwhile."""
+        last = self.sessions.get(session_id).last
+        return last.response if last is not None and last.request_digest == request_digest else None
+
+    def _active(self, job_id: str) -> bool:
+        status = self.conn.hget(f"rq:job:{job_id}", "status")
+        return status in (b"queued", b"started", b"scheduled", b"deferred")
+
+    def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
+               messages_digest: str, n_messages: int,
+               prompt_of: Callable[[TurnRecord | None], Prompt]) -> Pending | None:
+        prompt = prompt_of(session.last)
+        sampling = body.sampling(self._budget(prompt, body.budget()))
+        turn = session.turns
+        job_id = f"turn-{session.session_id}-{turn:05d}-{uuid.uuid4().hex[:6]}"
+        request = RolloutRequest.model_validate({
+            "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
+            "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
+            "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
+        })
+        pending = Pending(turn, job_id, request_digest, messages_digest, n_messages, prompt.prefix_break)
+        if not self.sessions.claim(session, pending):
+            return None
+        try:
+            self.lane.enqueue(request, run=session.run, output=session.output, job_id=job_id,
+                              turn=TurnTag(session_id=session.session_id, turn=turn, prefix_break=prompt.prefix_break))
+        except BaseException:
+            self.sessions.release(session, pending)
+            raise
+        return pending
+
+    def _record(self, session: Session, pending: Pending, table: pa.Table, response: dict[str, Any],
+                assistant_of: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        rows = sorted(table.to_pylist(), key=lambda r: r["sample_index"])
+        choices = [Choice(row["completion_token_ids"], self._special_text(row["completion_token_ids"]),
+                          canonical_assistant(assistant_of(choice)))
+                   for row, choice in zip(rows, response["choices"], strict=True)]
+        record = TurnRecord(pending.turn, pending.job_id, pending.request_digest, pending.messages_digest,
+                            pending.n_messages, rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response)
+        versions = [v for row in rows for v in ([row["weight_version"]] + [s["version"] for s in
+                                                                            row["weight_version_segments"] or []])]
+        self.sessions.record(session, pending, record, (min(versions), max(versions)))
+        if session.ephemeral:
+            self.sessions.end(session.session_id)

@@ -1,0 +1,97 @@
+"""Fixtures for `pipeline serve`: a real Redis, a real uvicorn server on a free port, a worker.
+
+The worker runs in the test's main thread (`tests.helpers.drive_worker`: RQ installs signal
+handlers) until idle; the agent under test runs in another thread against the server's URL.
+A scripted model (`FakeEngine(replies=...)`) answers fixed token ids per turn, so tool-calling
+episodes are exact; the tiny-tools fixture tokenizer renders and parses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from pipeline.serve.server import ServeConfig, Server
+from schemas.request import RolloutRequest
+from tests.helpers import drive_worker
+from workers.engines.fake import FakeEngine
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers" / "tiny-tools"
+
+
+@pytest.fixture(scope="session")
+def tools_tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+@dataclass
+class Script:
+    """A scripted model: the text each turn of a session answers (by turn index), tokenized."""
+
+    tokenizer: Any
+    turns: dict[int, str] = field(default_factory=dict)
+    default: str = "ok"
+    seen: list[RolloutRequest] = field(default_factory=list)
+
+    def reply(self, request: RolloutRequest, index: int) -> Sequence[int]:
+        self.seen.append(request)
+        turn = int(request.id.rsplit(":", 1)[1])
+        text = self.turns.get(turn, self.default)
+        return [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+
+    def engine(self, **kwargs: Any) -> FakeEngine:
+        return FakeEngine(replies=self.reply, end_ids=[self.tokenizer.eos_token_id], **kwargs)
+
+
+@dataclass
+class Stack:
+    conn: redis.Redis
+    server: Server
+    output: str
+    run: str
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def session(self, **body: Any) -> str:
+        import httpx
+
+        answer = httpx.post(f"{self.url}/sessions", json=body, timeout=30)
+        answer.raise_for_status()
+        return answer.json()["session_id"]
+
+
+@pytest.fixture
+def serve(redis_client: redis.Redis, tmp_path: Path) -> Iterator[Callable[..., Stack]]:
+    """`serve(**config)`: a server on a free port over `redis_client` (stopped after the test)."""
+    servers: list[Server] = []
+
+    def start(**overrides: Any) -> Stack:
+        options: dict[str, Any] = {"port": 0, "tokenizer": str(TOKENIZER), "tool_call_parser": "hermes",
+                                   "run": "agents", "output": f"file://{tmp_path}/shards", "turn_timeout_s": 30.0}
+        options.update(overrides)
+        server = Server(ServeConfig(**options), _turns(ServeConfig(**options), redis_client)).start()
+        servers.append(server)
+        return Stack(redis_client, server, options["output"], options["run"])
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _turns(config: ServeConfig, conn: redis.Redis) -> Any:
+    from pipeline.serve.server import build_turns
+
+    return build_turns(config, conn)
+
+
+def run_agent(conn: redis.Redis, engine: FakeEngine | Any, agent: Callable[[], None], **worker: Any) -> Any:
+    """Serve `agent` (a callable making calls) with a worker around `engine` until both are done."""
+    return drive_worker(conn, engine, agent, stop_when_done=True, **worker)

@@ -1,0 +1,190 @@
+"""Agent turns' rows (`pipeline serve`): logged once, answered at once, written many turns to a shard.
+
+A turn is a job of one request in the pool's interactive lane. Its rows are not a shard of their
+own (a shard per turn would leave thousands of tiny files per run): `commit_turn` appends them,
+as Arrow IPC, to the run's turn log (a Redis stream) and pushes them to the reply list the
+server waits on, in one script, at most once per job id (a retried job answers with the rows
+logged first). `flush_turns` writes the oldest turns of a run's log to one shard (at most
+`turns` turns, or whatever is there once the oldest is `max_age_s` old), appends it to the run's
+commit log like any shard, then deletes those entries. Every worker runs a `TurnFlusher`; a
+lock per run lets one flush at a time. A flush that dies before its delete leaves the entries
+in the log: the next one writes them again to the same shard path (named by the first entry's
+id), so each turn's rows land in exactly one committed shard; readers dedupe commits by job id.
+
+Until flushed, a turn's rows are read from the log (`pipeline.read.trajectories`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import redis
+
+from pipeline.broker import commit_log, keys
+from schemas.job_payload import JobPayload
+from schemas.shard import rows_from_ipc, rows_to_ipc
+from workers.rows.shard_writer import PendingShard
+
+log = logging.getLogger(__name__)
+
+REPLY_TTL_S = 600  # a reply nobody took (the server gave up or died) expires
+DEFAULT_SHARD_TURNS = 256
+DEFAULT_SHARD_AGE_S = 10.0
+LOCK_TTL_MS = 120_000
+
+# KEYS: turn log, job index, reply list, TURN_RUNS. ARGV: job id, rows (IPC), run, reply ttl.
+# Logs the rows once per job id; answers with the rows logged first (a duplicate run of the job
+# answers what the log holds, or nothing if that entry was flushed already).
+_COMMIT = """
+local logged = redis.call('HGET', KEYS[2], ARGV[1])
+if not logged then
+  local id = redis.call('XADD', KEYS[1], '*', 'job', ARGV[1], 'rows', ARGV[2])
+  redis.call('HSET', KEYS[2], ARGV[1], id)
+  redis.call('SADD', KEYS[4], ARGV[3])
+  redis.call('RPUSH', KEYS[3], ARGV[2])
+  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  return {1, id}
+end
+local entry = redis.call('XRANGE', KEYS[1], logged, logged)
+if #entry == 1 then
+  local fields = entry[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'rows' then
+      redis.call('RPUSH', KEYS[3], fields[i + 1])
+      redis.call('EXPIRE', KEYS[3], ARGV[4])
+    end
+  end
+end
+return {0, logged}
+"""
+
+# KEYS: turn log, TURN_RUNS. ARGV: run. A run whose log is empty leaves the set (atomically, so a
+# turn logged meanwhile keeps it there).
+_FORGET_IF_EMPTY = """
+if redis.call('XLEN', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# KEYS: lock. ARGV: token. Release only a lock this flusher holds.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def commit_turn(job: JobPayload, table: pa.Table, conn: redis.Redis) -> dict[str, Any]:
+    """Log a turn's rows (once per job id) and answer the server; return the job's summary."""
+    rows = table.num_rows
+    first, entry_id = conn.eval(
+        _COMMIT, 4, keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(job.job_id), keys.TURN_RUNS,
+        job.job_id, rows_to_ipc(table), job.run, REPLY_TTL_S,
+    )
+    tokens = int(pc.sum(table.column("completion_tokens")).as_py() or 0) if rows else 0
+    oldest = int(pc.min(table.column("weight_version")).as_py()) if rows else None
+    return {"turn_log": entry_id.decode() if isinstance(entry_id, bytes) else entry_id, "logged": bool(first),
+            "rows": rows, "tokens": tokens, "weight_version": oldest}
+
+
+def _unify(tables: list[pa.Table]) -> pa.Table:
+    """One table of turns whose routed-experts columns may differ in width (uint8/uint16)."""
+    schemas = {t.schema for t in tables}
+    if len(schemas) == 1:
+        return pa.concat_tables(tables)
+    wide = tables[0].schema
+    index = wide.get_field_index("routed_experts")
+    wide = wide.set(index, wide.field(index).with_type(pa.list_(pa.uint16())))
+    return pa.concat_tables([t.cast(wide) for t in tables])
+
+
+def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS,
+                max_age_s: float = DEFAULT_SHARD_AGE_S, force: bool = False) -> str | None:
+    """Write the oldest turns of `run`'s log to one shard when `turns` are waiting, or the oldest
+    is `max_age_s` old (or `force`); return the shard's URL, None when nothing was written."""
+    token = uuid.uuid4().hex
+    lock = keys.turn_flush_lock(run)
+    if not conn.set(lock, token, nx=True, px=LOCK_TTL_MS):
+        return None  # another flusher is on it
+    try:
+        entries = conn.xrange(keys.turn_log(run), count=turns)
+        if not entries:
+            conn.eval(_FORGET_IF_EMPTY, 2, keys.turn_log(run), keys.TURN_RUNS, run)
+            return None
+        first_id = entries[0][0].decode()
+        age = time.time() - int(first_id.split("-")[0]) / 1000
+        if len(entries) < turns and age < max_age_s and not force:
+            return None
+        output = conn.get(keys.turn_log_output(run))
+        if output is None:
+            raise RuntimeError(f"run {run!r} has agent turns but no output URL ({keys.turn_log_output(run)})")
+        table = _unify([rows_from_ipc(fields[b"rows"]) for _, fields in entries])
+        shard_id = f"turns-{first_id}"
+        url = PendingShard.encode(table, output.decode(), run, shard_id).store()
+        rows = table.num_rows
+        commit = commit_log.Commit(
+            job_id=shard_id, batch_id="turns", url=url, rows=rows,
+            tokens=int(pc.sum(table.column("completion_tokens")).as_py() or 0),
+            weight_version=int(pc.min(table.column("weight_version")).as_py()),
+        )
+        commit_log.append(conn, run, commit)
+        with conn.pipeline(transaction=True) as pipe:
+            pipe.xdel(keys.turn_log(run), *[entry_id for entry_id, _ in entries])
+            pipe.hdel(keys.turn_log_jobs(run), *{fields[b"job"] for _, fields in entries})
+            pipe.execute()
+        log.info("run %s: %d turns (%d rows) written to %s", run, len(entries), rows, url)
+        return url
+    finally:
+        conn.eval(_RELEASE, 1, lock, token)
+
+
+class TurnFlusher:
+    """A worker's thread that flushes every run's turn log (`flush_turns`) every `interval_s`."""
+
+    def __init__(self, connect: Callable[[], redis.Redis], *, interval_s: float = 0.5,
+                 turns: int = DEFAULT_SHARD_TURNS, max_age_s: float = DEFAULT_SHARD_AGE_S) -> None:
+        self._connect = connect
+        self.interval_s = interval_s
+        self.turns = turns
+        self.max_age_s = max_age_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="turn-flusher", daemon=True)
+        self._thread.start()
+
+    def stop(self, flush: bool = False) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if flush:
+            try:
+                self.flush_all(force=True)
+            except Exception:  # Redis or storage down at shutdown: the turns stay logged for another flusher
+                log.exception("flushing agent turns at shutdown failed; they stay in the turn log")
+
+    def flush_all(self, force: bool = False) -> int:
+        """One pass over every run with a turn log; the number of shards written."""
+        conn = self._connect()
+        written = 0
+        for run in conn.smembers(keys.TURN_RUNS):
+            name = run.decode()
+            while flush_turns(conn, name, turns=self.turns, max_age_s=self.max_age_s, force=force):
+                written += 1
+        return written
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.flush_all()
+            except Exception:  # a Redis or storage fault: the entries stay logged; try again later
+                log.exception("flushing agent turns failed; retrying in %.1f s", self.interval_s)
