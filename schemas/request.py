@@ -31,16 +31,28 @@ from pydantic import (
 MAX_TOKEN_ID = 2**31 - 1
 
 
-def _limit(env: str, default: int) -> int:
+# The size limits: environment variable -> (default, meaning). Read here, once, at import, the
+# only variables not read by `pipeline.settings` (which lists these from here): `schemas`
+# imports nothing from `pipeline`.
+LIMITS: dict[str, tuple[int, str]] = {
+    "PIPELINE_MAX_LINE_BYTES": (8 * 1024 * 1024, "longest request line accepted at submit (bytes)"),
+    "PIPELINE_MAX_PROMPT_TOKENS": (262_144, "longest prompt (tokens)"),
+    "PIPELINE_MAX_STOPS": (64, "most stop strings, or stop token ids, per request"),
+    "PIPELINE_MAX_STOP_CHARS": (1024, "longest stop string (characters)"),
+    "PIPELINE_MAX_METADATA_BYTES": (64 * 1024, "largest `metadata` object (bytes of JSON)"),
+}
+
+
+def _limit(env: str) -> int:
     value = os.environ.get(env)
-    return int(value) if value else default
+    return int(value) if value else LIMITS[env][0]
 
 
-MAX_LINE_BYTES = _limit("PIPELINE_MAX_LINE_BYTES", 8 * 1024 * 1024)
-MAX_PROMPT_TOKENS = _limit("PIPELINE_MAX_PROMPT_TOKENS", 262_144)
-MAX_STOPS = _limit("PIPELINE_MAX_STOPS", 64)
-MAX_STOP_CHARS = _limit("PIPELINE_MAX_STOP_CHARS", 1024)
-MAX_METADATA_BYTES = _limit("PIPELINE_MAX_METADATA_BYTES", 64 * 1024)
+MAX_LINE_BYTES = _limit("PIPELINE_MAX_LINE_BYTES")
+MAX_PROMPT_TOKENS = _limit("PIPELINE_MAX_PROMPT_TOKENS")
+MAX_STOPS = _limit("PIPELINE_MAX_STOPS")
+MAX_STOP_CHARS = _limit("PIPELINE_MAX_STOP_CHARS")
+MAX_METADATA_BYTES = _limit("PIPELINE_MAX_METADATA_BYTES")
 
 # `json.dumps(value, ensure_ascii=False, allow_nan=False)` without building an encoder per call.
 _METADATA_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)

@@ -20,7 +20,6 @@ replica answers. Outside the URL:
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -31,20 +30,11 @@ from redis.exceptions import AuthenticationError, AuthorizationError, ResponseEr
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from pipeline import settings
 from pipeline.broker.redis_server import embedded_server
 from pipeline.broker.sentinel_url import SENTINEL_SCHEMES, SentinelURL, is_sentinel_url, parse_sentinel_url
 from pipeline.errors import RedisURLError
 
-ENV_URL = "PIPELINE_REDIS_URL"
-ENV_PASSWORD = "PIPELINE_REDIS_PASSWORD"
-ENV_TLS_CA = "PIPELINE_REDIS_TLS_CA"
-ENV_TLS_CERT = "PIPELINE_REDIS_TLS_CERT"
-ENV_TLS_KEY = "PIPELINE_REDIS_TLS_KEY"
-ENV_TLS_VERIFY = "PIPELINE_REDIS_TLS_VERIFY"
-ENV_RECONNECT_S = "PIPELINE_REDIS_RECONNECT_S"
-ENV_SENTINEL_PASSWORD = "PIPELINE_REDIS_SENTINEL_PASSWORD"
-
-DEFAULT_RECONNECT_S = 60.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
@@ -52,7 +42,7 @@ SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
 
 def resolve_url(url: str | None = None) -> str:
     """The Redis URL to use, starting the embedded server when none is configured."""
-    chosen = url or os.environ.get(ENV_URL)
+    chosen = url or settings.redis_url()
     if chosen:
         return chosen
     return embedded_server().ensure_started()
@@ -92,7 +82,7 @@ class ReconnectRetry(Retry):
 
 def retry_policy(reconnect_for_s: float | None = None) -> Retry:
     """Retries with exponential backoff (with jitter) that together last about `reconnect_for_s`."""
-    total = float(os.environ.get(ENV_RECONNECT_S, DEFAULT_RECONNECT_S)) if reconnect_for_s is None else reconnect_for_s
+    total = settings.redis_reconnect_s() if reconnect_for_s is None else reconnect_for_s
     # The ramp from BACKOFF_BASE_S to the cap takes about 2 * cap; then one retry per cap on average (jitter halves).
     retries = max(1, math.ceil(max(0.0, total - 2 * BACKOFF_CAP_S) / BACKOFF_CAP_S) + 6)
     return ReconnectRetry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries)
@@ -125,8 +115,9 @@ def client_kwargs(url: str, *, reconnect_for_s: float | None = None) -> dict[str
         parts = urlsplit(url)
         query = parse_qs(parts.query)
         has_password = parts.password is not None or "password" in query
-    if not has_password and os.environ.get(ENV_PASSWORD):
-        kwargs["password"] = os.environ[ENV_PASSWORD]
+    password = settings.redis_password()
+    if not has_password and password:
+        kwargs["password"] = password
     if scheme in ("rediss", "rediss+sentinel"):
         kwargs.update(_tls_kwargs(query))
     return kwargs
@@ -134,11 +125,8 @@ def client_kwargs(url: str, *, reconnect_for_s: float | None = None) -> dict[str
 
 def _tls_kwargs(query: dict[str, list[str]]) -> dict[str, Any]:
     """Certificates from the environment (unless the URL's query names them) and the verification switch."""
-    kwargs: dict[str, Any] = {}
-    for env, key in ((ENV_TLS_CA, "ssl_ca_certs"), (ENV_TLS_CERT, "ssl_certfile"), (ENV_TLS_KEY, "ssl_keyfile")):
-        if os.environ.get(env) and key not in query:
-            kwargs[key] = os.environ[env]
-    if os.environ.get(ENV_TLS_VERIFY, "").lower() in {"none", "0", "false", "no"}:
+    kwargs: dict[str, Any] = {key: path for key, path in settings.redis_tls_files().items() if key not in query}
+    if not settings.redis_tls_verify():
         kwargs["ssl_cert_reqs"] = "none"
         kwargs["ssl_check_hostname"] = False
     return kwargs
@@ -183,8 +171,9 @@ def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.R
     data["connection_class"] = FailoverSSLConnection if parsed.tls else FailoverConnection
     probe: dict[str, Any] = {key: value for key, value in data.items() if key.startswith(("socket_", "ssl_"))}
     probe.update(ssl=parsed.tls, retry=Retry(NoBackoff(), 0))  # a sentinel that fails passes the turn to the next
-    if os.environ.get(ENV_SENTINEL_PASSWORD):
-        probe["password"] = os.environ[ENV_SENTINEL_PASSWORD]
+    sentinel_password = settings.redis_sentinel_password()
+    if sentinel_password:
+        probe["password"] = sentinel_password
     manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=probe)
     return manager.master_for(parsed.master, **data)
 

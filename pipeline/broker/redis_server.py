@@ -27,6 +27,7 @@ from pathlib import Path
 
 import redis
 
+from pipeline import settings
 from pipeline.errors import EmbeddedRedisError
 
 START_TIMEOUT_S = 15.0
@@ -35,7 +36,7 @@ PASSWORD_FILE = "password"
 
 def find_redis_server() -> str:
     """Path of a `redis-server` binary, or a clear error saying how to get one."""
-    explicit = os.environ.get("PIPELINE_REDIS_SERVER")
+    explicit = settings.redis_server()
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise EmbeddedRedisError(f"PIPELINE_REDIS_SERVER={explicit} is not an executable file")
@@ -57,11 +58,7 @@ def find_redis_server() -> str:
 
 def state_dir() -> Path:
     """Where the embedded server keeps its socket, data and log."""
-    explicit = os.environ.get("PIPELINE_HOME")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "rollout-pipeline"
+    return settings.home()
 
 
 class RedisServer:

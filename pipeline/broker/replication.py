@@ -32,7 +32,6 @@ retries, so the proof is always read where the wait happens.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -41,12 +40,10 @@ from typing import Any, TypeVar
 
 import redis
 
+from pipeline import settings
 from pipeline.broker import keys
 from pipeline.errors import WriteLostError
 
-ENV_WAIT_REPLICAS = "PIPELINE_REDIS_WAIT_REPLICAS"
-ENV_WAIT_TIMEOUT_MS = "PIPELINE_REDIS_WAIT_TIMEOUT_MS"
-DEFAULT_TIMEOUT_MS = 10_000
 SLICE_MS = 500
 LOST_WRITE_ATTEMPTS = 3  # writes lost in failovers in a row before `WriteLostError` reaches the caller
 CHECK_EVERY_S = 5.0
@@ -67,11 +64,9 @@ class Proof:
 
 def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
     """How many replicas a write must reach before it counts as acknowledged (0: no wait)."""
-    setting = os.environ.get(ENV_WAIT_REPLICAS, "auto").strip().lower()
-    if setting != "auto":
-        if not setting.isdigit():
-            raise ValueError(f"{ENV_WAIT_REPLICAS}={setting!r}: use auto, 0 (off) or a number of replicas")
-        return int(setting)
+    setting = settings.redis_wait_replicas()
+    if setting is not None:
+        return setting
     pool = conn.connection_pool
     now = time.monotonic()
     seen = _replicas_seen.get(pool)
@@ -88,13 +83,6 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
     return seen[1]
 
 
-def timeout_ms() -> int:
-    raw = os.environ.get(ENV_WAIT_TIMEOUT_MS, str(DEFAULT_TIMEOUT_MS))
-    if not raw.isdigit() or int(raw) == 0:
-        raise ValueError(f"{ENV_WAIT_TIMEOUT_MS}={raw!r}: use a positive number of milliseconds")
-    return int(raw)
-
-
 def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
     """Wait until the configured number of replicas has the write `proof` checks; the number that
     confirmed (None when no wait is configured). `WriteLostError` when the master the sentinels
@@ -103,7 +91,7 @@ def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
     want = wanted_replicas(conn)
     if want == 0:
         return None
-    limit = timeout_ms()
+    limit = settings.redis_wait_timeout_ms()
     deadline = time.monotonic() + limit / 1000
     while True:
         slice_ms = max(1, min(SLICE_MS, int((deadline - time.monotonic()) * 1000)))
@@ -122,7 +110,8 @@ def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
         if want == 0:
             return None
     log.warning("%s: written on the Redis master but %d of %d replica(s) confirmed it within %d ms "
-                "(%s); a failover now could lose it", what, int(confirmed), want, limit, ENV_WAIT_TIMEOUT_MS)
+                "(%s); a failover now could lose it", what, int(confirmed), want, limit,
+                settings.REDIS_WAIT_TIMEOUT_MS.name)
     return int(confirmed)
 
 

@@ -15,29 +15,20 @@ Unset means unrestricted. Paths with `..` segments are refused whenever a prefix
 
 from __future__ import annotations
 
-import os
 import posixpath
-from pathlib import Path
 
+from pipeline import settings
 from pipeline.errors import PolicyError
 
-ENV_SECRET = "PIPELINE_CONTROL_SECRET"
-ENV_SECRET_FILE = "PIPELINE_CONTROL_SECRET_FILE"
-ENV_WEIGHT_PREFIXES = "PIPELINE_ALLOWED_WEIGHT_PREFIXES"
-ENV_OUTPUT_SCHEMES = "PIPELINE_ALLOWED_OUTPUT_SCHEMES"
-ENV_OUTPUT_PREFIXES = "PIPELINE_ALLOWED_OUTPUT_PREFIXES"
+ENV_WEIGHT_PREFIXES = settings.ALLOWED_WEIGHT_PREFIXES.name
+ENV_OUTPUT_SCHEMES = settings.ALLOWED_OUTPUT_SCHEMES.name
+ENV_OUTPUT_PREFIXES = settings.ALLOWED_OUTPUT_PREFIXES.name
 
 
 def control_secret() -> bytes | None:
     """The shared control secret, or None when control messages are not authenticated."""
-    value = os.environ.get(ENV_SECRET)
-    if not value and os.environ.get(ENV_SECRET_FILE):
-        value = Path(os.environ[ENV_SECRET_FILE]).read_text().strip()
+    value = settings.control_secret()
     return value.encode() if value else None
-
-
-def _listed(env: str) -> list[str]:
-    return [item.strip() for item in os.environ.get(env, "").split(",") if item.strip()]
 
 
 def scheme_of(url: str) -> str:
@@ -71,7 +62,7 @@ def within(value: str, prefixes: list[str]) -> bool:
 
 def check_weight_path(path: str) -> None:
     """Raise `PolicyError` unless weights may be loaded from `path`."""
-    prefixes = _listed(ENV_WEIGHT_PREFIXES)
+    prefixes = settings.allowed_weight_prefixes()
     if prefixes and not within(str(path), prefixes):
         raise PolicyError(
             f"weight path {path!r} is outside the allowed prefixes {prefixes} "
@@ -81,7 +72,7 @@ def check_weight_path(path: str) -> None:
 
 def check_output_url(url: str) -> None:
     """Raise `PolicyError` unless shards may be written under `url`."""
-    schemes = [s.lower() for s in _listed(ENV_OUTPUT_SCHEMES)]
+    schemes = [s.lower() for s in settings.allowed_output_schemes()]
     if schemes:
         used = [scheme_of(part) for part in url.split("::")]
         refused = [s for s in used if s not in schemes]
@@ -89,7 +80,7 @@ def check_output_url(url: str) -> None:
             raise PolicyError(
                 f"output URL {url!r} uses scheme {refused[0]!r}; allowed: {schemes} (${ENV_OUTPUT_SCHEMES})"
             )
-    prefixes = _listed(ENV_OUTPUT_PREFIXES)
+    prefixes = settings.allowed_output_prefixes()
     if prefixes and not within(url, prefixes):
         raise PolicyError(
             f"output URL {url!r} is outside the allowed prefixes {prefixes} (${ENV_OUTPUT_PREFIXES})"

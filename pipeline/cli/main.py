@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -19,7 +18,7 @@ from typing import Any
 
 import redis
 
-from pipeline.broker.keys import ENV_POOL
+from pipeline import settings
 from pipeline.errors import (
     JobsFailedError,
     NoShardsError,
@@ -107,7 +106,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from pipeline.audit.status import collect, format_status
     from pipeline.broker.connection import connect_redis
 
-    status = collect(connect_redis(args.redis), run=args.run, pool=args.pool or os.environ.get(ENV_POOL))
+    status = collect(connect_redis(args.redis), run=args.run, pool=args.pool or settings.pool())
     print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
     return 0
 
@@ -176,7 +175,7 @@ def _cmd_weights_status(args: argparse.Namespace) -> int:
     from pipeline.audit.status import format_weights, weights
     from pipeline.broker.connection import connect_redis
 
-    status = weights(connect_redis(args.redis), pool=args.pool or os.environ.get(ENV_POOL))
+    status = weights(connect_redis(args.redis), pool=args.pool or settings.pool())
     print(json.dumps(status, indent=2) if args.json else format_weights(status))
     return 0 if all(w["converged"] for w in status["workers"]) else EXIT_FAILED
 

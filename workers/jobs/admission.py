@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +28,7 @@ from rq import Queue
 from rq.job import Job
 from rq.worker import BaseWorker
 
+from pipeline import settings
 from pipeline.broker import keys, registry
 from schemas.capabilities import Needs, missing
 from schemas.worker_info import Capabilities
@@ -39,13 +39,12 @@ NEEDS_META = "needs"
 REFUSED_BY_META = "refused_by"
 REFUSAL_META = "refusal"
 UNSERVABLE_SINCE_META = "unservable_since"
-ENV_UNSERVABLE_WAIT_S = "PIPELINE_UNSERVABLE_WAIT_S"
-DEFAULT_UNSERVABLE_WAIT_S = 60.0
+ENV_UNSERVABLE_WAIT_S = settings.UNSERVABLE_WAIT_S.name
 
 
 def unservable_wait_s() -> float:
     """How long a job no live worker can serve waits for one before it fails."""
-    return float(os.environ.get(ENV_UNSERVABLE_WAIT_S, DEFAULT_UNSERVABLE_WAIT_S))
+    return settings.unservable_wait_s()
 
 
 @dataclass(frozen=True)

@@ -10,26 +10,24 @@ counted in the job's meta; past `max_handbacks()` the caller fails the job the o
 from __future__ import annotations
 
 import logging
-import os
 
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
+from pipeline import settings
 from workers.jobs import rq_seam
 
 log = logging.getLogger(__name__)
 
 HANDBACKS_META = "handed_back"
 REASON_META = "handed_back_reason"
-ENV_MAX_HANDBACKS = "PIPELINE_MAX_HANDBACKS"
-DEFAULT_MAX_HANDBACKS = 5
 
 
 def max_handbacks() -> int:
     """How often one job may be handed back before it fails like any other error."""
-    return int(os.environ.get(ENV_MAX_HANDBACKS, DEFAULT_MAX_HANDBACKS))
+    return settings.max_handbacks()
 
 
 def hand_back_started(

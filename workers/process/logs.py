@@ -16,7 +16,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import os
 import re
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-ENV_LOG_FORMAT = "PIPELINE_LOG_FORMAT"
+from pipeline import settings
+
+ENV_LOG_FORMAT = settings.LOG_FORMAT.name
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s%(job_tag)s"
 # RQ colours parts of its messages when stdout is a terminal; JSON lines carry plain text.
@@ -124,7 +125,7 @@ def demote_to_debug(name: str) -> None:
 
 
 def default_format() -> str:
-    value = os.environ.get(ENV_LOG_FORMAT, "text").strip().lower() or "text"
+    value = settings.log_format()
     return value if value in FORMATS else "text"
 
 

@@ -34,11 +34,12 @@ from typing import Any, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
+from pipeline import settings
 from schemas.worker_info import WorkerState
 
 log = logging.getLogger(__name__)
 
-ENV_METRICS_PORT = "PIPELINE_METRICS_PORT"
+ENV_METRICS_PORT = settings.METRICS_PORT.name
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 STATES: tuple[str, ...] = get_args(WorkerState)

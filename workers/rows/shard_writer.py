@@ -23,17 +23,14 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import settings
 from pipeline.read.storage import is_local, join, url_to_fs
 from workers.errors import ShardWriteError
 from workers.process.backoff import backoff_s
 
 log = logging.getLogger(__name__)
 
-ENV_RETRY_S = "PIPELINE_SHARD_WRITE_RETRY_S"
-ENV_SPILL_BYTES = "PIPELINE_SHARD_SPILL_BYTES"
-ENV_SPILL_DIR = "PIPELINE_SPILL_DIR"
-DEFAULT_RETRY_S = 60.0
-DEFAULT_SPILL_BYTES = 64 << 20
+ENV_RETRY_S = settings.SHARD_WRITE_RETRY_S.name
 
 COMPRESSION = "zstd"
 
@@ -94,13 +91,13 @@ def encode(table: pa.Table) -> bytes:
 class WriteRetry:
     """How long a failing shard write is retried, and the backoff between attempts."""
 
-    within_s: float = DEFAULT_RETRY_S  # keep trying this long after the first failure
+    within_s: float = settings.SHARD_WRITE_RETRY_S.default  # keep trying this long after the first failure
     backoff_s: float = 0.5
     max_backoff_s: float = 10.0
 
     @classmethod
     def from_env(cls) -> WriteRetry:
-        return cls(within_s=float(os.environ.get(ENV_RETRY_S, DEFAULT_RETRY_S)))
+        return cls(within_s=settings.shard_write_retry_s())
 
 
 class PendingShard:
@@ -132,7 +129,7 @@ class PendingShard:
         """Move the bytes to a local temporary file (memory is freed until the next attempt)."""
         if self._spilled is not None or self._data is None:
             return
-        handle, path = tempfile.mkstemp(prefix="shard-", suffix=".parquet", dir=os.environ.get(ENV_SPILL_DIR))
+        handle, path = tempfile.mkstemp(prefix="shard-", suffix=".parquet", dir=settings.spill_dir())
         with os.fdopen(handle, "wb") as out:
             out.write(self._data)
         self._spilled, self._data = path, None
@@ -146,7 +143,7 @@ class PendingShard:
     def store(self, retry: WriteRetry | None = None) -> str:
         """Write to `url`, retrying with backoff while storage fails; the URL, or `ShardWriteError`."""
         retry = retry or WriteRetry.from_env()
-        spill_over = int(os.environ.get(ENV_SPILL_BYTES, DEFAULT_SPILL_BYTES))
+        spill_over = settings.shard_spill_bytes()
         first_failure: float | None = None
         attempt = 0
         try:
