@@ -1,0 +1,148 @@
+"""`pipeline serve` refuses bad calls in OpenAI's error format, never hangs, and stays up for others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from pipeline.broker import control_channel
+from pipeline.errors import PipelineError
+from pipeline.serve.server import ServeConfig, check_config
+from tests.pipeline.serve.conftest import Script, run_agent
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_malformed_bodies_are_400s_naming_what_is_wrong(serve: Any) -> None:
+    url = serve().url + "/v1/chat/completions"
+    assert "not valid JSON" in _error(httpx.post(url, content=b"{nope"), 400)["message"]
+    assert "not UTF-8" in _error(httpx.post(url, content=b'{"messages": "\xff"}'), 400)["message"]
+    deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "nests deeper" in _error(httpx.post(url, content=deep), 400)["message"]
+    error = _error(httpx.post(url, json={"messages": USER, "temprature": 0.5}), 400)
+    assert error["param"] == "temprature" and "unknown field" in error["message"]
+    error = _error(httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "n": 0}), 400)
+    assert error["param"] == "n"
+    error = _error(httpx.post(url, json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+    assert error["param"].startswith("messages.0")
+
+
+def test_huge_bodies_are_refused_and_the_server_serves_on(redis_client: redis.Redis, serve: Any,
+                                                          tools_tokenizer: Any) -> None:
+    stack = serve(max_body_bytes=64 * 1024)
+    huge = {"messages": [{"role": "user", "content": "x" * 200_000}]}
+    assert _error(httpx.post(stack.url + "/v1/chat/completions", json=huge), 413)["code"] == "body_too_large"
+    answers: list[str] = []
+
+    def agent() -> None:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
+        answers.append(client.chat.completions.create(model="m", messages=USER).choices[0].message.content)
+
+    run_agent(redis_client, Script(tools_tokenizer, default="still here").engine(), agent)
+    assert answers == ["still here"]
+
+
+def test_a_prompt_over_the_context_is_a_400(serve: Any) -> None:
+    url = serve(context_length=32).url + "/v1/chat/completions"
+    error = _error(httpx.post(url, json={"messages": [{"role": "user", "content": "word " * 50}]}), 400)
+    assert error["code"] == "context_length_exceeded" and "maximum context length is 32" in error["message"]
+    error = _error(httpx.post(url, json={"messages": USER, "max_tokens": 1000}), 400)
+    assert "max_tokens asks for 1000" in error["message"]
+
+
+def test_unknown_and_ended_sessions(serve: Any) -> None:
+    stack = serve()
+    error = _error(httpx.post(stack.url + "/sessions/nope/v1/chat/completions", json={"messages": USER}), 404)
+    assert error["code"] == "session_not_found"
+    error = _error(httpx.post(stack.url + "/v1/chat/completions", json={"messages": USER},
+                              headers={"X-Session-Id": "nope"}), 404)
+    sid = stack.session()
+    assert httpx.post(f"{stack.url}/sessions/{sid}/end").json()["state"] == "ended"
+    error = _error(httpx.post(f"{stack.url}/sessions/{sid}/v1/chat/completions", json={"messages": USER}), 409)
+    assert error["code"] == "session_ended"
+    error = _error(httpx.post(f"{stack.url}/sessions/{sid}/reward", json={"reward": "high"}), 400)
+    assert error["param"] == "rewards.reward"
+    assert _error(httpx.post(f"{stack.url}/sessions", json={"session_id": sid}), 409)
+
+
+def test_no_live_worker_is_a_503_with_retry_after_and_the_turn_stays_queued(redis_client: redis.Redis, serve: Any,
+                                                                            tools_tokenizer: Any) -> None:
+    stack = serve(turn_timeout_s=0.5)
+    sid = stack.session()
+    url = f"{stack.url}/sessions/{sid}/v1/chat/completions"
+    response = httpx.post(url, json={"messages": USER}, timeout=30)
+    assert _error(response, 503)["code"] == "no_worker" and int(response.headers["retry-after"]) >= 1
+    stack2 = serve(turn_timeout_s=30)
+    got: list[Any] = []
+
+    def agent() -> None:  # the agent's retry finds the queued turn answered: generated once
+        got.append(httpx.post(f"{stack2.url}/sessions/{sid}/v1/chat/completions", json={"messages": USER},
+                              timeout=60).json())
+
+    script = Script(tools_tokenizer, default="late")
+    run_agent(redis_client, script.engine(), agent)
+    assert got[0]["choices"][0]["message"]["content"] == "late" and len(script.seen) == 1
+
+
+def test_a_paused_pool_is_a_503(redis_client: redis.Redis, serve: Any, tools_tokenizer: Any) -> None:
+    stack = serve(turn_timeout_s=1.0)
+    control_channel.pause(redis_client)
+    responses: list[httpx.Response] = []
+
+    def agent() -> None:
+        responses.append(httpx.post(stack.url + "/v1/chat/completions", json={"messages": USER}, timeout=30))
+
+    try:
+        run_agent(redis_client, Script(tools_tokenizer).engine(), agent)
+    finally:
+        control_channel.resume(redis_client)
+    assert "paused" in _error(responses[0], 503)["message"]
+
+
+def test_a_turn_that_does_not_finish_in_time_is_a_504(redis_client: redis.Redis, serve: Any,
+                                                      tools_tokenizer: Any) -> None:
+    stack = serve(turn_timeout_s=1.0)
+    responses: list[httpx.Response] = []
+
+    def agent() -> None:
+        responses.append(httpx.post(stack.url + "/v1/chat/completions", json={"messages": USER}, timeout=30))
+
+    run_agent(redis_client, Script(tools_tokenizer).engine(delay_s=3.0), agent)
+    assert _error(responses[0], 504)["code"] == "turn_timeout"
+
+
+def test_a_failed_turn_says_why(redis_client: redis.Redis, serve: Any, tools_tokenizer: Any) -> None:
+    stack = serve()
+    sid = stack.session()
+    responses: list[httpx.Response] = []
+
+    def agent() -> None:
+        responses.append(httpx.post(f"{stack.url}/sessions/{sid}/v1/chat/completions", json={"messages": USER},
+                                    timeout=60))
+
+    run_agent(redis_client, Script(tools_tokenizer).engine(fail_ids=[f"{sid}:0"]), agent)
+    error = _error(responses[0], 500)
+    assert error["code"] == "turn_failed" and "fail_ids" in error["message"]
+
+
+def test_api_key_and_binding(serve: Any) -> None:
+    stack = serve(api_key="sekret")
+    assert _error(httpx.post(stack.url + "/v1/chat/completions", json={"messages": USER}), 401)
+    assert httpx.get(stack.url + "/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert httpx.get(stack.url + "/health").status_code == 200  # health needs no key
+    with pytest.raises(PipelineError, match="--api-key"):
+        check_config(ServeConfig(host="0.0.0.0"))
+    check_config(ServeConfig(host="0.0.0.0", api_key="k"))
+    with pytest.raises(PipelineError, match="tool-call-parser"):
+        check_config(ServeConfig(tool_call_parser="nope"))
