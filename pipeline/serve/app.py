@@ -1,7 +1,8 @@
 """The ASGI app of `pipeline serve` (Starlette): OpenAI's API for agents, and sessions.
 
 Routes (each `/v1/...` route also lives under `/sessions/<id>/v1/...`, so an unmodified agent
-joins a session by its base URL alone; an `X-Session-Id` header does the same):
+joins a session by its base URL alone; a session named there must exist. An `X-Session-Id`
+header names a session too, opened at its first call):
 
     POST /v1/chat/completions    POST /v1/completions    GET /v1/models    GET /health
     POST /sessions               GET /sessions/<id>      POST /sessions/<id>/reward
@@ -120,12 +121,19 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
                 return JSONResponse(APIError(500, "internal error; see the server's log").body(), status_code=500)
         return endpoint
 
-    def session_of(request: Request) -> str | None:
-        return request.path_params.get("session_id") or request.headers.get("x-session-id")
+    def session_of(request: Request) -> tuple[str | None, bool]:
+        """The call's session, and whether to open it if unknown. A session named in the URL must exist
+        (a typo is a 404); one named by the `X-Session-Id` header is opened at its first call, since
+        harnesses send their own rollout ids there (verifiers does, on every call of a rollout)."""
+        if "session_id" in request.path_params:
+            return request.path_params["session_id"], False
+        header = request.headers.get("x-session-id")
+        return header, header is not None
 
     async def chat(request: Request) -> Response:
         body = ChatCompletionBody.model_validate(await read_json(request, max_body_bytes))
-        answer = await in_thread(turns.chat, body, session_of(request))
+        session_id, create = session_of(request)
+        answer = await in_thread(partial(turns.chat, body, session_id, create=create))
         if body.stream:
             return StreamingResponse(iter(list(chat_chunks(answer, body.include_usage))),
                                      media_type="text/event-stream")
@@ -133,7 +141,8 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
 
     async def completions(request: Request) -> Response:
         body = CompletionBody.model_validate(await read_json(request, max_body_bytes))
-        answer = await in_thread(turns.completion, body, session_of(request))
+        session_id, create = session_of(request)
+        answer = await in_thread(partial(turns.completion, body, session_id, create=create))
         if body.stream:
             return StreamingResponse(iter(list(text_chunks(answer, body.include_usage))),
                                      media_type="text/event-stream")

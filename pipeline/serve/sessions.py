@@ -173,6 +173,20 @@ class SessionStore:
             pipe.execute()
         return Session(session_id, run, where.name, output, "open", 0, metadata or {}, ephemeral=ephemeral)
 
+    def get_or_create(self, session_id: str, *, run: str, pool: str, output: str) -> Session:
+        """The session, created (open, no metadata) if unknown."""
+        try:
+            return self.get(session_id)
+        except APIError as exc:
+            if exc.status != 404:
+                raise
+        try:
+            return self.create(run=run, pool=pool, output=output, session_id=session_id)
+        except APIError as exc:
+            if exc.status != 409:  # created by another call meanwhile
+                raise
+            return self.get(session_id)
+
     def get(self, session_id: str) -> Session:
         """The session, or 404."""
         raw = self.conn.hgetall(keys.session(check_session_id(session_id)))

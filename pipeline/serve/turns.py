@@ -73,12 +73,16 @@ class Turns:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def open_session(self, session_id: str | None) -> Session:
-        """The named session (404 if unknown, 409 if ended), or a new session of one turn."""
+    def open_session(self, session_id: str | None, *, create: bool = False) -> Session:
+        """The named session (404 if unknown unless `create`, 409 if ended), or a new session of one turn."""
         if session_id is None:
             return self.sessions.create(run=self.settings.run, pool=self.settings.pool, output=self.settings.output,
                                         ephemeral=True)
-        session = self.sessions.get(session_id)
+        if create:
+            session = self.sessions.get_or_create(session_id, run=self.settings.run, pool=self.settings.pool,
+                                                  output=self.settings.output)
+        else:
+            session = self.sessions.get(session_id)
         if session.state != "open":
             raise APIError(409, f"session {session_id!r} has ended; open a new one with POST /sessions",
                            param="session_id", code="session_ended")
@@ -133,10 +137,10 @@ class Turns:
 
     # -- chat ---------------------------------------------------------------------------------
 
-    def chat(self, body: ChatCompletionBody, session_id: str | None) -> dict[str, Any]:
-        tokenizer_needed = self._tokenizer()
-        del tokenizer_needed
-        session = self.open_session(session_id)
+    def chat(self, body: ChatCompletionBody, session_id: str | None, *, create: bool = False) -> dict[str, Any]:
+        """One chat turn of `session_id` (None: a session of one turn); `create`: open it if unknown."""
+        self._tokenizer()
+        session = self.open_session(session_id, create=create)
         messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
         request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"}, exclude_none=True))
         rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
@@ -192,8 +196,9 @@ class Turns:
 
     # -- text / token ids ---------------------------------------------------------------------
 
-    def completion(self, body: CompletionBody, session_id: str | None) -> dict[str, Any]:
-        session = self.open_session(session_id)
+    def completion(self, body: CompletionBody, session_id: str | None, *, create: bool = False) -> dict[str, Any]:
+        """One token-level turn (`/v1/completions`); see `chat`."""
+        session = self.open_session(session_id, create=create)
         if isinstance(body.prompt, str):
             ids = list(self._tokenizer()(body.prompt)["input_ids"])
             text: str | None = body.prompt
