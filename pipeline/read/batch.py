@@ -176,7 +176,8 @@ class Batch:
         """`groups` complete groups (all n samples of a request, rewards joined when the batch has a
         reward function) that `keep` accepts, as jobs finish; then cancel the rest
         (`pipeline.read.take`; `keep=pipeline.read.take.rewards_differ` is DAPO's filter)."""
-        return take(self, groups, keep, timeout=timeout, cancel_rest=cancel_rest)
+        self.last_take = take(self, groups, keep, timeout=timeout, cancel_rest=cancel_rest)
+        return self.last_take
 
     def cancel(self) -> CancelResult:
         """Cancel this batch's jobs: queued ones are removed, running ones aborted at their engine's

@@ -18,18 +18,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import redis
 
 from pipeline.broker import commit_log, keys, reward_log
 from pipeline.errors import PipelineError, WaitTimeoutError
+from pipeline.intake.submit import SubmitPlan
 from pipeline.read.cancel import CancelResult
 from pipeline.read.reader import read_rollouts
-
-if TYPE_CHECKING:
-    from pipeline.read.batch import Batch
 
 GroupFilter = Callable[[pa.Table], bool]
 _POLL_MS = 200
@@ -64,7 +63,27 @@ class TakeResult:
         return len(self.dropped) / seen if seen else 0.0
 
 
-def _ready_jobs(batch: Batch, reward: str | None, taken: set[str]) -> list[tuple[str, str]]:
+class Takeable(Protocol):
+    """What `take` reads of a batch and does to it (`pipeline.read.batch.Batch` is one)."""
+
+    conn: redis.Redis
+    plan: SubmitPlan
+
+    @property
+    def run(self) -> str: ...
+
+    @property
+    def job_ids(self) -> list[str]: ...
+
+    @property
+    def reward(self) -> str | None: ...
+
+    def job_states(self) -> dict[str, str]: ...
+
+    def cancel(self) -> CancelResult: ...
+
+
+def _ready_jobs(batch: Takeable, reward: str | None, taken: set[str]) -> list[tuple[str, str]]:
     """(job id, shard URL) of the batch's jobs ready to read and not taken yet, in commit order."""
     ours = set(batch.job_ids) - taken
     commits = [c for c in commit_log.read_all(batch.conn, batch.run) if c.job_id in ours]
@@ -74,7 +93,7 @@ def _ready_jobs(batch: Batch, reward: str | None, taken: set[str]) -> list[tuple
     return [(c.job_id, c.url) for c in commits if c.job_id in scored]
 
 
-def take(batch: Batch, groups: int | None = None, keep: GroupFilter | None = None, *,
+def take(batch: Takeable, groups: int | None = None, keep: GroupFilter | None = None, *,
          timeout: float | None = None, cancel_rest: bool = True) -> TakeResult:
     """Up to `groups` (default: the batch's `groups` from submit) complete groups that `keep`
     accepts (all when None), as jobs finish; then cancel what remains (unless `cancel_rest=False`).
@@ -115,7 +134,6 @@ def take(batch: Batch, groups: int | None = None, keep: GroupFilter | None = Non
         if left:
             result.canceled = batch.cancel()
     result.table = pa.concat_tables(kept) if kept else pa.table({})
-    batch.last_take = result
     return result
 
 
@@ -126,7 +144,7 @@ def split_groups(table: pa.Table) -> list[tuple[str, pa.Table]]:
             for request_id in dict.fromkeys(ids.to_pylist())]
 
 
-def _wait(batch: Batch, reward: str | None) -> None:
+def _wait(batch: Takeable, reward: str | None) -> None:
     """Block until something new may be ready (a commit, or a rewards record), at most a poll."""
     stream = keys.reward_log(batch.run) if reward is not None else keys.commit_log(batch.run)
     batch.conn.xread({stream: "$"}, block=_POLL_MS)
