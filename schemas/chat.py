@@ -39,6 +39,8 @@ GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest
 TOOL_HOST_ROLES = ("root", "system", "developer")
 # The fields a chat line shares with a token-id line (same types, same constraints).
 SHARED_FIELDS = ("id", "sampling_params", "logprobs", "prompt_logprobs", "return_routed_experts", "metadata")
+# The fields that stand in for `input_ids` (exactly one of them, rendered at submit).
+CHAT_INPUTS = ("messages", "prompt")
 
 
 class _Strict(BaseModel):
@@ -215,4 +217,8 @@ class ChatRequest(_ChatRequestBase):  # type: ignore[misc, valid-type]
 
 def is_chat_line(data: dict[str, Any]) -> bool:
     """A line to render (messages or prompt) rather than a token-id line."""
-    return "input_ids" not in data and ("messages" in data or "prompt" in data)
+    return "input_ids" not in data and any(name in data for name in CHAT_INPUTS)
+
+
+# The fields of a chat line that a token-id line does not have (the inputs, tools, template options).
+CHAT_FIELDS = frozenset(ChatRequest.model_fields) - frozenset(RolloutRequest.model_fields)

@@ -8,6 +8,11 @@ Size limits (each overridable by the environment variable named in its error): t
 length, the number and length of stops, the metadata's JSON size, and `MAX_LINE_BYTES` for a
 whole JSONL line (checked by `pipeline.intake.request_file`). `max_new_tokens`, `n` and `logprobs`
 have fixed bounds in the schema.
+
+The one home of these rules: the file path (`pipeline.intake.request_file`) and the dataset path
+(`pipeline.intake.dataset_input`) check their fast cases against the constants here and word
+their errors with the functions here (`prompt_too_long`, `outside_vocabulary`); the chat line's
+fields are `schemas.chat`'s.
 """
 
 from __future__ import annotations
@@ -27,8 +32,14 @@ from pydantic import (
     field_validator,
 )
 
-# Token ids travel as int32 in job payloads and shards.
+# Token ids travel as int32 in job payloads and shards; seeds as int64.
 MAX_TOKEN_ID = 2**31 - 1
+MAX_SEED = 2**63 - 1
+# Fixed bounds of the request line (the file path's and the dataset path's fast checks use them too).
+MAX_ID_CHARS = 512
+MAX_LOGPROBS = 1024
+# Only 0 (the prompt token's own logprob): shards have no column for prompt alternatives.
+MAX_PROMPT_LOGPROBS = 0
 
 
 # The size limits: environment variable -> (default, meaning). Read here, once, at import, the
@@ -63,6 +74,16 @@ def encode_metadata(value: dict[str, Any]) -> bytes:
     return _METADATA_ENCODER.encode(value).encode()
 
 
+def prompt_too_long(tokens: int) -> str:
+    """Why a prompt of `tokens` tokens (over `MAX_PROMPT_TOKENS`) is refused."""
+    return f"prompt of {tokens} tokens, over the limit of {MAX_PROMPT_TOKENS} (PIPELINE_MAX_PROMPT_TOKENS)"
+
+
+def outside_vocabulary(token_id: int, vocab_size: int) -> str:
+    """Why a request naming `token_id` is refused for a model of `vocab_size` tokens."""
+    return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
+
+
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Number = StrictFloat | StrictInt
 
@@ -80,7 +101,7 @@ class SamplingParams(_Strict):
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1
     min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 0.0
     n: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
-    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     stop: StrictStr | list[StrictStr] | list[TokenId] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
@@ -182,12 +203,11 @@ class SamplingParams(_Strict):
 class RolloutRequest(_Strict):
     """One line of a rollouts JSONL file."""
 
-    id: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    id: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)]
     input_ids: Annotated[list[TokenId], Field(min_length=1)]
     sampling_params: SamplingParams = SamplingParams()
-    logprobs: Annotated[StrictInt, Field(ge=0, le=1024)] | None = 0
-    # Only 0 (the prompt token's own logprob): shards have no column for prompt alternatives.
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = 0
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] | None = None
     return_routed_experts: StrictBool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
     # Set by the chat renderer (`pipeline.intake.render`): the text the ids were rendered from, kept in the row.
@@ -197,9 +217,7 @@ class RolloutRequest(_Strict):
     @classmethod
     def _prompt_limit(cls, value: list[int]) -> list[int]:
         if len(value) > MAX_PROMPT_TOKENS:
-            raise ValueError(
-                f"prompt of {len(value)} tokens, over the limit of {MAX_PROMPT_TOKENS} (PIPELINE_MAX_PROMPT_TOKENS)"
-            )
+            raise ValueError(prompt_too_long(len(value)))
         return value
 
     @field_validator("metadata")

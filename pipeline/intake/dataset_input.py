@@ -38,15 +38,21 @@ from pipeline.intake.request_file import (
     validation_errors,
 )
 from schemas import request as request_schema
-from schemas.chat import ChatRequest
-from schemas.request import MAX_TOKEN_ID, RolloutRequest, SamplingParams
+from schemas.chat import CHAT_FIELDS, CHAT_INPUTS, SHARED_FIELDS
+from schemas.request import (
+    MAX_ID_CHARS,
+    MAX_SEED,
+    MAX_TOKEN_ID,
+    RolloutRequest,
+    SamplingParams,
+    outside_vocabulary,
+    prompt_too_long,
+)
 
 _SAMPLING_NAMES = frozenset(SamplingParams.model_fields)
-_CHAT_FIELDS = frozenset(ChatRequest.model_fields) - frozenset(RolloutRequest.model_fields)
-# Request fields a column may fill besides the ids, chat input and sampling parameters.
-_ROW_FIELDS = frozenset({"id", "logprobs", "prompt_logprobs", "return_routed_experts", "metadata", "sampling_params"})
-_MAX_SEED = 2**63 - 1
-_TARGETS = _ROW_FIELDS | {"input_ids"} | _CHAT_FIELDS | _SAMPLING_NAMES
+# Request fields a column may fill: the ids or a chat input, the fields every line has
+# (`SHARED_FIELDS`: id, sampling_params, ...), the chat options and single sampling parameters.
+_TARGETS = frozenset(SHARED_FIELDS) | {"input_ids"} | CHAT_FIELDS | _SAMPLING_NAMES
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,7 @@ class ColumnMapping:
                     f"{name}: column {path!r} is {kind}; metadata must be plain JSON (numbers, strings, bools, "
                     "lists and structs of them): cast the column first"
                 )
-        inputs = [name for name in ("input_ids", "messages", "prompt") if name in mapped]
+        inputs = [name for name in ("input_ids", *CHAT_INPUTS) if name in mapped]
         if len(inputs) != 1:
             given = f"columns for {' and '.join(inputs)}" if inputs else "no input_ids, messages or prompt column"
             raise ColumnMappingError(
@@ -229,8 +235,7 @@ def _prompt_ids(array: pa.Array, column: str, first: int, errors: _Errors, vocab
         errors.add(first + int(row), column, "prompt ids are empty; a prompt needs at least one token")
         ok[row] = False
     for row in np.flatnonzero(ok & (lengths > request_schema.MAX_PROMPT_TOKENS)):
-        errors.add(first + int(row), column, f"prompt of {lengths[row]} tokens, over the limit of "
-                   f"{request_schema.MAX_PROMPT_TOKENS} (PIPELINE_MAX_PROMPT_TOKENS)")
+        errors.add(first + int(row), column, prompt_too_long(lengths[row]))
         ok[row] = False
     filled = np.flatnonzero(lengths > 0)
     if filled.size:
@@ -247,7 +252,7 @@ def _prompt_ids(array: pa.Array, column: str, first: int, errors: _Errors, vocab
             elif high > MAX_TOKEN_ID:
                 errors.add(first + row, column, f"token id {high} is over {MAX_TOKEN_ID} (int32)")
             else:
-                errors.add(first + row, column, f"token id {high} is outside the model's vocabulary of {vocab_size}")
+                errors.add(first + row, column, outside_vocabulary(high, vocab_size))  # type: ignore[arg-type]
             ok[row] = False
     return flat, offsets, ok
 
@@ -395,7 +400,8 @@ class DatasetRows:
             elif not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
                 return None
             length = pc.utf8_length(column).to_numpy(zero_copy_only=False)
-            if column.null_count or int(np.nanmin(length, initial=1)) < 1 or int(np.nanmax(length, initial=1)) > 512:
+            if (column.null_count or int(np.nanmin(length, initial=1)) < 1
+                    or int(np.nanmax(length, initial=1)) > MAX_ID_CHARS):
                 return None
             idents = column.to_pylist()
         else:
@@ -406,7 +412,7 @@ class DatasetRows:
             if not pa.types.is_integer(column.type):
                 return None
             values = column.to_numpy(zero_copy_only=False)
-            if column.null_count or (values.size and (int(values.min()) < 0 or int(values.max()) > _MAX_SEED)):
+            if column.null_count or (values.size and (int(values.min()) < 0 or int(values.max()) > MAX_SEED)):
                 return None
             seeds = values.tolist()
         metadata = {}

@@ -22,7 +22,18 @@ from pydantic import ValidationError
 from pipeline.errors import LineError, PipelineError, RequestFileError
 from pipeline.suggest import did_you_mean
 from schemas import request as request_schema
-from schemas.request import MAX_LINE_BYTES, MAX_TOKEN_ID, RolloutRequest, SamplingParams
+from schemas.chat import CHAT_INPUTS
+from schemas.request import (
+    MAX_ID_CHARS,
+    MAX_LINE_BYTES,
+    MAX_LOGPROBS,
+    MAX_PROMPT_LOGPROBS,
+    MAX_SEED,
+    MAX_TOKEN_ID,
+    RolloutRequest,
+    SamplingParams,
+    outside_vocabulary,
+)
 
 # Pydantic names union branches in error locations ("str", "list[int]", "constrained-int",
 # "function-before[...]"); a user thinks in field names only.
@@ -45,8 +56,8 @@ OTHER_NAMES = {
 }
 _TOP_FIELDS = tuple(RolloutRequest.model_fields)
 _SAMPLING_FIELDS = tuple(SamplingParams.model_fields)
-# Lines `pipeline.intake.render` renders into input_ids, given a tokenizer.
-_CHAT_FIELDS = ("messages", "prompt")
+# Where pydantic places a chat line's input (`pipeline.intake.render` renders it, given a tokenizer).
+_CHAT_LOCS = tuple((name,) for name in CHAT_INPUTS)
 
 
 def _unknown_field(loc: tuple[int | str, ...]) -> str:
@@ -85,10 +96,10 @@ def _message(error: dict) -> str:
 def validation_errors(path: str, line: int, exc: ValidationError) -> list[LineError]:
     """One located error per field (union branches collapsed)."""
     errors = exc.errors()
-    chat = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and e["loc"] in (("messages",), ("prompt",))]
+    chat = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and e["loc"] in _CHAT_LOCS]
     if chat:  # a chat/prompt line reached the token-id schema: no tokenizer rendered it
         flag = "--tokenizer PATH (Python: `submit(..., tokenizer=...)`)"
-        errors = [e for e in errors if e["loc"] not in (("input_ids",), ("messages",), ("prompt",))]
+        errors = [e for e in errors if e["loc"] not in (("input_ids",), *_CHAT_LOCS)]
         first = LineError(path, line, str(chat[0]), f"a {'chat' if chat[0] == 'messages' else 'prompt'} line needs "
                           f"a tokenizer to render it into input_ids: pass {flag}")
     seen: dict[str, LineError] = {first.field: first} if chat else {}
@@ -102,8 +113,6 @@ _IDS_KEY = b'"input_ids"'
 _BOM = b"\xef\xbb\xbf"
 _ALL_FIELDS = frozenset(RolloutRequest.model_fields)
 _DEFAULT_SAMPLING = SamplingParams()
-_SAMPLING_ORDER = tuple(SamplingParams.model_fields)
-_MAX_SEED = 2**63 - 1
 _BLOCK = 64  # lines whose ids are range-checked together (one concatenation, two array passes)
 _MAX_NESTING = 64  # brackets outside the ids beyond which the fast path steps aside
 # `encode_metadata` (ensure_ascii=False, ", " and ": " separators, float repr) writes at most this
@@ -124,9 +133,9 @@ class SamplingShape:
         self.params = params
         self.include = params != _DEFAULT_SAMPLING
         dumped = params.model_dump(exclude_defaults=True)
-        at = _SAMPLING_ORDER.index("seed")
-        self.before_seed = {k: v for k, v in dumped.items() if _SAMPLING_ORDER.index(k) < at}
-        self.after_seed = {k: v for k, v in dumped.items() if _SAMPLING_ORDER.index(k) > at}
+        at = _SAMPLING_FIELDS.index("seed")
+        self.before_seed = {k: v for k, v in dumped.items() if _SAMPLING_FIELDS.index(k) < at}
+        self.after_seed = {k: v for k, v in dumped.items() if _SAMPLING_FIELDS.index(k) > at}
         self.stop_max = max(params.user_stop_token_ids, default=-1)
 
     def dump(self, seed: int | None) -> dict[str, Any] | None:
@@ -219,7 +228,7 @@ def fast_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[A
     """Every field but the ids (`size` bytes of the line), checked as the model would; `StepAside`
     for anything the model might see differently (pydantic then decides)."""
     ident = line.get("id")
-    if type(ident) is not str or not 0 < len(ident) <= 512:
+    if type(ident) is not str or not 0 < len(ident) <= MAX_ID_CHARS:
         raise StepAside
     fields: dict[str, Any] = {"id": ident}
     seed = None
@@ -230,7 +239,7 @@ def fast_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[A
             raise StepAside
         if "seed" in given:
             seed = given.pop("seed")
-            if seed is not None and (type(seed) is not int or not 0 <= seed <= _MAX_SEED):
+            if seed is not None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
                 raise StepAside
         try:
             key: Any = (tuple(given.items()), tuple(map(type, given.values())))
@@ -248,13 +257,13 @@ def fast_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[A
         if dumped is not None:
             fields["sampling_params"] = dumped
     logprobs = line.get("logprobs", 0)
-    if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= 1024):
+    if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
         raise StepAside
     if logprobs != 0:
         fields["logprobs"] = logprobs
     prompt_logprobs = line.get("prompt_logprobs")
     if prompt_logprobs is not None:
-        if type(prompt_logprobs) is not int or prompt_logprobs != 0:
+        if type(prompt_logprobs) is not int or not 0 <= prompt_logprobs <= MAX_PROMPT_LOGPROBS:
             raise StepAside
         fields["prompt_logprobs"] = prompt_logprobs
     routed = line.get("return_routed_experts", False)
@@ -483,8 +492,7 @@ def _request_blocks(
             first_line_of[request.id] = number
             if vocab_size is not None and request.max_token_id() >= vocab_size:
                 errors.append(
-                    LineError(path, number, "input_ids", f"token id {request.max_token_id()} is "
-                              f"outside the model's vocabulary of {vocab_size}")
+                    LineError(path, number, "input_ids", outside_vocabulary(request.max_token_id(), vocab_size))
                 )
                 continue
             requests.append(request)
