@@ -1,17 +1,27 @@
-"""The concurrent, interruptible interface for an engine that decodes one batch at a time.
+"""The concurrent interface for an engine that decodes one batch at a time.
 
-`SerialFeed` runs submitted batches in order on one thread (`_run_batch(requests, stop)`), so a
-worker feeds such an engine like a continuous-batching one: the next job waits inside the engine
-instead of in Redis. `stop` is an event the engine's decode loop checks at every step: set by
-`interrupt()` (a partial weight swap: the running batch ends at its next step, every unfinished
-sample with `Finish("abort", message=INTERRUPTED)` and the tokens it has) or by cancelling the
-batch's future (a job timeout: the result is dropped). Batches still queued at an interrupt
-resolve at once with empty interrupted samples.
+`SerialBatches` runs submitted batches in order on one thread (`_run_batch(requests, stop)`), so
+a worker feeds such an engine like a continuous-batching one (`workers.jobs.feeder`): the next
+job waits inside the engine instead of in Redis. `stop` is an event set when the batch's future
+is cancelled (a job timeout or a cancel: the result is dropped); an engine whose decode loop
+checks it at every step stops early. Each batch runs in the context (`contextvars`) it was
+submitted from, so its log lines name the job (`workers.process.logs`).
+
+`SerialFeed` adds the interruptible interface (the hf engine): `interrupt()` (a partial weight
+swap) ends the running batch at its next step, every unfinished sample with
+`Finish("abort", message=INTERRUPTED)` and the tokens it has; batches still queued resolve at
+once with empty interrupted samples.
+
+`SerialEngine` puts any engine behind the concurrent interface through its `generate()`: the
+shipped fake, the in-process `sglang` engine, and any engine of a worker started with
+`--no-feed`. A `generate()` call cannot be stopped part-way, so it is not interruptible (a
+partial swap drains) and a cancelled batch runs to its end before the next one starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -21,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schemas.request import RolloutRequest
-from workers.engines.base import INTERRUPTED, Finish, SampleOutput
+from workers.engines.base import INTERRUPTED, Engine, EngineDescription, Finish, SampleOutput
 
 
 @dataclass(eq=False)
@@ -30,6 +40,7 @@ class _Queued:
     future: Future
     samples: int
     stop: threading.Event = field(default_factory=threading.Event)
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 def interrupted_before_start(requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
@@ -47,8 +58,8 @@ def _resolve(future: Future, outputs: list[list[SampleOutput]]) -> None:
         future.set_result(outputs)
 
 
-class SerialFeed:
-    """Mixin: `capacity`, `load()`, `submit()` and `interrupt()` over `_run_batch`."""
+class SerialBatches:
+    """Mixin: `capacity`, `load()` and `submit()` over `_run_batch`."""
 
     _feed_capacity: int
 
@@ -86,21 +97,6 @@ class SerialFeed:
             cond.notify_all()
         return item.future
 
-    def interrupt(self) -> int:
-        """Stop the running batch at its next step; resolve the queued ones as not started."""
-        cond, queue = self._feed_state()
-        with cond:
-            queued = list(queue)
-            queue.clear()
-            running = self._feed_running
-            if running is not None:
-                running.stop.set()
-        for item in queued:
-            _resolve(item.future, interrupted_before_start(item.requests))
-        with cond:
-            cond.wait_for(lambda: self._feed_running is None or self._feed_running is not running)
-        return sum(item.samples for item in queued) + (running.samples if running is not None else 0)
-
     def _feed_loop(self) -> None:
         cond, queue = self._feed_cond, self._feed_queue
         while True:
@@ -114,7 +110,7 @@ class SerialFeed:
                     continue
                 self._feed_running = item
             try:
-                _resolve(item.future, self._run_batch(item.requests, item.stop))
+                _resolve(item.future, item.context.run(self._run_batch, item.requests, item.stop))
             except BaseException as exc:
                 with contextlib.suppress(InvalidStateError):
                     item.future.set_exception(exc)
@@ -133,3 +129,50 @@ class SerialFeed:
             self._feed_cond.notify_all()
         for item in pending:
             item.future.cancel()
+
+
+class SerialFeed(SerialBatches):
+    """Mixin: `SerialBatches` and `interrupt()`, for an engine whose `_run_batch` checks `stop`."""
+
+    def interrupt(self) -> int:
+        """Stop the running batch at its next step; resolve the queued ones as not started."""
+        cond, queue = self._feed_state()
+        with cond:
+            queued = list(queue)
+            queue.clear()
+            running = self._feed_running
+            if running is not None:
+                running.stop.set()
+        for item in queued:
+            _resolve(item.future, interrupted_before_start(item.requests))
+        with cond:
+            cond.wait_for(lambda: self._feed_running is None or self._feed_running is not running)
+        return sum(item.samples for item in queued) + (running.samples if running is not None else 0)
+
+
+class SerialEngine(SerialBatches):
+    """`engine` behind the concurrent interface: its batches run one at a time through `generate()`.
+
+    Room for one sample (`capacity` 1): a batch is taken only once the one before it has ended.
+    Only batches go through it; weight loads, health probes and closing stay with `engine`.
+    """
+
+    _feed_capacity = 1
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @property
+    def description(self) -> EngineDescription:
+        return self.engine.description
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def _run_batch(self, requests: Sequence[RolloutRequest], stop: threading.Event) -> list[list[SampleOutput]]:
+        return self.engine.generate(requests)
+
+    def close(self) -> None:
+        """Stop feeding (batches still queued are cancelled); `engine` stays open for its owner."""
+        self._close_feed()

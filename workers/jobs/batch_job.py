@@ -1,9 +1,9 @@
-"""The project's job function: run one batch of requests and commit its shard.
+"""The project's job: run one batch of requests and commit its shard.
 
-It has two halves so that a worker can keep several jobs in flight on a concurrent engine
+A worker runs it in two halves around the engine, so that it can keep several jobs in flight
 (`workers.jobs.feeder`): `prepare_batch` (validate, unpack, capability checks, note the weights)
-and `commit_batch` (rows, shard, commit log). `run_rollout_batch` runs both around a
-synchronous `engine.generate`.
+and `commit_batch` (rows, shard, commit log). `run_rollout_batch` is only the name RQ jobs carry
+(the allow-list, `workers.jobs.allowed_job`); nothing calls it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from rq import get_current_job
 
 from pipeline.broker import commit_log, keys
 from schemas.job_payload import JobPayload
@@ -126,9 +125,7 @@ def commit_batch(
 
 
 def run_rollout_batch(payload: dict[str, Any]) -> dict[str, Any]:
-    """Generate every request of the job, write its shard, append the commit; return a summary."""
-    rq_job = get_current_job()
-    conn = rq_job.connection if rq_job is not None else None
-    batch = prepare_batch(payload, conn)
-    outputs = batch.engine.generate(batch.requests)
-    return commit_batch(batch, outputs, conn)
+    """The job function every rollout job names. A `pipeline worker` runs such jobs through its
+    feeder (`prepare_batch`, the engine, `commit_batch`) and never calls this."""
+    raise WorkerError("rollout jobs run only inside a `pipeline worker` process, whose feeder runs them "
+                      "(workers.jobs.feeder); this function is only the name RQ jobs carry")

@@ -1,12 +1,18 @@
-"""Keeping a concurrent engine fed across job boundaries, one shard per job.
+"""Running jobs on an engine, one shard per job, keeping a concurrent engine fed across job boundaries.
 
-RQ's work loop runs one job at a time. With an engine that has the concurrent interface
-(`workers.engines.base.ConcurrentEngine`), the worker's `execute_job` hands each job to the
-`Feeder` instead: it does RQ's start-of-job bookkeeping, validates the payload, submits the
-requests to the engine and returns as soon as the engine has room for more, so the loop
-dequeues the next job while the last long sequences of this one still run. A completion
-thread then finishes each job on its own: rows, shard and commit (`workers.jobs.batch_job.commit_batch`),
-and RQ's success or failure handling (retries included) exactly as `perform_job` would.
+Every job a worker runs goes through its `Feeder`. RQ's work loop runs one job at a time; the
+worker's `execute_job` hands each job to the feeder, which does RQ's start-of-job bookkeeping,
+validates the payload, submits the requests to the engine (`workers.engines.base.ConcurrentEngine`)
+and returns as soon as the engine has room for more, so the loop dequeues the next job while
+the last long sequences of this one still run. A completion thread then finishes each job on
+its own: rows, shard and commit (`workers.jobs.batch_job.commit_batch`), and RQ's success or
+failure handling (retries included) exactly as `perform_job` would. An engine with only
+`generate()` (the fake, in-process SGLang, or any engine with `--no-feed`) is fed through
+`workers.engines.serial.SerialEngine`, one job at a time (`max_jobs_in_flight=1`).
+
+The feeder owns its state: the jobs in flight and the `Gate`. It talks to its worker through
+`JobBookkeeping` (RQ's side of each job: `workers.jobs.rq_seam.WorkerBookkeeping`) and one
+callback, `jobs_changed`, called whenever a job enters or leaves the jobs in flight.
 
 The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
 finished (drain) and no job starts while one waits or runs.
@@ -28,25 +34,21 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import Any, Protocol
 
+import redis
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
-from rq.utils import now
 
 from pipeline.read.cancel import canceled_jobs
 from workers.engines.base import ConcurrentEngine, is_interruptible
 from workers.errors import JobCanceledError
-from workers.jobs import rq_seam
-from workers.jobs.allowed_job import is_job_function
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.process import logs
 from workers.rows.continuation import Progress, Submission
-
-if TYPE_CHECKING:
-    from workers.process.engine_worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,26 @@ class Gate:
             return self._cond.wait_for(lambda: self._jobs == 0, timeout)
 
 
+ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+
+
+class JobBookkeeping(Protocol):
+    """RQ's side of each job a `Feeder` runs, done by its worker (`workers.jobs.rq_seam.WorkerBookkeeping`)."""
+
+    def open(self, job: Job) -> Execution:
+        """This worker's execution of `job` (RQ's `prepare_execution`)."""
+        ...
+
+    def start(self, job: Job) -> int:
+        """RQ's start of the job (started status and registry, heartbeat); returns its timeout in
+        seconds (none when not positive)."""
+        ...
+
+    def finish(self, job: Job, queue: Queue, execution: Execution, exc_info: ExcInfo | None, result: Any) -> None:
+        """RQ's end of the job: success with `result` when `exc_info` is None, else failure (retries)."""
+        ...
+
+
 @dataclass(eq=False)
 class InFlight:
     job: Job
@@ -113,14 +135,22 @@ class InFlight:
 
 
 class Feeder:
-    """Several jobs in flight on one concurrent engine; RQ bookkeeping per job."""
+    """Jobs in flight on one concurrent engine (up to `max_jobs_in_flight`); RQ bookkeeping per job.
+
+    `jobs_changed(job)` is called after `job` entered the jobs in flight, `jobs_changed(None)`
+    after one left them (see `current_job`)."""
 
     def __init__(
-        self, worker: EngineWorker, engine: ConcurrentEngine, *,
+        self, engine: ConcurrentEngine, bookkeeping: JobBookkeeping, *, connection: redis.Redis, worker_id: str,
+        jobs_changed: Callable[[Job | None], None] = lambda _: None,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
     ) -> None:
-        self.worker = worker
         self.engine = engine
+        self.bookkeeping = bookkeeping
+        self.connection = connection
+        self.worker_id = worker_id
+        self.jobs_changed = jobs_changed
+        self.gate = Gate()
         self.max_jobs_in_flight = max(1, max_jobs_in_flight)
         # Sequences fed beyond the capacity, so a freed slot never waits for a Redis round trip.
         self.headroom = engine.capacity // 8 if headroom is None else headroom
@@ -136,17 +166,19 @@ class Feeder:
         self._thread: threading.Thread | None = None
         self.admitted: list[tuple[float, str]] = []  # (monotonic time, job id), for tests and benchmarks
 
-    @staticmethod
-    def accepts(job: Job) -> bool:
-        """Only the project's job function is split; anything else goes the plain way (and is refused)."""
-        try:
-            return is_job_function(job.func_name)
-        except Exception:
-            return False
-
     @property
     def in_flight(self) -> int:
         return len(self._entries)
+
+    @property
+    def current_job(self) -> str | None:
+        """The id of the oldest job in flight (None: none)."""
+        with self._cond:
+            return next(iter(self._entries), None)
+
+    def jobs(self) -> list[tuple[Job, Execution]]:
+        """The jobs in flight with their executions (for their heartbeats)."""
+        return [(e.job, e.execution) for e in list(self._entries.values())]
 
     def start(self) -> None:
         if self._thread is None:
@@ -190,7 +222,7 @@ class Feeder:
             by_run.setdefault(entry.batch.job.run, []).append(entry)
         aborted = 0
         for run, in_run in by_run.items():
-            canceled = canceled_jobs(self.worker.connection, run, [e.job.id for e in in_run])
+            canceled = canceled_jobs(self.connection, run, [e.job.id for e in in_run])
             for entry in in_run:
                 if entry.job.id in canceled:
                     entry.canceled = True
@@ -203,25 +235,26 @@ class Feeder:
 
     def admit(self, job: Job, queue: Queue) -> None:
         """Start `job` on the engine; failures before the engine runs it are finalised here."""
-        with logs.job_scope(job, self.worker.worker_id):
+        with logs.job_scope(job, self.worker_id):
             self._admit(job, queue)
 
     def _admit(self, job: Job, queue: Queue) -> None:
-        worker = self.worker
-        worker.gate.enter()
-        execution = worker.prepare_execution(job)
+        self.gate.enter()
+        try:
+            execution = self.bookkeeping.open(job)
+        except BaseException:
+            self.gate.leave()
+            raise
         entry = InFlight(job, queue, execution)
         with self._cond:
             self._entries[job.id] = entry
-        worker.track(job, execution)
+        self.jobs_changed(job)
         try:
-            worker.prepare_job_execution(job, remove_from_intermediate_queue=len(worker.queues) == 1)
-            job.started_at = now()
+            timeout = self.bookkeeping.start(job)
             job.func  # noqa: B018 - the job class refuses any function but the project's own
-            timeout = job.timeout or worker.queue_class.DEFAULT_TIMEOUT
             if timeout and timeout > 0:
                 entry.deadline = time.monotonic() + timeout
-            batch = prepare_batch(job.args[0], worker.connection)
+            batch = prepare_batch(job.args[0], self.connection)
             entry.batch = batch
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
             entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
@@ -250,7 +283,7 @@ class Feeder:
         job so stopped until the load is done, then this submits their continuations, before any
         new job (a job the commit thread reaches later continues from there).
         """
-        with self.worker.gate.exclusive(drain=False), self._submit_lock:
+        with self.gate.exclusive(drain=False), self._submit_lock:
             with self._cond:
                 self._swapping = True
             try:
@@ -277,7 +310,7 @@ class Feeder:
             with self._submit_lock:
                 self._submit(entry, entry.progress.resume(self.engine.weight_version))
         except BaseException:
-            with logs.job_scope(entry.job, self.worker.worker_id):
+            with logs.job_scope(entry.job, self.worker_id):
                 self._finish(entry, sys.exc_info())
 
     # -- completion (the feeder's thread) ---------------------------------------------------
@@ -291,7 +324,7 @@ class Feeder:
                 continue
             if entry is None:
                 return
-            with logs.job_scope(entry.job, self.worker.worker_id):
+            with logs.job_scope(entry.job, self.worker_id):
                 self._complete(entry)
             self._check_deadlines()
 
@@ -321,8 +354,7 @@ class Feeder:
                 self._continue(entry)
                 return
             decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]
-            summary = commit_batch(entry.batch, progress.outputs(decode), self.worker.connection,
-                                   datetime.now(UTC))
+            summary = commit_batch(entry.batch, progress.outputs(decode), self.connection, datetime.now(UTC))
             if progress.continued:
                 summary.update(continued=progress.continued, restarted=progress.restarted)
         except BaseException:
@@ -330,18 +362,14 @@ class Feeder:
             return
         self._finish(entry, None, summary)
 
-    def _finish(self, entry: InFlight, exc_info: Any, result: Any = None) -> None:
-        worker = self.worker
+    def _finish(self, entry: InFlight, exc_info: ExcInfo | None, result: Any = None) -> None:
         try:
-            if exc_info is None:
-                rq_seam.finalize_success(worker, entry.job, entry.queue, entry.execution, result)
-            else:
-                rq_seam.finalize_failure(worker, entry.job, entry.queue, entry.execution, exc_info)
+            self.bookkeeping.finish(entry.job, entry.queue, entry.execution, exc_info, result)
         except Exception:  # bookkeeping must never kill the completion thread
-            log.exception("worker %s: finishing job %s failed", worker.worker_id, entry.job.id)
+            log.exception("worker %s: finishing job %s failed", self.worker_id, entry.job.id)
         finally:
             with self._cond:
                 self._entries.pop(entry.job.id, None)
                 self._cond.notify_all()
-            worker.untrack(entry.job)
-            worker.gate.leave()
+            self.jobs_changed(None)
+            self.gate.leave()

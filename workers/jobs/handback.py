@@ -1,18 +1,24 @@
-"""Handing a started job back to its queue without spending one of its retries.
+"""Handing a job back to its queue without spending one of its retries.
 
-A job is handed back when the fault is the worker's, not the job's: a second SIGTERM
-aborted it, or the engine failed under it. The execution is removed from the started
-registry and the job goes to the front of its queue for another worker. Each hand-back is
-counted in the job's meta; past `max_handbacks()` the caller fails the job the ordinary way
-(retries, then the failed registry), so a job that itself kills engines cannot loop forever.
+A started job is handed back when the fault is the worker's, not the job's: a second SIGTERM
+aborted it, or the engine failed under it (`hand_back_started`). The execution is removed from
+the started registry and the job goes to the front of its queue for another worker. Each
+hand-back is counted in the job's meta; past `max_handbacks()` the caller fails the job the
+ordinary way (retries, then the failed registry), so a job that itself kills engines cannot
+loop forever.
+
+A job dequeued but never started (the pool is paused, the worker cannot serve it, or its engine
+failed meanwhile) goes back untouched and uncounted (`hand_back_dequeued`).
 """
 
 from __future__ import annotations
 
 import logging
 
+import redis
 from rq import Queue
 from rq.executions import Execution
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
@@ -47,3 +53,14 @@ def hand_back_started(
         pipe.execute()
     log.warning("job %s handed back to queue %s (%d/%d): %s", job.id, queue.name, count, max_handbacks(), reason)
     return True
+
+
+def hand_back_dequeued(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:
+    """Put a dequeued job back on its queue untouched (it never started)."""
+    with conn.pipeline() as pipe:
+        pipe.lrem(IntermediateQueue(queue.key, conn).key, 1, job.id)
+        if at_front:
+            pipe.lpush(queue.key, job.id)
+        else:
+            pipe.rpush(queue.key, job.id)
+        pipe.execute()

@@ -23,6 +23,7 @@ from redis.client import Pipeline
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
+from rq.utils import now
 from rq.worker import BaseWorker
 
 RQ_MINOR = "3.0"
@@ -47,7 +48,6 @@ OVERRIDDEN: dict[str, tuple[str, ...]] = {
 CALLED: dict[str, tuple[str, ...]] = {
     "prepare_execution": ("self", "job"),
     "prepare_job_execution": ("self", "job", "remove_from_intermediate_queue"),
-    "perform_job": ("self", "job", "queue", "execution"),
     "cleanup_execution": ("self", "job", "pipeline", "execution"),
     "maintain_heartbeats": ("self", "job", "execution"),
 }
@@ -71,6 +71,29 @@ def finalize_success(worker: BaseWorker, job: Job, queue: Queue, execution: Exec
 def finalize_failure(worker: BaseWorker, job: Job, queue: Queue, execution: Execution, exc_info: ExcInfo) -> None:
     """What RQ does after a job function raised (exception handlers, retries, failed registry)."""
     worker._finalize_failure(job, queue, execution, exc_info)
+
+
+class WorkerBookkeeping:
+    """RQ's bookkeeping of `worker` around each job its `Feeder` runs (`workers.jobs.feeder.JobBookkeeping`),
+    what `SimpleWorker.execute_job` and `perform_job` do around the job function."""
+
+    def __init__(self, worker: BaseWorker) -> None:
+        self.worker = worker
+
+    def open(self, job: Job) -> Execution:
+        return self.worker.prepare_execution(job)
+
+    def start(self, job: Job) -> int:
+        worker = self.worker
+        worker.prepare_job_execution(job, remove_from_intermediate_queue=len(worker.queues) == 1)
+        job.started_at = now()
+        return job.timeout or worker.queue_class.DEFAULT_TIMEOUT
+
+    def finish(self, job: Job, queue: Queue, execution: Execution, exc_info: ExcInfo | None, result: Any) -> None:
+        if exc_info is None:
+            finalize_success(self.worker, job, queue, execution, result)
+        else:
+            finalize_failure(self.worker, job, queue, execution, exc_info)
 
 
 def enqueue(queue: Queue, job: Job, pipeline: Pipeline, *, at_front: bool) -> None:

@@ -1,1 +1,2 @@
-"""The worker process: the RQ worker around one engine, heartbeats, control follower, health, logs, metrics."""
+"""The worker process: the RQ worker around one engine, heartbeat and registry, control follower, job intake,
+health, logs, metrics."""

@@ -1,8 +1,18 @@
-"""The control channel, worker side: wake-ups, weight loads with acknowledgements, hand-backs.
+"""The control channel, worker side (DESIGN.md "Control channel"): wake-ups, the desired state
+followed, weight loads with acknowledgements.
 
 `ControlListener` subscribes to the wake-up channel first and only then asks the worker to
 read the desired state; it asks again on every message, after every reconnect and every
 `poll_s` seconds, so a missed message, a Redis restart or a late start all converge.
+
+`ControlFollower` is what a worker does on each read (on the listener's thread, and in the work
+loop before every job): it refuses a state older than one it followed (and writes the one it
+follows back), loads pushed weights while no batch runs (a drain through the feeder's gate) or,
+in `partial` mode on an engine that can interrupt, stops the samples in flight, loads, and
+continues them on the new weights (`Feeder.partial_swap`; an engine that cannot interrupt
+drains instead, and its acknowledgement says `mode: drain`). While the pool is paused the work
+loop waits in `wait_until_resumed`; a job dequeued meanwhile is handed back
+(`workers.process.intake`).
 """
 
 from __future__ import annotations
@@ -15,17 +25,18 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from rq import Queue
-from rq.intermediate_queue import IntermediateQueue
-from rq.job import Job
 
-from pipeline.broker import keys
+from pipeline.broker import control_channel, keys
 from pipeline.broker.control_channel import encode_ack
 from pipeline.broker.replication import Proof, replicated, write_until_kept
 from pipeline.broker.security import check_weight_path
-from pipeline.errors import PolicyError
-from schemas.control import SwapMode, WeightAck
+from pipeline.errors import PolicyError, WriteLostError
+from schemas.control import DesiredState, SwapMode, WeightAck
+from schemas.worker_info import WorkerState
 from workers.engines.base import Engine
+from workers.errors import WeightsRefusedError
+from workers.jobs.feeder import Feeder
+from workers.process.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -137,22 +148,174 @@ def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, onl
     write_until_kept(write, lambda _: replicated(conn, what, Proof(("HGET", key, ack.worker), holds)), what)
 
 
-def hand_back(conn: redis.Redis, job: Job, queue: Queue, *, at_front: bool) -> None:
-    """Put a dequeued job back on its queue untouched (it never started)."""
-    with conn.pipeline() as pipe:
-        pipe.lrem(IntermediateQueue(queue.key, conn).key, 1, job.id)
-        if at_front:
-            pipe.lpush(queue.key, job.id)
+class ControlFollower:
+    """One worker following its pool's desired state; `worker_id` and `engine` name what loads.
+
+    `report(state)` publishes the worker's registry state ("updating" while loading); `settle()`
+    publishes its resting state unless a job is in flight. `heartbeat` is the registry entry the
+    followed generation and the weights served are written to."""
+
+    def __init__(
+        self, conn: redis.Redis, pool: keys.PoolKeys, worker_id: str, engine: Engine, feeder: Feeder,
+        heartbeat: Heartbeat, *, report: Callable[[WorkerState], Any], settle: Callable[[], Any],
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.conn = conn
+        self.pool = pool
+        self.worker_id = worker_id
+        self.engine = engine
+        self.feeder = feeder
+        self.heartbeat = heartbeat
+        self.report = report
+        self.settle = settle
+        # Serialises control handling between the listener and the work loop.
+        self._lock = threading.RLock()
+        self.desired = DesiredState()
+        self._refused_generation: int | None = None
+        self._followed: bytes | None = None  # the stored record of the state followed (as read)
+        # What the engine serves (version, path; no path: as it started), and the last load tried
+        # (target and generation: a failed load is retried at the next change of the state).
+        self._loaded: tuple[int, str | None] = (engine.weight_version, None)
+        self._attempted: tuple[int, str | None, int] = (engine.weight_version, None, 0)
+        self._last_ack: WeightAck | None = None
+        self.weight_error: str | None = None
+        self.changed = threading.Event()  # set after every read of the state
+        self.listener = ControlListener(conn, pool.control_channel, self._on_wake, poll_s=poll_s)
+
+    def behind(self, state: DesiredState) -> bool:
+        """Whether the engine does not serve the pool's desired weights (a load failed or is due)."""
+        return state.weight_path is not None and self._loaded != (state.weight_version, state.weight_path)
+
+    def resting_state(self) -> WorkerState:
+        """The worker's registry state while no job is in flight."""
+        if self.desired.paused:
+            return "paused"
+        return "unhealthy" if self.behind(self.desired) else "idle"
+
+    def _on_wake(self) -> None:
+        """A control wake-up (or the listener's poll): follow the desired state, abort canceled jobs."""
+        self.sync()
+        if self.feeder.in_flight:
+            aborted = self.feeder.abort_canceled()
+            if aborted:
+                log.info("worker %s: aborted %d canceled job(s) in flight", self.worker_id, aborted)
+
+    def sync(self) -> DesiredState:
+        """Re-read the desired state; load pushed weights if they changed; refresh the registry.
+
+        Called by the listener thread on every wake-up and by the work loop before every job;
+        a load first drains every batch in flight, so weights only ever change between batches.
+        """
+        try:
+            raw = self.conn.get(self.pool.control_state)
+            state = control_channel.parse_state(raw, self.pool.name)
+        except (redis.RedisError, control_channel.ControlAuthError) as exc:  # forged/unsigned: refused, logged
+            log.warning("control state unreadable (%s); keeping %s", exc, self.desired)
+            return self.desired
+        with self._lock:
+            followed = self.heartbeat.info.control_generation
+            if state.generation < followed:
+                # Older than one already followed: a replayed record (signed states can be copied),
+                # Redis restored from an old snapshot, or a failover that lost the newer one. The
+                # record followed is written back (`restore_state`), so Redis and workers agree.
+                if state.generation != self._refused_generation:
+                    self._refused_generation = state.generation
+                    log.warning("control state of generation %d refused: generation %d was already applied "
+                                "(a replayed or restored record, or one a Redis failover lost?); keeping %s and "
+                                "writing it back", state.generation, followed, self.desired)
+                    self._restore_followed()
+                return self.desired
+            self.desired = state
+            self._followed = raw
+            with self.heartbeat.lock:
+                self.heartbeat.info.control_generation = state.generation
+            try:
+                if not self.behind(state):
+                    self.weight_error = None  # loaded, or a push no worker took was undone
+                if state.weight_path is not None and self.behind(state) and \
+                        (state.weight_version, state.weight_path, state.generation) != self._attempted:
+                    # Due, or failed before and the state changed since (a --force re-push retries).
+                    self._swap(state.weight_path, state.weight_version, state.swap_mode, state.generation)
+                elif self._last_ack is not None and self._last_ack.version == state.weight_version:
+                    # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
+                    write_ack(self.conn, self._last_ack, self.pool.name, only_if_missing=True)
+            except (redis.RedisError, WriteLostError) as exc:  # acked again at the next read of the state
+                log.warning("control acknowledgement failed: %s", exc)
+            self.settle()
+        self.changed.set()
+        return state
+
+    def _restore_followed(self) -> None:
+        """Write the state record this worker follows back to Redis, where an older one stands."""
+        if self._followed is None:
+            return
+        try:
+            control_channel.restore_state(self.conn, self._followed, self.pool.name)
+        except (redis.RedisError, WriteLostError) as exc:
+            log.warning("writing the control state back failed (%s); retried at the next read", exc)
+            self._refused_generation = None
+
+    def _swap(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
+        """Load pushed weights: partially (samples in flight continue on them) or after a drain."""
+        feeder = self.feeder
+        if mode == "partial" and feeder.can_interrupt:
+            stopped = feeder.partial_swap(lambda: self._load_weights(path, version, "partial", generation))
+            log.info("worker %s: partial swap to v%d: %d sample(s) stopped and continued",
+                     self.worker_id, version, stopped)
+            return
+        if mode == "partial":
+            log.warning("worker %s: partial swap asked, but the %s engine cannot stop samples in flight (it "
+                        "generates one batch at a time: --no-feed, or no concurrent interface); draining instead",
+                        self.worker_id, self.engine.description.name)
+        with feeder.gate.exclusive():
+            self._load_weights(path, version, "drain", generation)
+
+    def _load_weights(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
+        self._attempted = (version, path, generation)
+        self.report("updating")
+        log.info("worker %s: loading weights v%d from %s (%s)", self.worker_id, version, path, mode)
+        ack = load_weights(self.engine, self.worker_id, path, version, mode)
+        if ack.ok:
+            self.weight_error = None
+            self._loaded = (version, path)
+            log.info("worker %s: serving weights v%d (%.2f s)", self.worker_id, version, ack.seconds)
         else:
-            pipe.rpush(queue.key, job.id)
-        pipe.execute()
+            self.weight_error = f"loading weights v{version} from {path} failed: {ack.error}"
+            log.error("worker %s: %s; taking no job until it loads the pool's weights (retried at the next "
+                      "push, e.g. `pipeline weights push --force`)", self.worker_id, self.weight_error)
+        self._last_ack = ack
+        # The registry shows the version served before the ack says so: whoever waits on the ack
+        # and then reads the registry must see the new version.
+        self.heartbeat.update(weight_version=self.engine.weight_version, error=self.weight_error)
+        write_ack(self.conn, ack, self.pool.name)
 
+    def wait_until_resumed(self, *, burst: bool, stopping: Callable[[], bool]) -> bool:
+        """Block while paused (False in burst mode, or once `stopping()`: the worker then exits instead)."""
+        while True:
+            self.changed.clear()
+            if not self.sync().paused:
+                return True
+            if burst or stopping():
+                return False
+            self.changed.wait(self.listener.poll_s)
 
-def min_weight_version(job: Job) -> int | None:
-    """The job payload's `min_weight_version`, if any (None for anything unreadable)."""
-    try:
-        payload = job.args[0] if job.args else None
-    except Exception:  # an unreadable job fails later, in the job itself
-        return None
-    value = payload.get("min_weight_version") if isinstance(payload, dict) else None
-    return value if isinstance(value, int) else None
+    def wait_for_change(self) -> None:
+        """Until the state is read again (the listener reads it at least every `poll_s`)."""
+        self.changed.clear()
+        self.changed.wait(self.listener.poll_s)
+
+    def join(self) -> None:
+        """Load the pool's desired weights before the first job; refuse to join if they do not load
+        (another model's checkpoint, mismatched parameters, a path this host cannot read): rows at
+        this engine's own version would mean something else than the pool's."""
+        state = self.sync()
+        if not self.behind(state):
+            return
+        description = self.engine.description
+        raise WeightsRefusedError(
+            f"worker {self.worker_id} ({description.name} engine, model {description.model}) does not join pool "
+            f"{self.pool.name!r}: the pool serves weights v{state.weight_version} from {state.weight_path} and this "
+            f"engine cannot load them: {self.weight_error or 'not loaded'}. Start it with a model that takes that "
+            "checkpoint, in another --pool, or push weights every worker of the pool loads (`pipeline weights push "
+            "PATH --version N --force`)"
+        )

@@ -3,9 +3,9 @@
 Each record becomes one JSON object on one line: `time` (UTC, ISO 8601), `level`, `logger`,
 `message`, `worker`, and `job_id` and `run` on every line emitted while a job is processed
 (null otherwise), plus `exc_info` when there is a traceback. The job comes from a context
-variable that the worker sets around each job's work (`job_scope`): in the work loop for a
-job run the plain way, and on the feeder's admitting and completing threads for a job fed to
-a concurrent engine. Threads do not inherit context variables, so each sets its own.
+variable that the worker sets around each job's work (`job_scope`), on the feeder's admitting
+and completing threads; a batch that runs on an engine's own thread (`workers.engines.serial`)
+runs in the context it was submitted from. Threads do not inherit context variables otherwise.
 
 The text format (the default) gets the same fields in a bracket when a job is in hand.
 """

@@ -1,5 +1,5 @@
-"""The worker process `pipeline worker` runs: `EngineWorker` (engine, heartbeats, registry,
-control channel, feeding; `workers.process.engine_worker`) plus fault handling:
+"""The worker process `pipeline worker` runs: `EngineWorker` (engine, heartbeat and registry,
+control follower, job intake, feeder; `workers.process.engine_worker`) plus fault handling:
 
 - abandoned jobs of dead workers found within seconds (`workers.jobs.maintenance`), and jobs a
   Redis failover orphaned requeued (`workers.jobs.reconcile`);
@@ -34,10 +34,9 @@ from schemas.worker_info import WorkerState
 from workers.engines.base import Engine
 from workers.errors import JobCanceledError, NotAllowedJobError, UnsupportedRequestError
 from workers.jobs import admission, rq_seam
-from workers.jobs.handback import hand_back_started
+from workers.jobs.handback import hand_back_dequeued, hand_back_started
 from workers.jobs.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, RegistryMaintenance
 from workers.jobs.reconcile import Reconciler
-from workers.process import control_follower
 from workers.process.engine_worker import EngineWorker
 from workers.process.health import PROBE_MAX_S, EngineHealth
 from workers.process.shutdown import Shutdown
@@ -85,9 +84,7 @@ class RolloutWorker(EngineWorker):
         super().set_registry_state(state, current_job)
         reason = self.health.reason
         if reason and self.info.error != reason:
-            with self._lock:
-                self.info.error = reason
-            self._publish()
+            self.presence.update(error=reason)
 
     # -- dequeue and failure ------------------------------------------------------------------
 
@@ -109,7 +106,7 @@ class RolloutWorker(EngineWorker):
             # The engine failed while this worker was blocked in its dequeue (another job in flight
             # failed): give the job back untouched and wait for the engine.
             job, queue = result
-            control_follower.hand_back(self.connection, job, queue, at_front=True)
+            hand_back_dequeued(self.connection, job, queue, at_front=True)
 
     def _await_scheduled_retry(self) -> bool:
         """Sleep until the earliest scheduled retry is due and enqueue it; False when there is none."""

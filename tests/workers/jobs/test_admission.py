@@ -58,7 +58,7 @@ def test_a_job_the_worker_cannot_serve_is_handed_back_untouched_for_one_that_can
     plain_engine = FakeEngine(max_top_logprobs=0)
     able = _worker(redis_client, _sim(max_top_logprobs=5), "able")
     plain = _worker(redis_client, plain_engine, "plain")
-    with caplog.at_level(logging.INFO, logger="workers.process.engine_worker"):
+    with caplog.at_level(logging.INFO, logger="workers.process.intake"):
         _burst(plain)  # dequeues it, hands it back, goes round the queue, stops
     assert f"job {batch.job_ids[0]} handed back: worker plain lacks top-3 logprobs; 1 other live worker(s) can " \
            "serve it" in caplog.text

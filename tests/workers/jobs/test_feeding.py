@@ -22,6 +22,8 @@ import pipeline
 from pipeline.broker import keys
 from schemas.request import RolloutRequest
 from tests.helpers import drive_worker, wait_until
+from workers.engines.fake import FakeEngine
+from workers.engines.serial import SerialEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 
@@ -126,6 +128,20 @@ def test_without_feeding_each_job_waits_for_the_last(redis_client: redis.Redis, 
     finally:
         engine.close()
     assert engine.at("submit", "b0") > engine.at("done", "a0")
+
+
+def test_a_generate_only_engine_takes_the_same_road_one_job_at_a_time(
+    redis_client: redis.Redis, tmp_path: Path,
+) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit(job("f", [2, 2, 2]), run="fake", output=f"file://{tmp_path}", batch_size=1)
+    engine = FakeEngine()
+    worker = _burst(redis_client, engine)  # type: ignore[arg-type]
+    assert isinstance(worker.feeder.engine, SerialEngine) and worker.feeder.engine.engine is engine
+    assert worker.feeder.max_jobs_in_flight == 1 and not worker.feeder.can_interrupt
+    assert [job_id for _, job_id in worker.feeder.admitted] == batch.job_ids  # every job, through the feeder
+    assert engine.calls == [["f0"], ["f1"], ["f2"]]
+    assert batch.wait(timeout=5).counts["finished"] == 3 and batch.read().num_rows == 3
 
 
 def test_a_failing_job_fails_alone(redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
