@@ -21,7 +21,7 @@ two sweeps) and reads, in one transaction, the queue, the intermediate queue and
 A job found orphaned twice, at least `grace_s` apart, is requeued at the front of its queue
 (status `queued`), in one Lua script that first checks again, atomically, that its status is
 still the one seen and that it is still in none of those places. Live workers re-add their
-started-registry entries at every heartbeat (`workers.process.engine_worker`), so a job a live worker
+started-registry entries at every heartbeat (`workers.process.heartbeat`), so a job a live worker
 still runs is never orphaned for longer than a heartbeat, and `grace_s` (the maintenance's
 `stuck_after_s`) is far longer. Should a job run twice anyway, nothing is duplicated: it
 rewrites the same shard and the commit log keeps one commit per job (readers dedupe by job id).
