@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,7 @@ def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: in
     return batch, elapsed
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def run_demo(args: argparse.Namespace) -> int:
     from pipeline.client import connect
     from workers.demo.model import DEMO_MODEL_NAME, ensure_demo_model, ensure_perturbed_copy
     from workers.engines.hf.engine import HFEngine
@@ -104,14 +103,3 @@ def _run_demo(args: argparse.Namespace) -> int:
               f"finish={row['finish_reason']}")
     print(f"\nshards: {first.url} and {second.url}  (pipeline show URL)")
     return 0
-
-
-def register_demo(sub: argparse._SubParsersAction, add_redis: Callable[[argparse.ArgumentParser], None]) -> None:
-    parser = sub.add_parser("demo", help="run the whole loop on the embedded default with the demo model")
-    add_redis(parser)
-    parser.add_argument("--requests", default="examples/rollouts.jsonl")
-    parser.add_argument("--run", default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--n", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.set_defaults(func=_run_demo)

@@ -38,7 +38,7 @@ from pipeline.read import rewards
 from pipeline.read.reader import read_rollouts
 from schemas.shard import REWARDS_SCHEMA, rewards_path
 from workers.errors import ShardWriteError
-from workers.process.metrics import DEFAULT_METRICS_HOST, RewardMetrics
+from workers.process.metrics import RewardMetrics
 from workers.rows.shard_writer import PendingShard, encode
 
 log = logging.getLogger(__name__)
@@ -183,41 +183,3 @@ class RewardWorker:
             self.metrics.scored(rows, time.monotonic() - started)
             log.info("rewards of job %s: %d rows, mean %.4g", commit.job_id, rows,
                      scored.total / rows if rows else float("nan"))
-
-
-def _run(args: Any) -> int:
-    import signal
-
-    from pipeline.broker.connection import connect_redis
-
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    worker = RewardWorker(connect_redis(args.redis), worker_id=args.worker_id, batch_rows=args.batch_rows,
-                          claim_after_s=args.claim_after)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # finish the shard in hand, then exit
-        signal.signal(signum, lambda *_: worker.stop.set())
-    if args.metrics_port is not None:
-        worker.metrics.serve(args.metrics_port, args.metrics_host)
-    try:
-        worker.work(burst=args.burst)
-    finally:
-        worker.metrics.close()
-    return 0
-
-
-def register(sub: Any, add_redis: Any) -> None:
-    """The `pipeline reward-worker` command."""
-    parser = sub.add_parser("reward-worker", help="score committed shards with their run's reward function")
-    add_redis(parser)
-    parser.add_argument("--burst", action="store_true", help="exit when nothing is left to score")
-    parser.add_argument("--worker-id", default=None)
-    parser.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
-                        help=f"rows per call of the reward function (default {DEFAULT_BATCH_ROWS})")
-    parser.add_argument("--claim-after", type=float, default=DEFAULT_CLAIM_AFTER_S, metavar="S",
-                        help="take over a shard another worker took and did not finish after S seconds "
-                             f"(default {DEFAULT_CLAIM_AFTER_S:g}; longer than scoring one shard)")
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
-    parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST, metavar="HOST",
-                        help=f"address the metrics endpoint binds to (default {DEFAULT_METRICS_HOST})")
-    parser.set_defaults(func=_run)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.commands.worker import engine_options
+from workers.commands.worker_options import engine_options
 from workers.engines.factory import EngineOptions, _sglang_model_facts
 from workers.engines.sglang.expert_ids import ExpertsLayout
 from workers.errors import EngineUnavailableError

@@ -455,7 +455,7 @@ def test_routed_experts(scripted_server: Standin) -> None:
 def test_worker_cli_builds_the_engine_from_repeated_urls(standins: dict[str, Standin]) -> None:
     import argparse
 
-    from workers.commands.worker import add_engine_arguments, engine_options
+    from workers.commands.worker_options import add_engine_arguments, engine_options
     from workers.engines.factory import build_engine
 
     a, b = standins["scripted"], standins["scripted_b"]

@@ -128,7 +128,7 @@ def test_an_unreachable_server_fails_the_start_naming_it() -> None:
 
 def test_the_factory_and_cli_build_a_vllm_http_engine(server: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.cli.main import build_parser
-    from workers.commands.worker import engine_options
+    from workers.commands.worker_options import engine_options
 
     with pytest.raises(EngineUnavailableError, match="needs at least one --url"):
         build_engine(EngineOptions(engine="vllm-http"))

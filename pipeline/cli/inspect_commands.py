@@ -1,0 +1,82 @@
+"""Look at what there is: `pipeline status` (pools), `pipeline show` (rows), `pipeline report` (a run as HTML)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeline import settings
+from pipeline.cli.command import EXIT_FAILED, Command
+
+
+class StatusCommand(Command):
+    name = "status"
+    help = "per pool: queue, workers, weight versions, runs, failures"
+    connects = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--run", default=None)
+        parser.add_argument("--json", action="store_true")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from pipeline.audit.status import collect, format_status
+        from pipeline.broker.connection import connect_redis
+
+        status = collect(connect_redis(args.redis), run=args.run, pool=args.pool or settings.pool())
+        print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+        return 0
+
+
+class ShowCommand(Command):
+    name = "show"
+    help = "print the rows of a run directory or shard"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("url")
+        parser.add_argument("--limit", type=int, default=None)
+        parser.add_argument("--token-ids", action="store_true", help="render tokens as token_id:<id> (display only)")
+        parser.add_argument("--json", action="store_true", help="one JSON object per row")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from pipeline.audit.display import format_rows, rows_as_json
+        from pipeline.read.reader import read_rollouts
+
+        table = read_rollouts(args.url)
+        if args.limit is not None:
+            table = table.slice(0, args.limit)
+        if table.num_rows == 0:
+            print(f"no rows under {args.url}", file=sys.stderr)
+            return EXIT_FAILED
+        print(rows_as_json(table, token_ids=args.token_ids) if args.json
+              else format_rows(table, token_ids=args.token_ids))
+        return 0
+
+
+class ReportCommand(Command):
+    name = "report"
+    help = ("one self-contained HTML page of a run: lengths, finishes, logprobs, workers, throughput, staleness, "
+            "verify")
+    connects = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("source", metavar="RUN_OR_URL",
+                            help="a run name (its commit log) or a URL/directory of shards")
+        parser.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+        parser.add_argument("--verify-model", action="append", default=None, metavar="PATH|V=PATH",
+                            help="also run `pipeline verify` with this model (as verify's --model) and show its "
+                                 "summary")
+        parser.add_argument("--verify-rows", type=int, default=None, metavar="N",
+                            help="verify a random sample of N rows")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from pipeline.audit.report import report
+        from pipeline.broker.connection import connect_redis
+        from pipeline.read.reader import is_location
+
+        page = report(args.source, conn=None if is_location(args.source) else connect_redis(args.redis),
+                      verify_model=args.verify_model, verify_options={"rows": args.verify_rows})
+        with open(args.out, "w", encoding="utf-8") as out:
+            out.write(page)
+        print(f"wrote {args.out} ({len(page) // 1024} KiB)")
+        return 0

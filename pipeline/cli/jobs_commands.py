@@ -1,0 +1,122 @@
+"""`pipeline submit` and `pipeline cancel`: put a run's jobs on the queue, take them off."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pipeline.cli.command import Command
+from pipeline.errors import PipelineError
+
+# Sampling flags of `pipeline submit`: defaults for every row of a dataset (a row's own columns win).
+_SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids")
+
+
+class SubmitCommand(Command):
+    name = "submit"
+    help = "validate a JSONL file or a dataset of requests and enqueue all of it"
+    connects = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add = parser.add_argument
+        add("file", help="a JSONL file of request lines, or a dataset: .parquet, .arrow, .feather, a "
+                         "directory of Parquet files or one written by datasets' save_to_disk")
+        add("--column", action="append", default=[], metavar="FIELD=COLUMN",
+            help="dataset: the column holding a request field, e.g. input_ids=prompt_ids, "
+                 "messages=prompt, id=uid, temperature=temp (dotted paths into struct columns); "
+                 "repeatable")
+        add("--metadata", action="append", default=[], metavar="KEY=COLUMN",
+            help="dataset: a metadata key from a column, e.g. answer=reward_model.ground_truth; "
+                 "repeatable")
+        add("--max-new-tokens", dest="max_new_tokens", type=int, help="dataset: default for every row")
+        add("--temperature", type=float, help="dataset: default for every row")
+        add("--top-p", dest="top_p", type=float, help="dataset: default for every row")
+        add("--top-k", dest="top_k", type=int, help="dataset: default for every row")
+        add("--min-p", dest="min_p", type=float, help="dataset: default for every row")
+        add("--n", type=int, help="dataset: samples per prompt for every row")
+        add("--seed", type=int, help="dataset: sampling seed for every row")
+        add("--stop", action="append", default=None,
+            help="dataset: a stop string for every row; repeatable")
+        add("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=None,
+            help="dataset: a stop token id for every row; repeatable")
+        add("--run", default=None, help="run name (default: a new timestamped one)")
+        add("--output", default=None,
+            help="fsspec URL for shards (default: $PIPELINE_OUTPUT or the state dir)")
+        add("--batch-size", type=int, default=64, help="requests per job (default 64)")
+        add("--min-weight-version", type=int, default=None)
+        add("--max-staleness", type=int, default=None, metavar="K",
+            help="no committed sample keeps a token from a weight version more than K behind its "
+                 "worker's at commit; one that would is generated again from the start (partial swaps)")
+        add("--reward", metavar="NAME", default=None,
+            help="a registered reward function (built-ins: exact_match, numeric_match) that reward "
+                 "workers run on every committed shard")
+        add("--groups", type=int, default=None, metavar="N",
+            help="submit only the first N requests (with --oversample F: ceil(N x F)); `batch.take()` "
+                 "keeps N groups")
+        add("--oversample", type=float, default=None, metavar="F",
+            help="submit F times the --groups requests, so N groups survive a filter in one round")
+        add("--vocab-size", type=int, default=None, help="reject token ids >= this")
+        add("--tokenizer", metavar="PATH", default=None,
+            help="render `messages`/`prompt` lines (or columns) into token ids with this tokenizer (as "
+                 "SGLang would)")
+        add("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
+        add("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from pipeline.client import connect
+
+        client = connect(args.redis, pool=args.pool)
+        mapping: dict[str, Any] = {}
+        sampling = {name: value for name, value in vars(args).items()
+                    if name in _SAMPLING_FLAGS and value is not None}
+        if args.column or args.metadata or sampling:
+            from pipeline.intake.dataset_input import ColumnMapping
+            from pipeline.intake.dataset_source import is_dataset_path
+
+            if not is_dataset_path(args.file):
+                raise PipelineError("--column, --metadata and the sampling flags apply to a dataset (Parquet, "
+                                    "Arrow, Feather or a directory of them); JSONL lines give their own fields")
+            parsed = ColumnMapping.parse(args.column, args.metadata, sampling)
+            mapping = {"columns": parsed.columns, "metadata": parsed.metadata, "sampling": parsed.sampling}
+        batch = client.submit_file(
+            args.file,
+            **mapping,
+            tokenizer=args.tokenizer or None,
+            vocab_size=args.vocab_size,
+            run=args.run,
+            output=args.output,
+            batch_size=args.batch_size,
+            min_weight_version=args.min_weight_version,
+            max_staleness=args.max_staleness,
+            reward=args.reward,
+            groups=args.groups,
+            oversample=args.oversample,
+        )
+        plan = batch.plan
+        print(f"run: {plan.run} (pool {plan.pool})")
+        print(f"requests: {plan.requests} ({plan.samples} samples) in {len(plan.job_ids)} jobs")
+        print(f"output: {batch.url}")
+        if args.wait:
+            status = batch.wait(timeout=args.timeout, progress=True)
+            print(f"done: {status.counts['finished']} jobs, {batch.committed_rows()} rows")
+        return 0
+
+
+class CancelCommand(Command):
+    name = "cancel"
+    help = "cancel a run or jobs: queued ones removed, running ones aborted"
+    connects = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--run", default=None, help="every job submitted to this run")
+        parser.add_argument("job_ids", nargs="*", metavar="JOB_ID", help="jobs to cancel (`Batch.job_ids`)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from pipeline.client import connect
+
+        client = connect(args.redis, pool=args.pool)
+        result = client.cancel(args.run, job_ids=args.job_ids, pool=args.pool)
+        print(f"canceled {len(result.job_ids)} job(s): {result.queued} removed from the queue, {result.running} "
+              f"aborted in flight; left as they were: {result.finished} finished, {result.failed} failed, "
+              f"{result.already} canceled before")
+        return 0

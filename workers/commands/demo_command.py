@@ -1,0 +1,25 @@
+"""`pipeline demo`: the whole loop on the embedded default with the demo model (`workers.demo.run`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.cli.command import Command
+
+
+class DemoCommand(Command):
+    name = "demo"
+    help = "run the whole loop on the embedded default with the demo model"
+    connects = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--requests", default="examples/rollouts.jsonl")
+        parser.add_argument("--run", default=None)
+        parser.add_argument("--max-new-tokens", type=int, default=32)
+        parser.add_argument("--n", type=int, default=2)
+        parser.add_argument("--batch-size", type=int, default=4)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from workers.demo.run import run_demo
+
+        return run_demo(args)
