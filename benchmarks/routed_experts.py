@@ -16,7 +16,7 @@ carry synthetic routings `[tokens - 1, 48, 8]`, and prints:
   ids is the same in either order; sorting helps a coder that models each id given the one
   before (measured once: brotli 5 on this column, 0.511 bytes realistic, but reads ~3x slower);
 - read throughput of the column (Parquet decode of the column alone, then to numpy arrays with
-  `pipeline.read.routed_experts`), medians of several repeats, in ids/s and tokens/s.
+  `pipeline.routed_experts`), medians of several repeats, in ids/s and tokens/s.
 
 Routing scenarios (seeded, per layer):
 - `uniform`: every expert equally likely, no correlation. Information-theoretic floor:
@@ -160,15 +160,15 @@ def run(scenario: str, rows: int, tokens: int, repeats: int) -> float:
         assert other.num_columns == 1
         decode_s = median_time(lambda: pq.read_table(path, columns=ROUTED_EXPERTS_COLUMNS), repeats)
         read = pq.read_table(path, columns=ROUTED_EXPERTS_COLUMNS)
-        numpy_s = median_time(lambda: pipeline.read.routed_experts(read), repeats)
-        slice_s = median_time(lambda: pipeline.read.routed_experts(read, layers=slice(0, 12)), repeats)
+        numpy_s = median_time(lambda: pipeline.routed_experts(read), repeats)
+        slice_s = median_time(lambda: pipeline.routed_experts(read, layers=slice(0, 12)), repeats)
         default_decode_s = median_time(
             lambda: pq.read_table(default_path, columns=ROUTED_EXPERTS_COLUMNS), repeats)
         print(f"  read (median of {repeats}): Parquet decode {ids / decode_s / 1e6:.0f}M ids/s "
               f"({positions / decode_s / 1e6:.2f}M tokens/s, {decode_s * 1e3:.1f} ms); "
               f"pyarrow-defaults file {ids / default_decode_s / 1e6:.0f}M ids/s; "
               f"to numpy arrays {ids / numpy_s / 1e6:.0f}M ids/s; layers 0-11 only {ids / slice_s / 1e6:.0f}M ids/s")
-        check = pipeline.read.routed_experts(read)
+        check = pipeline.routed_experts(read)
         assert check[0].shape == (tokens - 1, LAYERS, TOP_K)  # type: ignore[index]
         assert all((np.diff(a.astype(np.int16), axis=-1) > 0).all() for a in check)  # type: ignore[union-attr]
     return per_id

@@ -6,14 +6,17 @@
     batch.wait(timeout=600)
     table = batch.read()
 
-Importing this package never imports torch, transformers or sglang.
+Importing this package never imports torch, transformers or sglang. Module paths of earlier
+releases (`pipeline.torch_data`, `pipeline.take`, ...) still import (`pipeline.moved`).
 """
 
+from pipeline import moved
 from pipeline.audit.report import report
 from pipeline.audit.verify import verify
 from pipeline.audit.verify_stats import VerifyReport
 from pipeline.client import Client, connect
 from pipeline.errors import (
+    APIError,
     CapabilityError,
     ColumnMappingError,
     ControlAuthError,
@@ -49,7 +52,10 @@ from pipeline.read.reader import (
 from pipeline.read.routed_experts import routed_experts, routed_experts_positions
 from pipeline.read.trajectories import read_trajectories
 
+moved.install()
+
 __all__ = [
+    "APIError",
     "Batch",
     "CapabilityError",
     "Client",

@@ -56,14 +56,17 @@ def _concatenate(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 
 class TurnTag(BaseModel):
-    """The agent turn a job is (`pipeline serve`): one call of a session, answered from its rows.
+    """An agent turn (`pipeline serve`): one call of a session, answered from its rows.
 
-    A turn's rows are not a shard of their own: the worker appends them to the run's turn log
-    and answers the server; a flusher writes many turns to one shard (`workers.jobs.turn_log`).
+    A job of the interactive lane holds the turns that reached a server together, one request
+    each (`turns` parallel to `requests`). Their rows are not a shard of the job's own: the worker
+    logs each turn's rows in the run's turn log and answers its server under `turn_id`; a flusher
+    writes many turns to one shard (`workers.jobs.turn_log`).
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
+    turn_id: Annotated[StrictStr, Field(min_length=1, max_length=200)]
     session_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]
     turn: Annotated[StrictInt, Field(ge=0)]
     prefix_break: StrictBool = False
@@ -79,7 +82,7 @@ class JobHeader(TypedDict):
     submitted_at_ms: int
     min_weight_version: NotRequired[int | None]
     max_staleness: NotRequired[int | None]
-    turn: NotRequired[TurnTag | None]
+    turns: NotRequired[list[TurnTag] | None]
 
 
 def _job_fields(request: RolloutRequest | PromptRequest) -> dict[str, Any]:
@@ -110,8 +113,9 @@ class JobPayload(BaseModel):
     prompt_lengths: list[Annotated[StrictInt, Field(ge=1)]]
     # Each request line without its input_ids (those are in prompt_tokens), defaults omitted.
     requests: list[dict[str, Any]]
-    # Set on the jobs of agent turns (the interactive lane): where the rows go and whom to answer.
-    turn: TurnTag | None = None
+    # Set on the jobs of agent turns (the interactive lane), one per request: where the rows go and
+    # whom to answer.
+    turns: list[TurnTag] | None = None
 
     @classmethod
     def pack(cls, requests: Sequence[RolloutRequest | PromptRequest], **header: Unpack[JobHeader]) -> JobPayload:
@@ -159,6 +163,8 @@ class JobPayload(BaseModel):
             )
         if len(self.requests) != len(self.prompt_lengths):
             raise ValueError("job payload has a different number of requests and prompts")
+        if self.turns is not None and len(self.turns) != len(self.requests):
+            raise ValueError("job payload has a different number of requests and agent turns")
         if self.prompt_key is None:
             prompts = unpack_token_ids(self.prompt_tokens, self.prompt_lengths)
             return [

@@ -300,7 +300,7 @@ def _commit_points(conn: redis.Redis, run: str) -> list[tuple[datetime, int]]:
 def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = None,
            verify_options: dict[str, Any] | None = None) -> str:
     """The HTML page of `source` (a URL or directory of shards; a run name with `conn`, whose
-    commit log also gives the throughput timestamps). With `verify_model`, `pipeline.audit.verify` runs
+    commit log also gives the throughput timestamps). With `verify_model`, `pipeline.verify` runs
     first (`verify_options` passed on) and its summary is a section of the page."""
     if is_location(source):
         dataset, commits = rollouts_dataset(source), None

@@ -1,4 +1,4 @@
-"""`pipeline.audit.verify(...)`: the trainer-side name of the `workers` implementation.
+"""`pipeline.verify(...)`: the trainer-side name of the `workers` implementation.
 
 Recomputing logprobs needs torch and transformers, which live above `pipeline` (in `workers`),
 so the function is found through the `pipeline.api` entry point group, as subcommands are
@@ -22,6 +22,6 @@ def verify(source: str, model: Any, **options: Any) -> VerifyReport:
     version and engine."""
     found = [e for e in entry_points(group="pipeline.api") if e.name == "verify"]
     if not found:
-        raise PipelineError("pipeline.audit.verify needs the workers package installed with torch and transformers "
+        raise PipelineError("pipeline.verify needs the workers package installed with torch and transformers "
                             "(pip install 'rollout-pipeline[hf]')")
     return found[0].load()(source, model, **options)

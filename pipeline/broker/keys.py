@@ -182,9 +182,14 @@ def session_turns(session_id: str) -> str:
     return f"{PREFIX}:session:{session_id}:turns"
 
 
-def turn_reply(job_id: str) -> str:
+def turn_reply(turn_id: str) -> str:
     """A list a worker pushes a finished turn's rows to (Arrow IPC); the server waits on it."""
-    return f"{PREFIX}:turn:{job_id}:reply"
+    return f"{PREFIX}:turn:{turn_id}:reply"
+
+
+def turn_job(turn_id: str) -> str:
+    """The id of the lane job that holds a turn (the server's turns travel in jobs of several)."""
+    return f"{PREFIX}:turn:{turn_id}:job"
 
 
 # Runs with agent turns: the turn logs flushers write to shards.
@@ -197,7 +202,7 @@ def turn_log(run: str) -> str:
 
 
 def turn_log_jobs(run: str) -> str:
-    """A hash of turn job id → its turn-log entry id: each turn's rows are logged once."""
+    """A hash of turn id → its turn-log entry id: each turn's rows are logged once."""
     return f"{PREFIX}:turns:{run}:jobs"
 
 

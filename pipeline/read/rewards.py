@@ -1,7 +1,7 @@
 """Reward functions: which names may run, the built-ins, and the contract.
 
 Only registered functions ever run: the built-ins below, the entry points of the group
-`pipeline.read.rewards` (a package declares `[project.entry-points."pipeline.read.rewards"] name =
+`pipeline.rewards` (a package declares `[project.entry-points."pipeline.rewards"] name =
 "module:function"`), and the deployment's allow-list `$PIPELINE_REWARDS` (`name=module:function`,
 comma-separated). A run names one at submit (`--reward NAME`, checked there) and reward workers
 resolve the name again (refusing one they do not have); the queue only ever carries a name, never
@@ -27,7 +27,7 @@ from typing import Any
 from pipeline import settings
 from pipeline.errors import RewardNameError
 
-ENTRY_POINT_GROUP = "pipeline.read.rewards"
+ENTRY_POINT_GROUP = "pipeline.rewards"
 ENV_REWARDS = settings.REWARDS.name
 
 RewardRow = dict[str, Any]

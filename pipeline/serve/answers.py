@@ -3,7 +3,7 @@
 Each choice is one row (one sample). Its completion text is parsed the way SGLang's OpenAI
 server parses it (`pipeline.serve.parsers`): reasoning first, then tool calls in what is left,
 content never dropped; `finish_reason` is "tool_calls" when calls were parsed. Tool call ids are
-derived from the turn's job id, so an answer given again (a retried call) is the same answer.
+derived from the turn's id, so an answer given again (a retried call) is the same answer.
 
 Beside OpenAI's fields every answer says where it came from, for trainers and agent logs:
 `session_id`, `turn`, and per choice `rollout_id`, `weight_version` and the completion's
@@ -42,8 +42,8 @@ class ParseRules:
     chat_template_kwargs: dict[str, Any] | None
 
 
-def _call_id(job_id: str, choice: int, index: int) -> str:
-    return "call_" + hashlib.sha256(f"{job_id}:{choice}:{index}".encode()).hexdigest()[:24]
+def _call_id(turn_id: str, choice: int, index: int) -> str:
+    return "call_" + hashlib.sha256(f"{turn_id}:{choice}:{index}".encode()).hexdigest()[:24]
 
 
 def _rows(table: pa.Table) -> list[dict[str, Any]]:
@@ -74,7 +74,7 @@ def _chat_logprobs(row: dict[str, Any], token_text: TokenText) -> dict[str, Any]
     return {"content": content, "refusal": None}
 
 
-def chat_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, turn: int, rules: ParseRules,
+def chat_answer(table: pa.Table, *, turn_id: str, model: str, session_id: str, turn: int, rules: ParseRules,
                 text_of: Any, token_text: TokenText, logprobs: bool) -> dict[str, Any]:
     """The `chat.completion` object for a turn's rows. `text_of(row)` is the completion text to parse."""
     rows = _rows(table)
@@ -92,7 +92,7 @@ def chat_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, tu
             message["reasoning_content"] = parsed.reasoning_content
         if parsed.tool_calls:
             message["tool_calls"] = [
-                {"id": _call_id(job_id, row["sample_index"], k), "index": k, "type": "function",
+                {"id": _call_id(turn_id, row["sample_index"], k), "index": k, "type": "function",
                  "function": {"name": call.name, "arguments": call.arguments}}
                 for k, call in enumerate(parsed.tool_calls)
             ]
@@ -104,11 +104,11 @@ def chat_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, tu
             "rollout_id": row["rollout_id"], "weight_version": row["weight_version"],
             "token_ids": row["completion_token_ids"],
         })
-    return {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
+    return {"id": f"chatcmpl-{turn_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(rows), "session_id": session_id, "turn": turn}
 
 
-def text_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, turn: int, text_of: Any,
+def text_answer(table: pa.Table, *, turn_id: str, model: str, session_id: str, turn: int, text_of: Any,
                 token_text: TokenText, logprobs: int | None) -> dict[str, Any]:
     """The `text_completion` object for a turn's rows (`/v1/completions`)."""
     rows = _rows(table)
@@ -128,7 +128,7 @@ def text_answer(table: pa.Table, *, job_id: str, model: str, session_id: str, tu
         choices.append({"index": row["sample_index"], "text": text_of(row), "logprobs": lp,
                         "finish_reason": row["finish_reason"], "rollout_id": row["rollout_id"],
                         "weight_version": row["weight_version"], "token_ids": row["completion_token_ids"]})
-    return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
+    return {"id": f"cmpl-{turn_id}", "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(rows), "session_id": session_id, "turn": turn}
 
 

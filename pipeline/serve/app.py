@@ -32,11 +32,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.errors import PipelineError
+from pipeline.errors import APIError, PipelineError
 from pipeline.serve.answers import chat_chunks, text_chunks
-from pipeline.serve.errors import APIError, from_validation
 from pipeline.serve.protocol import ChatCompletionBody, CompletionBody
 from pipeline.serve.turns import Turns
+from pipeline.serve.validation import from_validation
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024

@@ -1,12 +1,17 @@
-"""The interactive lane: an agent turn as a job of one request in its pool's lane queue, and its answer.
+"""The interactive lane: agent turns as jobs in their pool's lane queue, and their answers.
 
 Workers take the lane queue (`keys.PoolKeys.lane_queue_name`) before their pool's batch queue,
-so a turn waits for a free slot in the engine, not behind a 10 000-request run. A turn is the
-project's job function like any batch (same allow-list, admission, retries, hand-backs, engine
-road); its payload carries a `TurnTag`, so the worker logs its rows and answers here
-(`workers.jobs.turn_log`) instead of writing a shard of one row.
+so a turn waits for a free slot in the engine, not behind a 10 000-request run. A lane job is
+the project's job function like any batch (same allow-list, admission, retries, hand-backs,
+engine road); its payload carries one `TurnTag` per request, so the worker logs each turn's
+rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard of one row.
 
-`wait` blocks on the turn's reply list, checking between blocks whether the job failed; past
+Turns that reach a server together travel together: a flusher thread enqueues every turn
+waiting when it comes round as one job (per run, output and worker class), so under load RQ's
+per-job cost is paid once for many turns, and a turn alone is enqueued at once. A failed job
+fails each of its turns (RQ retries it once first).
+
+`wait` blocks on the turn's reply list, checking between blocks whether its job failed; past
 the turn timeout it says 503 (`Retry-After`) when no live worker of the pool could take the
 turn or the pool is paused, else 504. The job stays queued: the agent's retry of the same
 call waits for it again instead of generating it twice.
@@ -16,7 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -27,10 +34,10 @@ from rq.serializers import JSONSerializer
 
 from pipeline.audit.status import failure_reason
 from pipeline.broker import control_channel, keys, registry
-from pipeline.errors import CapabilityError, PipelineError
+from pipeline.errors import APIError, CapabilityError, PipelineError
 from pipeline.intake.placement import Placement
 from pipeline.intake.submit import job_data
-from pipeline.serve.errors import APIError
+from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc
@@ -39,20 +46,40 @@ from schemas.worker_info import WorkerInfo
 DEFAULT_TURN_TIMEOUT_S = 600.0
 TURN_JOB_TIMEOUT_S = 3600
 TURN_RETRIES = 1
+MAX_TURNS_PER_JOB = 64
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
 BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
+
+
+@dataclass
+class _Waiting:
+    """A turn handed to the flusher, and what became of it."""
+
+    request: RolloutRequest
+    turn: TurnTag
+    run: str
+    output: str
+    needs: Needs
+    group: Hashable
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class Lane:
     """One pool's interactive lane, as a server uses it."""
 
-    def __init__(self, conn: redis.Redis, pool: str, *, turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S) -> None:
+    def __init__(self, conn: redis.Redis, pool: str, *, turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S,
+                 max_turns_per_job: int = MAX_TURNS_PER_JOB) -> None:
         self.conn = conn
         self.keys = keys.pool(pool)
         self.turn_timeout_s = turn_timeout_s
+        self.max_turns_per_job = max_turns_per_job
         self.queue = Queue(self.keys.lane_queue_name, connection=conn, serializer=JSONSerializer)
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         self._lock = threading.Lock()
+        self._waiting: list[_Waiting] = []
+        self._ready = threading.Condition()
+        self._flusher: threading.Thread | None = None
 
     def live_workers(self) -> list[WorkerInfo]:
         with self._lock:
@@ -62,45 +89,93 @@ class Lane:
                 self._workers = (time.monotonic(), workers)
             return workers
 
-    def enqueue(self, request: RolloutRequest, *, run: str, output: str, job_id: str, turn: TurnTag) -> None:
-        """Enqueue the turn; 400 when no live worker of the pool could serve what it asks."""
+    def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag) -> None:
+        """Enqueue the turn (with whatever other turns wait with it); 400 when no live worker of the
+        pool could serve what it asks."""
         placement = Placement(self.live_workers(), self.keys.name)
-        needs, _ = placement.place(request, request.id)
+        needs, group = placement.place(request, request.id)
         try:
             placement.check()
         except CapabilityError as exc:
             raise APIError(400, str(exc).replace("nothing was enqueued:\n  ", ""), code="unservable") from None
-        payload = JobPayload.pack([request], run=run, job_id=job_id, batch_id=turn.session_id, output=output,
-                                  submitted_at_ms=int(time.time() * 1000), turn=turn)
-        data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
-                        description=f"turn {turn.turn} of session {turn.session_id} (run {run})",
-                        meta={"session_id": turn.session_id})
-        self.queue.enqueue_many([data])
+        waiting = _Waiting(request, turn, run, output, needs, (run, output, group))
+        with self._ready:
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, name="lane-flusher", daemon=True)
+                self._flusher.start()
+            self._waiting.append(waiting)
+            self._ready.notify()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
 
-    def wait(self, job_id: str, started: float,
+    def _flush_loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._waiting:
+                    self._ready.wait()
+                batch, self._waiting = self._waiting, []
+            groups: dict[Hashable, list[_Waiting]] = {}
+            for waiting in batch:
+                groups.setdefault(waiting.group, []).append(waiting)
+            for group in groups.values():
+                for start in range(0, len(group), self.max_turns_per_job):
+                    self._enqueue_job(group[start:start + self.max_turns_per_job])
+
+    def _enqueue_job(self, turns: list[_Waiting]) -> None:
+        try:
+            first = turns[0]
+            job_id = f"lane-{uuid.uuid4().hex[:16]}"
+            payload = JobPayload.pack([t.request for t in turns], run=first.run, job_id=job_id, batch_id=job_id,
+                                      output=first.output, submitted_at_ms=int(time.time() * 1000),
+                                      turns=[t.turn for t in turns])
+            needs = first.needs
+            for other in turns[1:]:
+                needs |= other.needs
+            data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
+                            description=f"{len(turns)} agent turn(s) of run {first.run}")
+            with self.conn.pipeline(transaction=True) as pipe:
+                for waiting in turns:
+                    pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
+                self.queue.enqueue_many([data], pipeline=pipe)
+                pipe.execute()
+        except BaseException as exc:
+            for waiting in turns:
+                waiting.error = exc
+        finally:
+            for waiting in turns:
+                waiting.done.set()
+
+    def job_of(self, turn_id: str) -> str | None:
+        job_id = self.conn.get(keys.turn_job(turn_id))
+        return None if job_id is None else job_id.decode()
+
+    def wait(self, turn_id: str, started: float,
              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
         """The turn's rows, once its worker answers; or the answer `settled()` finds recorded (another
         server's waiter took the rows and recorded the turn); `APIError` for a failed or late turn."""
-        reply = keys.turn_reply(job_id)
-        job_key = Job.key_for(job_id)
+        reply = keys.turn_reply(turn_id)
         while True:
             left = self.turn_timeout_s - (time.monotonic() - started)
             if left <= 0:
-                raise self._late(job_id)
+                raise self._late(turn_id)
             popped = self.conn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
             if popped is not None:
                 return rows_from_ipc(popped[1])
             answered = settled()
             if answered is not None:
                 return answered
-            status = self.conn.hget(job_key, "status")
+            job_id = self.job_of(turn_id)
+            status = None if job_id is None else self.conn.hget(Job.key_for(job_id), "status")
             if status in (b"failed", b"stopped", b"canceled") or status is None:
-                reason = failure_reason(self.conn, job_id) if status is not None else "its job is gone from Redis"
+                reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
+                    "its job is gone from Redis"
                 status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
                 raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
 
-    def _late(self, job_id: str) -> APIError:
-        status = (self.conn.hget(Job.key_for(job_id), "status") or b"").decode()
+    def _late(self, turn_id: str) -> APIError:
+        job_id = self.job_of(turn_id)
+        status = "" if job_id is None else (self.conn.hget(Job.key_for(job_id), "status") or b"").decode()
         try:
             paused = control_channel.read_state(self.conn, self.keys.name).paused
         except PipelineError:

@@ -23,7 +23,7 @@ import numpy as np
 import redis
 
 from pipeline.broker import keys
-from pipeline.serve.errors import APIError
+from pipeline.errors import APIError
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires a week after its last turn
@@ -75,7 +75,7 @@ class TurnRecord:
     """The last committed turn of a session."""
 
     turn: int
-    job_id: str
+    turn_id: str
     request_digest: str
     messages_digest: str
     n_messages: int
@@ -86,7 +86,7 @@ class TurnRecord:
 
     def to_json(self) -> str:
         return json.dumps({
-            "turn": self.turn, "job_id": self.job_id, "request_digest": self.request_digest,
+            "turn": self.turn, "turn_id": self.turn_id, "request_digest": self.request_digest,
             "messages_digest": self.messages_digest, "n_messages": self.n_messages,
             "prompt_ids": pack_ids(self.prompt_ids), "prompt_text": self.prompt_text,
             "choices": [c.to_json() for c in self.choices], "response": self.response,
@@ -95,7 +95,7 @@ class TurnRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> TurnRecord:
         data = json.loads(raw)
-        return cls(data["turn"], data["job_id"], data["request_digest"], data["messages_digest"], data["n_messages"],
+        return cls(data["turn"], data["turn_id"], data["request_digest"], data["messages_digest"], data["n_messages"],
                    unpack_ids(data["prompt_ids"]), data["prompt_text"],
                    [Choice.from_json(c) for c in data["choices"]], data["response"])
 
@@ -105,7 +105,7 @@ class Pending:
     """A turn in flight: enough for any server to wait for it and record it."""
 
     turn: int
-    job_id: str
+    turn_id: str
     request_digest: str
     messages_digest: str
     n_messages: int

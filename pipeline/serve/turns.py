@@ -25,10 +25,9 @@ from typing import Any
 import pyarrow as pa
 import redis
 
-from pipeline.errors import RenderError
+from pipeline.errors import APIError, RenderError
 from pipeline.intake.render import ChatRenderer
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
-from pipeline.serve.errors import APIError
 from pipeline.serve.lane import Lane
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import Choice, Pending, Session, SessionStore, TurnRecord, digest
@@ -157,7 +156,7 @@ class Turns:
             body = body.model_copy(update={"skip_special_tokens": False})
 
         def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
-            return chat_answer(table, job_id=pending.job_id, model=self.settings.model, session_id=session.session_id,
+            return chat_answer(table, turn_id=pending.turn_id, model=self.settings.model, session_id=session.session_id,
                                turn=pending.turn, rules=rules, token_text=self.token_text, logprobs=body.logprobs,
                                text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
@@ -213,7 +212,7 @@ class Turns:
             return Prompt(ids, text, last is not None and not extends)
 
         def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
-            return text_answer(table, job_id=pending.job_id, model=self.settings.model, session_id=session.session_id,
+            return text_answer(table, turn_id=pending.turn_id, model=self.settings.model, session_id=session.session_id,
                                turn=pending.turn, text_of=self._text_of, token_text=self.token_text,
                                logprobs=body.logprobs)
 
@@ -232,7 +231,7 @@ class Turns:
                 return session.last.response  # the client's retry of a call already answered
             pending = session.pending
             if pending is not None and pending.request_digest != request_digest:
-                if self._active(pending.job_id):
+                if self._active(pending.turn_id):
                     raise APIError(409, f"session {session.session_id!r} has turn {pending.turn} in flight; a session "
                                         "takes one call at a time", code="turn_in_flight")
                 self.sessions.release(session, pending)
@@ -243,7 +242,7 @@ class Turns:
                     session = self.sessions.get(session.session_id)
                     continue
             try:
-                table = self.lane.wait(pending.job_id, started,
+                table = self.lane.wait(pending.turn_id, started,
                                        functools.partial(self._recorded, session.session_id, request_digest))
             except APIError as exc:
                 if exc.code == "turn_failed":
@@ -261,8 +260,9 @@ class Turns:
         last = self.sessions.get(session_id).last
         return last.response if last is not None and last.request_digest == request_digest else None
 
-    def _active(self, job_id: str) -> bool:
-        status = self.conn.hget(f"rq:job:{job_id}", "status")
+    def _active(self, turn_id: str) -> bool:
+        job_id = self.lane.job_of(turn_id)
+        status = None if job_id is None else self.conn.hget(f"rq:job:{job_id}", "status")
         return status in (b"queued", b"started", b"scheduled", b"deferred")
 
     def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
@@ -271,18 +271,19 @@ class Turns:
         prompt = prompt_of(session.last)
         sampling = body.sampling(self._budget(prompt, body.budget()))
         turn = session.turns
-        job_id = f"turn-{session.session_id}-{turn:05d}-{uuid.uuid4().hex[:6]}"
+        turn_id = f"{session.session_id}-{turn:05d}-{uuid.uuid4().hex[:6]}"
         request = RolloutRequest.model_validate({
             "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
             "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
             "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
         })
-        pending = Pending(turn, job_id, request_digest, messages_digest, n_messages, prompt.prefix_break)
+        pending = Pending(turn, turn_id, request_digest, messages_digest, n_messages, prompt.prefix_break)
         if not self.sessions.claim(session, pending):
             return None
         try:
-            self.lane.enqueue(request, run=session.run, output=session.output, job_id=job_id,
-                              turn=TurnTag(session_id=session.session_id, turn=turn, prefix_break=prompt.prefix_break))
+            self.lane.enqueue(request, run=session.run, output=session.output,
+                              turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
+                                           prefix_break=prompt.prefix_break))
         except BaseException:
             self.sessions.release(session, pending)
             raise
@@ -294,7 +295,7 @@ class Turns:
         choices = [Choice(row["completion_token_ids"], self._special_text(row["completion_token_ids"]),
                           canonical_assistant(assistant_of(choice)))
                    for row, choice in zip(rows, response["choices"], strict=True)]
-        record = TurnRecord(pending.turn, pending.job_id, pending.request_digest, pending.messages_digest,
+        record = TurnRecord(pending.turn, pending.turn_id, pending.request_digest, pending.messages_digest,
                             pending.n_messages, rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response)
         versions = [v for row in rows for v in ([row["weight_version"]] + [s["version"] for s in
                                                                             row["weight_version_segments"] or []])]

@@ -19,6 +19,7 @@ from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import Engine, SampleOutput
 from workers.errors import JobCanceledError, WorkerError
+from workers.jobs.turn_log import commit_turns
 from workers.process import context
 from workers.rows.contracts import check_request_supported
 from workers.rows.shard_writer import PendingShard, remove_shard
@@ -93,8 +94,14 @@ def commit_batch(
             started_at=batch.started_at,
             finished_at=finished_at,
             num_experts=description.num_experts,
+            turns=job.turns,
         ),
     )
+    if job.turns is not None:  # agent turns: each logged with many others, answered at once (`turn_log`)
+        if conn is None:
+            raise WorkerError(f"job {job.job_id}: agent turns need a Redis connection to answer")
+        check_not_canceled(conn, job)
+        return commit_turns(job, batch.requests, table, conn)
     rows = table.num_rows
     tokens = int(table.column("completion_tokens").to_numpy().sum()) if rows else 0
     prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if rows else 0

@@ -1,10 +1,11 @@
 """Agent turns' rows (`pipeline serve`): logged once, answered at once, written many turns to a shard.
 
-A turn is a job of one request in the pool's interactive lane. Its rows are not a shard of their
-own (a shard per turn would leave thousands of tiny files per run): `commit_turn` appends them,
-as Arrow IPC, to the run's turn log (a Redis stream) and pushes them to the reply list the
-server waits on, in one script, at most once per job id (a retried job answers with the rows
-logged first). `flush_turns` writes the oldest turns of a run's log to one shard (at most
+A turn is one request of a job in the pool's interactive lane (a server puts the turns that
+reach it together in one job). Its rows are not a shard of their own (a shard per turn would
+leave thousands of tiny files per run): `commit_turns` appends each turn's rows, as Arrow IPC,
+to the run's turn log (a Redis stream) and pushes them to the reply list its server waits on,
+in one script per turn, at most once per turn id (a retried job answers with the rows logged
+first). `flush_turns` writes the oldest turns of a run's log to one shard (at most
 `turns` turns, or whatever is there once the oldest is `max_age_s` old), appends it to the run's
 commit log like any shard, then deletes those entries. Every worker runs a `TurnFlusher`; a
 lock per run lets one flush at a time. A flush that dies before its delete leaves the entries
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -29,7 +30,9 @@ import redis
 
 from pipeline.broker import commit_log, keys
 from schemas.job_payload import JobPayload
+from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc, rows_to_ipc
+from workers.errors import WorkerError
 from workers.rows.shard_writer import PendingShard
 
 log = logging.getLogger(__name__)
@@ -39,13 +42,13 @@ DEFAULT_SHARD_TURNS = 256
 DEFAULT_SHARD_AGE_S = 10.0
 LOCK_TTL_MS = 120_000
 
-# KEYS: turn log, job index, reply list, TURN_RUNS. ARGV: job id, rows (IPC), run, reply ttl.
-# Logs the rows once per job id; answers with the rows logged first (a duplicate run of the job
+# KEYS: turn log, turn index, reply list, TURN_RUNS. ARGV: turn id, rows (IPC), run, reply ttl.
+# Logs the rows once per turn id; answers with the rows logged first (a duplicate run of the job
 # answers what the log holds, or nothing if that entry was flushed already).
 _COMMIT = """
 local logged = redis.call('HGET', KEYS[2], ARGV[1])
 if not logged then
-  local id = redis.call('XADD', KEYS[1], '*', 'job', ARGV[1], 'rows', ARGV[2])
+  local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[1], 'rows', ARGV[2])
   redis.call('HSET', KEYS[2], ARGV[1], id)
   redis.call('SADD', KEYS[4], ARGV[3])
   redis.call('RPUSH', KEYS[3], ARGV[2])
@@ -82,17 +85,29 @@ return 0
 """
 
 
-def commit_turn(job: JobPayload, table: pa.Table, conn: redis.Redis) -> dict[str, Any]:
-    """Log a turn's rows (once per job id) and answer the server; return the job's summary."""
+def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.Table,
+                 conn: redis.Redis) -> dict[str, Any]:
+    """Log each turn's rows (once per turn id) and answer its server; return the job's summary.
+
+    The table holds the job's rows in request order, `n` rows per request; each turn's slice is
+    logged and answered by the one script, all turns in one round trip."""
+    assert job.turns is not None
+    script = conn.register_script(_COMMIT)
+    with conn.pipeline(transaction=False) as pipe:
+        start = 0
+        for request, turn in zip(requests, job.turns, strict=True):
+            rows = table.slice(start, request.sampling_params.n)
+            start += request.sampling_params.n
+            script(keys=[keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(turn.turn_id),
+                         keys.TURN_RUNS], args=[turn.turn_id, rows_to_ipc(rows), job.run, REPLY_TTL_S], client=pipe)
+        logged = pipe.execute()
+    if start != table.num_rows:
+        raise WorkerError(f"job {job.job_id}: {table.num_rows} rows for {start} samples of its turns")
     rows = table.num_rows
-    first, entry_id = conn.eval(
-        _COMMIT, 4, keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(job.job_id), keys.TURN_RUNS,
-        job.job_id, rows_to_ipc(table), job.run, REPLY_TTL_S,
-    )
     tokens = int(pc.sum(table.column("completion_tokens")).as_py() or 0) if rows else 0
     oldest = int(pc.min(table.column("weight_version")).as_py()) if rows else None
-    return {"turn_log": entry_id.decode() if isinstance(entry_id, bytes) else entry_id, "logged": bool(first),
-            "rows": rows, "tokens": tokens, "weight_version": oldest}
+    return {"turns": len(job.turns), "logged": sum(int(first) for first, _ in logged), "rows": rows,
+            "tokens": tokens, "weight_version": oldest}
 
 
 def _unify(tables: list[pa.Table]) -> pa.Table:
@@ -138,7 +153,7 @@ def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS
         commit_log.append(conn, run, commit)
         with conn.pipeline(transaction=True) as pipe:
             pipe.xdel(keys.turn_log(run), *[entry_id for entry_id, _ in entries])
-            pipe.hdel(keys.turn_log_jobs(run), *{fields[b"job"] for _, fields in entries})
+            pipe.hdel(keys.turn_log_jobs(run), *{fields[b"turn"] for _, fields in entries})
             pipe.execute()
         log.info("run %s: %d turns (%d rows) written to %s", run, len(entries), rows, url)
         return url

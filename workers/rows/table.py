@@ -32,7 +32,8 @@ class RowContext:
     started_at: datetime
     finished_at: datetime
     num_experts: int | None = None
-    turn: TurnTag | None = None  # an agent turn's session, index and prefix break (null columns otherwise)
+    # Agent turns, one per request: session, turn index and prefix break (null columns otherwise).
+    turns: Sequence[TurnTag] | None = None
 
 
 def _routed_type(num_experts: int | None) -> pa.DataType:
@@ -86,7 +87,10 @@ def build_table(
     logprobs: list[np.ndarray | None] = []
     routed_rows: list[np.ndarray | None] = []
     any_top = any_prompt_lp = any_routed = False
-    for request, samples in zip(requests, outputs, strict=True):
+    turns: Sequence[TurnTag | None] = ctx.turns if ctx.turns is not None else [None] * len(requests)
+    if len(turns) != len(requests):
+        raise ContractViolation(f"{len(turns)} agent turns for {len(requests)} requests")
+    for request, samples, turn in zip(requests, outputs, turns, strict=True):
         params = request.sampling_params
         if len(samples) != params.n:
             raise ContractViolation(f"request {request.id!r}: {len(samples)} samples for n={params.n}")
@@ -122,6 +126,8 @@ def build_table(
                 len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
                 min(v for _, v in segments),
                 None if len(segments) == 1 else [{"start": a, "version": v} for a, v in segments],
+                None if turn is None else turn.session_id, None if turn is None else turn.turn,
+                None if turn is None else turn.prefix_break,
             )
             for name, value in zip(_PER_ROW, values, strict=True):
                 cols[name].append(value)
@@ -148,9 +154,6 @@ def build_table(
         "run": ctx.run, "job_id": ctx.job_id, "engine": ctx.engine, "model": ctx.model, "worker_id": ctx.worker_id,
         "submitted_at": ctx.submitted_at, "started_at": ctx.started_at,
         "finished_at": ctx.finished_at,
-        "session_id": ctx.turn.session_id if ctx.turn else None,
-        "turn": ctx.turn.turn if ctx.turn else None,
-        "prefix_break": ctx.turn.prefix_break if ctx.turn else None,
     }
     columns = []
     for field in schema:
@@ -175,7 +178,7 @@ _PER_ROW = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
-    "weight_version", "weight_version_segments",
+    "weight_version", "weight_version_segments", "session_id", "turn", "prefix_break",
 )
 
 

@@ -122,7 +122,7 @@ def test_report_renders_in_a_real_browser(dense_run: str, tiny_model_dir: Path, 
     """Headless chromium loads every image with no console message; the screenshot is kept in
     build/test-artifacts/report.png."""
     assert CHROMIUM is not None
-    page = pipeline.audit.report(dense_run, verify_model=str(tiny_model_dir))
+    page = pipeline.report(dense_run, verify_model=str(tiny_model_dir))
     probed = tmp_path / "probed.html"
     probed.write_text(page.replace("</body>", PROBE + "</body>"))
     flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
@@ -149,7 +149,7 @@ def test_report_shows_staleness_of_a_partial_swap(redis_client: redis.Redis, tmp
     url = make_swap_run(redis_client, tmp_path, tiny_model_dir, v1_model_dir)
     rows = pipeline.read_rollouts(url).to_pylist()
     behind = sum(r["weight_version_segments"][1]["start"] for r in rows)  # v0 tokens, 1 version behind v1
-    page = Page(pipeline.audit.report(url))
+    page = Page(pipeline.report(url))
     assert_self_contained(page)
     assert "Staleness (weight-version lag)" in page.titles
     lags = {line["lag"]: int(line["tokens"]) for line in page.table_with("lag")}
@@ -158,7 +158,7 @@ def test_report_shows_staleness_of_a_partial_swap(redis_client: redis.Redis, tmp
 
 def test_an_empty_location_is_refused(tmp_path: Path) -> None:
     with pytest.raises(pipeline.NoShardsError):
-        pipeline.audit.report(str(tmp_path))
+        pipeline.report(str(tmp_path))
     pq.write_table(SHARD_SCHEMA.empty_table(), tmp_path / "empty.parquet")  # a shard without rows
     with pytest.raises(pipeline.PipelineError, match="no rows under"):
-        pipeline.audit.report(str(tmp_path))
+        pipeline.report(str(tmp_path))

@@ -43,22 +43,22 @@ def _shard(tmp_path: Path, job: str, num_experts: int, specs: list[tuple[int, in
 
 def test_table_and_row_helpers_slice_layers_and_positions(tmp_path: Path) -> None:
     table, arrays = _shard(tmp_path, "a", 8, [(3, 4, True), (2, 1, False), (5, 2, True)])
-    got = pipeline.read.routed_experts(table)
+    got = pipeline.routed_experts(table)
     assert got[1] is None
     for g, w in zip([got[0], got[2]], [arrays[0], arrays[2]], strict=True):
         np.testing.assert_array_equal(g, w)
-    sliced = pipeline.read.routed_experts(table, layers=slice(1, 3), positions=slice(2, 5))
+    sliced = pipeline.routed_experts(table, layers=slice(1, 3), positions=slice(2, 5))
     np.testing.assert_array_equal(sliced[0], arrays[0][2:5, 1:3])
-    views = pipeline.read.routed_experts(table.slice(2), layers=slice(0, 1), copy=False)
+    views = pipeline.routed_experts(table.slice(2), layers=slice(0, 1), copy=False)
     assert views[0].base is not None and not views[0].flags.owndata
     np.testing.assert_array_equal(views[0], arrays[2][:, :1])
     row = table.to_pylist()[2]
-    np.testing.assert_array_equal(pipeline.read.routed_experts(row, positions=slice(-2, None)), arrays[2][-2:])
-    assert pipeline.read.routed_experts(table.to_pylist()[1]) is None
+    np.testing.assert_array_equal(pipeline.routed_experts(row, positions=slice(-2, None)), arrays[2][-2:])
+    assert pipeline.routed_experts(table.to_pylist()[1]) is None
     # Positions are token positions: with start 2, positions 0..1 were not captured.
     shifted = {**row, "routed_experts_start": 2, "routed_experts_shape": [4, LAYERS, TOP_K],
                "routed_experts": row["routed_experts"][: 4 * LAYERS * TOP_K]}
-    np.testing.assert_array_equal(pipeline.read.routed_experts(shifted, positions=slice(0, 4)), arrays[2][:2])
+    np.testing.assert_array_equal(pipeline.routed_experts(shifted, positions=slice(0, 4)), arrays[2][:2])
     assert pipeline.routed_experts_positions(2, 4, slice(0, None, 3)) == range(3, 6, 3)
 
 
@@ -69,7 +69,7 @@ def test_run_mixing_uint8_and_uint16_shards_reads(tmp_path: Path) -> None:
     assert big.schema.field("routed_experts").type.value_type == pa.uint16()
     # Shards of one run read together (the reader casts), whatever the first shard's type is.
     table = pipeline.read_rollouts(f"file://{tmp_path}", "r", columns=["request_id", *ROUTED_EXPERTS_COLUMNS])
-    got = dict(zip(table.column("request_id").to_pylist(), pipeline.read.routed_experts(table), strict=True))
+    got = dict(zip(table.column("request_id").to_pylist(), pipeline.routed_experts(table), strict=True))
     np.testing.assert_array_equal(got["a-small-0"], small_arrays[0])
     np.testing.assert_array_equal(got["b-big-1"], big_arrays[1])
     batches = list(RolloutBatches(f"file://{tmp_path}", run="r", batch_size=8, routed_experts=True))

@@ -56,7 +56,7 @@ def test_same_weights_agree_and_other_weights_do_not(dense_run: str, tiny_model_
                                                        v1_model_dir: Path) -> None:
     rows = pipeline.read_rollouts(dense_run)
     tokens = sum(len(t) for t in rows.column("completion_token_ids").to_pylist())
-    same = pipeline.audit.verify(dense_run, str(tiny_model_dir))
+    same = pipeline.verify(dense_run, str(tiny_model_dir))
     (summary,) = same.table.to_pylist()
     assert (summary["weight_version"], summary["engine"], summary["rows"]) == (0, "hf", rows.num_rows)
     assert summary["tokens"] == tokens and summary["nonfinite_tokens"] == 0
@@ -65,7 +65,7 @@ def test_same_weights_agree_and_other_weights_do_not(dense_run: str, tiny_model_
     assert summary["share_above"] == 0
     assert same.worst.num_rows > 0 and same.worst.column("abs_diff").to_pylist()[0] == summary["max_abs_diff"]
 
-    other = pipeline.audit.verify(dense_run, str(v1_model_dir))
+    other = pipeline.verify(dense_run, str(v1_model_dir))
     (summary,) = other.table.to_pylist()
     assert summary["tokens"] == tokens
     assert summary["max_abs_diff"] > 0.5 and summary["k3"] > 0.01 and summary["share_above"] > 0.1
@@ -74,7 +74,7 @@ def test_same_weights_agree_and_other_weights_do_not(dense_run: str, tiny_model_
 
 def test_the_recomputation_reproduces_each_stored_token(dense_run: str, tiny_model_dir: Path) -> None:
     """The worst token named by the report carries the stored value of that row and position."""
-    report = pipeline.audit.verify(dense_run, str(tiny_model_dir), worst=3)
+    report = pipeline.verify(dense_run, str(tiny_model_dir), worst=3)
     rows = {r["rollout_id"]: r for r in pipeline.read_rollouts(dense_run).to_pylist()}
     for worst in report.worst.to_pylist():
         stored = rows[worst["rollout_id"]]["completion_logprobs"][worst["position"]]
@@ -86,19 +86,19 @@ def test_penalties_are_part_of_the_contract(dense_run: str, tiny_model_dir: Path
     """The penalised row agrees only because verify applies its stored penalties: with them erased
     from the shard, the recomputation disagrees."""
     table = pipeline.read_rollouts(dense_run, filter=pipeline.request_id_in(["penalised"]))
-    assert pipeline.audit.verify(dense_run, str(tiny_model_dir)).max_abs_diff <= SAME_WEIGHTS
+    assert pipeline.verify(dense_run, str(tiny_model_dir)).max_abs_diff <= SAME_WEIGHTS
     erased = table
     for name, value in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
         index = erased.schema.get_field_index(name)
         erased = erased.set_column(index, erased.schema.field(index), pa.array([value] * erased.num_rows,
                                                                                 pa.float32()))
     pq.write_table(erased, tmp_path / "erased.parquet")
-    assert pipeline.audit.verify(str(tmp_path / "erased.parquet"), str(tiny_model_dir)).max_abs_diff > 0.05
+    assert pipeline.verify(str(tmp_path / "erased.parquet"), str(tiny_model_dir)).max_abs_diff > 0.05
 
 
 def test_a_sample_of_rows(dense_run: str, tiny_model_dir: Path) -> None:
-    first = pipeline.audit.verify(dense_run, str(tiny_model_dir), rows=2, seed=1)
-    again = pipeline.audit.verify(dense_run, str(tiny_model_dir), rows=2, seed=1)
+    first = pipeline.verify(dense_run, str(tiny_model_dir), rows=2, seed=1)
+    again = pipeline.verify(dense_run, str(tiny_model_dir), rows=2, seed=1)
     assert first.table.column("rows").to_pylist() == [2]
     assert first.table.to_pylist() == again.table.to_pylist()
 
@@ -141,17 +141,17 @@ def test_partial_swap_rows_are_checked_per_token_version(
     url = make_swap_run(redis_client, tmp_path, tiny_model_dir, v1_model_dir)
     rows = pipeline.read_rollouts(url).to_pylist()
     boundaries = [r["weight_version_segments"][1]["start"] for r in rows]
-    both = pipeline.audit.verify(url, {0: str(tiny_model_dir), 1: str(v1_model_dir)})
+    both = pipeline.verify(url, {0: str(tiny_model_dir), 1: str(v1_model_dir)})
     by_version = {r["weight_version"]: r for r in both.table.to_pylist()}
     assert by_version[0]["tokens"] == sum(boundaries) and by_version[1]["tokens"] == 120 - sum(boundaries)
     assert both.max_abs_diff <= SAME_WEIGHTS
 
-    only_v0 = pipeline.audit.verify(url, [f"0={tiny_model_dir}"])
+    only_v0 = pipeline.verify(url, [f"0={tiny_model_dir}"])
     by_version = {r["weight_version"]: r for r in only_v0.table.to_pylist()}
     assert by_version[0]["tokens"] == sum(boundaries) and by_version[0]["max_abs_diff"] <= SAME_WEIGHTS
     assert by_version[1]["tokens"] == 0 and by_version[1]["unchecked_tokens"] == 120 - sum(boundaries)
 
-    one_model = pipeline.audit.verify(url, str(tiny_model_dir))  # v1's tokens against v0: a clear mismatch
+    one_model = pipeline.verify(url, str(tiny_model_dir))  # v1's tokens against v0: a clear mismatch
     by_version = {r["weight_version"]: r for r in one_model.table.to_pylist()}
     assert by_version[0]["max_abs_diff"] <= SAME_WEIGHTS and by_version[1]["max_abs_diff"] > 0.5
 
@@ -163,7 +163,7 @@ def test_moe_routed_experts_match_the_recomputed_router(
                  "sampling_params": {"max_new_tokens": 10, "n": 2, "seed": i}}
                 for i, prompt in enumerate(["hello", "ab"])]
     url = make_run(redis_client, tiny_moe_dir, tmp_path / "out", "moe", requests)
-    report = pipeline.audit.verify(url, str(tiny_moe_dir))
+    report = pipeline.verify(url, str(tiny_moe_dir))
     assert report.max_abs_diff <= SAME_WEIGHTS
     experts = report.experts.to_pylist()
     rows = pipeline.read_rollouts(url).to_pylist()
@@ -171,7 +171,7 @@ def test_moe_routed_experts_match_the_recomputed_router(
     assert [e["layer"] for e in experts] == [0, 1]
     assert all(e["positions"] == positions and e["share"] == 1.0 for e in experts)
 
-    wrong = pipeline.audit.verify(url, str(build_random_moe_model(tmp_path / "other-moe", seed=1)))
+    wrong = pipeline.verify(url, str(build_random_moe_model(tmp_path / "other-moe", seed=1)))
     assert wrong.max_abs_diff > 0.5
     assert all(e["share"] < 0.9 for e in wrong.experts.to_pylist())
 
@@ -199,12 +199,12 @@ def _replace(table: pa.Table, name: str, values: list) -> pa.Table:
 def test_hostile_shards_are_refused(dense_run: str, tiny_model_dir: Path, tmp_path: Path, change, message: str
                                     ) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(pipeline.PipelineError, match=message):
-        pipeline.audit.verify(_hostile(dense_run, tmp_path, change), str(tiny_model_dir))
+        pipeline.verify(_hostile(dense_run, tmp_path, change), str(tiny_model_dir))
 
 
 def test_no_shards_and_bad_model_arguments_are_clear(tmp_path: Path, tiny_model_dir: Path) -> None:
     with pytest.raises(pipeline.NoShardsError):
-        pipeline.audit.verify(str(tmp_path), str(tiny_model_dir))
+        pipeline.verify(str(tmp_path), str(tiny_model_dir))
     with pytest.raises(pipeline.PipelineError, match="cannot be mixed"):
         parse_models([str(tiny_model_dir), f"1={tiny_model_dir}"])
     assert parse_models(["0=/a", "3=/b=c"]) == {0: "/a", 3: "/b=c"}
@@ -223,6 +223,6 @@ def test_demo_model_same_weights_agree_and_its_v1_does_not(
         "max_new_tokens": 12, "temperature": [1.0, 0.0][i % 2], "seed": i, "ignore_eos": True}} for i in range(2)]
     v0 = make_run(redis_client, demo_model_dir, tmp_path, "demo-v0", requests)
     v1 = make_run(redis_client, ensure_perturbed_copy(demo_model_dir), tmp_path, "demo-v1", requests)
-    same = pipeline.audit.verify(v0, str(demo_model_dir))
+    same = pipeline.verify(v0, str(demo_model_dir))
     assert same.max_abs_diff <= SAME_WEIGHTS and abs(same.table.column("k3")[0].as_py()) < 1e-6
-    assert pipeline.audit.verify(v1, str(demo_model_dir)).max_abs_diff > 0.1
+    assert pipeline.verify(v1, str(demo_model_dir)).max_abs_diff > 0.1

@@ -71,7 +71,7 @@ def test_captured_ids_equal_teacher_forced_router_top_k(
 ) -> None:
     req = request("hello world", n=3, **fields)
     samples = moe.generate([req])[0]
-    rows = pipeline.read.routed_experts(build_table([req], [samples], _context(EXPERTS)))
+    rows = pipeline.routed_experts(build_table([req], [samples], _context(EXPERTS)))
     for sample, stored in zip(samples, rows, strict=True):
         sequence = req.input_ids + sample.token_ids.tolist()
         expected = teacher_forced_top_k(reference, sequence)
@@ -141,7 +141,7 @@ def test_parquet_round_trip_is_exact_and_other_columns_skip_it(moe: HFEngine, tm
     url = write_shard(table, f"file://{tmp_path}", "run", "job")
     path = url.removeprefix("file://")
     back = pipeline.read_rollouts(url)
-    got = pipeline.read.routed_experts(back)
+    got = pipeline.routed_experts(back)
     want = [s.routed_experts for samples in outputs for s in samples]
     assert len(got) == len(want) == 3
     for g, w in zip(got, want, strict=True):
@@ -177,7 +177,7 @@ def test_sglang_payload_round_trips_like_hf(tmp_path: Path) -> None:
     np.testing.assert_array_equal(sample.routed_experts, routed)  # the engine output keeps SGLang's order
     table = build_table([req], [[sample]], _context(EXPERTS))
     url = write_shard(table, f"file://{tmp_path}", "run", "job")
-    [back] = pipeline.read.routed_experts(pipeline.read_rollouts(url))
+    [back] = pipeline.routed_experts(pipeline.read_rollouts(url))
     assert back.dtype == np.uint8 and back.shape == routed.shape
     np.testing.assert_array_equal(back, np.sort(routed, axis=-1))
     # One position short, as a server that dropped the last fed token would send: a clear error.
@@ -200,7 +200,7 @@ def test_unsorted_engine_output_is_stored_ascending(tmp_path: Path) -> None:
     assert table.column("routed_experts_shape").to_pylist() == [[3, LAYERS, TOP_K]]
     np.testing.assert_array_equal(routed, before)  # the engine's array is left as it was
     url = write_shard(table, f"file://{tmp_path}", "run", "job")
-    [back] = pipeline.read.routed_experts(pipeline.read_rollouts(url))
+    [back] = pipeline.routed_experts(pipeline.read_rollouts(url))
     assert back.dtype == np.uint8 and back.shape == want.shape
     np.testing.assert_array_equal(back, want)
     np.testing.assert_array_equal(canonical_routed_experts(routed), want)
@@ -212,7 +212,7 @@ def test_hf_rows_store_ascending_ids_per_position_and_layer(moe: HFEngine) -> No
     reqs = [request("hello world", n=3), request("abc", n=2, temperature=0.0).model_copy(update={"id": "r"})]
     outputs = moe.generate(reqs)
     table = build_table(reqs, outputs, _context(moe.description.num_experts))
-    stored = pipeline.read.routed_experts(table)
+    stored = pipeline.routed_experts(table)
     engine = [s.routed_experts for samples in outputs for s in samples]
     assert len(stored) == len(engine) == 5
     assert any((np.diff(raw, axis=-1) < 0).any() for raw in engine), "the engine must report some unsorted top-k"
@@ -236,7 +236,7 @@ def test_worker_writes_routed_experts_end_to_end(
     assert batch.wait(timeout=10).counts["finished"] == len(batch.job_ids)
     table = batch.read()
     assert table.num_rows == 4
-    arrays = pipeline.read.routed_experts(table)
+    arrays = pipeline.routed_experts(table)
     for row, experts in zip(table.to_pylist(), arrays, strict=True):
         rows = row["prompt_tokens"] + row["completion_tokens"] - 1
         assert experts is not None and experts.shape == (rows, LAYERS, TOP_K)

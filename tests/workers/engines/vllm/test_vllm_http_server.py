@@ -2,7 +2,7 @@
 through the whole loop: submit → Redis (a real redis-server) → worker → Parquet shard.
 
 The reference is the project's own: the hf engine on the same lines (greedy rows must equal its
-rows token for token) and `pipeline.audit.verify` (every stored logprob recomputed, teacher-forced, by
+rows token for token) and `pipeline.verify` (every stored logprob recomputed, teacher-forced, by
 the hf model under the row's sampling contract). Both run float32 on the CPU, but vLLM's CPU
 kernels (its attention, fused ops, another matmul order) are not transformers': measured on this
 machine the largest difference of a logprob is about 4e-5; `LOGPROB_TOLERANCE` leaves a margin
@@ -133,7 +133,7 @@ def test_sampled_rows_n_gt_1_with_seeds_and_their_logprobs(
     tmp_path: Path,
 ) -> None:
     """Sampling follows vLLM's generator (not hf's), so the check is per row: seeds reproduce,
-    samples of a request differ, and every stored logprob is the contract's (`pipeline.audit.verify`
+    samples of a request differ, and every stored logprob is the contract's (`pipeline.verify`
     recomputes it with the hf model at the row's temperature)."""
     lines = [{"id": f"s{i}", "input_ids": demo_prompts[i],
               "sampling_params": {"max_new_tokens": 16, "temperature": t, "n": 3, "seed": 11 + i},
@@ -151,9 +151,9 @@ def test_sampled_rows_n_gt_1_with_seeds_and_their_logprobs(
 
 
 def assert_verified(shards: Path, model_dir: Path, rows: dict[str, dict]) -> None:
-    """Every stored logprob of `rows` (in `shards`) is the contract's: `pipeline.audit.verify` recomputes
+    """Every stored logprob of `rows` (in `shards`) is the contract's: `pipeline.verify` recomputes
     each, teacher-forced, with the hf model at the row's temperature."""
-    report = pipeline.audit.verify(str(shards), str(model_dir))
+    report = pipeline.verify(str(shards), str(model_dir))
     assert report.tokens == sum(len(r["completion_token_ids"]) for r in rows.values())
     assert report.max_abs_diff <= LOGPROB_TOLERANCE, report.worst.to_pylist()[:3]
 
@@ -226,8 +226,8 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     changed = [rid for rid in before if before[rid]["completion_token_ids"] != after[rid]["completion_token_ids"]]
     assert changed, "the same seeds drew the same tokens from the perturbed weights"
     # The rows' logprobs are v1's: they agree with the perturbed model and not with v0.
-    assert pipeline.audit.verify(str(tmp_path / "v1"), str(v1)).max_abs_diff <= LOGPROB_TOLERANCE
-    assert pipeline.audit.verify(str(tmp_path / "v1"), str(demo_model_dir)).max_abs_diff > 10 * LOGPROB_TOLERANCE
+    assert pipeline.verify(str(tmp_path / "v1"), str(v1)).max_abs_diff <= LOGPROB_TOLERANCE
+    assert pipeline.verify(str(tmp_path / "v1"), str(demo_model_dir)).max_abs_diff > 10 * LOGPROB_TOLERANCE
     assert client.control_state().weight_version == 1
 
 
@@ -244,7 +244,7 @@ def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
 ) -> None:
     """A partial push lands while vLLM generates: the worker aborts its requests by id, the server
     reloads, the samples continue on v1; each token keeps the version that generated it, and each
-    stored logprob is that version's (`pipeline.audit.verify` with a model per version)."""
+    stored logprob is that version's (`pipeline.verify` with a model per version)."""
     from tests.vllm_server import untied_copy
     from tests.workers.rows.test_partial_swap import run_with_push
     from workers.demo.model import ensure_perturbed_copy
@@ -268,7 +268,7 @@ def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
     for rid, row in rows.items():
         segments = [(s["start"], s["version"]) for s in row["weight_version_segments"]]
         assert segments[0] == (0, 0) and segments[-1][1] == 1 and row["weight_version"] == 0, (rid, segments)
-    report = pipeline.audit.verify(str(tmp_path), {0: str(demo_model_dir), 1: str(v1)})
+    report = pipeline.verify(str(tmp_path), {0: str(demo_model_dir), 1: str(v1)})
     assert report.tokens == 320 and report.max_abs_diff <= LOGPROB_TOLERANCE, report.worst.to_pylist()[:3]
 
 

@@ -1,0 +1,206 @@
+"""The agent endpoint under load: turns/s through `pipeline serve`, the latency it adds per turn, and
+how many shards a run of turns leaves.
+
+    .venv/bin/python benchmarks/serve.py [--sessions 256] [--turns 8] [--workers 1] [--repeats 3]
+
+Everything real but the model: a `redis-server`, `pipeline serve` (uvicorn, its own process),
+`pipeline worker` processes (each its own process) around a zero-time engine (the shipped fake
+answering a fixed 8-token reply at once), and agents as asyncio tasks over one httpx client, each
+a session of chat turns whose messages grow as an agent's do (every turn replays the history
+plus the assistant's answer and a new user message: the prefix rule extends the prompt ids).
+
+- throughput: `--sessions` concurrent sessions of `--turns` turns each, `--repeats` times: the
+  median turns/s and its spread;
+- added latency: one session alone, turn after turn, against the same engine called directly
+  (`engine.generate` on the same request, in this process) in the same run: p50 and p99 of
+  (turn latency - direct call), what the pipeline adds (HTTP, rendering, Redis, the queue, the
+  worker, the commit, the answer);
+- shards: a run of 10 000 turns (sessions of `--turns`, `--sessions` at a time), then the number
+  of shard files it left (turn rows are written many to a shard) and turns per shard.
+
+The engine is the fake, not a model: these are the pipeline's own costs (the sim figure for a
+real engine's would add its decode time). Prints medians, spreads and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.broker import commit_log, keys  # noqa: E402
+from pipeline.broker.redis_server import RedisServer  # noqa: E402
+
+TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizers" / "tiny-tools"
+REPLY = "Sure, here it is."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine() -> Any:
+    from transformers import AutoTokenizer
+
+    from workers.engines.fake import FakeEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    reply = [*tokenizer.encode(REPLY, add_special_tokens=False), tokenizer.eos_token_id]
+    return FakeEngine(replies=lambda request, index: reply, end_ids=[tokenizer.eos_token_id])
+
+
+def _worker(url: str) -> None:
+    from workers.process.worker import RolloutWorker
+
+    conn = redis.Redis.from_url(url)
+    RolloutWorker(conn, _engine()).work(burst=False, with_scheduler=False, logging_level="WARNING")
+
+
+def _server(url: str, port: int, output: str, run: str) -> None:
+    from pipeline.serve.server import ServeConfig, Server
+
+    config = ServeConfig(port=port, redis_url=url, tokenizer=str(TOKENIZER), run=run, output=output,
+                         turn_timeout_s=120)
+    Server(config).run()
+
+
+async def _session(client: httpx.AsyncClient, url: str, turns: int, latencies: list[float]) -> None:
+    created = await client.post(f"{url}/sessions", json={})
+    sid = created.json()["session_id"]
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me something."}]
+    for turn in range(turns):
+        started = time.perf_counter()
+        answer = await client.post(f"{url}/sessions/{sid}/v1/chat/completions",
+                                   json={"model": "m", "messages": messages, "max_tokens": 16})
+        latencies.append(time.perf_counter() - started)
+        answer.raise_for_status()
+        messages += [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"And more ({turn})."}]
+
+
+async def _load(url: str, sessions: int, turns: int, concurrency: int) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one() -> None:
+            async with gate:
+                await _session(client, url, turns, latencies)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(sessions)))
+        return time.perf_counter() - started, latencies
+
+
+def _direct_latency(samples: int) -> list[float]:
+    """The same engine called directly on a turn's request, in this process."""
+    from schemas.request import RolloutRequest
+
+    engine = _engine()
+    request = RolloutRequest.model_validate({"id": "s:0", "input_ids": list(range(1, 40)), "logprobs": 0,
+                                             "sampling_params": {"max_new_tokens": 16}})
+    out = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        engine.generate([request])
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=256)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shard-turns", type=int, default=10_000, help="turns of the shard-count run (0: skip)")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as redis_server:
+        conn = redis.Redis.from_url(redis_server.url)
+        port = _free_port()
+        output = f"file://{tmp}/shards"
+        run = "bench"
+        procs = [ctx.Process(target=_worker, args=(redis_server.url,), daemon=True) for _ in range(args.workers)]
+        procs.append(ctx.Process(target=_server, args=(redis_server.url, port, output, run), daemon=True))
+        for proc in procs:
+            proc.start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:  # the server is up and the workers have joined the pool
+                try:
+                    health = httpx.get(f"{url}/health", timeout=2).json()
+                    if health["live_workers"] >= args.workers:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("pipeline serve or its workers did not come up")
+                time.sleep(0.2)
+            asyncio.run(_load(url, 4, 2, 4))  # warm-up: imports, templates, connections
+
+            # Added latency: one session alone, against the engine called directly in this run.
+            _, alone = asyncio.run(_load(url, 8, args.turns, 1))
+            direct = _direct_latency(len(alone))
+            added = [a - d for a, d in zip(sorted(alone), sorted(direct), strict=True)]
+            print(f"added latency per turn, one session alone ({len(alone)} turns): p50 "
+                  f"{_pct(added, 0.5) * 1000:.2f} ms, p99 {_pct(added, 0.99) * 1000:.2f} ms (turn p50 "
+                  f"{_pct(alone, 0.5) * 1000:.2f} ms; the engine called directly p50 {_pct(direct, 0.5) * 1e6:.0f} µs)")
+
+            rates, p50s, p99s = [], [], []
+            for _ in range(args.repeats):
+                seconds, latencies = asyncio.run(_load(url, args.sessions, args.turns, args.sessions))
+                rates.append(len(latencies) / seconds)
+                p50s.append(_pct(latencies, 0.5))
+                p99s.append(_pct(latencies, 0.99))
+            print(f"throughput, {args.sessions} concurrent sessions x {args.turns} turns, {args.workers} worker(s), "
+                  f"median of {args.repeats}: {statistics.median(rates):.0f} turns/s (min {min(rates):.0f}, "
+                  f"max {max(rates):.0f}); turn latency under that load p50 {statistics.median(p50s) * 1000:.0f} ms, "
+                  f"p99 {statistics.median(p99s) * 1000:.0f} ms")
+
+            if args.shard_turns:
+                before = {c.job_id for c in commit_log.read_all(conn, run)}
+                sessions = -(-args.shard_turns // args.turns)
+                seconds, latencies = asyncio.run(_load(url, sessions, args.turns, args.sessions))
+                deadline = time.monotonic() + 60
+                while conn.xlen(keys.turn_log(run)) and time.monotonic() < deadline:
+                    time.sleep(0.5)  # the last turns reach a shard once the oldest is 10 s old
+                commits = [c for c in commit_log.read_all(conn, run) if c.job_id not in before]
+                rows = sum(c.rows for c in commits)
+                print(f"shards: a run of {len(latencies)} turns ({len(latencies) / seconds:.0f} turns/s) left "
+                      f"{len(commits)} shard files holding {rows} rows: {rows / max(1, len(commits)):.0f} turns per "
+                      f"shard (goal: at most 1 shard per 256 turns)")
+        finally:
+            for proc in procs:
+                if proc.pid is not None and proc.is_alive():
+                    os.kill(proc.pid, signal.SIGTERM)
+            for proc in procs:
+                proc.join(timeout=15)
+
+
+if __name__ == "__main__":
+    main()
