@@ -8,6 +8,8 @@ episodes are exact; the tiny-tools fixture tokenizer renders and parses them.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,4 +96,50 @@ def _turns(config: ServeConfig, conn: redis.Redis) -> Any:
 
 def run_agent(conn: redis.Redis, engine: FakeEngine | Any, agent: Callable[[], None], **worker: Any) -> Any:
     """Serve `agent` (a callable making calls) with a worker around `engine` until both are done."""
-    return drive_worker(conn, engine, agent, stop_when_done=True, **worker)
+
+    def driver() -> None:
+        try:
+            agent()
+        finally:
+            _until_workers_idle(conn)
+
+    return drive_worker(conn, engine, driver, stop_when_done=True, **worker)
+
+
+def _until_workers_idle(conn: redis.Redis, timeout_s: float = 10.0) -> None:
+    """Wait until no RQ worker says it is busy. The agent has its last answer once the turn's rows are
+    pushed, a moment before the worker finishes the turn's job; a warm-shutdown SIGTERM landing in that
+    moment (RQ's state still "busy") only marks the stop, and the worker's main thread, already blocked
+    in its next dequeue, would sit out the whole dequeue timeout (minutes) before it sees it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [conn.hget(key, "state") for key in conn.smembers("rq:workers")]
+        if b"busy" not in states:
+            return
+        time.sleep(0.02)
+
+
+def exact_trajectory(conn: redis.Redis, run: str, session_id: str, turns: int) -> dict[str, Any]:
+    """Assert that `session_id`'s `turns` turns are one trajectory (the client replayed its history as
+    served: no prefix break), each turn's prompt extending the last turn's prompt + completion token
+    by token, with the loss mask 1 exactly on sampled tokens; return the trajectory item."""
+    import pipeline
+    from pipeline.read.trajectories import turn_rows
+
+    rows = sorted((r for r in turn_rows(run, conn).to_pylist() if r["session_id"] == session_id),
+                  key=lambda r: (r["turn"], r["sample_index"]))
+    assert [(r["turn"], r["prefix_break"]) for r in rows] == [(t, False) for t in range(turns)]
+    for earlier, later in itertools.pairwise(rows):
+        head = earlier["prompt_token_ids"] + earlier["completion_token_ids"]
+        assert later["prompt_token_ids"][: len(head)] == head, f"turn {later['turn']} does not extend the last"
+    items = [i for i in pipeline.read_trajectories(run, conn=conn).to_pylist() if i["session_id"] == session_id]
+    assert len(items) == 1, [(i["segment"], i["turns"]) for i in items]
+    (item,) = items
+    assert item["segments"] == 1 and item["turns"] == list(range(turns))
+    assert item["input_ids"] == rows[-1]["prompt_token_ids"] + rows[-1]["completion_token_ids"]
+    sampled = [p for r in rows for p in range(len(r["prompt_token_ids"]),
+                                              len(r["prompt_token_ids"]) + len(r["completion_token_ids"]))]
+    assert len(item["loss_mask"]) == len(item["input_ids"]) and set(item["loss_mask"]) <= {0, 1}
+    assert [p for p, m in enumerate(item["loss_mask"]) if m == 1] == sampled
+    assert item["turn_starts"] == [len(r["prompt_token_ids"]) for r in rows]
+    return item
