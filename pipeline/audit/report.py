@@ -11,6 +11,8 @@ Sections, each a plot (PNG, base64 in the page) beside a table of its numbers:
   read through Redis) or the shards' `finished_at` (a URL);
 - staleness, when rows continued across partial swaps: per token, how many versions it lags
   the newest version of its row;
+- agent sessions, when the run has agent turns (`pipeline serve`): turns, sessions and prefix
+  breaks in the shards, beside the run's counts in Redis (`keys.run_turn_stats`) when read by run;
 - the `pipeline verify` summary when one was run (`verify=` / `--verify-model`).
 
 Rows are read a record batch at a time into fixed-bin histograms and counters, so memory
@@ -35,12 +37,14 @@ import pyarrow.dataset as pads
 import redis
 
 from pipeline.audit.verify_stats import VerifyReport
-from pipeline.broker import commit_log
+from pipeline.broker import commit_log, keys
 from pipeline.errors import PipelineError
 from pipeline.read.reader import is_location, rollouts_dataset
 
-COLUMNS = ["job_id", "worker_id", "engine", "weight_version", "weight_version_segments", "completion_tokens",
+COLUMNS = ["job_id", "worker_id", "engine", "weight_version", "completion_tokens",
            "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "finished_at"]
+# Columns a shard may lack (written before they existed): read as nulls.
+OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break"]
 LOGPROB_BINS = np.linspace(-20.0, 0.0, 81)
 READ_BATCH_ROWS = 4096
 
@@ -62,6 +66,10 @@ class RunFigures:
     job_finished: dict[str, tuple[datetime, int]] = field(default_factory=dict)  # job -> (last finish, tokens)
     lag_tokens: Counter = field(default_factory=Counter)  # versions behind the row's newest -> tokens
     continued_rows: int = 0
+    agent_rows: int = 0  # rows of agent turns (`pipeline serve`): a turn's n samples are n rows
+    agent_turns: int = 0
+    prefix_breaks: int = 0  # turns rendered in full because the agent rewrote its history
+    sessions: set[str] = field(default_factory=set)
 
     def add(self, batch: pa.RecordBatch) -> None:
         for row in batch.to_pylist():
@@ -96,17 +104,24 @@ class RunFigures:
                     self.lag_tokens[newest - int(s["version"])] += end - int(s["start"])
             elif n:
                 self.lag_tokens[0] += n
+            if row["session_id"] is not None:
+                self.agent_rows += 1
+                self.sessions.add(row["session_id"])
+                if not row["sample_index"]:  # a turn counted once, at its first sample
+                    self.agent_turns += 1
+                    self.prefix_breaks += bool(row["prefix_break"])
 
 
 def gather(dataset: pads.Dataset) -> RunFigures:
-    missing = [c for c in COLUMNS if c not in dataset.schema.names and c != "weight_version_segments"]
+    missing = [c for c in COLUMNS if c not in dataset.schema.names]
     if missing:
         raise PipelineError(f"the shards lack columns {missing}; they are not rollout shards of this pipeline")
-    names = [c for c in COLUMNS if c in dataset.schema.names]
+    names = COLUMNS + [c for c in OPTIONAL if c in dataset.schema.names]
     figures = RunFigures()
     for batch in dataset.to_batches(columns=names, batch_size=READ_BATCH_ROWS):
-        if "weight_version_segments" not in batch.schema.names:
-            batch = batch.append_column("weight_version_segments", pa.nulls(batch.num_rows))
+        for name in OPTIONAL:
+            if name not in batch.schema.names:
+                batch = batch.append_column(name, pa.nulls(batch.num_rows))
         figures.add(batch)
     return figures
 
@@ -245,6 +260,23 @@ def _staleness_section(f: RunFigures) -> str:
                     note=f"{f.continued_rows} rows continued across partial swaps")
 
 
+def _agent_section(f: RunFigures, stats: dict[str, int] | None) -> str:
+    """Agent turns in the shards and, read by run, the run's counts in Redis: prefix breaks counted, never silent."""
+    rows: list[list[Any]] = [["shards", f.agent_turns, f.prefix_breaks, len(f.sessions), f.agent_rows]]
+    notes = ["prefix break: the agent rewrote its history, so the turn was rendered in full instead of "
+             "continuing the previous turn's token ids"]
+    if stats is not None:
+        rows.append(["Redis (the run's turn counts)", stats["turns"], stats["prefix_breaks"], "—", "—"])
+        if stats["unflushed"]:
+            notes.append(f"{stats['unflushed']} turn(s) are in the run's turn log, not yet in a shard")
+        apart = stats["turns"] - f.agent_turns - stats["unflushed"]
+        if apart:
+            notes.append(f"Redis counts {apart:+d} turn(s) against the shards and the turn log (turns logged by a "
+                         "worker but never recorded by their server, or shards not in the commit log)")
+    return _section("Agent sessions", None, _table(["from", "agent turns", "prefix breaks", "sessions", "rows"], rows),
+                    note="; ".join(notes))
+
+
 def _verify_section(report: VerifyReport) -> str:
     summary = report.table.to_pylist()
     fig, ax = _figure()
@@ -272,8 +304,8 @@ th{background:#f3f3f3}.note{color:#666;font-size:.85em}img{max-width:640px}"""
 
 
 def render(source: str, figures: RunFigures, *, commits: list[tuple[datetime, int]] | None = None,
-           verify: VerifyReport | None = None) -> str:
-    """The page as one HTML string."""
+           verify: VerifyReport | None = None, turn_stats: dict[str, int] | None = None) -> str:
+    """The page as one HTML string (`turn_stats`: the run's agent-turn counts in Redis, see `_turn_stats`)."""
     if not figures.rows:
         raise PipelineError(f"no rows under {source!r}: nothing to report")
     overview = _table(["rows", "completion tokens", "weight versions", "workers", "jobs"], [[
@@ -283,6 +315,8 @@ def render(source: str, figures: RunFigures, *, commits: list[tuple[datetime, in
         _lengths_section(figures), _finish_section(figures), _logprob_section(figures), _workers_section(figures),
         _throughput_section(figures, commits), _staleness_section(figures),
     ]
+    if figures.agent_rows or turn_stats is not None:
+        sections.insert(0, _agent_section(figures, turn_stats))
     if verify is not None:
         sections.append(_verify_section(verify))
     title = f"Rollout report: {source}"
@@ -297,15 +331,28 @@ def _commit_points(conn: redis.Redis, run: str) -> list[tuple[datetime, int]]:
             for c in commit_log.read_all(conn, run) if c.entry_id]
 
 
+def _turn_stats(conn: redis.Redis, run: str) -> dict[str, int] | None:
+    """The run's agent turns and prefix breaks as `pipeline serve` counted them, and the turns not
+    yet flushed from its turn log to a shard; None when the run has no agent turn."""
+    stats = conn.hgetall(keys.run_turn_stats(run))
+    unflushed = conn.xlen(keys.turn_log(run))
+    if not stats and not unflushed:
+        return None
+    return {"turns": int(stats.get(b"turns", 0)), "prefix_breaks": int(stats.get(b"prefix_breaks", 0)),
+            "unflushed": unflushed}
+
+
 def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = None,
            verify_options: dict[str, Any] | None = None) -> str:
     """The HTML page of `source` (a URL or directory of shards; a run name with `conn`, whose
     commit log also gives the throughput timestamps). With `verify_model`, `pipeline.verify` runs
     first (`verify_options` passed on) and its summary is a section of the page."""
+    turn_stats = None
     if is_location(source):
         dataset, commits = rollouts_dataset(source), None
     elif conn is not None:
         dataset, commits = rollouts_dataset([], source, conn=conn), _commit_points(conn, source)
+        turn_stats = _turn_stats(conn, source)
     else:
         raise PipelineError(f"{source!r} is neither a URL nor an existing path; a run name needs a Redis connection")
     figures = gather(dataset)
@@ -314,5 +361,5 @@ def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = 
         from pipeline.audit.verify import verify
 
         checked = verify(source, verify_model, conn=conn, **(verify_options or {}))
-    return render(source, figures, commits=commits, verify=checked)
+    return render(source, figures, commits=commits, verify=checked, turn_stats=turn_stats)
 

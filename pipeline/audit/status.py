@@ -1,5 +1,5 @@
-"""`pipeline status`: per pool, its queue, workers and their capability classes, jobs no live worker
-can serve, desired state, runs, shards and failures."""
+"""`pipeline status`: per pool, its queue and interactive lane, open agent sessions, workers and their
+capability classes, jobs no live worker can serve, desired state, runs, shards, agent turns and failures."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import redis
 from rq.job import Job
+from rq.queue import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -22,6 +23,7 @@ from schemas.capabilities import describe
 from schemas.control import DesiredState
 
 FAILURES_SHOWN = 20
+SESSIONS_READ = 10_000  # open sessions whose versions status reads (one pipeline of HMGETs), at most
 
 
 def failure_reason(conn: redis.Redis, job_id: str) -> str:
@@ -53,6 +55,28 @@ def unservable(conn: redis.Redis, pool: str) -> dict[str, Any]:
     return waiting
 
 
+def open_sessions(conn: redis.Redis, pool: str, limit: int = SESSIONS_READ) -> dict[str, Any]:
+    """The pool's open agent sessions (`pipeline serve`): how many, and the weight versions their
+    turns used (each session's min_version..max_version; a session with no turn yet has none).
+    Reads at most `limit` sessions (`read`, `capped`) in one pipeline of HMGETs; `expired`: ids
+    still in the open set whose session hash expired (`pipeline.serve.sessions.SESSION_TTL_S`)."""
+    where = keys.pool(pool)
+    count = conn.scard(where.open_sessions)
+    ids = conn.srandmember(where.open_sessions, limit) if count else []  # distinct ids, at most `limit`
+    with conn.pipeline(transaction=False) as pipe:
+        for session_id in ids:
+            pipe.hmget(keys.session(session_id.decode()), "run", "min_version", "max_version")
+        fields = pipe.execute() if ids else []
+    gone = sum(1 for run, _, _ in fields if run is None)
+    versions = [(int(low), int(high)) for run, low, high in fields
+                if run is not None and low is not None and high is not None]
+    return {"open": count, "read": len(ids), "capped": count > len(ids), "expired": gone,
+            "with_versions": len(versions), "no_turn_yet": len(ids) - gone - len(versions),
+            "weight_versions": [min(low for low, _ in versions), max(high for _, high in versions)]
+            if versions else None,
+            "mixed_versions": sum(1 for low, high in versions if high > low)}
+
+
 def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) -> dict[str, Any]:
     """Every pool's status (`pools`: name → status), or only `pool`'s when one is named."""
     names = [keys.pool_name(pool)] if pool else registry.pools(conn)
@@ -65,7 +89,8 @@ def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) 
 
 
 def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
-    """One pool: its desired state, queue, live workers and the capability classes they serve, jobs
+    """One pool: its desired state, queue, interactive lane (`lane`: queued agent-turn jobs), open agent
+    sessions (`sessions`, see `open_sessions`), live workers and the capability classes they serve, jobs
     waiting for a capability no live worker has (`workers.jobs.admission`), runs and failed jobs."""
     where = keys.pool(pool)
     queue = rollout_queue(conn, where.name)
@@ -85,6 +110,9 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
         "queue": {"name": queue.name, "queued": queue.count,
                   "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
                   "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
+        "lane": {"name": where.lane_queue_name,
+                 "queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count},
+        "sessions": open_sessions(conn, where.name),
         "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
         "capability_classes": [
             {"serves": describe(capabilities), "capabilities": capabilities.model_dump(), "workers": count}
@@ -105,7 +133,16 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
     return {**totals, "staleness": max(0, current - min(versions)) if versions else None,
             "canceled": conn.scard(keys.canceled(run)),
             "rewards": dataclasses.asdict(reward_log.totals(conn, run)) if conn.sismember(keys.REWARD_RUNS, run)
-            else None}
+            else None,
+            "agent_turns": _agent_turns(conn, run)}
+
+
+def _agent_turns(conn: redis.Redis, run: str) -> dict[str, int] | None:
+    """A run's agent turns and prefix breaks (`keys.run_turn_stats`), None when it has no agent turn."""
+    stats = conn.hgetall(keys.run_turn_stats(run))
+    if not stats:
+        return None
+    return {"turns": int(stats.get(b"turns", 0)), "prefix_breaks": int(stats.get(b"prefix_breaks", 0))}
 
 
 def stalled_hint(conn: redis.Redis, run: str) -> str:
@@ -153,6 +190,21 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n\n".join(format_pool(name, pool) for name, pool in status["pools"].items())
 
 
+def format_sessions(s: dict[str, Any]) -> str:
+    """E.g. `agent sessions: 12 open sessions over weight versions 3..5 (2 with turns on more than one
+    version, 4 with no turn yet)`."""
+    line = f"agent sessions: {s['open']} open session(s)"
+    if s["weight_versions"] is not None:
+        low, high = s["weight_versions"]
+        line += f" over weight version{'s' if high > low else ''} {low}" + (f"..{high}" if high > low else "")
+    notes = [f"{s['mixed_versions']} with turns on more than one version" if s["mixed_versions"] else "",
+             f"{s['no_turn_yet']} with no turn yet" if s["no_turn_yet"] else "",
+             f"{s['expired']} whose state has expired" if s["expired"] else "",
+             f"counts and versions from a random {s['read']} of them" if s["capped"] else ""]
+    notes = [n for n in notes if n]
+    return line + (f" ({', '.join(notes)})" if notes else "")
+
+
 def format_pool(name: str, status: dict[str, Any]) -> str:
     q = status["queue"]
     desired = status["desired"]
@@ -163,7 +215,11 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         + f" (generation {desired['generation']})",
         f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
         f"{q['failed']} failed",
+        f"lane {status['lane']['name']}: {status['lane']['queued']} queued agent-turn job(s)",
     ]
+    sessions = status["sessions"]
+    if sessions["open"] or any(r.get("agent_turns") for r in status["runs"].values()):
+        lines.append(format_sessions(sessions))
     workers = status["workers"]
     lines.append(f"workers: {len(workers)} live")
     for w in workers:
@@ -185,6 +241,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             f"  {run}: {r['shards']} shards, {r['rows']} rows, {r['tokens']} completion tokens, "
             f"weights {r['weight_versions']}"
             + (f", {r['canceled']} job(s) canceled" if r.get("canceled") else "")
+            + (f", {r['agent_turns']['turns']} agent turns, {r['agent_turns']['prefix_breaks']} prefix breaks"
+               if r.get("agent_turns") else "")
             + (f"; rewards: {r['rewards']['jobs']}/{r['shards']} shards scored, {r['rewards']['failed']} failed"
                + (f", mean {r['rewards']['mean']:.4g}" if r["rewards"]["mean"] is not None else "")
                + (f", {r['rewards']['zero_variance']:.0%} of groups all-equal"

@@ -12,7 +12,7 @@ from pipeline.cli.command import EXIT_FAILED, Command
 
 class StatusCommand(Command):
     name = "status"
-    help = "per pool: queue, workers, weight versions, runs, failures"
+    help = "per pool: queue and agent lane, open agent sessions, workers, weight versions, runs, failures"
     connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ class ShowCommand(Command):
 class ReportCommand(Command):
     name = "report"
     help = ("one self-contained HTML page of a run: lengths, finishes, logprobs, workers, throughput, staleness, "
-            "verify")
+            "agent turns, verify")
     connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -7,18 +7,28 @@ import io
 import shutil
 import subprocess
 from collections import Counter
+from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
 from matplotlib import image
 
 import pipeline
-from schemas.shard import SHARD_SCHEMA
+from pipeline.broker import commit_log, keys
+from pipeline.serve.sessions import Pending, SessionStore, TurnRecord
+from schemas.job_payload import TurnTag
+from schemas.request import RolloutRequest
+from schemas.shard import SHARD_SCHEMA, rows_to_ipc
 from tests.conftest import PIPELINE
 from tests.workers.audit.test_verify import make_run, make_swap_run
+from workers.engines.base import Finish, SampleOutput
+from workers.rows.shard_writer import write_shard
+from workers.rows.table import RowContext, build_table
 
 
 class Page(HTMLParser):
@@ -162,3 +172,56 @@ def test_an_empty_location_is_refused(tmp_path: Path) -> None:
     pq.write_table(SHARD_SCHEMA.empty_table(), tmp_path / "empty.parquet")  # a shard without rows
     with pytest.raises(pipeline.PipelineError, match="no rows under"):
         pipeline.report(str(tmp_path))
+
+
+def turn_shard(out: Path, run: str, job_id: str, turns: list[tuple[TurnTag | None, int]]) -> tuple[str, pa.Table]:
+    """A shard of agent turns (`pipeline serve`) through the workers' own row builder: each turn
+    one request with `n` samples; without tags, a batch job's rows."""
+    now = datetime.now(UTC)
+    requests = [RolloutRequest.model_validate({"id": f"{job_id}-{i}", "input_ids": [1, 2, 3],
+                                               "sampling_params": {"max_new_tokens": 4, "n": n}, "logprobs": 0})
+                for i, (_, n) in enumerate(turns)]
+    outputs = [[SampleOutput(token_ids=np.array([5, 6, 7], np.int32), finish=Finish("length"),
+                             logprobs=np.array([-0.5, -1.0, -2.0], np.float32)) for _ in range(n)] for _, n in turns]
+    tags = [tag for tag, _ in turns]
+    ctx = RowContext(run=run, job_id=job_id, engine="sim", model="m", worker_id="w", weight_version=2,
+                     submitted_at=now, started_at=now, finished_at=now, turns=None if None in tags else tags)
+    table = build_table(requests, outputs, ctx)
+    return write_shard(table, f"file://{out}", run, job_id), table
+
+
+def test_report_counts_agent_turns_sessions_and_prefix_breaks(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = "agents"
+    url, table = turn_shard(tmp_path, run, "turns-1", [
+        (TurnTag(turn_id="a0", session_id="sa", turn=0), 2),
+        (TurnTag(turn_id="a1", session_id="sa", turn=1, prefix_break=True), 2),  # n=2: two rows, one turn
+        (TurnTag(turn_id="b0", session_id="sb", turn=0), 1),
+    ])
+    commit_log.append(redis_client, run, commit_log.Commit(job_id="turns-1", batch_id="turns", url=url, rows=5,
+                                                           tokens=15, weight_version=2))
+    store = SessionStore(redis_client)
+    for session_id, turns in (("sa", [False, True, False]), ("sb", [False])):
+        session = store.create(run=run, pool="default", output=f"file://{tmp_path}", session_id=session_id)
+        for index, prefix_break in enumerate(turns):
+            pending = Pending(index, f"{session_id}{index}", "req", "msgs", 1, prefix_break)
+            store.claim(session, pending)
+            store.record(session, pending, TurnRecord(index, pending.turn_id, "req", "msgs", 1, [1], None, [], {}),
+                         (2, 2))
+    # sa's third turn is logged but not flushed to a shard yet
+    redis_client.xadd(keys.turn_log(run), {"turn": "sa2", "rows": rows_to_ipc(table.slice(0, 1))})
+
+    page = Page(pipeline.report(run, conn=redis_client))
+    assert page.titles[0] == "Agent sessions"
+    shown = {line["from"]: line for line in page.table_with("prefix breaks")}
+    assert shown["shards"] == {"from": "shards", "agent turns": "3", "prefix breaks": "1", "sessions": "2",
+                               "rows": "5"}
+    redis_counts = shown["Redis (the run's turn counts)"]
+    assert (redis_counts["agent turns"], redis_counts["prefix breaks"]) == ("4", "1")
+    text = pipeline.report(run, conn=redis_client)
+    assert "1 turn(s) are in the run&#x27;s turn log, not yet in a shard" in text and "Redis counts" not in text
+
+    by_url = Page(pipeline.report(url))  # a URL: the shards' counts only
+    assert [line["from"] for line in by_url.table_with("prefix breaks")] == ["shards"]
+
+    batch_url, _ = turn_shard(tmp_path, "batch", "job-1", [(None, 2)])
+    assert "Agent sessions" not in Page(pipeline.report(batch_url)).titles

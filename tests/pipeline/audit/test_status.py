@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
@@ -9,11 +10,12 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.audit.status import collect, format_status
+from pipeline.audit.status import collect, format_sessions, format_status, open_sessions
 from pipeline.broker import commit_log, keys, registry
 from pipeline.cli.main import main
 from pipeline.errors import UnknownRunError
 from pipeline.intake.submit import JOB_FUNCTION, rollout_queue
+from pipeline.serve.sessions import Pending, Session, SessionStore, TurnRecord
 from schemas.worker_info import WorkerInfo
 
 
@@ -57,3 +59,76 @@ def test_jobs_waiting_out_their_retry_backoff_are_shown(redis_client: redis.Redi
     status = collect(redis_client)
     assert status["pools"]["default"]["queue"]["retrying"] == 1
     assert "0 queued, 1 waiting to retry, 0 running, 0 failed" in format_status(status)
+
+
+def _turn(store: SessionStore, session: Session, turn: int, versions: tuple[int, int],
+          prefix_break: bool = False) -> None:
+    """Record one turn of `session` as a server does once its rows are back."""
+    pending = Pending(turn, f"{session.session_id}-t{turn}", "req", "msgs", 1 + turn, prefix_break)
+    assert store.claim(session, pending)
+    record = TurnRecord(turn, pending.turn_id, "req", "msgs", 1 + turn, [1, 2, 3], None, [], {})
+    store.record(session, pending, record, versions)
+
+
+def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_turns(
+    redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = SessionStore(redis_client)
+    sessions = [store.create(run="agents", pool="default", output="file:///x") for _ in range(4)]
+    _turn(store, sessions[0], 0, (3, 3))
+    _turn(store, sessions[0], 1, (4, 5), prefix_break=True)  # the weights moved during this episode
+    _turn(store, sessions[1], 0, (4, 4))
+    _turn(store, sessions[2], 0, (3, 4))
+    _turn(store, sessions[2], 1, (4, 4))
+    ended = store.create(run="agents", pool="default", output="file:///x")
+    _turn(store, ended, 0, (1, 1))  # an ended session's versions are not the open sessions'
+    store.end(ended.session_id)
+    store.create(run="other", pool="p2", output="file:///x")  # another pool's session
+    redis_client.rpush(f"rq:queue:{keys.pool(None).lane_queue_name}", "job-a", "job-b")  # two queued lane jobs
+    redis_client.sadd(keys.pool(None).runs, "batch-only")
+
+    status = collect(redis_client, pool="default")
+    pool = status["pools"]["default"]
+    assert pool["lane"] == {"name": "lane.rollouts", "queued": 2}
+    assert pool["sessions"] == {"open": 4, "read": 4, "capped": False, "expired": 0, "with_versions": 3,
+                                "no_turn_yet": 1, "weight_versions": [3, 5], "mixed_versions": 2}
+    assert pool["runs"]["agents"]["agent_turns"] == {"turns": 6, "prefix_breaks": 1}
+    assert pool["runs"]["batch-only"]["agent_turns"] is None
+    text = format_status(status)
+    assert "lane lane.rollouts: 2 queued agent-turn job(s)" in text
+    assert ("agent sessions: 4 open session(s) over weight versions 3..5 (2 with turns on more than one version, "
+            "1 with no turn yet)") in text
+    assert "agents: 0 shards, 0 rows, 0 completion tokens, weights [], 6 agent turns, 1 prefix breaks" in text
+    assert "  batch-only: 0 shards, 0 rows, 0 completion tokens, weights []" in text.splitlines()  # no agent turn
+
+    other = collect(redis_client, pool="p2")["pools"]["p2"]
+    assert other["sessions"]["open"] == 1 and other["sessions"]["weight_versions"] is None
+    assert other["lane"] == {"name": "lane.rollouts.p2", "queued": 0}
+    assert "agent sessions: 1 open session(s) (1 with no turn yet)" in format_status({"pools": {"p2": other}})
+
+    url = redis_client.connection_pool.connection_kwargs
+    monkeypatch.setenv("PIPELINE_REDIS_URL", f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}")
+    assert main(["status", "--pool", "default", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["pools"]["default"]
+    assert shown["sessions"]["weight_versions"] == [3, 5] and shown["lane"]["queued"] == 2
+    assert shown["runs"]["agents"]["agent_turns"] == {"turns": 6, "prefix_breaks": 1}
+
+
+def test_a_run_without_prefix_breaks_says_zero_and_expired_or_many_sessions_are_said(
+    redis_client: redis.Redis,
+) -> None:
+    store = SessionStore(redis_client)
+    sessions = [store.create(run="clean", pool="default", output="file:///x") for _ in range(5)]
+    for session in sessions:
+        _turn(store, session, 0, (7, 7))
+    redis_client.delete(keys.session(sessions[0].session_id))  # expired: its id is still in the open set
+    status = collect(redis_client)
+    pool = status["pools"]["default"]
+    assert pool["sessions"]["expired"] == 1 and pool["sessions"]["weight_versions"] == [7, 7]
+    text = format_status(status)
+    assert "clean: 0 shards, 0 rows, 0 completion tokens, weights [], 5 agent turns, 0 prefix breaks" in text
+    assert "agent sessions: 5 open session(s) over weight version 7 (1 whose state has expired)" in text
+
+    few = open_sessions(redis_client, "default", limit=2)
+    assert few["open"] == 5 and few["read"] == 2 and few["capped"]
+    assert "counts and versions from a random 2 of them" in format_sessions(few)
