@@ -4,10 +4,11 @@ how many shards a run of turns leaves.
     .venv/bin/python benchmarks/serve.py [--sessions 256] [--turns 8] [--workers 1] [--repeats 3]
 
 Everything real but the model: a `redis-server`, `pipeline serve` (uvicorn, its own process),
-`pipeline worker` processes (each its own process) around a zero-time engine (the shipped fake
-answering a fixed 8-token reply at once), and agents as asyncio tasks over one httpx client, each
-a session of chat turns whose messages grow as an agent's do (every turn replays the history
-plus the assistant's answer and a new user message: the prefix rule extends the prompt ids).
+`pipeline worker` processes (each its own process) around a zero-time engine (the sim at
+infinite speed: continuous batching whose steps take no time, 8 tokens a reply), and agents
+as asyncio tasks over one aiohttp client, each a session of chat turns whose messages grow as
+an agent's do (every turn replays the history plus the assistant's answer and a new user
+message: the prefix rule extends the prompt ids).
 
 - throughput: `--sessions` concurrent sessions of `--turns` turns each, `--repeats` times: the
   median turns/s and its spread;
@@ -18,8 +19,8 @@ plus the assistant's answer and a new user message: the prefix rule extends the 
 - shards: a run of 10 000 turns (sessions of `--turns`, `--sessions` at a time), then the number
   of shard files it left (turn rows are written many to a shard) and turns per shard.
 
-The engine is the fake, not a model: these are the pipeline's own costs (the sim figure for a
-real engine's would add its decode time). Prints medians, spreads and ratios.
+The engine is the sim's, not a model: these are the pipeline's own costs; a real engine adds its
+prefill and decode time. Prints medians, spreads and ratios.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import redis
 
@@ -47,7 +49,7 @@ from pipeline.broker import commit_log, keys  # noqa: E402
 from pipeline.broker.redis_server import RedisServer  # noqa: E402
 
 TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizers" / "tiny-tools"
-REPLY = "Sure, here it is."
+REPLY_TOKENS = 8
 
 
 def _free_port() -> int:
@@ -57,13 +59,15 @@ def _free_port() -> int:
 
 
 def _engine() -> Any:
+    """The sim at infinite speed: a continuous-batching engine whose steps take no time, answering
+    8 tokens of the tokenizer's vocabulary."""
     from transformers import AutoTokenizer
 
-    from workers.engines.fake import FakeEngine
+    from workers.engines.sim import SimConfig, SimEngine
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    reply = [*tokenizer.encode(REPLY, add_special_tokens=False), tokenizer.eos_token_id]
-    return FakeEngine(replies=lambda request, index: reply, end_ids=[tokenizer.eos_token_id])
+    return SimEngine(SimConfig(median_tokens=REPLY_TOKENS, p99_tokens=REPLY_TOKENS, vocab_size=len(tokenizer),
+                               eos_token_id=tokenizer.eos_token_id))
 
 
 def _worker(url: str) -> None:
@@ -81,24 +85,26 @@ def _server(url: str, port: int, output: str, run: str) -> None:
     Server(config).run()
 
 
-async def _session(client: httpx.AsyncClient, url: str, turns: int, latencies: list[float]) -> None:
-    created = await client.post(f"{url}/sessions", json={})
-    sid = created.json()["session_id"]
+async def _session(client: aiohttp.ClientSession, url: str, turns: int, latencies: list[float]) -> None:
+    async with client.post(f"{url}/sessions", json={}) as created:
+        sid = (await created.json())["session_id"]
     messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me something."}]
     for turn in range(turns):
         started = time.perf_counter()
-        answer = await client.post(f"{url}/sessions/{sid}/v1/chat/completions",
-                                   json={"model": "m", "messages": messages, "max_tokens": 16})
+        async with client.post(f"{url}/sessions/{sid}/v1/chat/completions",
+                               json={"model": "m", "messages": messages, "max_tokens": 16}) as answer:
+            body = await answer.json()
+            if answer.status != 200:
+                raise SystemExit(f"turn {turn} of session {sid}: HTTP {answer.status}: {body}")
+            content = body["choices"][0]["message"]["content"]
         latencies.append(time.perf_counter() - started)
-        answer.raise_for_status()
-        messages += [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": f"And more ({turn})."}]
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"And more ({turn})."}]
 
 
 async def _load(url: str, sessions: int, turns: int, concurrency: int) -> tuple[float, list[float]]:
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
         gate = asyncio.Semaphore(concurrency)
 
         async def one() -> None:

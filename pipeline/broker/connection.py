@@ -178,10 +178,16 @@ def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.R
     return manager.master_for(parsed.master, **data)
 
 
-def connect_redis(url: str | None = None, *, reconnect_for_s: float | None = None) -> redis.Redis:
-    """A client that rides out Redis restarts and Sentinel failovers: commands retry with backoff for a while."""
+def connect_redis(url: str | None = None, *, reconnect_for_s: float | None = None,
+                  max_connections: int | None = None) -> redis.Redis:
+    """A client that rides out Redis restarts and Sentinel failovers: commands retry with backoff for a while.
+
+    `max_connections` raises redis-py's limit of 100 connections per client (a server whose
+    threads each block on a reply needs more)."""
     chosen = resolve_url(url)
     kwargs = client_kwargs(chosen, reconnect_for_s=reconnect_for_s)
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
     if is_sentinel_url(chosen):
         return sentinel_client(parse_sentinel_url(chosen), kwargs)
     return redis.Redis.from_url(chosen, **kwargs)

@@ -41,7 +41,7 @@ from pipeline.serve.validation import from_validation
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64
-THREADS = 1024  # turns waiting at once per server (each waits in a thread)
+THREADS = 512  # calls served at once per server (each waits for its turn in a thread)
 
 
 def _depth(value: Any, limit: int) -> int:

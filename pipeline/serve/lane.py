@@ -6,10 +6,12 @@ the project's job function like any batch (same allow-list, admission, retries, 
 engine road); its payload carries one `TurnTag` per request, so the worker logs each turn's
 rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard of one row.
 
-Turns that reach a server together travel together: a flusher thread enqueues every turn
-waiting when it comes round as one job (per run, output and worker class), so under load RQ's
-per-job cost is paid once for many turns, and a turn alone is enqueued at once. A failed job
-fails each of its turns (RQ retries it once first).
+Turns that reach a server together travel together: a flusher thread enqueues the turns
+waiting when it comes round as one job (per run, output and worker class). While the server's
+lane jobs in flight already keep the pool's live workers busy (two jobs each), new turns wait
+for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost is paid
+once for many turns; a turn reaching an idle pool is enqueued at once. A failed job fails each
+of its turns (RQ retries it once first).
 
 `wait` blocks on the turn's reply list, checking between blocks whether its job failed; past
 the turn timeout it says 503 (`Retry-After`) when no live worker of the pool could take the
@@ -47,6 +49,8 @@ DEFAULT_TURN_TIMEOUT_S = 600.0
 TURN_JOB_TIMEOUT_S = 3600
 TURN_RETRIES = 1
 MAX_TURNS_PER_JOB = 64
+HOLD_S = 0.05  # the longest a turn waits for others to share its job while the workers are busy
+OUTSTANDING_S = 2.0  # a lane job this server enqueued counts as in flight for at most this long
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
 BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
 
@@ -80,6 +84,8 @@ class Lane:
         self._waiting: list[_Waiting] = []
         self._ready = threading.Condition()
         self._flusher: threading.Thread | None = None
+        self._jobs: dict[str, tuple[int, float]] = {}  # this server's lane jobs: turns unanswered, enqueued at
+        self._job_of_turn: dict[str, str] = {}
 
     def live_workers(self) -> list[WorkerInfo]:
         with self._lock:
@@ -114,6 +120,12 @@ class Lane:
             with self._ready:
                 while not self._waiting:
                     self._ready.wait()
+                # Flow control: while this server's earlier lane jobs keep the pool's workers busy, turns
+                # wait here (at most HOLD_S) and go on together; an idle pool gets each turn at once.
+                held_until = time.monotonic() + HOLD_S
+                while (len(self._waiting) < self.max_turns_per_job and self._busy()
+                       and (left := held_until - time.monotonic()) > 0):
+                    self._ready.wait(left)
                 batch, self._waiting = self._waiting, []
             groups: dict[Hashable, list[_Waiting]] = {}
             for waiting in batch:
@@ -121,6 +133,26 @@ class Lane:
             for group in groups.values():
                 for start in range(0, len(group), self.max_turns_per_job):
                     self._enqueue_job(group[start:start + self.max_turns_per_job])
+
+    def _busy(self) -> bool:
+        """Whether this server's lane jobs in flight are enough to keep the pool's live workers busy
+        (two per worker: one running, one taken next); jobs older than `OUTSTANDING_S` no longer count."""
+        now = time.monotonic()
+        recent = sum(1 for _, enqueued in self._jobs.values() if now - enqueued < OUTSTANDING_S)
+        return recent >= 2 * max(1, len(self.live_workers()))
+
+    def _answered(self, turn_id: str) -> None:
+        """A turn this server enqueued is answered (or given up): its job counts down."""
+        with self._ready:
+            job_id = self._job_of_turn.pop(turn_id, None)
+            if job_id is None or job_id not in self._jobs:
+                return
+            left, enqueued = self._jobs[job_id]
+            if left <= 1:
+                del self._jobs[job_id]
+                self._ready.notify()
+            else:
+                self._jobs[job_id] = (left - 1, enqueued)
 
     def _enqueue_job(self, turns: list[_Waiting]) -> None:
         try:
@@ -139,6 +171,10 @@ class Lane:
                     pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
                 self.queue.enqueue_many([data], pipeline=pipe)
                 pipe.execute()
+            with self._ready:
+                self._jobs[job_id] = (len(turns), time.monotonic())
+                for waiting in turns:
+                    self._job_of_turn[waiting.turn.turn_id] = job_id
         except BaseException as exc:
             for waiting in turns:
                 waiting.error = exc
@@ -150,10 +186,17 @@ class Lane:
         job_id = self.conn.get(keys.turn_job(turn_id))
         return None if job_id is None else job_id.decode()
 
-    def wait(self, turn_id: str, started: float,
+    def wait(self, turn_id: str, run: str, started: float,
              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
         """The turn's rows, once its worker answers; or the answer `settled()` finds recorded (another
         server's waiter took the rows and recorded the turn); `APIError` for a failed or late turn."""
+        try:
+            return self._wait(turn_id, run, started, settled)
+        finally:
+            self._answered(turn_id)
+
+    def _wait(self, turn_id: str, run: str, started: float,
+              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
         reply = keys.turn_reply(turn_id)
         while True:
             left = self.turn_timeout_s - (time.monotonic() - started)
@@ -167,11 +210,23 @@ class Lane:
                 return answered
             job_id = self.job_of(turn_id)
             status = None if job_id is None else self.conn.hget(Job.key_for(job_id), "status")
+            if status == b"finished":  # answered, but the reply went to a waiter that is gone
+                logged = self._logged(run, turn_id)
+                if logged is not None:
+                    return logged
+                raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
+                                    "no longer in the turn log; call again to generate it again", code="turn_failed")
             if status in (b"failed", b"stopped", b"canceled") or status is None:
                 reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
                     "its job is gone from Redis"
                 status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
                 raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
+
+    def _logged(self, run: str, turn_id: str) -> pa.Table | None:
+        """A turn's rows from the run's turn log, while they are there (not yet in a shard)."""
+        entry_id = self.conn.hget(keys.turn_log_jobs(run), turn_id)
+        entries = self.conn.xrange(keys.turn_log(run), entry_id, entry_id) if entry_id else []
+        return rows_from_ipc(entries[0][1][b"rows"]) if entries else None
 
     def _late(self, turn_id: str) -> APIError:
         job_id = self.job_of(turn_id)

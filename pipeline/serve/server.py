@@ -23,7 +23,7 @@ from pipeline.broker.connection import connect_redis
 from pipeline.errors import PipelineError
 from pipeline.intake.render import ChatRenderer
 from pipeline.intake.submit import default_output, new_run_name
-from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, create_app
+from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.lane import DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS
@@ -94,7 +94,8 @@ def check_config(config: ServeConfig) -> None:
 
 def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
     check_config(config)
-    conn = conn or connect_redis(config.redis_url)
+    # Every call waiting for its turn holds a connection (its reply's BLPOP), a few more are in use.
+    conn = conn or connect_redis(config.redis_url, max_connections=THREADS + 64)
     renderer = ChatRenderer(config.tokenizer) if config.tokenizer else None
     context = config.context_length
     if context is None and renderer is not None and config.tokenizer:

@@ -242,7 +242,7 @@ class Turns:
                     session = self.sessions.get(session.session_id)
                     continue
             try:
-                table = self.lane.wait(pending.turn_id, started,
+                table = self.lane.wait(pending.turn_id, session.run, started,
                                        functools.partial(self._recorded, session.session_id, request_digest))
             except APIError as exc:
                 if exc.code == "turn_failed":

@@ -33,6 +33,7 @@ ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType 
 # RQ worker methods the project's worker classes override, with their parameters in RQ_MINOR.
 OVERRIDDEN: dict[str, tuple[str, ...]] = {
     "_finalize_success": ("self", "job", "queue", "execution", "return_value"),
+    "_shutdown": ("self",),
     "clean_registries": ("self",),
     "dequeue_job_and_maintain_ttl": ("self", "timeout", "max_idle_time"),
     "execute_job": ("self", "job", "queue"),

@@ -22,7 +22,6 @@ composition of the parts a worker holds, and overrides RQ's hooks only to hand e
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
@@ -105,6 +105,7 @@ class EngineWorker(SimpleWorker):
         if not (feed and is_concurrent(engine)):
             self._serial = SerialEngine(engine)
             max_jobs_in_flight = 1
+        self._waiting_for_job = False  # the loop blocks in RQ's dequeue (`_shutdown`)
         self.feeder = Feeder(
             self._serial or engine, rq_seam.WorkerBookkeeping(self),
             connection=conn, worker_id=worker_id, jobs_changed=self._jobs_changed,
@@ -163,8 +164,24 @@ class EngineWorker(SimpleWorker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
-        rq_dequeue = functools.partial(super().dequeue_job_and_maintain_ttl, timeout, max_idle_time)
+        def rq_dequeue() -> tuple[Job, Queue] | None:
+            self._waiting_for_job = True
+            try:
+                if rq_seam.stop_requested(self):  # asked while busy, just before this wait: stop now
+                    raise StopRequested()
+                return super(EngineWorker, self).dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            finally:
+                self._waiting_for_job = False
+
         return self.intake.dequeue(rq_dequeue, burst=timeout is None, stopping=lambda: rq_seam.stop_requested(self))
+
+    def _shutdown(self) -> None:
+        """A warm shutdown while the loop waits in RQ's dequeue stops the wait at once, as RQ does for
+        an idle worker, also while jobs run on in the feeder (RQ then calls the worker busy and would
+        wait out the dequeue's timeout, minutes); `work()` lets those jobs finish and commit."""
+        if self._waiting_for_job:
+            raise StopRequested()
+        super()._shutdown()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         self.feeder.admit(job, queue)

@@ -9,7 +9,6 @@ episodes are exact; the tiny-tools fixture tokenizer renders and parses them.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,28 +94,9 @@ def _turns(config: ServeConfig, conn: redis.Redis) -> Any:
 
 
 def run_agent(conn: redis.Redis, engine: FakeEngine | Any, agent: Callable[[], None], **worker: Any) -> Any:
-    """Serve `agent` (a callable making calls) with a worker around `engine` until both are done."""
-
-    def driver() -> None:
-        try:
-            agent()
-        finally:
-            _until_workers_idle(conn)
-
-    return drive_worker(conn, engine, driver, stop_when_done=True, **worker)
-
-
-def _until_workers_idle(conn: redis.Redis, timeout_s: float = 10.0) -> None:
-    """Wait until no RQ worker says it is busy. The agent has its last answer once the turn's rows are
-    pushed, a moment before the worker finishes the turn's job; a warm-shutdown SIGTERM landing in that
-    moment (RQ's state still "busy") only marks the stop, and the worker's main thread, already blocked
-    in its next dequeue, would sit out the whole dequeue timeout (minutes) before it sees it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = [conn.hget(key, "state") for key in conn.smembers("rq:workers")]
-        if b"busy" not in states:
-            return
-        time.sleep(0.02)
+    """Serve `agent` (a callable making calls) with a worker around `engine` until both are done (then
+    a warm-shutdown SIGTERM: the jobs in flight finish, the worker exits)."""
+    return drive_worker(conn, engine, agent, stop_when_done=True, **worker)
 
 
 def exact_trajectory(conn: redis.Redis, run: str, session_id: str, turns: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import import_attribute
+from rq.worker import WorkerStatus
 
 import pipeline
 from pipeline.broker import keys, registry
@@ -115,3 +116,42 @@ def test_worker_refuses_top_k_it_was_not_started_with(
     failures = batch.failures()
     assert "top-3 logprobs" in failures[batch.job_ids[0]]
     assert not (tmp_path / "topk").exists()
+
+
+def test_a_warm_shutdown_while_jobs_run_in_the_feeder_exits_once_they_commit(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """SIGTERM while the loop waits for its next job and a job runs on in the feeder: the wait ends at
+    once (RQ alone would call the worker busy and wait out its dequeue timeout, minutes), the job
+    in flight finishes and commits, the worker exits."""
+    import os
+    import signal
+
+    client = pipeline.Client(redis_client)
+    engine = SimEngine(SimConfig(step_s=0.02, median_tokens=40, p99_tokens=40))
+    batch = client.submit([{"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 40}}],
+                          run="warm", output=f"file://{tmp_path}")
+    worker = RolloutWorker(redis_client, engine, control_poll_s=0.1)
+    hung = threading.Event()
+
+    def driver() -> None:
+        while not worker.feeder.in_flight:  # the job has reached the engine; the loop dequeues again
+            time.sleep(0.01)
+        # RQ's state says busy (as when a job is being finished on the feeder's thread right then).
+        worker.set_state(WorkerStatus.BUSY)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not done.wait(60):  # still in RQ's dequeue: force it out, and fail
+            hung.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    done = threading.Event()
+    thread = threading.Thread(target=driver)
+    thread.start()
+    try:
+        worker.work(burst=False, with_scheduler=False, logging_level="WARNING")
+    finally:
+        done.set()
+        thread.join(timeout=70)
+        engine.close()
+    assert not hung.is_set()
+    assert batch.status().counts["finished"] == 1 and batch.read().num_rows == 1
