@@ -154,6 +154,7 @@ def main() -> None:
         procs.append(ctx.Process(target=_server, args=(redis_server.url, port, output, run), daemon=True))
         for proc in procs:
             proc.start()
+        print(f"processes: server {procs[-1].pid}, workers {[p.pid for p in procs[:-1]]}", flush=True)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 120

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import redis
+import redis.asyncio
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.connection import SSLConnection
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
@@ -191,3 +192,18 @@ def connect_redis(url: str | None = None, *, reconnect_for_s: float | None = Non
     if is_sentinel_url(chosen):
         return sentinel_client(parse_sentinel_url(chosen), kwargs)
     return redis.Redis.from_url(chosen, **kwargs)
+
+
+def asyncio_twin(conn: redis.Redis, *, max_connections: int | None = None) -> redis.asyncio.Redis | None:
+    """An asyncio client to the same Redis as `conn` (TCP or unix socket, same db and credentials),
+    for code that waits on many keys without a thread each; None where `conn` reaches Redis another
+    way (Sentinel, TLS): callers then wait in threads."""
+    pool = conn.connection_pool
+    kwargs = pool.connection_kwargs
+    common = {"db": kwargs.get("db", 0), "username": kwargs.get("username"), "password": kwargs.get("password"),
+              "max_connections": max_connections}
+    if pool.connection_class is redis.UnixDomainSocketConnection:
+        return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
+    if pool.connection_class is redis.Connection:
+        return redis.asyncio.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379), **common)
+    return None

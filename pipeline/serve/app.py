@@ -10,8 +10,9 @@ header names a session too, opened at its first call):
 
 Bodies are read up to `max_body_bytes` (413 beyond), must be UTF-8 JSON objects (400 for
 invalid UTF-8, malformed or too deeply nested JSON, naming what is wrong), and are validated
-strictly (400 naming the field). Handlers run in worker threads (sync Redis, rendering) under
-a limiter, so one slow turn never blocks another. With `api_key` set every route but
+strictly (400 naming the field). A call's short steps (rendering, sync Redis) run in worker
+threads under a limiter; its wait for the turn's rows runs on the event loop (an asyncio Redis
+client), so thousands of calls can wait at once without a thread each. With `api_key` set every route but
 `/health` wants `Authorization: Bearer <key>`.
 """
 
@@ -35,13 +36,13 @@ from starlette.routing import Route
 from pipeline.errors import APIError, PipelineError
 from pipeline.serve.answers import chat_chunks, text_chunks
 from pipeline.serve.protocol import ChatCompletionBody, CompletionBody
-from pipeline.serve.turns import Turns
+from pipeline.serve.turns import InFlight, Turns
 from pipeline.serve.validation import from_validation
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64
-THREADS = 512  # calls served at once per server (each waits for its turn in a thread)
+THREADS = 256  # threads for the short steps of calls (rendering, Redis); calls wait on the loop
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -130,10 +131,17 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         header = request.headers.get("x-session-id")
         return header, header is not None
 
+    async def turn(start: Callable[[], dict[str, Any] | InFlight]) -> dict[str, Any]:
+        """Start the turn in a thread, wait for its rows on the loop, answer in a thread."""
+        call = await in_thread(start)
+        if isinstance(call, dict):
+            return call
+        return await in_thread(turns.finish, call, await turns.wait_async(call))
+
     async def chat(request: Request) -> Response:
         body = ChatCompletionBody.model_validate(await read_json(request, max_body_bytes))
         session_id, create = session_of(request)
-        answer = await in_thread(partial(turns.chat, body, session_id, create=create))
+        answer = await turn(partial(turns.chat, body, session_id, create=create))
         if body.stream:
             return StreamingResponse(iter(list(chat_chunks(answer, body.include_usage))),
                                      media_type="text/event-stream")
@@ -142,7 +150,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
     async def completions(request: Request) -> Response:
         body = CompletionBody.model_validate(await read_json(request, max_body_bytes))
         session_id, create = session_of(request)
-        answer = await in_thread(partial(turns.completion, body, session_id, create=create))
+        answer = await turn(partial(turns.completion, body, session_id, create=create))
         if body.stream:
             return StreamingResponse(iter(list(text_chunks(answer, body.include_usage))),
                                      media_type="text/event-stream")

@@ -28,14 +28,17 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import pyarrow as pa
 import redis
+import redis.asyncio
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pipeline.audit.status import failure_reason
 from pipeline.broker import control_channel, keys, registry
+from pipeline.broker.connection import asyncio_twin
 from pipeline.errors import APIError, CapabilityError, PipelineError
 from pipeline.intake.placement import Placement
 from pipeline.intake.submit import job_data
@@ -49,6 +52,7 @@ DEFAULT_TURN_TIMEOUT_S = 600.0
 TURN_JOB_TIMEOUT_S = 3600
 TURN_RETRIES = 1
 MAX_TURNS_PER_JOB = 64
+ASYNC_CONNECTIONS = 4096  # calls waiting on the event loop at once, a socket each
 HOLD_S = 0.05  # the longest a turn waits for others to share its job while the workers are busy
 OUTSTANDING_S = 2.0  # a lane job this server enqueued counts as in flight for at most this long
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
@@ -84,6 +88,8 @@ class Lane:
         self._waiting: list[_Waiting] = []
         self._ready = threading.Condition()
         self._flusher: threading.Thread | None = None
+        self._aconn: redis.asyncio.Redis | bool | None = False  # made on first use, in the server's loop
+        self._wait_threads: anyio.CapacityLimiter | None = None
         self._jobs: dict[str, tuple[int, float]] = {}  # this server's lane jobs: turns unanswered, enqueued at
         self._job_of_turn: dict[str, str] = {}
 
@@ -195,6 +201,32 @@ class Lane:
         finally:
             self._answered(turn_id)
 
+    async def wait_async(self, turn_id: str, run: str, started: float,
+                         settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
+        """`wait` on the event loop: the reply's BLPOP on an asyncio Redis client (one socket per call
+        waiting, no thread); the checks between blocks in a thread. Where this Redis has no asyncio
+        twin (Sentinel, TLS), `wait` in a thread."""
+        aconn = self._async_conn()
+        if aconn is None:
+            if self._wait_threads is None:
+                self._wait_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
+            return await anyio.to_thread.run_sync(self.wait, turn_id, run, started, settled,
+                                                  limiter=self._wait_threads)
+        try:
+            reply = keys.turn_reply(turn_id)
+            while True:
+                left = self.turn_timeout_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise await anyio.to_thread.run_sync(self._late, turn_id)
+                popped = await aconn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
+                if popped is not None:
+                    return rows_from_ipc(popped[1])
+                found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
+                if found is not None:
+                    return found
+        finally:
+            self._answered(turn_id)
+
     def _wait(self, turn_id: str, run: str, started: float,
               settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
         reply = keys.turn_reply(turn_id)
@@ -205,22 +237,36 @@ class Lane:
             popped = self.conn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
             if popped is not None:
                 return rows_from_ipc(popped[1])
-            answered = settled()
-            if answered is not None:
-                return answered
-            job_id = self.job_of(turn_id)
-            status = None if job_id is None else self.conn.hget(Job.key_for(job_id), "status")
-            if status == b"finished":  # answered, but the reply went to a waiter that is gone
-                logged = self._logged(run, turn_id)
-                if logged is not None:
-                    return logged
-                raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
-                                    "no longer in the turn log; call again to generate it again", code="turn_failed")
-            if status in (b"failed", b"stopped", b"canceled") or status is None:
-                reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
-                    "its job is gone from Redis"
-                status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
-                raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
+            found = self._between_blocks(turn_id, run, settled)
+            if found is not None:
+                return found
+
+    def _between_blocks(self, turn_id: str, run: str,
+                        settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any] | None:
+        """After a block without a reply: the answer recorded by another waiter, the rows from the
+        turn log (the reply went to a waiter that is gone), None to wait on, or `APIError`."""
+        answered = settled()
+        if answered is not None:
+            return answered
+        job_id = self.job_of(turn_id)
+        status = None if job_id is None else self.conn.hget(Job.key_for(job_id), "status")
+        if status == b"finished":  # answered, but the reply went to a waiter that is gone
+            logged = self._logged(run, turn_id)
+            if logged is not None:
+                return logged
+            raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
+                                "no longer in the turn log; call again to generate it again", code="turn_failed")
+        if status in (b"failed", b"stopped", b"canceled") or status is None:
+            reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
+                "its job is gone from Redis"
+            status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
+            raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
+        return None
+
+    def _async_conn(self) -> redis.asyncio.Redis | None:
+        if self._aconn is False:
+            self._aconn = asyncio_twin(self.conn, max_connections=ASYNC_CONNECTIONS)
+        return self._aconn or None
 
     def _logged(self, run: str, turn_id: str) -> pa.Table | None:
         """A turn's rows from the run's turn log, while they are there (not yet in a shard)."""

@@ -24,7 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.intake.render import ChatRenderer
 from pipeline.intake.submit import default_output, new_run_name
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
-from pipeline.serve.lane import DEFAULT_TURN_TIMEOUT_S
+from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS
 from pipeline.serve.turns import Turns, TurnSettings
@@ -94,8 +94,9 @@ def check_config(config: ServeConfig) -> None:
 
 def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
     check_config(config)
-    # Every call waiting for its turn holds a connection (its reply's BLPOP), a few more are in use.
-    conn = conn or connect_redis(config.redis_url, max_connections=THREADS + 64)
+    # Each thread holds a connection at most; where calls wait in threads (no asyncio twin of this
+    # Redis: Sentinel, TLS) each waiting call holds one too.
+    conn = conn or connect_redis(config.redis_url, max_connections=THREADS + ASYNC_CONNECTIONS)
     renderer = ChatRenderer(config.tokenizer) if config.tokenizer else None
     context = config.context_length
     if context is None and renderer is not None and config.tokenizer:

@@ -10,7 +10,9 @@ agent truncated, summarised or edited) is rendered whole and recorded as a prefi
 row, in the session and the run's counts, never silent.
 
 A call equal to the last turn's (a client retrying after a lost answer) gets that answer again;
-a call equal to the turn in flight waits for it; each turn is generated once.
+a call equal to the turn in flight waits for it; each turn is generated once. A call is served
+in three steps: `chat`/`completion` (session, prompt, claim, enqueue; a thread), `wait_async`
+(the rows, on the event loop), `finish` (the answer, recorded in the session; a thread).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import pyarrow as pa
 import redis
 
@@ -49,6 +52,18 @@ class TurnSettings:
     context_length: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     turn_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A call whose turn is in the lane: what waiting for it and answering it need."""
+
+    session: Session
+    pending: Pending
+    started: float
+    answer: Callable[[pa.Table, Pending], dict[str, Any]]
+    assistant_of: Callable[[dict[str, Any]], dict[str, Any]]
+    settled: Callable[[], dict[str, Any] | None]
 
 
 @dataclass(frozen=True)
@@ -136,8 +151,11 @@ class Turns:
 
     # -- chat ---------------------------------------------------------------------------------
 
-    def chat(self, body: ChatCompletionBody, session_id: str | None, *, create: bool = False) -> dict[str, Any]:
-        """One chat turn of `session_id` (None: a session of one turn); `create`: open it if unknown."""
+    def chat(self, body: ChatCompletionBody, session_id: str | None, *,
+             create: bool = False) -> dict[str, Any] | InFlight:
+        """Start a chat turn of `session_id` (None: a session of one turn; `create`: open it if unknown):
+        its answer when the call was answered before (a client's retry), else the turn in flight
+        (`wait`/`wait_async` for its rows, then `finish`)."""
         self._tokenizer()
         session = self.open_session(session_id, create=create)
         messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
@@ -195,8 +213,9 @@ class Turns:
 
     # -- text / token ids ---------------------------------------------------------------------
 
-    def completion(self, body: CompletionBody, session_id: str | None, *, create: bool = False) -> dict[str, Any]:
-        """One token-level turn (`/v1/completions`); see `chat`."""
+    def completion(self, body: CompletionBody, session_id: str | None, *,
+                   create: bool = False) -> dict[str, Any] | InFlight:
+        """Start a token-level turn (`/v1/completions`); see `chat`."""
         session = self.open_session(session_id, create=create)
         if isinstance(body.prompt, str):
             ids = list(self._tokenizer()(body.prompt)["input_ids"])
@@ -224,7 +243,7 @@ class Turns:
     def _turn(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
               messages_digest: str, n_messages: int, prompt_of: Callable[[TurnRecord | None], Prompt],
               answer: Callable[[pa.Table, Pending], dict[str, Any]],
-              assistant_of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+              assistant_of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
         for _ in range(3):
             if session.last is not None and session.last.request_digest == request_digest:
@@ -241,19 +260,39 @@ class Turns:
                 if pending is None:  # another server claimed this session's turn meanwhile
                     session = self.sessions.get(session.session_id)
                     continue
-            try:
-                table = self.lane.wait(pending.turn_id, session.run, started,
-                                       functools.partial(self._recorded, session.session_id, request_digest))
-            except APIError as exc:
-                if exc.code == "turn_failed":
-                    self.sessions.release(session, pending)
-                raise
-            if isinstance(table, dict):
-                return table
-            response = answer(table, pending)
-            self._record(session, pending, table, response, assistant_of)
-            return response
+            return InFlight(session, pending, started, answer, assistant_of,
+                            functools.partial(self._recorded, session.session_id, request_digest))
         raise APIError(409, f"session {session.session_id!r}: another call keeps taking its turn", code="turn_conflict")
+
+    def wait(self, call: InFlight) -> pa.Table | dict[str, Any]:
+        """The turn's rows (or its answer, recorded meanwhile by another waiter); blocks a thread."""
+        return self._failed_turn_released(call, lambda: self.lane.wait(
+            call.pending.turn_id, call.session.run, call.started, call.settled))
+
+    async def wait_async(self, call: InFlight) -> pa.Table | dict[str, Any]:
+        """`wait` on the event loop: blocks no thread while the turn is generated."""
+        try:
+            return await self.lane.wait_async(call.pending.turn_id, call.session.run, call.started, call.settled)
+        except APIError as exc:
+            if exc.code == "turn_failed":
+                await anyio.to_thread.run_sync(self.sessions.release, call.session, call.pending)
+            raise
+
+    def _failed_turn_released(self, call: InFlight, wait: Callable[[], Any]) -> Any:
+        try:
+            return wait()
+        except APIError as exc:
+            if exc.code == "turn_failed":
+                self.sessions.release(call.session, call.pending)
+            raise
+
+    def finish(self, call: InFlight, got: pa.Table | dict[str, Any]) -> dict[str, Any]:
+        """The answer of a turn from its rows, recorded in its session."""
+        if isinstance(got, dict):
+            return got
+        response = call.answer(got, call.pending)
+        self._record(call.session, call.pending, got, response, call.assistant_of)
+        return response
 
     def _recorded(self, session_id: str, request_digest: str) -> dict[str, Any] | None:
         """The answer of this call if another waiter recorded it meanwhile."""
