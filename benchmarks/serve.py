@@ -85,23 +85,31 @@ def _server(url: str, port: int, output: str, run: str) -> None:
     Server(config).run()
 
 
-async def _session(client: aiohttp.ClientSession, url: str, turns: int, latencies: list[float]) -> None:
+async def _session(client: aiohttp.ClientSession, url: str, turns: int, latencies: list[float], mode: str) -> None:
     async with client.post(f"{url}/sessions", json={}) as created:
         sid = (await created.json())["session_id"]
     messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me something."}]
+    ids = list(range(10, 60))
     for turn in range(turns):
         started = time.perf_counter()
-        async with client.post(f"{url}/sessions/{sid}/v1/chat/completions",
-                               json={"model": "m", "messages": messages, "max_tokens": 16}) as answer:
-            body = await answer.json()
+        if mode == "chat":
+            route, body = "chat/completions", {"model": "m", "messages": messages, "max_tokens": 16}
+        else:
+            route, body = "completions", {"model": "m", "prompt": ids, "max_tokens": 16}
+        async with client.post(f"{url}/sessions/{sid}/v1/{route}", json=body) as answer:
+            got = await answer.json()
             if answer.status != 200:
-                raise SystemExit(f"turn {turn} of session {sid}: HTTP {answer.status}: {body}")
-            content = body["choices"][0]["message"]["content"]
+                raise SystemExit(f"turn {turn} of session {sid}: HTTP {answer.status}: {got}")
         latencies.append(time.perf_counter() - started)
-        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"And more ({turn})."}]
+        choice = got["choices"][0]
+        if mode == "chat":
+            messages += [{"role": "assistant", "content": choice["message"]["content"]},
+                         {"role": "user", "content": f"And more ({turn})."}]
+        else:  # the agent's next prompt extends the last one with the sampled ids and a tool result
+            ids = ids + choice["token_ids"] + [11, 12, 13]
 
 
-async def _load(url: str, sessions: int, turns: int, concurrency: int) -> tuple[float, list[float]]:
+async def _load(url: str, sessions: int, turns: int, concurrency: int, mode: str) -> tuple[float, list[float]]:
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
@@ -109,7 +117,7 @@ async def _load(url: str, sessions: int, turns: int, concurrency: int) -> tuple[
 
         async def one() -> None:
             async with gate:
-                await _session(client, url, turns, latencies)
+                await _session(client, url, turns, latencies, mode)
 
         started = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(sessions)))
@@ -143,6 +151,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shard-turns", type=int, default=10_000, help="turns of the shard-count run (0: skip)")
+    parser.add_argument("--mode", choices=["chat", "tokens"], default="chat",
+                        help="chat: /v1/chat/completions, rendered by the chat template; tokens: /v1/completions "
+                             "with token ids (the same road without the template)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as redis_server:
@@ -168,23 +179,24 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit("pipeline serve or its workers did not come up")
                 time.sleep(0.2)
-            asyncio.run(_load(url, 4, 2, 4))  # warm-up: imports, templates, connections
+            asyncio.run(_load(url, 4, 2, 4, args.mode))  # warm-up: imports, templates, connections
 
             # Added latency: one session alone, against the engine called directly in this run.
-            _, alone = asyncio.run(_load(url, 8, args.turns, 1))
+            _, alone = asyncio.run(_load(url, 8, args.turns, 1, args.mode))
             direct = _direct_latency(len(alone))
             added = [a - d for a, d in zip(sorted(alone), sorted(direct), strict=True)]
-            print(f"added latency per turn, one session alone ({len(alone)} turns): p50 "
+            print(f"added latency per turn ({args.mode}), one session alone ({len(alone)} turns): p50 "
                   f"{_pct(added, 0.5) * 1000:.2f} ms, p99 {_pct(added, 0.99) * 1000:.2f} ms (turn p50 "
                   f"{_pct(alone, 0.5) * 1000:.2f} ms; the engine called directly p50 {_pct(direct, 0.5) * 1e6:.0f} µs)")
 
             rates, p50s, p99s = [], [], []
             for _ in range(args.repeats):
-                seconds, latencies = asyncio.run(_load(url, args.sessions, args.turns, args.sessions))
+                seconds, latencies = asyncio.run(_load(url, args.sessions, args.turns, args.sessions, args.mode))
                 rates.append(len(latencies) / seconds)
                 p50s.append(_pct(latencies, 0.5))
                 p99s.append(_pct(latencies, 0.99))
-            print(f"throughput, {args.sessions} concurrent sessions x {args.turns} turns, {args.workers} worker(s), "
+            print(f"throughput ({args.mode}), {args.sessions} concurrent sessions x {args.turns} turns, "
+                  f"{args.workers} worker(s), "
                   f"median of {args.repeats}: {statistics.median(rates):.0f} turns/s (min {min(rates):.0f}, "
                   f"max {max(rates):.0f}); turn latency under that load p50 {statistics.median(p50s) * 1000:.0f} ms, "
                   f"p99 {statistics.median(p99s) * 1000:.0f} ms")
@@ -192,7 +204,7 @@ def main() -> None:
             if args.shard_turns:
                 before = {c.job_id for c in commit_log.read_all(conn, run)}
                 sessions = -(-args.shard_turns // args.turns)
-                seconds, latencies = asyncio.run(_load(url, sessions, args.turns, args.sessions))
+                seconds, latencies = asyncio.run(_load(url, sessions, args.turns, args.sessions, args.mode))
                 deadline = time.monotonic() + 60
                 while conn.xlen(keys.turn_log(run)) and time.monotonic() < deadline:
                     time.sleep(0.5)  # the last turns reach a shard once the oldest is 10 s old
