@@ -434,8 +434,19 @@ class RolloutBatches(IterableDataset):
         rewards: bool = False,
         advantages: bool = False,
         advantage_eps: float = 1e-6,
+        trajectories: bool = False,
     ) -> None:
+        """`trajectories=True`: batches of agent episodes instead of rows (`pipeline.read.trajectory_batches`:
+        `source` a run name, a URL or a Table of rows; `batch_size` episodes a batch)."""
         super().__init__()
+        self.trajectories = trajectories
+        if trajectories:
+            if not isinstance(source, str | pa.Table):
+                raise PipelineError("trajectories=True reads a run name, a shard URL or a Table of rows")
+            self.source, self.conn = source, conn
+            self.batch_size, self.pad_id, self.pad_to_multiple_of = batch_size, pad_id, pad_to_multiple_of
+            self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
+            return
         if advantages and not (rewards and group_by_request):
             raise PipelineError("advantages are normalised within request groups: pass rewards=True and keep "
                                 "group_by_request=True")
@@ -567,6 +578,13 @@ class RolloutBatches(IterableDataset):
         return batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.trajectories:
+            from pipeline.read.trajectory_batches import trajectory_batches
+
+            yield from trajectory_batches(self.source, conn=self.conn, batch_size=self.batch_size, pad_id=self.pad_id,
+                                          pad_to_multiple_of=self.pad_to_multiple_of, shuffle=self.shuffle,
+                                          seed=self.seed + self.epoch, drop_last=self.drop_last)
+            return
         pending: list[tuple[pa.Table, np.ndarray]] = []
         pending_rows = 0
         for table, codes in self._shard_tables():

@@ -116,6 +116,18 @@ def test_a_rewritten_history_is_a_counted_prefix_break(redis_client: redis.Redis
     items = pipeline.read_trajectories(stack.run, conn=redis_client).to_pylist()
     assert [(i["segment"], i["segments"], i["turns"]) for i in items] == [(0, 2, [0, 1]), (1, 2, [2])]
     assert items[1]["input_ids"] == rows[2]["prompt_token_ids"] + rows[2]["completion_token_ids"]
+    # The same episodes as torch batches: padded, the masks and logprobs where the items have them.
+    from pipeline.read.torch_data import RolloutBatches
+
+    (batch,) = list(RolloutBatches(stack.run, conn=redis_client, trajectories=True, batch_size=8, pad_id=0))
+    assert batch["session_id"] == [sid, sid] and batch["segment"] == [0, 1]
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        assert batch["input_ids"][row, :n].tolist() == item["input_ids"]
+        assert batch["attention_mask"][row].sum().item() == n
+        assert batch["loss_mask"][row, :n].tolist() == item["loss_mask"]
+        assert batch["old_logprobs"][row, :n].tolist() == item["old_logprobs"]
+    assert batch["reward"].isnan().all()  # no reward recorded for this session
 
 
 def test_a_retried_call_is_answered_again_not_generated_again(redis_client: redis.Redis, serve: Any,
