@@ -27,6 +27,14 @@ from pipeline.errors import APIError
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires a week after its last turn
+# KEYS: the session. ARGV: the lowest and highest weight version of a turn. Widens the session's range.
+_WIDEN_VERSIONS = """
+local low, high = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = redis.call('HMGET', KEYS[1], 'min_version', 'max_version')
+if now[1] then low = math.min(low, tonumber(now[1])) end
+if now[2] then high = math.max(high, tonumber(now[2])) end
+redis.call('HSET', KEYS[1], 'min_version', low, 'max_version', high)
+"""
 
 
 def new_session_id(prefix: str = "s") -> str:
@@ -221,11 +229,12 @@ class SessionStore:
                 pipe.execute()
 
     def record(self, session: Session, pending: Pending, record: TurnRecord, versions: tuple[int, int]) -> None:
-        """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move."""
+        """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move, and the
+        weight versions its turns used widen; one transaction."""
         key = keys.session(session.session_id)
-        low, high = versions
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"last": record.to_json(), "turns": pending.turn + 1})
+            pipe.eval(_WIDEN_VERSIONS, 1, key, *versions)
             pipe.hdel(key, "pending")
             pipe.expire(key, SESSION_TTL_S)
             pipe.hincrby(keys.run_turn_stats(session.run), "turns", 1)
@@ -233,12 +242,6 @@ class SessionStore:
                 pipe.hincrby(keys.run_turn_stats(session.run), "prefix_breaks", 1)
                 pipe.hincrby(key, "prefix_breaks", 1)
             pipe.execute()
-        # Versions the session's turns used (a script would do it in one step; two calls are fine
-        # since only the session's one turn in flight writes them).
-        current = self.conn.hmget(key, "min_version", "max_version")
-        low = low if current[0] is None else min(low, int(current[0]))
-        high = high if current[1] is None else max(high, int(current[1]))
-        self.conn.hset(key, mapping={"min_version": low, "max_version": high})
 
     def reward(self, session_id: str, body: Any) -> Session:
         """Record `{"reward": x}` or `{"rewards": {name: x}}` (numbers); replaces an earlier reward."""
