@@ -139,6 +139,12 @@ def _direct_latency(samples: int) -> list[float]:
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -190,16 +196,28 @@ def main() -> None:
                   f"{_pct(alone, 0.5) * 1000:.2f} ms; the engine called directly p50 {_pct(direct, 0.5) * 1e6:.0f} µs)")
 
             rates, p50s, p99s = [], [], []
+            redis_pid = int((redis_server.directory / "redis.pid").read_text())
+            pids = {"server": procs[-1].pid, "workers": [p.pid for p in procs[:-1]], "redis": redis_pid,
+                    "agents": os.getpid()}
+            cpu_before = {name: sum(_cpu_s(p) for p in (ids if isinstance(ids, list) else [ids]))
+                          for name, ids in pids.items()}
+            turns_done = 0
             for _ in range(args.repeats):
                 seconds, latencies = asyncio.run(_load(url, args.sessions, args.turns, args.sessions, args.mode))
+                turns_done += len(latencies)
                 rates.append(len(latencies) / seconds)
                 p50s.append(_pct(latencies, 0.5))
                 p99s.append(_pct(latencies, 0.99))
+            cpu = {name: (sum(_cpu_s(p) for p in (ids if isinstance(ids, list) else [ids])) - cpu_before[name])
+                   / turns_done * 1000 for name, ids in pids.items()}
             print(f"throughput ({args.mode}), {args.sessions} concurrent sessions x {args.turns} turns, "
                   f"{args.workers} worker(s), "
                   f"median of {args.repeats}: {statistics.median(rates):.0f} turns/s (min {min(rates):.0f}, "
                   f"max {max(rates):.0f}); turn latency under that load p50 {statistics.median(p50s) * 1000:.0f} ms, "
                   f"p99 {statistics.median(p99s) * 1000:.0f} ms")
+            per = ", ".join(f"{name} {ms:.2f} ms" for name, ms in cpu.items())
+            print(f"CPU per turn under that load: {per}"
+                  + f" ({sum(cpu.values()):.2f} ms in all, on {os.cpu_count()} cores)")
 
             if args.shard_turns:
                 before = {c.job_id for c in commit_log.read_all(conn, run)}
