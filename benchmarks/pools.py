@@ -52,18 +52,27 @@ class CountingWorker(RolloutWorker):
 
     passes = 0
 
-    def _route(self, job: Any, queue: Any) -> Any:
-        route = super()._route(job, queue)
-        if route != "run":
-            self.passes += 1
-        return route
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        route = self.intake.route
+
+        def counted(job: Any, queue: Any) -> Any:
+            decision = self._route(job, queue, route)
+            if decision != "run":
+                self.passes += 1
+            return decision
+
+        self.intake.route = counted  # type: ignore[method-assign]
+
+    def _route(self, job: Any, queue: Any, route: Any) -> Any:
+        return route(job, queue)
 
 
 class TodayWorker(CountingWorker):
     """The worker as it was before capability routing: it runs whatever it dequeues, and a
     request it cannot serve fails the job."""
 
-    def _route(self, job: Any, queue: Any) -> Any:
+    def _route(self, job: Any, queue: Any, route: Any) -> Any:
         return "run"
 
     def _hand_back_refused(self, job: Any, queue: Any, execution: Any, exc: BaseException) -> bool:
