@@ -24,7 +24,6 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import redis
-import redis.asyncio
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.connection import SSLConnection
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
@@ -194,10 +193,12 @@ def connect_redis(url: str | None = None, *, reconnect_for_s: float | None = Non
     return redis.Redis.from_url(chosen, **kwargs)
 
 
-def asyncio_twin(conn: redis.Redis, *, max_connections: int | None = None) -> redis.asyncio.Redis | None:
+def asyncio_twin(conn: redis.Redis, *, max_connections: int | None = None) -> Any:
     """An asyncio client to the same Redis as `conn` (TCP or unix socket, same db and credentials),
     for code that waits on many keys without a thread each; None where `conn` reaches Redis another
     way (Sentinel, TLS): callers then wait in threads."""
+    import redis.asyncio  # only servers that wait on the event loop load it
+
     pool = conn.connection_pool
     kwargs = pool.connection_kwargs
     common = {"db": kwargs.get("db", 0), "username": kwargs.get("username"), "password": kwargs.get("password"),

@@ -81,15 +81,11 @@ class Heartbeat:
         return max(2, int(self.interval_s * 3) + 1)
 
     def update(self, **fields: Any) -> None:
-        """Set fields of the entry; publish it when more than the job in hand changed (a new
-        `current_job` alone shows at the next heartbeat: short jobs, agent turns, would otherwise
-        cost a registry write each as they start and end)."""
+        """Set fields of the entry and publish it."""
         with self.lock:
-            changed = {name for name, value in fields.items() if getattr(self.info, name) != value}
             for name, value in fields.items():
                 setattr(self.info, name, value)
-            if changed - {"current_job"}:
-                self.publish()
+            self.publish()
 
     def publish(self) -> None:
         if not self.joined:

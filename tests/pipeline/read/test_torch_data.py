@@ -340,14 +340,15 @@ def test_the_readme_grpo_example_runs_and_trains(tmp_path: Path) -> None:
 
 
 def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:
-    """Every module of `pipeline` but the torch side (`torch_data`, `importance`) loads without
-    torch, transformers or sglang (a trainer-side install has none of them); those load torch."""
+    """Every module of `pipeline` but the torch side (`torch_data`, `trajectory_batches`, `importance`)
+    loads without torch, transformers or sglang (a trainer-side install has none of them); those load torch."""
     code = (
         "import importlib, pkgutil, sys, pipeline\n"
         "names = [m.name for m in pkgutil.walk_packages(pipeline.__path__, 'pipeline.')]\n"
         "assert 'pipeline.cli.main' in names and 'pipeline.read.torch_data' in names, names\n"
         "for name in names:\n"
-        "    if name not in ('pipeline.read.torch_data', 'pipeline.read.importance'):\n"
+        "    if name not in ('pipeline.read.torch_data', 'pipeline.read.trajectory_batches', "
+        "'pipeline.read.importance'):\n"
         "        importlib.import_module(name)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'sglang'))\n"
         "assert not heavy, heavy[:5]\n"
