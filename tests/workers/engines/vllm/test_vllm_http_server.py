@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +214,12 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     client = pipeline.Client(redis_client)
     before = run(redis_client, vllm(vllm_server), lines, "vllm-v0", tmp_path / "v0")
     try:
-        # A worker runs; the trainer pushes v1 (drain mode) and submits after the push.
+        # A worker runs; the trainer pushes v1 (drain mode) and submits after the push. Ready once
+        # this worker is idle in the registry (not the previous run's worker, whose entry may linger).
+        since = time.time()
         acks = run_with_push(redis_client, vllm(vllm_server), "drain", path=str(pushed),
-                             ready=lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"])
+                             ready=lambda: [(w.state, w.started_at >= since)
+                                            for w in registry.live_workers(redis_client)] == [("idle", True)])
         assert [(a["version"], a["ok"]) for a in acks] == [(1, True)]
         assert httpx.get(f"{vllm_server.url}/weight_info", timeout=30).json() == {"weight_version": "1"}
         after = run(redis_client, vllm(vllm_server), lines, "vllm-v1", tmp_path / "v1")
