@@ -138,23 +138,21 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
             return call
         return await in_thread(turns.finish, call, await turns.wait_async(call))
 
-    async def chat(request: Request) -> Response:
-        body = ChatCompletionBody.model_validate(await read_json(request, max_body_bytes))
-        session_id, create = session_of(request)
-        answer = await turn(partial(turns.chat, body, session_id, create=create))
-        if body.stream:
-            return StreamingResponse(iter(list(chat_chunks(answer, body.include_usage))),
-                                     media_type="text/event-stream")
-        return JSONResponse(answer)
+    def openai_route(model: type[ChatCompletionBody] | type[CompletionBody], start: Callable[..., Any],
+                     chunks: Callable[[dict[str, Any], bool], Any]) -> Callable[[Request], Awaitable[Response]]:
+        """`/v1/chat/completions` or `/v1/completions`: validate, run the turn, answer (SSE when streamed)."""
+        async def endpoint(request: Request) -> Response:
+            body = model.model_validate(await read_json(request, max_body_bytes))
+            session_id, create = session_of(request)
+            answer = await turn(partial(start, body, session_id, create=create))
+            if body.stream:
+                return StreamingResponse(iter(list(chunks(answer, body.include_usage))),
+                                         media_type="text/event-stream")
+            return JSONResponse(answer)
+        return endpoint
 
-    async def completions(request: Request) -> Response:
-        body = CompletionBody.model_validate(await read_json(request, max_body_bytes))
-        session_id, create = session_of(request)
-        answer = await turn(partial(turns.completion, body, session_id, create=create))
-        if body.stream:
-            return StreamingResponse(iter(list(text_chunks(answer, body.include_usage))),
-                                     media_type="text/event-stream")
-        return JSONResponse(answer)
+    chat = openai_route(ChatCompletionBody, turns.chat, chat_chunks)
+    completions = openai_route(CompletionBody, turns.completion, text_chunks)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
