@@ -7,6 +7,15 @@ order for a free slot, as in SGLang's scheduler. A background thread advances th
 wall-clock time; `stats()` reports utilisation = busy slot-steps / capacity slot-steps, idle
 time included. With zero latency (infinite speed) `submit` answers at once.
 
+Prefill is paid as an engine pays it: a sequence admitted to a slot first needs its context
+(prompt, or prompt + tokens so far for a continuation) in the KV cache. The engine keeps a
+prefix cache (`workers.engines.prefix_cache`: bounded, LRU over blocks of token ids, as vLLM's
+automatic prefix caching and SGLang's radix cache are), so only the uncached part is computed,
+at `prefill_tokens_per_s`; while it computes, no sequence decodes (the engine stalls, and the
+stall counts as idle capacity). A weight swap empties the cache, as SGLang flushes its cache at
+a load: a sample continued after a partial swap pays the prefill of its prompt and every token
+it generated. `cached_tokens` of each output says how much of its context was found cached.
+
 It implements the optional concurrent interface (`capacity`, `load()`, `submit()`), so a
 worker keeps several jobs in flight on it, and the interruptible one for partial weight swaps:
 `interrupt()` stops every sequence at the current step, each keeping the tokens it generated so
@@ -31,6 +40,7 @@ import numpy as np
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
+from workers.engines.prefix_cache import PrefixCache
 from workers.engines.base import (
     INTERRUPTED,
     ContinuedRequest,
@@ -60,6 +70,11 @@ class SimConfig:
     # (layers, top_k, experts): a simulated mixture-of-experts model that serves routed experts.
     experts: tuple[int, int, int] | None = None
     tick_s: float = 0.002  # how often the step thread wakes (admission latency)
+    # Prefill: uncached context tokens computed per second (0: prefill is free), and the prefix
+    # cache's size in tokens (0: no cache) in blocks of `block_tokens`.
+    prefill_tokens_per_s: float = 50_000.0
+    prefix_cache_tokens: int = 1 << 20
+    block_tokens: int = 16
 
     @property
     def sigma(self) -> float:
@@ -75,6 +90,9 @@ class SimStats:
     steps: float
     busy_slot_steps: float
     capacity_slot_steps: float
+    prefill_tokens: int = 0  # context tokens computed at admission
+    cached_tokens: int = 0  # context tokens found in the prefix cache instead
+    prefill_s: float = 0.0  # time the engine stalled computing them
 
     @property
     def utilisation(self) -> float:
@@ -99,6 +117,7 @@ class _Seq:
     request: int
     sample: int
     length: int
+    context: np.ndarray  # the ids the engine must hold before decoding: prompt (+ generated so far)
     started: float | None = None
 
 
@@ -187,6 +206,11 @@ class SimEngine(EngineIdentity):
         self._busy = 0.0
         self._capacity_steps = 0.0
         self._closed = False
+        self._cache = PrefixCache(self.config.prefix_cache_tokens, self.config.block_tokens)
+        self._prefill_tokens = 0
+        self._cached_tokens = 0
+        self._prefill_s = 0.0
+        self._stall_s = 0.0  # prefill time the step thread still owes before decoding on
         self.submitted_at: list[tuple[float, int]] = []  # (monotonic time, sequences) per submit
         self._thread: threading.Thread | None = None
         if not self.config.infinite_speed:
@@ -217,11 +241,17 @@ class SimEngine(EngineIdentity):
                 raise RuntimeError("the sim engine is closed")
             self.submitted_at.append((time.monotonic(), batch.left))
             if self.config.infinite_speed or batch.left == 0:
+                for request, samples in zip(requests, outputs, strict=True):
+                    context = np.asarray(request.input_ids, dtype=np.int32)
+                    for sample in samples:
+                        sample.cached_tokens = self._prefill(context)
+                        self._cache.insert(np.concatenate([context, sample.token_ids]))
                 future.set_result(outputs)
                 return future
             for r, samples in enumerate(outputs):
+                context = np.asarray(requests[r].input_ids, dtype=np.int32)
                 for i, sample in enumerate(samples):
-                    self._waiting.append(_Seq(batch, r, i, max(1, len(sample.token_ids))))
+                    self._waiting.append(_Seq(batch, r, i, max(1, len(sample.token_ids)), context))
             self._load += batch.left
             self._cond.notify_all()
         future.add_done_callback(lambda f: self._on_cancel(batch) if f.cancelled() else None)
@@ -230,7 +260,9 @@ class SimEngine(EngineIdentity):
     def update_weights(self, path: str, version: int) -> None:
         if self.config.load_s:
             time.sleep(self.config.load_s)
-        self._weight_version = version
+        with self._cond:
+            self._weight_version = version
+            self._cache.clear()  # the old weights' KV entries are no use to the new ones
 
     def interrupt(self) -> int:
         """Stop every sequence at the current step; each batch resolves with what it generated."""
@@ -244,11 +276,14 @@ class SimEngine(EngineIdentity):
                 output = seq.batch.outputs[seq.request][seq.sample]
                 generated = 0 if seq.started is None else int(self._step - seq.started)
                 kept = min(max(0, generated), len(output.token_ids) - 1)
+                if seq.started is not None:
+                    self._cache.insert(np.concatenate([seq.context, output.token_ids[:kept]]))
                 seq.batch.outputs[seq.request][seq.sample] = SampleOutput(
                     token_ids=output.token_ids[:kept], finish=Finish("abort", message=INTERRUPTED),
                     logprobs=None if output.logprobs is None else output.logprobs[:kept],
                     top_logprobs=None if output.top_logprobs is None else output.top_logprobs[:kept],
                     prompt_logprobs=output.prompt_logprobs, weight_version=output.weight_version,
+                    cached_tokens=output.cached_tokens,
                 )
                 seq.batch.left -= 1
                 batches[id(seq.batch)] = seq.batch
@@ -256,6 +291,29 @@ class SimEngine(EngineIdentity):
             if not batch.cancelled and batch.left == 0:
                 batch.future.set_result(batch.outputs)
         return len(stopped)
+
+    def progress(self, future: Future[list[list[SampleOutput]]]) -> list[list[SampleOutput]] | None:
+        """The batch's samples so far, without stopping them (a worker's checkpoint): finished ones
+        whole, running ones cut at the current step (never at their last token), waiting ones
+        empty, the unfinished ones interrupted; None once the batch resolved."""
+        with self._cond:
+            live = [seq for _, _, seq in self._running if seq.batch.future is future]
+            live += [seq for seq in self._waiting if seq.batch.future is future]
+            if not live or future.done():
+                return None
+            outputs = [list(samples) for samples in live[0].batch.outputs]
+            for seq in live:
+                output = outputs[seq.request][seq.sample]
+                generated = 0 if seq.started is None else int(self._step - seq.started)
+                kept = min(max(0, generated), len(output.token_ids) - 1)
+                outputs[seq.request][seq.sample] = SampleOutput(
+                    token_ids=output.token_ids[:kept], finish=Finish("abort", message=INTERRUPTED),
+                    logprobs=None if output.logprobs is None else output.logprobs[:kept],
+                    top_logprobs=None if output.top_logprobs is None else output.top_logprobs[:kept],
+                    prompt_logprobs=output.prompt_logprobs, weight_version=output.weight_version,
+                    cached_tokens=output.cached_tokens,
+                )
+            return outputs
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
         return None  # no tokenizer: stop strings are refused before they reach this engine
@@ -271,11 +329,27 @@ class SimEngine(EngineIdentity):
 
     def stats(self) -> SimStats:
         with self._cond:
-            return SimStats(self._step, self._busy, self._capacity_steps)
+            return SimStats(self._step, self._busy, self._capacity_steps, self._prefill_tokens,
+                            self._cached_tokens, self._prefill_s)
 
     def reset_stats(self) -> None:
         with self._cond:
-            self._busy = self._capacity_steps = 0.0
+            self._busy = self._capacity_steps = self._prefill_s = 0.0
+            self._prefill_tokens = self._cached_tokens = 0
+
+    def _prefill(self, context: np.ndarray) -> int:
+        """Charge the prefill of `context`'s uncached part (the engine stalls for it); its cached
+        token count. The context's blocks are cached from now on (they are in the KV cache)."""
+        cached = self._cache.lookup(context)
+        computed = len(context) - cached
+        self._cached_tokens += cached
+        self._prefill_tokens += computed
+        if self.config.prefill_tokens_per_s > 0 and not self.config.infinite_speed:
+            stall = computed / self.config.prefill_tokens_per_s
+            self._stall_s += stall
+            self._prefill_s += stall
+        self._cache.insert(context)
+        return cached
 
     def _on_cancel(self, batch: _Batch) -> None:
         with self._cond:
@@ -291,6 +365,7 @@ class SimEngine(EngineIdentity):
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.capacity:
             seq = self._waiting.popleft()
+            seq.batch.outputs[seq.request][seq.sample].cached_tokens = self._prefill(seq.context)
             seq.started = self._step
             self._seq += 1
             heapq.heappush(self._running, (self._step + seq.length, self._seq, seq))
@@ -303,6 +378,11 @@ class SimEngine(EngineIdentity):
                 now = time.monotonic()
                 elapsed, last = now - last, now
                 running = len(self._running)
+                if self._stall_s > 0:  # prefill first: no sequence decodes meanwhile
+                    paid = min(elapsed, self._stall_s)
+                    self._stall_s -= paid
+                    elapsed -= paid
+                    self._capacity_steps += paid / self._step_time(running) * self.config.capacity
                 steps = elapsed / self._step_time(running)
                 # Advance in spans between finish events, each with its own running count.
                 while steps > 0:
@@ -329,6 +409,7 @@ class SimEngine(EngineIdentity):
         while self._running and self._running[0][0] <= self._step + 1e-9:
             _, _, seq = heapq.heappop(self._running)
             batch = seq.batch
+            self._cache.insert(np.concatenate([seq.context, batch.outputs[seq.request][seq.sample].token_ids]))
             self._load -= 1
             batch.left -= 1
             if batch.left == 0 and not batch.cancelled:

@@ -65,7 +65,8 @@ def test_outputs_pass_the_row_contracts() -> None:
 
 
 def test_slots_fifo_and_utilisation() -> None:
-    engine = SimEngine(SimConfig(capacity=4, step_s=0.001, median_tokens=1000, p99_tokens=1001))
+    engine = SimEngine(SimConfig(capacity=4, step_s=0.001, median_tokens=1000, p99_tokens=1001,
+                                 prefill_tokens_per_s=0))  # decode slots only; prefill is tested below
     try:
         assert is_concurrent(engine)
         done: dict[str, float] = {}
@@ -111,3 +112,42 @@ def test_built_from_the_command_line_options() -> None:
     engine.update_weights("/any", 3)
     assert engine.weight_version == 3
     engine.close()
+
+
+def test_a_turn_that_extends_the_last_one_finds_its_prefix_cached_until_a_weight_swap() -> None:
+    engine = SimEngine(SimConfig(median_tokens=20, p99_tokens=21, block_tokens=4))
+    try:
+        first = RolloutRequest(id="t1", input_ids=list(range(1, 41)), sampling_params={"max_new_tokens": 20})
+        [[one]] = engine.generate([first])
+        assert one.cached_tokens == 0
+        # Turn 2 replays turn 1's prompt and completion, then a tool result.
+        history = [*first.input_ids, *one.token_ids.tolist(), *range(500, 530)]
+        second = RolloutRequest(id="t2", input_ids=history, sampling_params={"max_new_tokens": 20})
+        [[two]] = engine.generate([second])
+        context = len(first.input_ids) + len(one.token_ids)
+        assert two.cached_tokens == context // 4 * 4  # every full block of turn 1's context
+        stats = engine.stats()
+        assert stats.cached_tokens == two.cached_tokens
+        assert stats.prefill_tokens == len(first.input_ids) + len(history) - two.cached_tokens
+        engine.update_weights("/new", 1)  # the old weights' cache is no use to the new ones
+        third = RolloutRequest(id="t3", input_ids=history, sampling_params={"max_new_tokens": 20})
+        [[three]] = engine.generate([third])
+        assert three.cached_tokens == 0 and three.weight_version == 1
+    finally:
+        engine.close()
+
+
+def test_prefill_stalls_the_engine_for_the_uncached_context() -> None:
+    # 20 000 uncached tokens at 100 000 tokens/s: 0.2 s in which nothing decodes.
+    engine = SimEngine(SimConfig(capacity=4, step_s=0.001, median_tokens=1000, p99_tokens=1001,
+                                 prefill_tokens_per_s=100_000, prefix_cache_tokens=0))
+    try:
+        long = RolloutRequest(id="long", input_ids=[5] * 20_000, sampling_params={"max_new_tokens": 2})
+        engine.generate([long])
+        stats = engine.stats()
+        assert stats.prefill_tokens == 20_000
+        assert stats.prefill_s == 0.2
+        # The stall counts as idle capacity: utilisation cannot reach the decode-only figure.
+        assert stats.busy_slot_steps <= 2 + 1e-6 and stats.capacity_slot_steps >= 0.2 / 0.001 * 4 * 0.99
+    finally:
+        engine.close()
