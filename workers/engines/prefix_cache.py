@@ -3,8 +3,9 @@
 Sequences are cut into blocks of `block_tokens` ids; each full block is known by a hash chained
 over every block before it (vLLM's automatic prefix caching works the same way), so a block is
 found only behind the same prefix. The cache holds at most `capacity_tokens` worth of blocks
-and evicts the least recently used (a chain's tail before its head). `lookup` says how many leading tokens of a context are
-cached (never the last one: an engine computes at least one position to sample from);
+and evicts the least recently used (a chain's tail before its head). `lookup` says how many
+leading tokens of a context are cached (never the last one: an engine computes at least one
+position to sample from);
 `insert` caches a sequence's full blocks; `clear` forgets everything (a weight swap).
 """
 

@@ -40,7 +40,6 @@ import numpy as np
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.prefix_cache import PrefixCache
 from workers.engines.base import (
     INTERRUPTED,
     ContinuedRequest,
@@ -49,6 +48,7 @@ from workers.engines.base import (
     Finish,
     SampleOutput,
 )
+from workers.engines.prefix_cache import PrefixCache
 
 # The standard normal quantile of 0.99: p99 = median * exp(sigma * Z99).
 Z99 = 2.3263478740408408
