@@ -54,7 +54,8 @@ def exact_match(rows: list[RewardRow]) -> list[float]:
     return [1.0 if _text(row, "exact_match").strip() == _answer(row, "exact_match") else 0.0 for row in rows]
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+# A '-' right after a digit is a range or a subtraction ("0-3"), not the sign of the next number.
+_NUMBER = re.compile(r"(?<![\d.])(?:-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+)")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 

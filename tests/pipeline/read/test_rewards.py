@@ -40,6 +40,11 @@ def test_numeric_match_takes_the_boxed_or_last_number() -> None:
         rewards.numeric_match([row("3", "three")])
 
 
+def test_numeric_match_reads_a_dash_between_digits_as_a_range_not_a_minus() -> None:
+    got = rewards.numeric_match([row("a 0-3", 3), row("a 0-3", -3), row("pages 10-12, so -4", -4), row("2-1=1", 1)])
+    assert [(r, info["extracted"]) for r, info in got] == [(1.0, 3.0), (0.0, 3.0), (1.0, -4.0), (1.0, 1.0)]
+
+
 def test_only_registered_names_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(rewards.ENV_REWARDS, raising=False)
     assert {"exact_match", "numeric_match"} <= set(rewards.registered())
