@@ -116,7 +116,7 @@ class CancelCommand(Command):
 
         client = connect(args.redis, pool=args.pool)
         result = client.cancel(args.run, job_ids=args.job_ids, pool=args.pool)
-        print(f"canceled {len(result.job_ids)} job(s): {result.queued} removed from the queue, {result.running} "
-              f"aborted in flight; left as they were: {result.finished} finished, {result.failed} failed, "
-              f"{result.already} canceled before")
+        print(f"canceled {result.canceled} of {len(result.job_ids)} job(s): {result.queued} removed from the queue, "
+              f"{result.running} aborted in flight; left as they were: {result.finished} finished, "
+              f"{result.failed} failed, {result.already} canceled before")
         return 0

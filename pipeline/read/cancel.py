@@ -23,16 +23,14 @@ from pipeline.broker import keys
 from pipeline.errors import PipelineError
 from pipeline.intake.submit import RESULT_TTL_S, rollout_queue
 
-# KEYS: the pool's queue, its retry schedule, the run's canceled set.
+# KEYS: the pool's queue, its retry schedule, the run's canceled set, the run's committed jobs.
 # ARGV: the RQ job key prefix, the prompt key prefix, the canceled records' TTL, then the job ids.
-# Returns counts: queued (removed now), running (aborted by their workers), finished, failed,
-# already canceled, missing (no job record).
+# Returns counts: queued (removed now), running (aborted by their workers), finished (a started job
+# whose commit is in counts as finished), failed, already canceled, missing (no job record). Only the
+# jobs it cancels (queued and running) join the canceled set: the set counts the run's canceled jobs.
 _CANCEL = """
 local ids = {}
 for i = 4, #ARGV do ids[#ids + 1] = ARGV[i] end
-for i = 1, #ids, 1000 do
-  redis.call('SADD', KEYS[3], unpack(ids, i, math.min(i + 999, #ids)))
-end
 local wanted = {}
 for _, id in ipairs(ids) do wanted[id] = true end
 local queued = redis.call('LRANGE', KEYS[1], 0, -1)
@@ -47,6 +45,7 @@ if hit then
   end
 end
 local removed, running, finished, failed, canceled, missing = 0, 0, 0, 0, 0, 0
+local fenced = {}
 for _, id in ipairs(ids) do
   local job = ARGV[1] .. id
   local status = redis.call('HGET', job, 'status')
@@ -58,15 +57,20 @@ for _, id in ipairs(ids) do
     redis.call('EXPIRE', job, ARGV[3])
     redis.call('DEL', ARGV[2] .. id)
     removed = removed + 1
-  elseif status == 'started' then
+    fenced[#fenced + 1] = id
+  elseif status == 'started' and redis.call('HEXISTS', KEYS[4], id) == 0 then
     running = running + 1
-  elseif status == 'finished' then
-    finished = finished + 1
+    fenced[#fenced + 1] = id
+  elseif status == 'started' or status == 'finished' then
+    finished = finished + 1  -- committed: its shard stands, it ends finished
   elseif status == 'canceled' then
     canceled = canceled + 1
   else
     failed = failed + 1
   end
+end
+for i = 1, #fenced, 1000 do
+  redis.call('SADD', KEYS[3], unpack(fenced, i, math.min(i + 999, #fenced)))
 end
 return {removed, running, finished, failed, canceled, missing}
 """
@@ -84,6 +88,11 @@ class CancelResult:
     failed: int = 0
     already: int = 0
     missing: int = 0
+
+    @property
+    def canceled(self) -> int:
+        """Jobs this cancel stopped: removed from the queue, or being aborted by their workers."""
+        return self.queued + self.running
 
     def add(self, counts: list[int]) -> None:
         self.queued += counts[0]
@@ -159,7 +168,8 @@ def cancel(
     prompt_prefix = keys.prompts("")
     for (run_name, pool_name), ids in targets.items():
         queue = rollout_queue(conn, pool_name)
-        counts = script(keys=[queue.key, queue.scheduled_job_registry.key, keys.canceled(run_name)],
+        counts = script(keys=[queue.key, queue.scheduled_job_registry.key, keys.canceled(run_name),
+                              keys.run_jobs(run_name)],
                         args=[Job.key_for(""), prompt_prefix, RESULT_TTL_S, *ids])
         result.add([int(c) for c in counts])
         result.job_ids.extend(ids)

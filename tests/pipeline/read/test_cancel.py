@@ -100,7 +100,40 @@ def test_cancel_on_the_command_line(redis_client: redis.Redis, redis_url: str, t
     batch = pipeline.Client(redis_client).submit(requests("a", 3), run="cli", output=f"file://{tmp_path}",
                                                  batch_size=1)
     assert main(["cancel", "--redis", redis_url, "--run", "cli"]) == 0
-    assert "canceled 3 job(s): 3 removed from the queue, 0 aborted in flight" in capsys.readouterr().out
+    assert "canceled 3 of 3 job(s): 3 removed from the queue, 0 aborted in flight" in capsys.readouterr().out
     assert set(batch.job_states().values()) == {"canceled"}
     assert main(["cancel", "--redis", redis_url]) == 2
     assert "name a run" in capsys.readouterr().err
+
+
+def test_cancel_counts_only_what_it_canceled_and_status_agrees_with_the_batch(
+        redis_client: redis.Redis, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A finished job is left as it was: not counted as canceled by the cancel, by `pipeline status --run`
+    (text and --json) or by `batch.status()`."""
+    import json
+
+    from pipeline.cli.main import main
+    from workers.engines.fake import FakeEngine
+    from workers.process.worker import RolloutWorker
+
+    client = pipeline.Client(redis_client)
+    done = client.submit(requests("d", 1), run="cf", output=f"file://{tmp_path}")
+    RolloutWorker(redis_client, FakeEngine()).work(burst=True, with_scheduler=False, logging_level="WARNING")
+    assert done.wait(timeout=30).counts["finished"] == 1
+    waiting = client.submit(requests("w", 2), run="cf", output=f"file://{tmp_path}", batch_size=1)
+
+    assert main(["cancel", "--redis", redis_url, "--run", "cf"]) == 0
+    out = capsys.readouterr().out
+    assert "canceled 2 of 3 job(s): 2 removed from the queue, 0 aborted in flight; left as they were: 1 finished" \
+        in out, out
+    assert (done.status().counts["finished"], done.status().canceled) == (1, 0)
+    assert waiting.status().canceled == 2
+    assert main(["status", "--redis", redis_url, "--run", "cf", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pools"]["default"]["runs"]["cf"]["canceled"] == 2
+    assert main(["status", "--redis", redis_url, "--run", "cf"]) == 0
+    assert ", 2 job(s) canceled" in capsys.readouterr().out
+
+    again = client.cancel("cf")  # nothing left to cancel: nothing counted
+    assert (again.canceled, again.already, again.finished) == (0, 2, 1)
+    assert main(["status", "--redis", redis_url, "--run", "cf", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pools"]["default"]["runs"]["cf"]["canceled"] == 2
