@@ -132,9 +132,14 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
     versions = totals["weight_versions"]
     return {**totals, "staleness": max(0, current - min(versions)) if versions else None,
             "canceled": conn.scard(keys.canceled(run)),
-            "rewards": dataclasses.asdict(reward_log.totals(conn, run)) if conn.sismember(keys.REWARD_RUNS, run)
-            else None,
+            "rewards": _rewards(conn, run) if conn.sismember(keys.REWARD_RUNS, run) else None,
             "agent_turns": _agent_turns(conn, run)}
+
+
+def _rewards(conn: redis.Redis, run: str) -> dict[str, Any]:
+    """A run's reward totals; `scored`: the shards whose rewards were written (`jobs` counts failed ones too)."""
+    totals = reward_log.totals(conn, run)
+    return {**dataclasses.asdict(totals), "scored": totals.jobs - totals.failed}
 
 
 def _agent_turns(conn: redis.Redis, run: str) -> dict[str, int] | None:
@@ -243,7 +248,7 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             + (f", {r['canceled']} job(s) canceled" if r.get("canceled") else "")
             + (f", {r['agent_turns']['turns']} agent turns, {r['agent_turns']['prefix_breaks']} prefix breaks"
                if r.get("agent_turns") else "")
-            + (f"; rewards: {r['rewards']['jobs']}/{r['shards']} shards scored, {r['rewards']['failed']} failed"
+            + (f"; rewards: {r['rewards']['scored']}/{r['shards']} shards scored, {r['rewards']['failed']} failed"
                + (f", mean {r['rewards']['mean']:.4g}" if r["rewards"]["mean"] is not None else "")
                + (f", {r['rewards']['zero_variance']:.0%} of groups all-equal"
                   if r["rewards"]["zero_variance"] is not None else "")

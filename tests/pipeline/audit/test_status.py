@@ -31,6 +31,22 @@ def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(red
     assert "staleness 3 (oldest token v1 vs pushed v4)" in format_status(status)
 
 
+def test_rewards_say_how_many_shards_were_scored_and_how_many_failed(redis_client: redis.Redis) -> None:
+    from pipeline.broker import reward_log
+
+    redis_client.sadd(keys.pool(None).runs, "rw")
+    redis_client.sadd(keys.REWARD_RUNS, "rw")
+    for job in ("j1", "j2", "j3", "j4"):
+        commit_log.append(redis_client, "rw", commit_log.Commit(job_id=job, batch_id="b", url=f"file:///x/{job}",
+                                                                 rows=2, tokens=8, weight_version=0))
+    for job in ("j1", "j2", "j3"):
+        reward_log.append(redis_client, "rw", reward_log.RewardCommit(job, "", 0, error="ValueError: no answer"))
+    reward_log.append(redis_client, "rw", reward_log.RewardCommit("j4", "file:///x/j4.rewards.parquet", 2), 1.0, 1, 0)
+    status = collect(redis_client)
+    assert status["pools"]["default"]["runs"]["rw"]["rewards"]["scored"] == 1
+    assert "rewards: 1/4 shards scored, 3 failed" in format_status(status)
+
+
 def test_status_of_an_unknown_run_is_an_error_naming_the_runs(
     redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
