@@ -48,6 +48,10 @@ ROW_FIELDS: list[pa.Field] = [
     # (start ascending from 0, versions of consecutive segments differ). Null when every token
     # came from `weight_version` (always so in drain mode), so such a row looks as before.
     pa.field("weight_version_segments", values_of(VERSION_SEGMENT)),
+    # Completion offsets (ascending) where the sample was resumed from a checkpoint on another worker
+    # after its worker died (`workers.jobs.checkpoint`): tokens before offset t came from the dead
+    # worker(s). Null when never resumed, and in shards written before this column.
+    pa.field("resumed_at", values_of(pa.int32())),
     pa.field("temperature", pa.float32(), nullable=False),
     pa.field("top_p", pa.float32(), nullable=False),
     pa.field("top_k", pa.int32(), nullable=False),

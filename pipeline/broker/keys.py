@@ -57,6 +57,25 @@ class PoolKeys:
         """The set of the pool's open agent sessions (`pipeline serve`)."""
         return f"{self._base}:sessions:open"
 
+    def worker_lane_queue_name(self, worker_id: str) -> str:
+        """One worker's own lane: the turns routed to it (session affinity, `pipeline.serve.affinity`),
+        which it takes before the pool's shared lane."""
+        return f"{self.lane_queue_name}.w.{worker_id}"
+
+    @property
+    def lane_workers(self) -> str:
+        """The set of workers with a lane of their own: a dead one's turns are moved to the shared lane."""
+        return f"{self._base}:lane:workers"
+
+    def lane_load(self, worker_id: str) -> str:
+        """A sorted set of the turns routed to a worker and not yet answered (score: when to forget one)."""
+        return f"{self._base}:lane:load:{worker_id}"
+
+    @property
+    def lane_stats(self) -> str:
+        """A hash of the pool's turn counts: turns, home_turns, cached and prompt tokens, moves by reason."""
+        return f"{self._base}:lane:stats"
+
     @property
     def control_state(self) -> str:
         """The pool's desired state (`schemas.control.DesiredState`, signed when a secret is set)."""
@@ -142,6 +161,11 @@ def run_batches(run: str) -> str:
 def prompts(job_id: str) -> str:
     """A job's prompt token ids as raw little-endian bytes (the fast submit path)."""
     return f"{PREFIX}:prompts:{job_id}"
+
+
+def checkpoint(job_id: str) -> str:
+    """A list of binary pieces: a job's samples in flight, saved by its worker (`workers.jobs.checkpoint`)."""
+    return f"{PREFIX}:checkpoint:{job_id}"
 
 
 def canceled(run: str) -> str:

@@ -22,6 +22,7 @@ class WorkerCommand(Command):
             add_fault_arguments,
             add_observability_arguments,
         )
+        from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S
 
         add_engine_arguments(parser)
         add_fault_arguments(parser)
@@ -31,6 +32,11 @@ class WorkerCommand(Command):
                             help="jobs fed to a concurrent engine (sim, sglang-http, vllm-http) at once")
         parser.add_argument("--no-feed", action="store_true",
                             help="one job at a time even on a concurrent engine (a barrier at each job's end)")
+        parser.add_argument(
+            "--checkpoint-every", type=float, default=DEFAULT_CHECKPOINT_EVERY_S, metavar="SECONDS",
+            help="save the progress of samples in flight to Redis this often (and at every partial swap), so "
+                 "a job whose worker dies resumes them on another worker; 0: off "
+                 f"(default {DEFAULT_CHECKPOINT_EVERY_S:g}; see docs/checkpoints.md)")
         parser.add_argument("--log-level", default="INFO")
         add_observability_arguments(parser)
 
@@ -56,6 +62,7 @@ class WorkerCommand(Command):
             heartbeat_interval_s=args.heartbeat_interval, maintenance_interval_s=args.maintenance_interval,
             stuck_after_s=args.stuck_after, probe_max_s=args.health_probe_max,
             max_jobs_in_flight=args.max_jobs_in_flight, feed=not args.no_feed,
+            checkpoint_every_s=args.checkpoint_every,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, pool=args.pool,
         )
         started = (f"worker {worker.worker_id}: pool={worker.pool.name} engine={engine.description.name} "

@@ -78,6 +78,9 @@ class SampleOutput:
     # Per-token provenance of a sample continued across partial swaps: (start, version) runs over
     # `token_ids`, set by `workers.rows.continuation`; None: every token from `weight_version`.
     version_segments: list[tuple[int, int]] | None = None
+    # Completion offsets where the sample was resumed from a checkpoint after its worker was lost
+    # (`workers.jobs.checkpoint`); None: never resumed.
+    resumed_at: list[int] | None = None
 
 
 @dataclass
@@ -177,6 +180,23 @@ class InterruptibleEngine(ConcurrentEngine, Protocol):
         """The text of `token_ids` (None without a tokenizer): a continued sample's text is decoded
         over its whole completion, not glued from the segments' texts."""
         ...
+
+
+class CheckpointableEngine(InterruptibleEngine, Protocol):
+    """An interruptible engine that can report the progress of its samples in flight, so a worker
+    checkpoints them periodically (`workers.jobs.checkpoint`). Engines without it are checkpointed
+    only at partial swaps (from `interrupt()`'s outputs), never mid-sample."""
+
+    def progress(self, future: Future[list[list[SampleOutput]]]) -> list[list[SampleOutput]] | None:
+        """What the batch behind `future` (from `submit`) has generated so far, shaped as its result:
+        finished samples as they will be returned, unfinished ones with their tokens so far (zero when
+        waiting for a slot) and `Finish("abort", message=INTERRUPTED)`. A snapshot: the batch runs on.
+        None when the engine no longer holds the batch (it resolved)."""
+        ...
+
+
+def is_checkpointable(engine: object) -> bool:
+    return is_interruptible(engine) and callable(getattr(engine, "progress", None))
 
 
 def is_interruptible(engine: object) -> bool:

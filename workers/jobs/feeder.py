@@ -21,6 +21,13 @@ A partial swap (`Feeder.partial_swap`, on an engine with `interrupt()`) keeps ne
 does not wait: it stops every sample in flight at its next step, loads, and submits each
 unfinished sample again as a continuation on the new weights (`workers.rows.continuation`); a job's
 shard is still written once, when every one of its samples has finished.
+
+Checkpoints (`workers.jobs.checkpoint`, on an interruptible engine, unless `checkpoint_every_s` is
+0): the completion thread saves what each job's samples generated since the last checkpoint every
+`checkpoint_every_s` (from the engine's `progress()` snapshot; an engine without it is
+checkpointed only at partial swaps) and at every partial swap; a job's admission takes back its
+checkpoint, if an earlier run of it left one, and continues its samples from there. The checkpoint
+is deleted once the job commits.
 """
 
 from __future__ import annotations
@@ -44,9 +51,10 @@ from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
 from pipeline.read.cancel import canceled_jobs
-from workers.engines.base import ConcurrentEngine, is_interruptible
+from workers.engines.base import ConcurrentEngine, is_checkpointable, is_interruptible
 from workers.errors import JobCanceledError
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
+from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S, CheckpointStore, writer_id
 from workers.process import logs
 from workers.rows.continuation import Progress, Submission
 
@@ -132,6 +140,21 @@ class InFlight:
     canceled: bool = False
     samples: int = 0
     submitted: float = field(default_factory=time.monotonic)
+    writer: int = 0  # this execution's tag in the job's checkpoint
+    checkpointed: bool = False  # the job has a checkpoint in Redis (to delete at its commit)
+
+
+@dataclass
+class CheckpointStats:
+    """What this worker's checkpoints wrote (for benchmarks and metrics)."""
+
+    saves: int = 0  # round trips
+    commands: int = 0
+    pieces: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    resumed_samples: int = 0
+    resumed_tokens: int = 0
 
 
 class Feeder:
@@ -144,6 +167,7 @@ class Feeder:
         self, engine: ConcurrentEngine, bookkeeping: JobBookkeeping, *, connection: redis.Redis, worker_id: str,
         jobs_changed: Callable[[Job | None], None] = lambda _: None,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
+        checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S,
     ) -> None:
         self.engine = engine
         self.bookkeeping = bookkeeping
@@ -163,6 +187,11 @@ class Feeder:
         self._swapping = False
         self._parked: list[InFlight] = []  # jobs stopped by the swap under way, to continue after it
         self.can_interrupt = is_interruptible(engine)
+        self.checkpoint_every_s = checkpoint_every_s
+        self.checkpoints = CheckpointStore(connection) if checkpoint_every_s > 0 and self.can_interrupt else None
+        self.can_snapshot = is_checkpointable(engine)
+        self.checkpoint_stats = CheckpointStats()
+        self._next_checkpoint = time.monotonic() + checkpoint_every_s
         self._thread: threading.Thread | None = None
         self.admitted: list[tuple[float, str]] = []  # (monotonic time, job id), for tests and benchmarks
 
@@ -257,14 +286,85 @@ class Feeder:
             batch = prepare_batch(job.args[0], self.connection)
             entry.batch = batch
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
-            entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
+            progress = entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
+            entry.writer = writer_id(execution.id)
+            restored = self._restore(entry)
             with self._submit_lock:
                 # The version the job starts on: a partial swap may have loaded one since `prepare_batch`.
-                batch.weight_version = self.engine.weight_version
-                self._submit(entry, entry.progress.first(batch.weight_version))
+                batch.weight_version = version = self.engine.weight_version
+                self._submit(entry, progress.resume(version, untouched_whole=True) if restored
+                             else progress.first(version))
             self.admitted.append((time.monotonic(), job.id))
         except BaseException:
             self._finish(entry, sys.exc_info())
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _restore(self, entry: InFlight) -> int:
+        """Take back the job's checkpoint (an earlier run of it died): samples restored with tokens."""
+        if self.checkpoints is None or entry.progress is None:
+            return 0
+        chains = self.checkpoints.load(entry.job.id)
+        if not chains:
+            return 0
+        entry.checkpointed = True
+        restored = entry.progress.restore(chains)
+        tokens = sum(len(p.token_ids) for chain in chains.values() for p in chain)
+        self.checkpoint_stats.resumed_samples += restored
+        self.checkpoint_stats.resumed_tokens += tokens
+        log.info("job %s: resumed %d samples from its checkpoint (%d tokens kept)", entry.job.id, restored, tokens)
+        return restored
+
+    def checkpoint(self, entries: list[InFlight] | None = None, *, live: bool = True) -> int:
+        """Save what the jobs in flight (or `entries`) generated since their last checkpoint, with
+        `live` the samples still running (the engine's `progress()`); the tokens saved."""
+        if self.checkpoints is None:
+            return 0
+        saves = []
+        for entry in list(self._entries.values()) if entries is None else entries:
+            if entry.progress is None or entry.canceled:
+                continue
+            if not live:  # the completion thread, between a job's record and its continuation
+                pieces = entry.progress.unsaved()
+            elif not self._submit_lock.acquire(blocking=False):
+                return 0  # a partial swap holds the engine: its interrupted samples are saved as they return
+            else:
+                try:  # nothing submits (nor changes a job's progress) meanwhile
+                    snapshot = None
+                    future, submission = entry.future, entry.submission
+                    if self.can_snapshot and future is not None and submission is not None and not future.done():
+                        outputs = self.engine.progress(future)  # type: ignore[attr-defined]
+                        snapshot = None if outputs is None else (submission, outputs)
+                    pieces = entry.progress.unsaved(snapshot)
+                finally:
+                    self._submit_lock.release()
+            if pieces:
+                saves.append((entry, pieces))
+        if not saves:
+            return 0
+        try:
+            written = self.checkpoints.save([(e.job.id, e.writer, pieces) for e, pieces in saves])
+        except redis.RedisError as exc:
+            log.warning("worker %s: a checkpoint was not saved (%s); the next one saves it", self.worker_id, exc)
+            return 0
+        tokens = 0
+        for entry, pieces in saves:
+            entry.progress.mark_saved(pieces)  # type: ignore[union-attr]
+            entry.checkpointed = True
+            tokens += sum(len(p.token_ids) for p in pieces)
+        stats = self.checkpoint_stats
+        stats.saves += 1
+        stats.commands += 2 * len(saves)
+        stats.pieces += sum(len(pieces) for _, pieces in saves)
+        stats.tokens += tokens
+        stats.bytes += written
+        return tokens
+
+    def _checkpoint_if_due(self) -> None:
+        if self.checkpoints is None or not self.can_snapshot or time.monotonic() < self._next_checkpoint:
+            return
+        self._next_checkpoint = time.monotonic() + self.checkpoint_every_s
+        self.checkpoint()
 
     def _submit(self, entry: InFlight, submission: Submission) -> None:
         """Hand a submission to the engine (holding `_submit_lock`); its end reaches the commit thread."""
@@ -321,12 +421,14 @@ class Feeder:
                 entry = self._done.get(timeout=0.5)
             except queue_mod.Empty:
                 self._check_deadlines()
+                self._checkpoint_if_due()
                 continue
             if entry is None:
                 return
             with logs.job_scope(entry.job, self.worker_id):
                 self._complete(entry)
             self._check_deadlines()
+            self._checkpoint_if_due()
 
     def _check_deadlines(self) -> None:
         moment = time.monotonic()
@@ -351,12 +453,17 @@ class Feeder:
             if progress.done:  # the staleness bound, against the weights served now
                 progress.stale(self.engine.weight_version)
             if not progress.done:  # stopped by a partial swap (or too stale): continues on the new weights
+                self.checkpoint([entry], live=False)
                 self._continue(entry)
                 return
             decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]
             summary = commit_batch(entry.batch, progress.outputs(decode), self.connection, datetime.now(UTC))
             if progress.continued:
                 summary.update(continued=progress.continued, restarted=progress.restarted)
+            if progress.resumed:
+                summary.update(resumed=progress.resumed)
+            if entry.checkpointed and self.checkpoints is not None:
+                self.checkpoints.delete(entry.job.id)
         except BaseException:
             self._finish(entry, sys.exc_info())
             return

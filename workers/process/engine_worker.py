@@ -42,12 +42,14 @@ from workers.engines.base import Engine, is_concurrent
 from workers.engines.serial import SerialEngine
 from workers.jobs import admission, rq_seam
 from workers.jobs.allowed_job import RolloutJob
+from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S
 from workers.jobs.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder
 from workers.jobs.turn_log import TurnFlusher
 from workers.process import context
 from workers.process.control_follower import POLL_S, ControlFollower
 from workers.process.heartbeat import HEARTBEAT_INTERVAL_S, Heartbeat, worker_info
 from workers.process.intake import JobIntake
+from workers.process.lane_keeper import LaneKeeper
 from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
 log = logging.getLogger(__name__)
@@ -57,11 +59,12 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def pool_queues(conn: redis.Redis, pool: keys.PoolKeys) -> list[Queue]:
-    """The queues a worker of `pool` takes jobs from, in the order it looks at them: the interactive
-    lane of agent turns (`pipeline serve`) first, so a turn never waits behind a batch run."""
+def pool_queues(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> list[Queue]:
+    """The queues a worker of `pool` takes jobs from, in the order it looks at them: agent turns
+    (`pipeline serve`) first, so a turn never waits behind a batch run; of those, the turns routed
+    to this worker (its sessions' prefixes are in its cache) before the pool's shared lane."""
     return [Queue(name, connection=conn, serializer=JSONSerializer)
-            for name in (pool.lane_queue_name, pool.queue_name)]
+            for name in (pool.worker_lane_queue_name(worker_id), pool.lane_queue_name, pool.queue_name)]
 
 
 class EngineWorker(SimpleWorker):
@@ -78,6 +81,7 @@ class EngineWorker(SimpleWorker):
         feed: bool = True,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT,
         feed_headroom: int | None = None,
+        checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S,
         metrics_port: int | None = None,
         metrics_host: str = DEFAULT_METRICS_HOST,
         pool: str | None = None,
@@ -87,7 +91,7 @@ class EngineWorker(SimpleWorker):
         self.pool = keys.pool(pool)
         kwargs.setdefault("job_monitoring_interval", max(1, int(heartbeat_interval_s)))
         super().__init__(
-            pool_queues(conn, self.pool),
+            pool_queues(conn, self.pool, worker_id),
             connection=conn,
             name=worker_id,
             serializer=JSONSerializer,
@@ -109,7 +113,7 @@ class EngineWorker(SimpleWorker):
         self.feeder = Feeder(
             self._serial or engine, rq_seam.WorkerBookkeeping(self),
             connection=conn, worker_id=worker_id, jobs_changed=self._jobs_changed,
-            max_jobs_in_flight=max_jobs_in_flight, headroom=feed_headroom,
+            max_jobs_in_flight=max_jobs_in_flight, headroom=feed_headroom, checkpoint_every_s=checkpoint_every_s,
         )
         self.presence = Heartbeat(conn, worker_info(worker_id, self.pool.name, engine), interval_s=heartbeat_interval_s,
                                   jobs=self.feeder.jobs, beat_job=self.maintain_heartbeats)
@@ -208,9 +212,13 @@ class EngineWorker(SimpleWorker):
         # Agent turns' rows, logged in Redis as they commit, written many turns to a shard.
         flusher = TurnFlusher(lambda: self.connection)
         flusher.start()
+        # Its own lane of agent turns (session affinity) registered; dead neighbours' turns moved.
+        keeper = LaneKeeper(self.connection, self.pool, self.worker_id)
+        keeper.start()
         try:
             return super().work(*args, **kwargs)
         finally:
+            keeper.stop()
             flusher.stop(flush=True)
             try:
                 self.feeder.drain()  # warm shutdown: the jobs in flight finish and commit

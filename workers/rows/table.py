@@ -126,6 +126,7 @@ def build_table(
                 len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
                 min(v for _, v in segments),
                 None if len(segments) == 1 else [{"start": a, "version": v} for a, v in segments],
+                sample.resumed_at or None,
                 None if turn is None else turn.session_id, None if turn is None else turn.turn,
                 None if turn is None else turn.prefix_break,
             )
@@ -178,7 +179,7 @@ _PER_ROW = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
-    "weight_version", "weight_version_segments", "session_id", "turn", "prefix_break",
+    "weight_version", "weight_version_segments", "resumed_at", "session_id", "turn", "prefix_break",
 )
 
 

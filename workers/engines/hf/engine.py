@@ -20,12 +20,15 @@ It has the concurrent and interruptible interfaces (`workers.engines.serial.Seri
 run one after another on the engine's own thread, and `interrupt()` ends the running decode loop
 at its next step keeping every sample's tokens (a partial weight swap). A `ContinuedRequest`
 decodes the original prompt + generated ids as its prompt and draws from its continuation seed.
+`progress(future)` snapshots the running batch's samples at a step boundary without stopping them
+(a worker's periodic checkpoints, `workers.jobs.checkpoint`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from schemas.worker_info import Capabilities
 from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
 from workers.engines.hf.expert_capture import RoutingCapture
 from workers.engines.seeds import request_sample_seed
-from workers.engines.serial import SerialFeed
+from workers.engines.serial import SerialFeed, interrupted_before_start
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 # Samples decoded together: a job's requests are batched (left-padded) up to this many sequences.
@@ -76,6 +79,9 @@ class HFEngine(SerialFeed, EngineIdentity):
         self.vocab_size = int(self.model.config.vocab_size)
         self._routing = RoutingCapture.attach(self.model)
         self._weight_version = weight_version
+        # The running batch's samples so far, for `progress` (updated once per decode step).
+        self._live_lock = threading.Lock()
+        self._live: _LiveBatch | None = None
         self._description = EngineDescription(
             name="hf",
             model=model_name or str(path),
@@ -145,6 +151,15 @@ class HFEngine(SerialFeed, EngineIdentity):
         self.model = model
         self._weight_version = version
 
+    def apply_store_version(self, store: Any, have: int | None, version: int) -> Any:
+        """Take the loaded model's tensors in place from `have` to `version` of a weight store,
+        checked bit for bit (`pipeline.weights.inplace.apply_version`); `Applied` says how."""
+        from pipeline.weights.inplace import apply_version
+
+        applied = apply_version(store, self.model.state_dict(), have, version)
+        self._weight_version = version
+        return applied
+
     def close(self) -> None:
         self._close_feed()
         if self._routing is not None:
@@ -168,10 +183,21 @@ class HFEngine(SerialFeed, EngineIdentity):
                     "mixture-of-experts model"
                 )
         out: list[list[SampleOutput]] = []
-        with self._torch.inference_mode():
-            for group in _groups(requests, self.max_batch_sequences):
-                out.extend(self._generate_group(group, stop))
+        live = _LiveBatch(list(requests), out)
+        with self._live_lock:
+            self._live = live
+        try:
+            with self._torch.inference_mode():
+                for group in _groups(requests, self.max_batch_sequences):
+                    out.extend(self._generate_group(group, stop))
+        finally:
+            with self._live_lock:
+                self._live = None
         return out
+
+    def _running_progress(self) -> list[list[SampleOutput]] | None:
+        with self._live_lock:
+            return None if self._live is None else self._live.snapshot()
 
     # -- a group of requests, all their samples as one left-padded batch ----------------------
 
@@ -224,10 +250,14 @@ class HFEngine(SerialFeed, EngineIdentity):
         finishes: list[Finish | None] = [None] * rows.count
         max_top = max((r.logprobs or 0) for r in requests)
         last_position = positions[:, -1:]
+        live = self._live
+        if live is not None:
+            with self._live_lock:
+                live.group = _LiveGroup(list(requests), rows.first_row, tokens, logprobs, tops, finishes)
 
         for step in range(max(r.sampling_params.max_new_tokens for r in requests)):
             if stop is not None and stop.is_set():
-                finishes = [f or Finish("abort", message=INTERRUPTED) for f in finishes]
+                finishes[:] = [f or Finish("abort", message=INTERRUPTED) for f in finishes]
                 break
             scores = rows.penalise(logits, counts, step)
             step_logprobs = torch.log_softmax(scores / rows.temperature[:, None], dim=-1)
@@ -238,17 +268,19 @@ class HFEngine(SerialFeed, EngineIdentity):
                 top_values, top_ids = torch.topk(step_logprobs, max_top, dim=-1)
             chosen_list = chosen.tolist()
             chosen_lp_list = chosen_logprobs.tolist()
-            for row in range(rows.count):
-                if finishes[row] is not None:
-                    continue
-                request = rows.request_of[row]
-                params = request.sampling_params
-                tokens[row].append(chosen_list[row])
-                logprobs[row].append(chosen_lp_list[row])
-                if request.logprobs and top_ids is not None and top_values is not None:
-                    k = request.logprobs
-                    tops[row].append(list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist(), strict=True)))
-                finishes[row] = self._check_finish(tokens[row], params, rows.token_stops[row])
+            with self._live_lock:  # a step's tokens and finishes at once: a snapshot (`progress`) sees whole steps
+                for row in range(rows.count):
+                    if finishes[row] is not None:
+                        continue
+                    request = rows.request_of[row]
+                    params = request.sampling_params
+                    tokens[row].append(chosen_list[row])
+                    logprobs[row].append(chosen_lp_list[row])
+                    if request.logprobs and top_ids is not None and top_values is not None:
+                        k = request.logprobs
+                        tops[row].append(list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist(),
+                                                  strict=True)))
+                    finishes[row] = self._check_finish(tokens[row], params, rows.token_stops[row])
             counts.scatter_add_(1, chosen[:, None], torch.ones((rows.count, 1), device=device))
             if all(f is not None for f in finishes):
                 break
@@ -317,6 +349,47 @@ class HFEngine(SerialFeed, EngineIdentity):
         if len(tokens) >= params.max_new_tokens:
             return Finish("length")
         return None
+
+
+@dataclass
+class _LiveGroup:
+    """The decode loop's per-row lists of the group it runs (read under the engine's live lock)."""
+
+    requests: list[RolloutRequest]
+    first_row: list[int]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    tops: list[list[list[tuple[int, float]]]]
+    finishes: list[Finish | None]
+
+
+@dataclass
+class _LiveBatch:
+    """A running batch: its groups' finished outputs (`done`) and the group being decoded."""
+
+    requests: list[RolloutRequest]
+    done: list[list[SampleOutput]]
+    group: _LiveGroup | None = None
+
+    def snapshot(self) -> list[list[SampleOutput]]:
+        """Every sample so far, shaped as the batch's result: decoded groups' samples as returned, the
+        running group's with their tokens (finished ones with their finish), later groups' empty."""
+        outputs = [list(samples) for samples in self.done]
+        group = self.group
+        if group is not None and len(outputs) < len(self.requests) and group.requests[0] is self.requests[len(outputs)]:
+            for index, request in enumerate(group.requests):
+                samples = []
+                for row in range(group.first_row[index], group.first_row[index] + request.sampling_params.n):
+                    samples.append(SampleOutput(
+                        token_ids=np.asarray(group.tokens[row], dtype=np.int32),
+                        finish=group.finishes[row] or Finish("abort", message=INTERRUPTED),
+                        logprobs=(np.asarray(group.logprobs[row], dtype=np.float32)
+                                  if request.logprobs is not None else None),
+                        top_logprobs=list(group.tops[row]) if request.logprobs else None,
+                    ))
+                outputs.append(samples)
+        outputs.extend(interrupted_before_start(self.requests[len(outputs):]))
+        return outputs
 
 
 def _groups(requests: Sequence[RolloutRequest], max_sequences: int) -> list[list[RolloutRequest]]:
