@@ -276,6 +276,14 @@ class RequestColumns:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def largest_row(self) -> int:
+        """The index in the block of the row holding the block's largest token id (the first such)."""
+        segment = self.flat[self.offsets[0] : self.offsets[-1]]
+        if not segment.size:
+            return 0
+        position = self.offsets[0] + int(np.argmax(segment))
+        return int(np.searchsorted(self.offsets, position, side="right")) - 1
+
     @property
     def n(self) -> int:
         """Samples per request."""

@@ -354,7 +354,8 @@ def _pack_columns(block: RequestColumns, placement: Placement, pending: dict[Has
     """A columnar block (rows asking the same of a worker): placed once, with its largest token id;
     whole jobs packed straight from its arrays; the open job's remainder and the block's tail
     joined as single requests."""
-    needs, key = placement.place(block.stand_in, block.ids[0])
+    row = block.largest_row()  # a token id outside a vocabulary is named by its row
+    needs, key = placement.place(block.stand_in, block.ids[row])
     placement.check()
     start = 0
     group = pending.get(key)
