@@ -16,7 +16,8 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 
 from pipeline.errors import CapabilityError
-from schemas.capabilities import SAMPLING_HINTS, Asks, Needs, describe, missing, needs_of
+from schemas.capabilities import SAMPLING_HINTS, Asks, Needs, describe, in_vocabulary, missing, needs_of
+from schemas.request import SamplingParams
 from schemas.worker_info import Capabilities, WorkerInfo
 
 MAX_PROBLEMS = 20
@@ -37,23 +38,34 @@ class Placement:
         # Token ids are checked only when some worker knows its vocabulary.
         self.token_ids = any(c.vocab_size is not None for c in self.classes)
         self.problems: list[str] = []
-        self._served: dict[Needs, tuple[int, ...]] = {}
+        # Per request shape (its sampling parameters object, kept alive here so that its id stays
+        # its own, and the fields the rules read): its needs without token ids and the job key.
+        self._shapes: dict[tuple[int, int | None, bool, bool], tuple[SamplingParams, Needs, Hashable]] = {}
 
     def place(self, request: Asks, request_id: str) -> tuple[Needs, Hashable]:
-        """The request's needs, and the key of the jobs it may share (the classes that serve it)."""
-        needs = needs_of(request, token_ids=self.token_ids)
-        if not self.classes:
-            # Nothing known of the workers: keep apart what typically differs between them.
-            return needs, (needs.top_logprobs > 0, needs.routed_experts)
-        base = needs.without_token_ids()
-        served = self._served.get(base)
-        if served is None:
-            served = self._served[base] = tuple(i for i, c in enumerate(self.classes) if not missing(base, c))
-        if needs.max_token_id >= 0:
-            served = tuple(i for i in served if not missing(needs, self.classes[i]))
-        if not served and len(self.problems) < MAX_PROBLEMS:
+        """The request's needs, and the key of the jobs it may share (the classes that serve it).
+
+        The rules run once per request shape (`ParsedRequest`s of one `sampling_params` shape share
+        its parameters object); per request only the largest token id is checked, when a worker
+        knows its vocabulary."""
+        params = request.sampling_shape
+        shape = (id(params), request.logprobs, request.prompt_logprobs is not None, request.return_routed_experts)
+        known = self._shapes.get(shape)
+        if known is None:
+            needs = needs_of(request, token_ids=False)
+            if self.classes:
+                key: Hashable = tuple(i for i, c in enumerate(self.classes) if not missing(needs, c))
+            else:
+                # Nothing known of the workers: keep apart what typically differs between them.
+                key = (needs.top_logprobs > 0, needs.routed_experts)
+            known = self._shapes[shape] = (params, needs, key)
+        _, needs, key = known
+        if self.token_ids:
+            needs = needs.with_token_ids(request.max_token_id())
+            key = tuple(i for i in key if in_vocabulary(needs.max_token_id, self.classes[i]))
+        if self.classes and not key and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(self._explain(request_id, needs))
-        return needs, served
+        return needs, key
 
     def check(self) -> None:
         """`CapabilityError` listing the requests no live worker of the pool can serve."""

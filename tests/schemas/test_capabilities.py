@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,12 @@ def test_needs_travel_as_json_and_nothing_else_is_taken_for_them() -> None:
     for bad in ({"top_logprobs": "2"}, {"routed_experts": 1}, {"anything": True}, [1]):
         with pytest.raises(ValueError, match="needs"):
             Needs.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_the_union_of_needs_takes_each_field_from_either_side() -> None:
+    asked = {field.name: (3 if field.type == "int" else True) for field in fields(Needs)}
+    for name, value in asked.items():
+        one = Needs(**{name: value})
+        assert Needs() | one == one | Needs() == one | one == one
+        assert (one | Needs(top_logprobs=1)).top_logprobs == (3 if name == "top_logprobs" else 1)
+    assert Needs(max_token_id=5) | Needs(max_token_id=9) == Needs(max_token_id=9)
