@@ -162,16 +162,30 @@ class Client:
 
     def push_weights(
         self,
-        path: str,
+        path: str | None = None,
         *,
         version: int,
+        state_dict: Mapping[str, Any] | None = None,
+        store: str | None = None,
+        delta: bool = True,
+        dtype: Any = None,
+        full_every: int | None = None,
         timeout: float | None = control_channel.DEFAULT_PUSH_TIMEOUT_S,
         force: bool = False,
         mode: SwapMode = "drain",
         pool: str | None = None,
     ) -> control_channel.PushResult:
-        """Every worker of the pool loads `path` as `version`; returns when all its live workers acked.
+        """Every worker of the pool loads new weights as `version`; returns when all its live workers acked.
         Other pools' workers are neither paused nor reloaded.
+
+        `path`: a checkpoint directory every worker reloads. `state_dict` (a trainer's
+        `model.state_dict()`, torch tensors on any device; floating ones cast to `dtype` when given):
+        written to a versioned weight store (`store`, an fsspec URL; default
+        `<PIPELINE_HOME>/weights/<pool>`) as a delta against the version before, which workers
+        apply in place and check bit for bit (docs/control.md "Pushes from memory"). A `path`
+        with `store` goes through the store too. `delta=False` writes a full version; the store
+        writes one anyway every `full_every` versions. The result (`StorePushResult` for a store
+        push) says what was stored; each ack says how its worker loaded and the bytes it read.
 
         `mode="drain"` (default) swaps between batches; `mode="partial"` stops the samples in
         flight, loads, and continues them on the new weights (README "Swapping weights").
@@ -179,8 +193,30 @@ class Client:
         Raises `WeightVersionError` for a version not newer than the current one (unless
         `force`) and `WeightPushError` naming the workers that failed or timed out.
         """
-        return control_channel.push_weights(self.conn, path, version, timeout=timeout, force=force, mode=mode,
-                                    pool=self._pool(pool))
+        if (path is None) == (state_dict is None):
+            raise PipelineError("push_weights takes a checkpoint path or a state_dict (one of them)")
+        if state_dict is None and store is None:
+            if dtype is not None or full_every is not None:
+                raise PipelineError("dtype= and full_every= apply to pushes through a weight store (state_dict= "
+                                    "or store=)")
+            return control_channel.push_weights(self.conn, str(path), version, timeout=timeout, force=force,
+                                                mode=mode, pool=self._pool(pool))
+        from pipeline.weights.push import push_via_store
+        from pipeline.weights.writer import DEFAULT_FULL_EVERY
+
+        if state_dict is not None:
+            from pipeline.weights.torch_bits import state_dict_bits
+
+            tensors = state_dict_bits(state_dict, dtype)
+        else:
+            if dtype is not None:
+                raise PipelineError("dtype= casts a state_dict; a checkpoint is stored with its own dtypes")
+            from pipeline.weights.safetensors_io import read_checkpoint
+
+            tensors = read_checkpoint(str(path))
+        return push_via_store(self.conn, tensors, version, store=store, delta=delta,
+                              full_every=full_every or DEFAULT_FULL_EVERY, timeout=timeout, force=force, mode=mode,
+                              pool=self._pool(pool))
 
     def cancel(
         self, run: str | None = None, *, job_ids: Sequence[str] | None = None, pool: str | None = None,

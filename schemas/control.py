@@ -27,6 +27,13 @@ DESIRED_STATE_PURPOSE = "desired-state"
 SwapMode = Literal["drain", "partial"]
 SWAP_MODES: tuple[SwapMode, ...] = ("drain", "partial")
 
+# Where pushed weights are: a checkpoint directory (`weight_path`), or a versioned weight store
+# (`pipeline.weights.store`) whose URL is `weight_path`, read as deltas where the worker can.
+WeightSource = Literal["checkpoint", "store"]
+# How a worker reached a pushed version: reloaded a checkpoint, applied deltas in place, or
+# rebuilt it from the store's full version (and deltas after it).
+Applied = Literal["checkpoint", "delta", "full"]
+
 
 class DesiredState(BaseModel):
     """What every worker should be doing; `generation` grows by one on every change."""
@@ -40,6 +47,8 @@ class DesiredState(BaseModel):
     weight_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)] | None = None
     # How the push of `weight_version` swaps: see `SwapMode`.
     swap_mode: SwapMode = "drain"
+    # What `weight_path` names: see `WeightSource`.
+    weight_source: WeightSource = "checkpoint"
 
 
 class WeightAck(BaseModel):
@@ -54,6 +63,10 @@ class WeightAck(BaseModel):
     error: Annotated[StrictStr, Field(max_length=8192)] | None = None
     # How the worker swapped: "drain" when asked for it, or when its engine cannot stop samples.
     mode: SwapMode = "drain"
+    # How it loaded (`Applied`), the weight-store bytes it read, and why a store push was rebuilt in full.
+    applied: Applied = "checkpoint"
+    bytes_read: Annotated[StrictInt, Field(ge=0)] = 0
+    detail: Annotated[StrictStr, Field(max_length=8192)] | None = None
 
 
 class Signed(BaseModel):

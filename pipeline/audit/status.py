@@ -175,8 +175,13 @@ def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
          "converged": w.weight_version == desired["weight_version"] and not w.error}
         for w in registry.live_workers(conn, name)
     ]
-    return {"pool": name, "desired": {k: desired[k] for k in ("weight_version", "weight_path", "swap_mode",
-                                                             "generation")}, "workers": workers}
+    status = {"pool": name, "desired": {k: desired[k] for k in ("weight_version", "weight_path", "swap_mode",
+                                                               "generation", "weight_source")}, "workers": workers}
+    if desired["weight_source"] == "store" and desired["weight_path"]:
+        from pipeline.weights.store import describe
+
+        status["store"] = describe(desired["weight_path"])
+    return status
 
 
 def format_weights(status: dict[str, Any]) -> str:
@@ -185,6 +190,10 @@ def format_weights(status: dict[str, Any]) -> str:
              f"{desired['weight_path'] or '(none pushed: as the workers started)'} ({desired['swap_mode']}, "
              f"generation {desired['generation']})",
              f"workers: {len(status['workers'])} live"]
+    if "store" in status:
+        store = status["store"]
+        versions = ", ".join(f"v{v['version']} {v['kind']} {v['stored_bytes'] / 1e6:.2f} MB" for v in store["versions"])
+        lines.insert(1, f"weight store {store['url']}: {versions or store.get('error') or 'empty'}")
     for w in status["workers"]:
         lines.append(f"  {w['worker_id']}  v{w['weight_version']}  {w['state']:<9} "
                      + ("ok" if w["converged"] else f"BEHIND: {w['error'] or 'not loaded yet'}"))

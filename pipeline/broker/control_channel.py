@@ -35,6 +35,7 @@ from schemas.control import (
     DesiredState,
     SwapMode,
     WeightAck,
+    WeightSource,
     ack_purpose,
     decode,
     desired_state_purpose,
@@ -220,7 +221,7 @@ def read_acks(conn: redis.Redis, version: int, pool: str | None = None) -> dict[
 def _roll_back(conn: redis.Redis, pool: str, before: DesiredState, pushed: DesiredState) -> DesiredState:
     """Put the pool's weights back as they were before a push no worker took (its pause flag and
     anything changed since are kept); the pushed version can then be pushed again."""
-    weights = ("weight_version", "weight_path", "swap_mode")
+    weights = ("weight_version", "weight_path", "swap_mode", "weight_source")
 
     def restore(state: DesiredState) -> DesiredState:
         if any(getattr(state, name) != getattr(pushed, name) for name in weights):
@@ -250,9 +251,11 @@ def push_weights(
     force: bool = False,
     mode: SwapMode = "drain",
     pool: str | None = None,
+    source: WeightSource = "checkpoint",
 ) -> PushResult:
     """Make every worker of the pool load `path` as `version`; wait for all its live workers' acks
-    (workers of other pools are neither paused nor reloaded).
+    (workers of other pools are neither paused nor reloaded). `source="store"`: `path` is a weight
+    store's URL holding `version` (`pipeline.weights.store`), applied as deltas where workers can.
 
     `mode` "drain" (the default) loads between batches: every sample in flight finishes on the
     old weights first. "partial" stops the samples in flight at their next step, loads, and
@@ -276,7 +279,8 @@ def push_weights(
     before: list[DesiredState] = []
 
     def update(state: DesiredState) -> DesiredState:
-        if before and (state.weight_version, state.weight_path, state.swap_mode) == (version, str(path), mode):
+        pushed = (version, str(path), mode, source)
+        if before and (state.weight_version, state.weight_path, state.swap_mode, state.weight_source) == pushed:
             # A retry after our own EXEC went out but its reply was lost (a failover, a dropped
             # connection: redis-py reports that as a WatchError): the push is already in.
             raise _AlreadyApplied(state)
@@ -286,7 +290,8 @@ def push_weights(
                 f"weight version {version} is not newer than the current version {state.weight_version}; "
                 "push a higher version or pass force"
             )
-        return state.model_copy(update={"weight_version": version, "weight_path": str(path), "swap_mode": mode})
+        return state.model_copy(update={"weight_version": version, "weight_path": str(path), "swap_mode": mode,
+                                        "weight_source": source})
 
     started = time.monotonic()
     # A fresh push collects fresh acknowledgements.

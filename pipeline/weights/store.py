@@ -43,6 +43,17 @@ def default_url(pool: str) -> str:
     return f"file://{settings.home() / 'weights' / pool}"
 
 
+def describe(url: str) -> dict[str, object]:
+    """What a store holds, for `pipeline weights status`: each version's kind and stored bytes."""
+    store = WeightStore(url)
+    try:
+        versions = [{"version": v, "kind": store.manifest(v).kind, "stored_bytes": store.manifest(v).stored_bytes}
+                    for v in store.versions()]
+    except (StoreError, OSError) as exc:
+        return {"url": url, "versions": [], "error": f"unreadable here: {exc}"}
+    return {"url": url, "versions": versions}
+
+
 def checksum(words: np.ndarray) -> str:
     return hashlib.sha256(memoryview(np.ascontiguousarray(words)).cast("B")).hexdigest()
 

@@ -31,12 +31,13 @@ from pipeline.broker.control_channel import encode_ack
 from pipeline.broker.replication import Proof, replicated, write_until_kept
 from pipeline.broker.security import check_weight_path
 from pipeline.errors import PolicyError, WriteLostError
-from schemas.control import DesiredState, SwapMode, WeightAck
+from schemas.control import DesiredState, SwapMode, WeightAck, WeightSource
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine
 from workers.errors import WeightsRefusedError
 from workers.jobs.feeder import Feeder
 from workers.process.heartbeat import Heartbeat
+from workers.process.store_load import load_from_store
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,14 @@ class ControlListener:
                 backoff = min(backoff * 2, 5.0)
 
 
-def load_weights(engine: Engine, worker_id: str, path: str, version: int, mode: SwapMode = "drain") -> WeightAck:
+def load_weights(
+    engine: Engine, worker_id: str, path: str, version: int, mode: SwapMode = "drain",
+    source: WeightSource = "checkpoint", have: int | None = None,
+) -> WeightAck:
     """Ask the engine to load `path` as `version`; never raises: failures become ok=false acks.
 
-    `mode` is how the worker swapped (stated in the ack)."""
+    `mode` is how the worker swapped (stated in the ack). `source="store"`: `path` is a weight
+    store and `have` the version of it the engine serves, if any (`workers.process.store_load`)."""
     started = time.monotonic()
     error: str | None = None
     try:
@@ -119,14 +124,18 @@ def load_weights(engine: Engine, worker_id: str, path: str, version: int, mode: 
         log.error("worker %s: refusing to load weights v%d: %s", worker_id, version, exc)
         return WeightAck(worker=worker_id, version=version, ok=False, seconds=0.0, error=f"refused: {exc}",
                          mode=mode)
+    how: dict[str, Any] = {}
     try:
-        engine.update_weights(path, version)
+        if source == "store":
+            how = load_from_store(engine, path, version, have)
+        else:
+            engine.update_weights(path, version)
         if engine.weight_version != version:
             raise RuntimeError(f"engine reports weight version {engine.weight_version} after loading {version}")
     except Exception as exc:  # any load failure is reported; old weights stay
         error = f"{type(exc).__name__}: {exc}"
     return WeightAck(worker=worker_id, version=version, ok=error is None,
-                     seconds=float(time.monotonic() - started), error=error, mode=mode)
+                     seconds=float(time.monotonic() - started), error=error, mode=mode, **how)
 
 
 def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, only_if_missing: bool = False) -> None:
@@ -235,7 +244,7 @@ class ControlFollower:
                 if state.weight_path is not None and self.behind(state) and \
                         (state.weight_version, state.weight_path, state.generation) != self._attempted:
                     # Due, or failed before and the state changed since (a --force re-push retries).
-                    self._swap(state.weight_path, state.weight_version, state.swap_mode, state.generation)
+                    self._swap(state, state.weight_path)
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
                     write_ack(self.conn, self._last_ack, self.pool.name, only_if_missing=True)
@@ -255,30 +264,35 @@ class ControlFollower:
             log.warning("writing the control state back failed (%s); retried at the next read", exc)
             self._refused_generation = None
 
-    def _swap(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
+    def _swap(self, state: DesiredState, path: str) -> None:
         """Load pushed weights: partially (samples in flight continue on them) or after a drain."""
         feeder = self.feeder
-        if mode == "partial" and feeder.can_interrupt:
-            stopped = feeder.partial_swap(lambda: self._load_weights(path, version, "partial", generation))
+        version = state.weight_version
+        if state.swap_mode == "partial" and feeder.can_interrupt:
+            stopped = feeder.partial_swap(lambda: self._load_weights(state, path, "partial"))
             log.info("worker %s: partial swap to v%d: %d sample(s) stopped and continued",
                      self.worker_id, version, stopped)
             return
-        if mode == "partial":
+        if state.swap_mode == "partial":
             log.warning("worker %s: partial swap asked, but the %s engine cannot stop samples in flight (it "
                         "generates one batch at a time: --no-feed, or no concurrent interface); draining instead",
                         self.worker_id, self.engine.description.name)
         with feeder.gate.exclusive():
-            self._load_weights(path, version, "drain", generation)
+            self._load_weights(state, path, "drain")
 
-    def _load_weights(self, path: str, version: int, mode: SwapMode, generation: int) -> None:
-        self._attempted = (version, path, generation)
+    def _load_weights(self, state: DesiredState, path: str, mode: SwapMode) -> None:
+        version = state.weight_version
+        self._attempted = (version, path, state.generation)
         self.report("updating")
         log.info("worker %s: loading weights v%d from %s (%s)", self.worker_id, version, path, mode)
-        ack = load_weights(self.engine, self.worker_id, path, version, mode)
+        # A store push applies deltas from the version of that store the engine serves, if any.
+        have = self._loaded[0] if state.weight_source == "store" and self._loaded[1] == path else None
+        ack = load_weights(self.engine, self.worker_id, path, version, mode, state.weight_source, have)
         if ack.ok:
             self.weight_error = None
             self._loaded = (version, path)
-            log.info("worker %s: serving weights v%d (%.2f s)", self.worker_id, version, ack.seconds)
+            log.info("worker %s: serving weights v%d (%.2f s, %s%s)", self.worker_id, version, ack.seconds,
+                     ack.applied, f": {ack.detail}" if ack.detail else "")
         else:
             self.weight_error = f"loading weights v{version} from {path} failed: {ack.error}"
             log.error("worker %s: %s; taking no job until it loads the pool's weights (retried at the next "
