@@ -42,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-median-tokens", type=float, default=300.0, help="median output length")
     sim.add_argument("--sim-p99-tokens", type=float, default=4000.0, help="p99 output length (lognormal)")
     sim.add_argument("--sim-seed", type=int, default=0, help="seed of the tokens and logprobs")
+    sim.add_argument("--allow-sim-in-real-pool", action="store_true",
+                     help="join (and load pushes of) a pool whose weights are a real model checkpoint; by default "
+                          "the sim refuses them, so its made-up tokens are never labelled as a real model's")
 
 
 def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +82,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         sim={
             "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,
             "step_per_seq_s": args.sim_step_per_seq_us / 1e6, "median_tokens": args.sim_median_tokens,
-            "p99_tokens": args.sim_p99_tokens, "seed": args.sim_seed,
+            "p99_tokens": args.sim_p99_tokens, "seed": args.sim_seed, "real_weights": args.allow_sim_in_real_pool,
         } if args.engine == "sim" else {},
     )
 

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -49,7 +50,10 @@ from workers.engines.base import (
     SampleOutput,
 )
 from workers.engines.prefix_cache import PrefixCache
+from workers.errors import WeightsRefusedError
 
+# Files of a model checkpoint (beside its config.json) that the sim refuses to pretend to serve.
+CHECKPOINT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # The standard normal quantile of 0.99: p99 = median * exp(sigma * Z99).
 Z99 = 2.3263478740408408
 
@@ -67,6 +71,9 @@ class SimConfig:
     max_top_logprobs: int = 0
     weight_version: int = 0
     load_s: float = 0.0  # weight load time
+    # Take a pushed path that holds a real model checkpoint (`--allow-sim-in-real-pool`): by
+    # default the sim refuses one, so it never labels its made-up tokens as a real model's weights.
+    real_weights: bool = False
     # (layers, top_k, experts): a simulated mixture-of-experts model that serves routed experts.
     experts: tuple[int, int, int] | None = None
     tick_s: float = 0.002  # how often the step thread wakes (admission latency)
@@ -183,6 +190,21 @@ def _planned(config: SimConfig, request: RolloutRequest, index: int, max_new_tok
                         prompt_logprobs=prompt_lp, routed_experts=routed)
 
 
+def refuse_checkpoint(path: str) -> None:
+    """`WeightsRefusedError` when `path` holds a model checkpoint (a config.json or weight files):
+    the sim serves only its own weights, a path with nothing a model loads (e.g. `/ckpt/v3`)."""
+    local = Path(path.removeprefix("file://"))
+    found = sorted(p.name for p in local.iterdir() if p.name == "config.json" or p.suffix in CHECKPOINT_FILES) \
+        if local.is_dir() else [local.name] if local.suffix in CHECKPOINT_FILES and local.is_file() else []
+    if found:
+        raise WeightsRefusedError(
+            f"{path} holds a model checkpoint ({', '.join(found[:3])}): the sim engine generates made-up tokens "
+            "and would label them as those weights. It serves a pool whose weights are the sim's (a path with "
+            "no checkpoint); start it with a --pool of its own, or with --allow-sim-in-real-pool to run it in "
+            "this pool anyway (its rows say engine=sim)"
+        )
+
+
 class SimEngine(EngineIdentity):
     """A continuous-batching engine in simulation: slots, steps, a waiting queue."""
 
@@ -258,6 +280,8 @@ class SimEngine(EngineIdentity):
         return future
 
     def update_weights(self, path: str, version: int) -> None:
+        if not self.config.real_weights:
+            refuse_checkpoint(path)
         if self.config.load_s:
             time.sleep(self.config.load_s)
         with self._cond:
