@@ -39,6 +39,12 @@ class ServeCommand(Command):
         parser.add_argument("--turn-timeout", type=float, default=None, metavar="S",
                             help="seconds a call waits for its turn: then 503 (no worker, paused) or 504 "
                                  "(default 600)")
+        parser.add_argument("--no-affinity", dest="affinity", action="store_false",
+                            help="send each turn to whichever worker is free, not to its session's home worker "
+                                 "(where its prefix is cached)")
+        parser.add_argument("--load-factor", type=float, default=None, metavar="C",
+                            help="a home worker takes a session's turn while its turns in flight stay within C "
+                                 "times the mean (default 1.25); else the turn moves to the least-loaded worker")
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.serve.server import ServeConfig, Server
@@ -51,6 +57,12 @@ class ServeCommand(Command):
             options["default_max_tokens"] = args.max_tokens
         if args.turn_timeout is not None:
             options["turn_timeout_s"] = args.turn_timeout
+        if args.load_factor is not None:
+            if args.load_factor < 1:
+                raise SystemExit(f"pipeline serve: --load-factor {args.load_factor:g} must be at least 1 (1: no "
+                                 "worker above the mean; 1.25: the default)")
+            options["load_factor"] = args.load_factor
+        options["affinity"] = args.affinity
         server = Server(ServeConfig(**options))
         settings = server.turns.settings
         print(f"pipeline serve: pool {settings.pool!r}, run {settings.run!r}, model {settings.model!r} on "

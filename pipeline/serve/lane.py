@@ -6,8 +6,16 @@ the project's job function like any batch (same allow-list, admission, retries, 
 engine road); its payload carries one `TurnTag` per request, so the worker logs each turn's
 rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard of one row.
 
+Each turn goes to a worker chosen by `pipeline.serve.affinity` (its session's home while that
+is alive, able and not overloaded) through that worker's own lane (`pipeline.broker.lanes`); with
+no such worker it waits in the pool's shared lane for any. A worker's load is the set of turns
+routed to it and not yet answered (`keys.PoolKeys.lane_load`), read at most every `LOADS_TTL_S`
+and counted locally in between. While waiting, a server moves the turns of workers that died to
+the shared lane (`lanes.rehome_orphans`), so a turn whose worker was killed runs again elsewhere
+within the registry's expiry (three heartbeats) and a second.
+
 Turns that reach a server together travel together: a flusher thread enqueues the turns
-waiting when it comes round as one job (per run, output and worker class). While the server's
+waiting when it comes round as one job (per run, output, worker class and target worker). While the server's
 lane jobs in flight already keep the pool's live workers busy (two jobs each), new turns wait
 for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost is paid
 once for many turns; a turn reaching an idle pool is enqueued at once. A failed job fails each
@@ -21,6 +29,7 @@ call waits for it again instead of generating it twice.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -37,16 +46,19 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pipeline.audit.status import failure_reason
-from pipeline.broker import control_channel, keys, registry
+from pipeline.broker import control_channel, keys, lanes, registry
 from pipeline.broker.connection import asyncio_twin
 from pipeline.errors import APIError, CapabilityError, PipelineError
 from pipeline.intake.placement import Placement
 from pipeline.intake.submit import job_data
+from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, Route, choose
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc
 from schemas.worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TURN_TIMEOUT_S = 600.0
 TURN_JOB_TIMEOUT_S = 3600
@@ -57,6 +69,8 @@ HOLD_S = 0.05  # the longest a turn waits for others to share its job while the 
 OUTSTANDING_S = 2.0  # a lane job this server enqueued counts as in flight for at most this long
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
 BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
+LOADS_TTL_S = 0.05  # workers' loads are read at most this often per server (counted locally between)
+REHOME_S = 1.0  # dead workers' lanes are looked for at most this often per server
 
 
 @dataclass
@@ -69,6 +83,7 @@ class _Waiting:
     output: str
     needs: Needs
     group: Hashable
+    worker: str | None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -77,13 +92,20 @@ class Lane:
     """One pool's interactive lane, as a server uses it."""
 
     def __init__(self, conn: redis.Redis, pool: str, *, turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S,
-                 max_turns_per_job: int = MAX_TURNS_PER_JOB) -> None:
+                 max_turns_per_job: int = MAX_TURNS_PER_JOB, affinity: bool = True,
+                 load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
         self.conn = conn
         self.keys = keys.pool(pool)
         self.turn_timeout_s = turn_timeout_s
         self.max_turns_per_job = max_turns_per_job
+        self.affinity = affinity  # False: every turn to the shared lane, whichever worker is free (the baseline)
+        self.load_factor = load_factor
         self.queue = Queue(self.keys.lane_queue_name, connection=conn, serializer=JSONSerializer)
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self._desired: tuple[float, int | None] = (0.0, None)
+        self._loads: tuple[float, dict[str, int]] = (0.0, {})
+        self._worker_of_turn: dict[str, str] = {}
+        self._rehomed_at = 0.0
         self._lock = threading.Lock()
         self._waiting: list[_Waiting] = []
         self._ready = threading.Condition()
@@ -101,16 +123,66 @@ class Lane:
                 self._workers = (time.monotonic(), workers)
             return workers
 
-    def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag) -> None:
-        """Enqueue the turn (with whatever other turns wait with it); 400 when no live worker of the
-        pool could serve what it asks."""
-        placement = Placement(self.live_workers(), self.keys.name)
+    def desired_version(self) -> int | None:
+        with self._lock:
+            read_at, version = self._desired
+            if time.monotonic() - read_at > WORKERS_TTL_S:
+                try:
+                    version = control_channel.read_state(self.conn, self.keys.name).weight_version
+                except PipelineError:
+                    version = None
+                self._desired = (time.monotonic(), version)
+            return version
+
+    def loads(self, workers: list[WorkerInfo]) -> dict[str, int]:
+        """Turns routed to each live worker and not yet answered (read at most every `LOADS_TTL_S`;
+        the turns this server routes in between are counted as they are routed)."""
+        with self._lock:
+            read_at, loads = self._loads
+            if time.monotonic() - read_at <= LOADS_TTL_S and set(loads) == {w.worker_id for w in workers}:
+                return loads
+        now = time.time()
+        with self.conn.pipeline(transaction=False) as pipe:
+            for worker in workers:
+                pipe.zcount(self.keys.lane_load(worker.worker_id), now, "+inf")
+            counts = pipe.execute()
+        loads = {w.worker_id: int(c) for w, c in zip(workers, counts, strict=True)}
+        with self._lock:
+            self._loads = (time.monotonic(), loads)
+        return loads
+
+    def route(self, home: str | None, workers: list[WorkerInfo], placement: Placement, group: Hashable) -> Route:
+        """The worker for a session's turn (`affinity.choose`), counted in its load at once."""
+        if not self.affinity:
+            return Route(None)
+
+        def can_serve(worker: WorkerInfo) -> bool:
+            if not placement.classes:
+                return True
+            index = placement.classes.index(worker.capabilities)
+            return not isinstance(group, tuple) or index in group
+
+        loads = self.loads(workers)
+        route = choose(home, workers, loads, can_serve=can_serve, desired_version=self.desired_version(),
+                       load_factor=self.load_factor)
+        if route.worker is not None:
+            with self._lock:
+                loads[route.worker] = loads.get(route.worker, 0) + 1
+        return route
+
+    def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag,
+                home: str | None = None) -> Route:
+        """Enqueue the turn (with whatever other turns wait with it) on the worker `route` chooses;
+        400 when no live worker of the pool could serve what it asks."""
+        workers = self.live_workers()
+        placement = Placement(workers, self.keys.name)
         needs, group = placement.place(request, request.id)
         try:
             placement.check()
         except CapabilityError as exc:
             raise APIError(400, str(exc).replace("nothing was enqueued:\n  ", ""), code="unservable") from None
-        waiting = _Waiting(request, turn, run, output, needs, (run, output, group))
+        route = self.route(home, workers, placement, group)
+        waiting = _Waiting(request, turn, run, output, needs, (run, output, group, route.worker), route.worker)
         with self._ready:
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name="lane-flusher", daemon=True)
@@ -120,6 +192,7 @@ class Lane:
         waiting.done.wait()
         if waiting.error is not None:
             raise waiting.error
+        return route
 
     def _flush_loop(self) -> None:
         while True:
@@ -148,7 +221,12 @@ class Lane:
         return recent >= 2 * max(1, len(self.live_workers()))
 
     def _answered(self, turn_id: str) -> None:
-        """A turn this server enqueued is answered (or given up): its job counts down."""
+        """A turn this server enqueued is answered (or given up): its job counts down, its worker's
+        load too."""
+        with self._lock:
+            worker = self._worker_of_turn.pop(turn_id, None)
+        if worker is not None:
+            self.conn.zrem(self.keys.lane_load(worker), turn_id)
         with self._ready:
             job_id = self._job_of_turn.pop(turn_id, None)
             if job_id is None or job_id not in self._jobs:
@@ -172,11 +250,19 @@ class Lane:
                 needs |= other.needs
             data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
                             description=f"{len(turns)} agent turn(s) of run {first.run}")
+            worker = first.worker
+            queue = self.queue if worker is None else lanes.worker_queue(self.conn, self.keys, worker)
             with self.conn.pipeline(transaction=True) as pipe:
                 for waiting in turns:
                     pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
-                self.queue.enqueue_many([data], pipeline=pipe)
+                if worker is not None:
+                    forget_at = time.time() + self.turn_timeout_s
+                    pipe.zadd(self.keys.lane_load(worker), {t.turn.turn_id: forget_at for t in turns})
+                queue.enqueue_many([data], pipeline=pipe)
                 pipe.execute()
+            if worker is not None:
+                with self._lock:
+                    self._worker_of_turn.update((t.turn.turn_id, worker) for t in turns)
             with self._ready:
                 self._jobs[job_id] = (len(turns), time.monotonic())
                 for waiting in turns:
@@ -248,6 +334,7 @@ class Lane:
         answered = settled()
         if answered is not None:
             return answered
+        self._rehome()
         job_id = self.job_of(turn_id)
         status = None if job_id is None else self.conn.hget(Job.key_for(job_id), "status")
         if status == b"finished":  # answered, but the reply went to a waiter that is gone
@@ -262,6 +349,20 @@ class Lane:
             status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
             raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
         return None
+
+    def _rehome(self) -> None:
+        """Move dead workers' turns to the shared lane (at most every `REHOME_S` per server)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._rehomed_at < REHOME_S:
+                return
+            self._rehomed_at = now
+        with self._lock:
+            self._workers = (0.0, self._workers[1])  # read the registry afresh
+        live = {w.worker_id for w in self.live_workers()}
+        moved = lanes.rehome_orphans(self.conn, self.keys, live)
+        if moved:
+            log.warning("moved %d lane job(s) of dead worker(s) of pool %r to the shared lane", moved, self.keys.name)
 
     def _async_conn(self) -> redis.asyncio.Redis | None:
         if self._aconn is False:

@@ -23,6 +23,7 @@ from pipeline.broker.connection import connect_redis
 from pipeline.errors import PipelineError
 from pipeline.intake.render import ChatRenderer
 from pipeline.intake.submit import default_output, new_run_name
+from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -51,6 +52,8 @@ class ServeConfig:
     context_length: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S
+    affinity: bool = True
+    load_factor: float = DEFAULT_LOAD_FACTOR
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
@@ -107,6 +110,7 @@ def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
         pool=keys.pool(config.pool).name, model=model, tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser, context_length=context,
         default_max_tokens=config.default_max_tokens, turn_timeout_s=config.turn_timeout_s,
+        affinity=config.affinity, load_factor=config.load_factor,
     )
     return Turns(conn, settings, renderer)
 

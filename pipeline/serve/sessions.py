@@ -127,6 +127,35 @@ class Pending:
         return cls(**json.loads(raw))
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a committed turn ran: the worker that served it, the worker it was routed to and why
+    that was not the session's home (`affinity.Route`; None when this server did not route it), and
+    its prompt tokens, of which `cached_tokens` the engine found in its prefix cache."""
+
+    served_by: str
+    routed_to: str | None
+    moved: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+    def count(self, pipe: Any, stats_key: str, home: str | None) -> None:
+        """The pool's affinity counts (`keys.PoolKeys.lane_stats`): turns; turns of a session with a
+        home, and those served there; prompt and cached tokens; moves by reason (a turn routed home
+        that ran elsewhere moved because its worker died: `gone`)."""
+        pipe.hincrby(stats_key, "turns", 1)
+        pipe.hincrby(stats_key, "prompt_tokens", self.prompt_tokens)
+        pipe.hincrby(stats_key, "cached_tokens", self.cached_tokens)
+        if home is None:
+            return
+        pipe.hincrby(stats_key, "homed_turns", 1)
+        if self.served_by == home:
+            pipe.hincrby(stats_key, "home_turns", 1)
+        else:
+            reason = self.moved if self.moved and self.served_by == self.routed_to else "gone"
+            pipe.hincrby(stats_key, f"moves:{reason}", 1)
+
+
 @dataclass
 class Session:
     """A session as read from Redis."""
@@ -144,6 +173,7 @@ class Session:
     min_version: int | None = None
     max_version: int | None = None
     ephemeral: bool = False
+    home: str | None = None  # the worker that served its last turn (`pipeline.serve.affinity`)
 
     def public(self) -> dict[str, Any]:
         """The session as `GET /sessions/<id>` shows it."""
@@ -212,6 +242,7 @@ class SessionStore:
             int(data["min_version"]) if "min_version" in data else None,
             int(data["max_version"]) if "max_version" in data else None,
             data.get("ephemeral") == "1",
+            data.get("home"),
         )
 
     def claim(self, session: Session, pending: Pending) -> bool:
@@ -228,12 +259,15 @@ class SessionStore:
                 pipe.hdel(key, "pending")
                 pipe.execute()
 
-    def record(self, session: Session, pending: Pending, record: TurnRecord, versions: tuple[int, int]) -> None:
-        """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move, and the
-        weight versions its turns used widen; one transaction."""
+    def record(self, session: Session, pending: Pending, record: TurnRecord, versions: tuple[int, int],
+               placed: Placed) -> None:
+        """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move, the
+        weight versions its turns used widen, and the worker that served it becomes the session's
+        home (the pool's affinity counts move with it); one transaction."""
         key = keys.session(session.session_id)
         with self.conn.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"last": record.to_json(), "turns": pending.turn + 1})
+            pipe.hset(key, mapping={"last": record.to_json(), "turns": pending.turn + 1, "home": placed.served_by})
+            placed.count(pipe, keys.pool(session.pool).lane_stats, session.home)
             pipe.eval(_WIDEN_VERSIONS, 1, key, *versions)
             pipe.hdel(key, "pending")
             pipe.expire(key, SESSION_TTL_S)

@@ -30,10 +30,11 @@ import redis
 
 from pipeline.errors import APIError, RenderError
 from pipeline.intake.render import ChatRenderer
+from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
 from pipeline.serve.lane import Lane
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
-from pipeline.serve.sessions import Choice, Pending, Session, SessionStore, TurnRecord, digest
+from pipeline.serve.sessions import Choice, Pending, Placed, Session, SessionStore, TurnRecord, digest
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
 from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
@@ -52,6 +53,8 @@ class TurnSettings:
     context_length: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     turn_timeout_s: float = 600.0
+    affinity: bool = True  # a session's turns go to its home worker (`pipeline.serve.affinity`)
+    load_factor: float = DEFAULT_LOAD_FACTOR
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class InFlight:
     answer: Callable[[pa.Table, Pending], dict[str, Any]]
     assistant_of: Callable[[dict[str, Any]], dict[str, Any]]
     settled: Callable[[], dict[str, Any] | None]
+    route: Route | None = None  # where this server routed the turn (None: another call enqueued it)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class Turns:
         self.settings = settings
         self.renderer = renderer
         self.sessions = SessionStore(conn)
-        self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s)
+        self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s, affinity=settings.affinity,
+                         load_factor=settings.load_factor)
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -255,13 +260,15 @@ class Turns:
                                         "takes one call at a time", code="turn_in_flight")
                 self.sessions.release(session, pending)
                 pending = None
+            route = None
             if pending is None:
-                pending = self._start(session, body, request_digest, messages_digest, n_messages, prompt_of)
-                if pending is None:  # another server claimed this session's turn meanwhile
+                started_turn = self._start(session, body, request_digest, messages_digest, n_messages, prompt_of)
+                if started_turn is None:  # another server claimed this session's turn meanwhile
                     session = self.sessions.get(session.session_id)
                     continue
+                pending, route = started_turn
             return InFlight(session, pending, started, answer, assistant_of,
-                            functools.partial(self._recorded, session.session_id, request_digest))
+                            functools.partial(self._recorded, session.session_id, request_digest), route)
         raise APIError(409, f"session {session.session_id!r}: another call keeps taking its turn", code="turn_conflict")
 
     def wait(self, call: InFlight) -> pa.Table | dict[str, Any]:
@@ -291,7 +298,7 @@ class Turns:
         if isinstance(got, dict):
             return got
         response = call.answer(got, call.pending)
-        self._record(call.session, call.pending, got, response, call.assistant_of)
+        self._record(call, got, response)
         return response
 
     def _recorded(self, session_id: str, request_digest: str) -> dict[str, Any] | None:
@@ -306,7 +313,7 @@ class Turns:
 
     def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
                messages_digest: str, n_messages: int,
-               prompt_of: Callable[[TurnRecord | None], Prompt]) -> Pending | None:
+               prompt_of: Callable[[TurnRecord | None], Prompt]) -> tuple[Pending, Route] | None:
         prompt = prompt_of(session.last)
         sampling = body.sampling(self._budget(prompt, body.budget()))
         turn = session.turns
@@ -320,16 +327,16 @@ class Turns:
         if not self.sessions.claim(session, pending):
             return None
         try:
-            self.lane.enqueue(request, run=session.run, output=session.output,
-                              turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
-                                           prefix_break=prompt.prefix_break))
+            route = self.lane.enqueue(request, run=session.run, output=session.output, home=session.home,
+                                      turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
+                                                   prefix_break=prompt.prefix_break))
         except BaseException:
             self.sessions.release(session, pending)
             raise
-        return pending
+        return pending, route
 
-    def _record(self, session: Session, pending: Pending, table: pa.Table, response: dict[str, Any],
-                assistant_of: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def _record(self, call: InFlight, table: pa.Table, response: dict[str, Any]) -> None:
+        session, pending, assistant_of = call.session, call.pending, call.assistant_of
         rows = sorted(table.to_pylist(), key=lambda r: r["sample_index"])
         choices = [Choice(row["completion_token_ids"], self._special_text(row["completion_token_ids"]),
                           canonical_assistant(assistant_of(choice)))
@@ -338,6 +345,10 @@ class Turns:
                             pending.n_messages, rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response)
         versions = [v for row in rows for v in ([row["weight_version"]] + [s["version"] for s in
                                                                             row["weight_version_segments"] or []])]
-        self.sessions.record(session, pending, record, (min(versions), max(versions)))
+        placed = Placed(served_by=rows[0]["worker_id"], routed_to=None if call.route is None else call.route.worker,
+                        moved=None if call.route is None else call.route.moved,
+                        prompt_tokens=sum(r["prompt_tokens"] for r in rows),
+                        cached_tokens=sum(r["cached_tokens"] for r in rows))
+        self.sessions.record(session, pending, record, (min(versions), max(versions)), placed)
         if session.ephemeral:
             self.sessions.end(session.session_id)

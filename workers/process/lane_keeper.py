@@ -1,0 +1,55 @@
+"""A worker's part in session affinity: its own lane registered, dead neighbours' turns moved.
+
+`pipeline serve` routes a session's turns to the worker that served its last one, through that
+worker's own lane queue (`pipeline.broker.lanes`). Every `interval_s`, this thread re-registers
+the worker's lane (so a lane dropped while the worker looked dead, in a partition, comes back)
+and moves the turns of the pool's dead workers to the shared lane, so a turn routed to a worker
+that was killed runs again elsewhere even when no server is waiting for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from pipeline.broker import keys, lanes
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+
+
+class LaneKeeper:
+    def __init__(self, conn: redis.Redis, pool: keys.PoolKeys, worker_id: str, *,
+                 interval_s: float = INTERVAL_S) -> None:
+        self.conn = conn
+        self.pool = pool
+        self.worker_id = worker_id
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.tend()
+        self._thread = threading.Thread(target=self._loop, name="lane-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def tend(self) -> None:
+        lanes.register(self.conn, self.pool, self.worker_id)
+        moved = lanes.rehome_orphans(self.conn, self.pool)
+        if moved:
+            log.warning("moved %d lane job(s) of dead worker(s) of pool %r to the shared lane", moved, self.pool.name)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tend()
+            except Exception as exc:  # Redis away for a moment: try again next round
+                log.debug("lane upkeep failed: %s", exc)
