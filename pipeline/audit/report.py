@@ -7,8 +7,9 @@ Sections, each a plot (PNG, base64 in the page) beside a table of its numbers:
 - logprobs of the sampled tokens, and the entropy proxy: a row's mean −logprob of its sampled
   tokens (a Monte-Carlo estimate of the policy's per-token entropy);
 - rows and tokens per worker (and engine);
-- throughput over time: completion tokens per interval, from the commit log's timestamps (a run
-  read through Redis) or the shards' `finished_at` (a URL);
+- throughput: completion tokens per second, from each row's `started_at` and `finished_at` (the
+  time its job held a worker): over the span from the first start to the last finish, and over
+  the time some job was generating (idle gaps, e.g. a trainer's step between batches, left out);
 - staleness, when rows continued across partial swaps: per token, how many versions it lags
   the newest version of its row;
 - agent sessions, when the run has agent turns (`pipeline serve`): turns, sessions and prefix
@@ -37,12 +38,13 @@ import pyarrow.dataset as pads
 import redis
 
 from pipeline.audit.verify_stats import VerifyReport
-from pipeline.broker import commit_log, keys
+from pipeline.broker import keys
 from pipeline.errors import PipelineError
 from pipeline.read.reader import is_location, rollouts_dataset
 
 COLUMNS = ["job_id", "worker_id", "engine", "weight_version", "completion_tokens",
-           "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "finished_at"]
+           "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "started_at",
+           "finished_at"]
 # Columns a shard may lack (written before they existed): read as nulls.
 OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break"]
 LOGPROB_BINS = np.linspace(-20.0, 0.0, 81)
@@ -63,7 +65,8 @@ class RunFigures:
     entropy: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     workers: Counter = field(default_factory=Counter)  # (worker, engine) -> rows
     worker_tokens: Counter = field(default_factory=Counter)
-    job_finished: dict[str, tuple[datetime, int]] = field(default_factory=dict)  # job -> (last finish, tokens)
+    # job -> (its rows' first start, last finish, completion tokens)
+    job_times: dict[str, tuple[datetime, datetime, int]] = field(default_factory=dict)
     lag_tokens: Counter = field(default_factory=Counter)  # versions behind the row's newest -> tokens
     continued_rows: int = 0
     agent_rows: int = 0  # rows of agent turns (`pipeline serve`): a turn's n samples are n rows
@@ -83,8 +86,9 @@ class RunFigures:
             key = (row["worker_id"], row["engine"])
             self.workers[key] += 1
             self.worker_tokens[key] += n
-            finished, tokens = self.job_finished.get(row["job_id"], (row["finished_at"], 0))
-            self.job_finished[row["job_id"]] = (max(finished, row["finished_at"]), tokens + n)
+            started, finished, tokens = self.job_times.get(row["job_id"], (row["started_at"], row["finished_at"], 0))
+            self.job_times[row["job_id"]] = (min(started, row["started_at"]), max(finished, row["finished_at"]),
+                                              tokens + n)
             logprobs = row["completion_logprobs"]
             if logprobs:
                 values = np.asarray(logprobs, dtype=np.float64)
@@ -222,27 +226,54 @@ def _workers_section(f: RunFigures) -> str:
     return _section("Rows and tokens per worker", _png(fig), _table(["worker", "engine", "rows", "tokens"], rows))
 
 
-def _throughput_section(f: RunFigures, commits: list[tuple[datetime, int]] | None) -> str:
-    points = commits if commits is not None else sorted(f.job_finished.values())
-    source = "the commit log's timestamps" if commits is not None else "each shard's last finished_at"
-    if not points:
+def _generating_s(intervals: np.ndarray) -> float:
+    """Seconds covered by at least one of the (start, end) intervals (their union's length)."""
+    total, reach = 0.0, -math.inf
+    for begin, end in intervals[np.argsort(intervals[:, 0])]:
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
+
+
+def _throughput_section(f: RunFigures) -> str:
+    if not f.job_times:
         return _section("Throughput", None, "<p>nothing committed</p>")
-    times = np.array([p[0].timestamp() for p in points])
-    tokens = np.array([p[1] for p in points])
-    start = times.min()
-    span = max(times.max() - start, 1.0)
-    edges = np.linspace(0.0, span, min(30, max(2, len(points))) + 1)
-    per_bin, _ = np.histogram(times - start, bins=edges, weights=tokens)
-    width = edges[1] - edges[0]
-    fig, ax = _figure()
-    ax.step(edges[:-1], per_bin / width, where="post")
-    ax.set_xlabel("seconds since the first commit")
-    ax.set_ylabel("completion tokens / s")
-    rows = [[datetime.fromtimestamp(start, UTC).isoformat(timespec="seconds"), f"{span:.1f}", len(points),
-             int(tokens.sum()), float(tokens.sum() / span)]]
-    return _section("Throughput over time", _png(fig),
-                    _table(["first commit (UTC)", "span (s)", "commits", "tokens", "tokens/s"], rows),
-                    note=f"from {source}")
+    intervals = np.array([(a.timestamp(), b.timestamp()) for a, b, _ in f.job_times.values()])
+    tokens = np.array([t for _, _, t in f.job_times.values()], dtype=np.float64)
+    start, end = float(intervals[:, 0].min()), float(intervals[:, 1].max())
+    span, generating = end - start, _generating_s(intervals)
+    note = ("from each row's started_at and finished_at (the time its job held a worker, from taking it to "
+            "building its rows): the span runs from the first start to the last finish; 'while generating' "
+            "counts only the time some job was running (idle gaps between jobs left out)")
+    rates: list[Any] = ["—", "—"]
+    image = None
+    if generating > 0:
+        rates = [float(tokens.sum() / span), float(tokens.sum() / generating)]
+        # Each job's tokens spread evenly over its own time (a job of no duration: all in its bin).
+        edges = np.linspace(0.0, span, min(30, max(2, len(tokens))) + 1)
+        per_bin = np.zeros(len(edges) - 1)
+        for (begin, finish), count in zip(intervals - start, tokens, strict=True):
+            if finish > begin:
+                overlap = np.clip(np.minimum(edges[1:], finish) - np.maximum(edges[:-1], begin), 0.0, None)
+                per_bin += count * overlap / (finish - begin)
+            else:
+                per_bin[min(int(np.searchsorted(edges, begin, side="right")) - 1, len(per_bin) - 1)] += count
+        fig, ax = _figure()
+        ax.step(edges[:-1], per_bin / (edges[1] - edges[0]), where="post")
+        ax.set_xlabel("seconds since the first row started")
+        ax.set_ylabel("completion tokens / s")
+        image = _png(fig)
+    else:
+        note += ("; every row started and finished within the same millisecond: too short to measure a rate, "
+                 "so none is shown")
+    rows = [[datetime.fromtimestamp(start, UTC).isoformat(timespec="seconds"),
+             datetime.fromtimestamp(end, UTC).isoformat(timespec="seconds"), f"{span:.1f}", f"{generating:.1f}",
+             len(tokens), int(tokens.sum()), *rates]]
+    return _section("Throughput over time", image,
+                    _table(["first start (UTC)", "last finish (UTC)", "span (s)", "generating (s)", "jobs",
+                            "completion tokens", "tokens/s over the span", "tokens/s while generating"], rows),
+                    note=note)
 
 
 def _staleness_section(f: RunFigures) -> str:
@@ -303,17 +334,17 @@ table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ccc;paddi
 th{background:#f3f3f3}.note{color:#666;font-size:.85em}img{max-width:640px}"""
 
 
-def render(source: str, figures: RunFigures, *, commits: list[tuple[datetime, int]] | None = None,
-           verify: VerifyReport | None = None, turn_stats: dict[str, int] | None = None) -> str:
+def render(source: str, figures: RunFigures, *, verify: VerifyReport | None = None,
+           turn_stats: dict[str, int] | None = None) -> str:
     """The page as one HTML string (`turn_stats`: the run's agent-turn counts in Redis, see `_turn_stats`)."""
     if not figures.rows:
         raise PipelineError(f"no rows under {source!r}: nothing to report")
     overview = _table(["rows", "completion tokens", "weight versions", "workers", "jobs"], [[
         figures.rows, figures.tokens, ", ".join(f"v{v}" for v in sorted(figures.lengths)), len(figures.workers),
-        len(figures.job_finished)]])
+        len(figures.job_times)]])
     sections = [
         _lengths_section(figures), _finish_section(figures), _logprob_section(figures), _workers_section(figures),
-        _throughput_section(figures, commits), _staleness_section(figures),
+        _throughput_section(figures), _staleness_section(figures),
     ]
     if figures.agent_rows or turn_stats is not None:
         sections.insert(0, _agent_section(figures, turn_stats))
@@ -323,12 +354,6 @@ def render(source: str, figures: RunFigures, *, commits: list[tuple[datetime, in
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{overview}{''.join(sections)}"
             "</body></html>")
-
-
-def _commit_points(conn: redis.Redis, run: str) -> list[tuple[datetime, int]]:
-    """(commit time, tokens) per committed job: the stream entry id's milliseconds."""
-    return [(datetime.fromtimestamp(int(c.entry_id.split("-")[0]) / 1000, UTC), c.tokens)
-            for c in commit_log.read_all(conn, run) if c.entry_id]
 
 
 def _turn_stats(conn: redis.Redis, run: str) -> dict[str, int] | None:
@@ -344,14 +369,14 @@ def _turn_stats(conn: redis.Redis, run: str) -> dict[str, int] | None:
 
 def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = None,
            verify_options: dict[str, Any] | None = None) -> str:
-    """The HTML page of `source` (a URL or directory of shards; a run name with `conn`, whose
-    commit log also gives the throughput timestamps). With `verify_model`, `pipeline.verify` runs
-    first (`verify_options` passed on) and its summary is a section of the page."""
+    """The HTML page of `source` (a URL or directory of shards; a run name with `conn`). With
+    `verify_model`, `pipeline.verify` runs first (`verify_options` passed on) and its summary is a
+    section of the page."""
     turn_stats = None
     if is_location(source):
-        dataset, commits = rollouts_dataset(source), None
+        dataset = rollouts_dataset(source)
     elif conn is not None:
-        dataset, commits = rollouts_dataset([], source, conn=conn), _commit_points(conn, source)
+        dataset = rollouts_dataset([], source, conn=conn)
         turn_stats = _turn_stats(conn, source)
     else:
         raise PipelineError(f"{source!r} is neither a URL nor an existing path; a run name needs a Redis connection")
@@ -361,5 +386,5 @@ def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = 
         from pipeline.audit.verify import verify
 
         checked = verify(source, verify_model, conn=conn, **(verify_options or {}))
-    return render(source, figures, commits=commits, verify=checked, turn_stats=turn_stats)
+    return render(source, figures, verify=checked, turn_stats=turn_stats)
 

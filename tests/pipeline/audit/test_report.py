@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import io
 import shutil
 import subprocess
@@ -115,8 +116,9 @@ def test_report_of_a_run_shows_its_numbers(dense_run: str, tiny_model_dir: Path,
     assert shown == finishes
     (verify,) = page.table_with("weight_version")
     assert float(verify["max_abs_diff"]) <= 1e-3 and verify["tokens"] == overview["completion tokens"]
-    (throughput,) = page.table_with("first commit (UTC)")
-    assert throughput["tokens"] == overview["completion tokens"] and "commit log" in out.read_text()
+    (throughput,) = page.table_with("tokens/s while generating")
+    assert throughput["completion tokens"] == overview["completion tokens"]
+    assert float(throughput["generating (s)"]) <= float(throughput["span (s)"])
 
 
 CHROMIUM = shutil.which("chromium")
@@ -172,6 +174,42 @@ def test_an_empty_location_is_refused(tmp_path: Path) -> None:
     pq.write_table(SHARD_SCHEMA.empty_table(), tmp_path / "empty.parquet")  # a shard without rows
     with pytest.raises(pipeline.PipelineError, match="no rows under"):
         pipeline.report(str(tmp_path))
+
+
+def timed_shard(out: Path, job_id: str, tokens: int, started: float, finished: float) -> None:
+    """A one-row shard through the workers' row builder whose job ran from `started` to `finished` (epoch s)."""
+    request = RolloutRequest.model_validate({"id": job_id, "input_ids": [1, 2], "logprobs": 0,
+                                             "sampling_params": {"max_new_tokens": tokens}})
+    output = SampleOutput(token_ids=np.arange(1, tokens + 1, dtype=np.int32), finish=Finish("length"),
+                          logprobs=np.full(tokens, -1.0, np.float32))
+    at = [datetime.fromtimestamp(t, UTC) for t in (started, started, finished)]
+    ctx = RowContext(run="timed", job_id=job_id, engine="sim", model="m", worker_id="w", weight_version=0,
+                     submitted_at=at[0], started_at=at[1], finished_at=at[2])
+    write_shard(build_table([request], [[output]], ctx), f"file://{out}", "timed", job_id)
+
+
+def test_throughput_comes_from_the_rows_start_and_finish_times(tmp_path: Path) -> None:
+    """Two jobs of 10 s each, 100 s apart (a trainer's step between them): 200 tokens over 20 s of
+    generation (10 tokens/s) and a 110 s span; no commit time or floor comes into it."""
+    t0 = 1_700_000_000.0
+    timed_shard(tmp_path, "j1", 100, t0, t0 + 10)
+    timed_shard(tmp_path, "j2", 100, t0 + 100, t0 + 110)
+    text = pipeline.report(str(tmp_path / "timed"))
+    (throughput,) = Page(text).table_with("tokens/s while generating")
+    assert (throughput["span (s)"], throughput["generating (s)"]) == ("110.0", "20.0")
+    assert throughput["completion tokens"] == "200"
+    assert float(throughput["tokens/s while generating"]) == pytest.approx(10.0)
+    assert float(throughput["tokens/s over the span"]) == pytest.approx(200 / 110, rel=1e-3)  # 4 digits shown
+    assert "from each row's started_at and finished_at" in html.unescape(text)  # what the figures mean
+
+
+def test_throughput_of_rows_too_short_to_time_says_so_instead_of_a_rate(tmp_path: Path) -> None:
+    t0 = 1_700_000_000.0
+    timed_shard(tmp_path, "j1", 128, t0, t0)  # started and finished within the same millisecond
+    text = pipeline.report(str(tmp_path / "timed"))
+    (throughput,) = Page(text).table_with("tokens/s while generating")
+    assert throughput["tokens/s while generating"] == "—" and throughput["span (s)"] == "0.0"
+    assert "too short to measure a rate" in text and "128.0" not in text
 
 
 def turn_shard(out: Path, run: str, job_id: str, turns: list[tuple[TurnTag | None, int]]) -> tuple[str, pa.Table]:
