@@ -16,6 +16,7 @@ fewer than 1 - 1/F of them.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,6 +32,11 @@ from pipeline.read.cancel import CancelResult
 from pipeline.read.reader import read_rollouts
 
 GroupFilter = Callable[[pa.Table], bool]
+
+
+class RewardsFailedWarning(UserWarning):
+    """`Batch.take` dropped groups because their reward function failed (not because the filter
+    rejected them): the rewards, not the rollouts, need looking into."""
 _POLL_MS = 200
 
 
@@ -49,13 +55,15 @@ def rewards_differ(group: pa.Table) -> bool:
 class TakeResult:
     """What `Batch.take` kept (`table`: the kept groups' rows, groups in the order they were kept;
     `groups`: their request ids), dropped (request ids the filter rejected, or whose rewards
-    failed), left over (complete groups read past the N-th) and canceled."""
+    failed), left over (complete groups read past the N-th) and canceled; `reward_errors`: the
+    jobs whose reward function failed, with its error (a `RewardsFailedWarning` says so)."""
 
     table: pa.Table
     groups: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     surplus: list[str] = field(default_factory=list)
     canceled: CancelResult | None = None
+    reward_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def drop_rate(self) -> float:
@@ -83,14 +91,15 @@ class Takeable(Protocol):
     def cancel(self) -> CancelResult: ...
 
 
-def _ready_jobs(batch: Takeable, reward: str | None, taken: set[str]) -> list[tuple[str, str]]:
-    """(job id, shard URL) of the batch's jobs ready to read and not taken yet, in commit order."""
+def _ready_jobs(batch: Takeable, reward: str | None, taken: set[str]) -> list[tuple[str, str, str]]:
+    """(job id, shard URL, its reward function's error or "") of the batch's jobs ready to read and
+    not taken yet, in commit order."""
     ours = set(batch.job_ids) - taken
     commits = [c for c in commit_log.read_all(batch.conn, batch.run) if c.job_id in ours]
     if reward is None:
-        return [(c.job_id, c.url) for c in commits]
-    scored = {r.job_id for r in reward_log.read_all(batch.conn, batch.run)}
-    return [(c.job_id, c.url) for c in commits if c.job_id in scored]
+        return [(c.job_id, c.url, "") for c in commits]
+    scored = {r.job_id: r.error for r in reward_log.read_all(batch.conn, batch.run)}
+    return [(c.job_id, c.url, scored[c.job_id]) for c in commits if c.job_id in scored]
 
 
 def take(batch: Takeable, groups: int | None = None, keep: GroupFilter | None = None, *,
@@ -104,12 +113,15 @@ def take(batch: Takeable, groups: int | None = None, keep: GroupFilter | None = 
     reward = batch.reward
     deadline = None if timeout is None else time.monotonic() + timeout
     kept: list[pa.Table] = []
+    failed_groups = 0  # groups dropped because their rewards failed
     result = TakeResult(table=pa.table({}))
     taken: set[str] = set()
     while len(result.groups) < wanted:
         ready = _ready_jobs(batch, reward, taken)
-        for job_id, url in ready:
+        for job_id, url, error in ready:
             taken.add(job_id)
+            if error:
+                result.reward_errors[job_id] = error
             table = read_rollouts(url, rewards=reward is not None, conn=None)
             for request_id, group in split_groups(table):
                 if len(result.groups) >= wanted:
@@ -119,6 +131,7 @@ def take(batch: Takeable, groups: int | None = None, keep: GroupFilter | None = 
                     kept.append(group)
                 else:
                     result.dropped.append(request_id)
+                    failed_groups += bool(error)
         if len(result.groups) >= wanted:
             break
         states = batch.job_states()
@@ -134,6 +147,13 @@ def take(batch: Takeable, groups: int | None = None, keep: GroupFilter | None = 
         if left:
             result.canceled = batch.cancel()
     result.table = pa.concat_tables(kept) if kept else pa.table({})
+    if failed_groups:
+        first = next(iter(result.reward_errors.values()))
+        warnings.warn(
+            f"take from run {batch.run}: the rewards of {len(result.reward_errors)} job(s) failed (reward function "
+            f"{reward!r}: {first}), so their {failed_groups} group(s) were dropped and {len(result.groups)} of "
+            f"{wanted} kept; fix the reward function (`TakeResult.reward_errors` lists each job's error)",
+            RewardsFailedWarning, stacklevel=3)
     return result
 
 

@@ -11,7 +11,7 @@ import redis
 import pipeline
 from pipeline.audit.status import collect
 from pipeline.intake.submit import rollout_queue
-from pipeline.read.take import rewards_differ
+from pipeline.read.take import RewardsFailedWarning, rewards_differ
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker
@@ -78,3 +78,23 @@ def test_oversample_needs_groups_and_enough_requests(redis_client: redis.Redis, 
     with pytest.raises(pipeline.PipelineError, match="needs 6 requests; the input has 4; nothing was enqueued"):
         client.submit(requests(4), run="o", output=f"file://{tmp_path}", groups=3, oversample=2)
     assert rollout_queue(redis_client).count == 0
+
+
+def test_take_with_every_reward_failed_warns_instead_of_silently_keeping_nothing(
+    redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PIPELINE_REWARDS", "broken=tests.reward_functions:broken")
+    client = pipeline.Client(redis_client)
+    batch = client.submit(requests(3), run="rf", output=f"file://{tmp_path}", batch_size=1, reward="broken",
+                          groups=3)
+    generate(redis_client, jobs=3)
+    RewardWorker(redis_client, block_ms=50).work(burst=True)
+
+    with pytest.warns(RewardsFailedWarning) as warned:
+        result = batch.take(keep=rewards_differ, timeout=30)
+
+    assert result.groups == [] and sorted(result.dropped) == ["q0", "q1", "q2"]
+    assert result.reward_errors == {job_id: "RuntimeError: the grader crashed on purpose" for job_id in batch.job_ids}
+    message = str(warned[0].message)
+    assert "run rf: the rewards of 3 job(s) failed (reward function 'broken'" in message, message
+    assert "RuntimeError: the grader crashed on purpose" in message and "3 group(s)" in message
