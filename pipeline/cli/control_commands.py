@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import sys
+
+import redis
 
 from pipeline import settings
 from pipeline.cli.command import EXIT_FAILED, Command, CommandGroup
+from pipeline.errors import PipelineError
 from schemas.control import SWAP_MODES
 
 
@@ -40,7 +46,8 @@ class WeightsPushCommand(Command):
     connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("path", help="checkpoint directory, as the workers see it")
+        parser.add_argument("path", help="checkpoint directory, as the workers see it (`demo`, `demo-perturbed`: "
+                                         "the demo model's)")
         parser.add_argument("--version", type=int, required=True,
                             help="the new weight version (newer than the current)")
         parser.add_argument("--timeout", type=float, default=600.0,
@@ -53,19 +60,63 @@ class WeightsPushCommand(Command):
                             help="drain (default): samples in flight finish on the old weights first; partial: "
                                  "they stop at the next step and continue on the new weights, each token keeping "
                                  "its version")
+        parser.add_argument("--delta", action="store_true",
+                            help="write the checkpoint into a weight store as a delta against the version before "
+                                 "(a full version first, and every --full-every); workers apply it in place and "
+                                 "check every tensor bit for bit (docs/control.md \"Pushes from memory\")")
+        parser.add_argument("--store", metavar="URL",
+                            help="the weight store (fsspec URL) of a store push; default "
+                                 "<PIPELINE_HOME>/weights/<pool>; without --delta the version is stored in full")
+        parser.add_argument("--full-every", type=int, metavar="K",
+                            help="with --delta/--store: a full version after K-1 deltas (default 10)")
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.client import connect
+        from pipeline.demo_model import resolve
+        from pipeline.weights.push import StorePushResult, store_url
 
         client = connect(args.redis, pool=args.pool)
-        result = client.push_weights(args.path, version=args.version, timeout=args.timeout, force=args.force,
-                                     mode=args.mode)
-        print(f"pool {client.pool}: weights v{result.version} from {result.path} ({args.mode}): "
+        path = resolve(args.path)
+        _check_target(client.conn, client.pool, path)
+        store = store_url(args.store, client.pool) if args.delta or args.store is not None else None
+        result = client.push_weights(path, version=args.version, timeout=args.timeout, force=args.force,
+                                     mode=args.mode, store=store, delta=args.delta, full_every=args.full_every)
+        stored = isinstance(result, StorePushResult)
+        where = (f"{path} via {store} ({result.kind}: {_size(result.stored_bytes)} stored for a "
+                 f"{_size(result.model_bytes)} model)") if isinstance(result, StorePushResult) else result.path
+        print(f"pool {client.pool}: weights v{result.version} from {where} ({args.mode}): "
               f"{len(result.acks)} worker(s) acknowledged in {result.seconds:.2f} s")
         for ack in result.acks:
             # A worker whose engine cannot stop samples drains instead of a partial swap, and says so.
-            print(f"  {ack.worker}: ok ({ack.seconds:.2f} s, {ack.mode})")
+            how = f", {ack.applied}, {_size(ack.bytes_read)} read" if stored else ""
+            detail = f": {ack.detail}" if ack.detail else ""
+            print(f"  {ack.worker}: ok ({ack.seconds:.2f} s, {ack.mode}{how}){detail}")
         return 0
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e6:.2f} MB"
+
+
+def _check_target(conn: redis.Redis, pool: str, path: str) -> None:
+    """Before a push: refuse a local path that does not exist where every live worker of the pool
+    runs (this machine); warn when it is missing here only, and when no worker ever named the pool."""
+    from pipeline.broker import registry
+    from pipeline.suggest import did_you_mean, listing
+
+    known = registry.pools(conn)
+    if pool not in known:
+        print(f"warning: no worker has ever served pool {pool!r} and nothing was submitted to it (pools here: "
+              f"{listing(known)}{did_you_mean(pool, known)}); the push is recorded for workers that join it",
+              file=sys.stderr)
+    if "://" in path or os.path.exists(path):
+        return
+    live = registry.live_workers(conn, pool)
+    if live and all(w.host == socket.gethostname() for w in live):
+        raise PipelineError(f"weight path {path} does not exist (this machine runs every live worker of pool "
+                            f"{pool!r}); nothing was pushed")
+    print(f"warning: weight path {path} does not exist on this machine; the workers must see it where they run",
+          file=sys.stderr)
 
 
 class WeightsStatusCommand(Command):

@@ -30,23 +30,29 @@ class StatusCommand(Command):
 
 class ShowCommand(Command):
     name = "show"
-    help = "print the rows of a run directory or shard"
+    help = "print the rows of a run (by name), a run directory or a shard"
+    connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("url")
+        parser.add_argument("source", metavar="RUN_OR_URL",
+                            help="a run name (its commit log) or a URL/directory of shards, or one shard")
         parser.add_argument("--limit", type=int, default=None)
         parser.add_argument("--token-ids", action="store_true", help="render tokens as token_id:<id> (display only)")
         parser.add_argument("--json", action="store_true", help="one JSON object per row")
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.display import format_rows, rows_as_json
-        from pipeline.read.reader import read_rollouts
+        from pipeline.broker.connection import connect_redis
+        from pipeline.read.reader import is_location, read_rollouts
 
-        table = read_rollouts(args.url)
+        if is_location(args.source):
+            table = read_rollouts(args.source)
+        else:  # a run name: its committed shards ("did you mean" when no run has that name)
+            table = read_rollouts([], args.source, conn=connect_redis(args.redis))
         if args.limit is not None:
             table = table.slice(0, args.limit)
         if table.num_rows == 0:
-            print(f"no rows under {args.url}", file=sys.stderr)
+            print(f"no rows under {args.source}", file=sys.stderr)
             return EXIT_FAILED
         print(rows_as_json(table, token_ids=args.token_ids) if args.json
               else format_rows(table, token_ids=args.token_ids))
@@ -72,10 +78,12 @@ class ReportCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.report import report
         from pipeline.broker.connection import connect_redis
+        from pipeline.demo_model import resolve_versioned
         from pipeline.read.reader import is_location
 
+        models = [resolve_versioned(model) for model in args.verify_model] if args.verify_model else None
         page = report(args.source, conn=None if is_location(args.source) else connect_redis(args.redis),
-                      verify_model=args.verify_model, verify_options={"rows": args.verify_rows})
+                      verify_model=models, verify_options={"rows": args.verify_rows})
         with open(args.out, "w", encoding="utf-8") as out:
             out.write(page)
         print(f"wrote {args.out} ({len(page) // 1024} KiB)")

@@ -58,12 +58,13 @@ class SubmitCommand(Command):
         add("--vocab-size", type=int, default=None, help="reject token ids >= this")
         add("--tokenizer", metavar="PATH", default=None,
             help="render `messages`/`prompt` lines (or columns) into token ids with this tokenizer (as "
-                 "SGLang would)")
+                 "SGLang would); `demo`: the demo model's")
         add("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
         add("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.client import connect
+        from pipeline.demo_model import resolve
 
         client = connect(args.redis, pool=args.pool)
         mapping: dict[str, Any] = {}
@@ -81,7 +82,7 @@ class SubmitCommand(Command):
         batch = client.submit_file(
             args.file,
             **mapping,
-            tokenizer=args.tokenizer or None,
+            tokenizer=resolve(args.tokenizer) if args.tokenizer else None,
             vocab_size=args.vocab_size,
             run=args.run,
             output=args.output,
@@ -112,9 +113,16 @@ class CancelCommand(Command):
         parser.add_argument("job_ids", nargs="*", metavar="JOB_ID", help="jobs to cancel (`Batch.job_ids`)")
 
     def run(self, args: argparse.Namespace) -> int:
+        from pipeline.broker import registry
         from pipeline.client import connect
 
         client = connect(args.redis, pool=args.pool)
+        if args.run is None and args.job_ids:
+            runs = set(registry.runs(client.conn)).intersection(args.job_ids)
+            if runs:
+                name = sorted(runs)[0]
+                raise PipelineError(f"{name!r} is a run, not a job id: `pipeline cancel --run {name}`; nothing was "
+                                    "canceled")
         result = client.cancel(args.run, job_ids=args.job_ids, pool=args.pool)
         print(f"canceled {result.canceled} of {len(result.job_ids)} job(s): {result.queued} removed from the queue, "
               f"{result.running} aborted in flight; left as they were: {result.finished} finished, "

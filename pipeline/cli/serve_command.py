@@ -17,8 +17,8 @@ class ServeCommand(Command):
                             help="address to bind (default 127.0.0.1; any other needs --api-key)")
         parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: a free one)")
         parser.add_argument("--tokenizer", metavar="PATH",
-                            help="a model or tokenizer directory: its chat template renders the turns (without "
-                                 "it, only /v1/completions with token ids is served)")
+                            help="a model or tokenizer directory (`demo`: the demo model's): its chat template "
+                                 "renders the turns (without it, only /v1/completions with token ids is served)")
         parser.add_argument("--tool-call-parser", metavar="NAME",
                             help="how completions become tool_calls, as SGLang parses them: qwen25, hermes, "
                                  "llama3, mistral, deepseekv3")
@@ -47,10 +47,11 @@ class ServeCommand(Command):
                                  "times the mean (default 1.25); else the turn moves to the least-loaded worker")
 
     def run(self, args: argparse.Namespace) -> int:
+        from pipeline.demo_model import resolve
         from pipeline.serve.server import ServeConfig, Server
 
         options = {"host": args.host, "port": args.port, "redis_url": args.redis, "pool": args.pool,
-                   "run": args.run, "output": args.output, "tokenizer": args.tokenizer,
+                   "run": args.run, "output": args.output, "tokenizer": args.tokenizer and resolve(args.tokenizer),
                    "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
                    "model_name": args.model_name, "api_key": args.api_key, "context_length": args.context_length}
         if args.max_tokens is not None:

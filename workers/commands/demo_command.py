@@ -9,7 +9,8 @@ from pipeline.cli.command import Command
 
 class DemoCommand(Command):
     name = "demo"
-    help = "run the whole loop on the embedded default with the demo model"
+    help = ("run the whole loop on the embedded default with the demo model, in a pool of its own (`demo`, or "
+            "--pool; not $PIPELINE_POOL) whose weights it resets first")
     connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

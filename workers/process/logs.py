@@ -145,4 +145,20 @@ def configure(level: str | int = "INFO", fmt: str = "text", stream: TextIO | Non
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level if isinstance(level, int) else level.upper())
+    if not handler.stream.isatty():
+        no_progress_bars()
     return handler
+
+
+def no_progress_bars() -> None:
+    """Turn off Hugging Face's tqdm bars (transformers' "Loading weights" at every model load): in a
+    log file or a pipe each redraw is a line of noise. Loaded already or later, transformers follows."""
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # the sim-only install has no Hugging Face library to quiet
+        return
+    disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()

@@ -26,8 +26,10 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.executions import Execution
+from rq.group import Group
 from rq.job import Job, JobStatus
 from rq.utils import now
+from setproctitle import setproctitle
 
 from pipeline.intake.submit import RESULT_TTL_S as CANCELED_TTL_S
 from schemas.worker_info import WorkerState
@@ -183,10 +185,27 @@ class RolloutWorker(EngineWorker):
         rq_seam.request_stop(self)
         self.shutdown.abort([e.job_id for e in self.executions.values()])
 
+    def aborting(self) -> bool:
+        return self.shutdown.aborting
+
     def clean_registries(self) -> None:
         """RQ's own maintenance call, bounded as `workers.jobs.maintenance` describes."""
         self.maintenance.clean()
         self.last_cleaned_at = now()
+
+    def clean_group_registries(self) -> None:
+        """RQ's group-registry maintenance as RQ does it, logged at DEBUG (RQ logs it at INFO at every
+        maintenance interval, a line every 10 s in an idle worker's log)."""
+        if Group.acquire_maintenance_lock(self.connection, max(int(self.maintenance_interval) - 1, 1)):
+            log.debug("worker %s: cleaning RQ's group registries", self.name)
+            Group.clean_registries(connection=self.connection)
+
+    def procline(self, message: str) -> None:
+        """The process title `ps` shows: `pipeline worker (pool, engine, model): what it is doing`
+        (RQ's would be `rq:worker:<id>: ...`)."""
+        info = getattr(self, "info", None)
+        who = f"{self.pool.name}, {info.engine}, {info.model}" if info is not None else self.pool.name
+        setproctitle(f"pipeline worker ({who}): {message}")
 
     # -- lifecycle --------------------------------------------------------------------------
 

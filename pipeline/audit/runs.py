@@ -1,0 +1,62 @@
+"""`pipeline runs`: the runs this Redis knows, newest first, with their jobs, rows and where they are."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+
+from pipeline.broker import commit_log, keys, registry
+from pipeline.broker.forget import run_batches
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run: its pools, when it was last submitted to, its jobs (and how many committed), its rows."""
+
+    run: str
+    pools: list[str]
+    submitted_at: float | None  # seconds since the epoch of its latest submit (None: no batch record left)
+    jobs: int
+    committed_jobs: int
+    rows: int
+    tokens: int
+    outputs: list[str]
+
+
+def list_runs(conn: redis.Redis, pool: str | None = None) -> list[RunSummary]:
+    """Every run (or those submitted to `pool`), the most recently submitted first."""
+    pools = [keys.pool_name(pool)] if pool else registry.pools(conn)
+    where: dict[str, list[str]] = {}
+    for name in pools:
+        for run in conn.smembers(keys.pool(name).runs):
+            where.setdefault(run.decode(errors="replace"), []).append(name)
+    summaries = []
+    for run, in_pools in where.items():
+        batches = run_batches(conn, run).values()
+        stamps = [int(b["submitted_at_ms"]) / 1000 for b in batches if b.get("submitted_at_ms")]
+        totals = commit_log.totals(conn, run)
+        summaries.append(RunSummary(
+            run=run, pools=sorted(in_pools), submitted_at=max(stamps) if stamps else None,
+            jobs=sum(len([j for j in b.get("job_ids", "").split(",") if j]) for b in batches),
+            committed_jobs=conn.hlen(keys.run_jobs(run)), rows=totals.rows, tokens=totals.tokens,
+            outputs=sorted({f"{b['output']}/{run}" for b in batches if b.get("output")}),
+        ))
+    return sorted(summaries, key=lambda s: (-(s.submitted_at or 0), s.run))
+
+
+def format_runs(runs: list[RunSummary]) -> str:
+    """A table: run, pool, submitted (local time), jobs committed/submitted, rows, tokens, shards' URL."""
+    if not runs:
+        return "no runs in this Redis (`pipeline submit FILE --run NAME` makes one)"
+    header = ("run", "pool", "submitted", "jobs", "rows", "tokens", "shards")
+    lines = [header] + [
+        (r.run, ",".join(r.pools),
+         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at)) if r.submitted_at else "-",
+         f"{r.committed_jobs}/{r.jobs}", str(r.rows), str(r.tokens), " ".join(r.outputs) or "-")
+        for r in runs
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]
+                     for line in lines).rstrip()

@@ -1,0 +1,157 @@
+"""The command line a newcomer leans on (issue 36, friction): `pipeline runs` and `runs delete`,
+`pools delete`, run names wherever a URL is taken (`show`), `cancel NAME` pointing at `--run`,
+pushes to a pool nobody serves or from a path that does not exist, and `demo` as a model name."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+import pipeline
+from pipeline.broker import control_channel, keys, registry
+from pipeline.cli.command import EXIT_FAILED, EXIT_USAGE
+from pipeline.cli.main import main
+from schemas.worker_info import WorkerInfo
+from workers.engines.fake import FakeEngine
+from workers.process.worker import RolloutWorker
+
+REQUESTS = [{"id": f"r{i}", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "n": 2}}
+            for i in range(3)]
+
+
+def _cli(capsys: pytest.CaptureFixture[str], redis_url: str, *argv: str) -> tuple[int, str, str]:
+    code = main([*argv, "--redis", redis_url])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _serve(conn: redis.Redis, pool: str | None = None) -> None:
+    """A burst worker in this process: every queued job of the pool runs, then it returns."""
+    RolloutWorker(conn, FakeEngine(), pool=pool).work(burst=True, with_scheduler=False, logging_level="WARNING")
+
+
+def test_runs_lists_every_run_newest_first_with_jobs_and_rows_and_delete_forgets_one(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    client = pipeline.Client(redis_client)
+    output = f"file://{tmp_path}"
+    client.submit(REQUESTS, run="older", output=output, batch_size=2)
+    _serve(redis_client)
+    time.sleep(0.002)  # the newest-first order is by submit time (milliseconds)
+    client.submit(REQUESTS[:1], run="newer", output=output)
+
+    code, out, _ = _cli(capsys, redis_url, "runs")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["run", "pool", "submitted", "jobs", "rows", "tokens"]
+    assert [line.split()[0] for line in lines[1:]] == ["newer", "older"]
+    newer, older = (line.split() for line in lines[1:])
+    assert newer[1] == "default" and newer[4:7] == ["0/1", "0", "0"]  # queued, nothing committed
+    assert older[4:6] == ["2/2", "6"] and older[-1] == f"{output}/older"
+
+    # A run with a job still queued is not deleted (nothing is), and says what to do.
+    code, _, err = _cli(capsys, redis_url, "runs", "delete", "newer")
+    assert code == EXIT_USAGE and "pipeline cancel --run newer" in err and "nothing was deleted" in err
+    assert "newer" in registry.runs(redis_client)
+    # A name that is no run: "did you mean".
+    code, _, err = _cli(capsys, redis_url, "runs", "delete", "oldre")
+    assert code == EXIT_FAILED and "did you mean 'older'?" in err
+
+    assert (tmp_path / "older").is_dir()
+    code, out, _ = _cli(capsys, redis_url, "runs", "delete", "older", "--shards")
+    assert code == 0 and out.startswith("deleted run older: 2 job(s), 6 row(s) committed; shards removed from")
+    assert not (tmp_path / "older").exists()
+    assert registry.runs(redis_client) == ["newer"]
+    assert not list(redis_client.scan_iter(match="pipeline:*older*"))
+    code, out, _ = _cli(capsys, redis_url, "runs", "--json")
+    assert [run["run"] for run in json.loads(out)] == ["newer"]
+
+
+def test_pools_delete_refuses_a_live_pool_and_forgets_an_idle_one_with_its_weights_and_runs(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    client = pipeline.Client(redis_client, pool="scratch")
+    client.submit(REQUESTS[:1], run="in-scratch", output=f"file://{tmp_path}")
+    _serve(redis_client, "scratch")
+    control_channel.push_weights(redis_client, str(tmp_path), 3, pool="scratch", timeout=0)
+    now = time.time()
+    registry.publish(redis_client, WorkerInfo(worker_id="w1", pool="scratch", host="h", pid=1, engine="fake",
+                                              model="m", started_at=now, heartbeat_at=now))
+
+    code, out, _ = _cli(capsys, redis_url, "pools")
+    assert out.splitlines() == ["default: 0 live worker(s), weights v0",
+                                f"scratch: 1 live worker(s), weights v3 from {tmp_path}"]
+    code, _, err = _cli(capsys, redis_url, "pools", "delete", "scratch")
+    assert code == EXIT_USAGE and "1 live worker(s) (w1)" in err and "nothing was deleted" in err
+    assert control_channel.read_state(redis_client, "scratch").weight_version == 3
+    code, _, err = _cli(capsys, redis_url, "pools", "delete", "scrach")
+    assert code == EXIT_USAGE and "did you mean 'scratch'?" in err
+
+    registry.remove(redis_client, "w1", "scratch")
+    code, out, _ = _cli(capsys, redis_url, "pools", "delete", "scratch")
+    assert code == 0, out
+    assert out.strip() == f"deleted pool scratch: desired weights v3 from {tmp_path}, 1 run(s) (shards kept)"
+    assert registry.pools(redis_client) == [keys.DEFAULT_POOL] and registry.runs(redis_client) == []
+    assert control_channel.read_state(redis_client, "scratch").weight_version == 0
+    assert not list(redis_client.scan_iter(match="pipeline:pool:scratch:*"))
+    assert not redis_client.exists("rq:queue:rollouts.scratch")
+
+
+def test_show_takes_a_run_name_with_did_you_mean_and_cancel_of_a_run_name_points_at_run(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    client = pipeline.Client(redis_client)
+    client.submit(REQUESTS[:1], run="tour-0", output=f"file://{tmp_path}")
+    _serve(redis_client)
+
+    code, out, _ = _cli(capsys, redis_url, "show", "tour-0", "--json")
+    assert code == 0 and [json.loads(line)["request_id"] for line in out.splitlines()] == ["r0", "r0"]
+    code, _, err = _cli(capsys, redis_url, "show", "tuor-0")
+    assert code == EXIT_FAILED and "did you mean 'tour-0'?" in err
+
+    client.submit(REQUESTS[:1], run="cxl", output=f"file://{tmp_path}")
+    code, _, err = _cli(capsys, redis_url, "cancel", "cxl")
+    assert code == EXIT_USAGE and "'cxl' is a run, not a job id: `pipeline cancel --run cxl`" in err
+    assert redis_client.scard(keys.canceled("cxl")) == 0
+
+
+def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_missing(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pipeline.Client(redis_client, pool="tour").submit(REQUESTS[:1], run="t", output=f"file://{tmp_path}")
+    code, out, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor")
+    assert code == 0 and "pool tuor: weights v1" in out, err
+    assert ("warning: no worker has ever served pool 'tuor' and nothing was submitted to it (pools here: default, "
+            "tour; did you mean 'tour'?)") in err
+
+    # Every live worker of the pool runs on this machine, where the path does not exist.
+    now = time.time()
+    registry.publish(redis_client, WorkerInfo(worker_id="w1", pool="tour", host=socket.gethostname(), pid=1,
+                                              engine="fake", model="m", started_at=now, heartbeat_at=now))
+    missing = tmp_path / "no-such-checkpoint"
+    code, _, err = _cli(capsys, redis_url, "weights", "push", str(missing), "--version", "1", "--pool", "tour")
+    assert code == EXIT_USAGE and f"weight path {missing} does not exist" in err and "nothing was pushed" in err
+    assert control_channel.read_state(redis_client, "tour").weight_version == 0
+
+
+def test_demo_names_the_demo_models_directory_or_says_how_to_make_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_url: str, redis_client: redis.Redis,
+        demo_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.demo_model import resolve, resolve_versioned
+    from pipeline.errors import PipelineError
+
+    assert resolve("demo") == str(demo_model_dir)
+    assert resolve("demo-perturbed") == f"{demo_model_dir}-perturbed"
+    assert resolve_versioned("1=demo") == f"1={demo_model_dir}"
+    assert resolve("some/dir") == "some/dir"
+    # A chat line rendered with `--tokenizer demo`: the demo model's chat template.
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"id": "c", "messages": [{"role": "user", "content": "Hi"}]}\n')
+    code, out, err = _cli(capsys, redis_url, "submit", str(chat), "--tokenizer", "demo", "--run", "chat",
+                          "--output", f"file://{tmp_path}")
+    assert code == 0 and "requests: 1" in out, err
+
+    monkeypatch.setenv("PIPELINE_MODEL_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(PipelineError, match="not there yet: run `pipeline demo`"):
+        resolve("demo")
