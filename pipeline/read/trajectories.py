@@ -42,7 +42,8 @@ from pipeline.read.reader import is_location, read_rollouts
 from schemas.shard import rows_from_ipc
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
-            "weight_version", "weight_version_segments", "prefix_break", "finished_at"]
+            "weight_version", "weight_version_segments", "prefix_break", "finished_at", "worker_id",
+            "prompt_tokens", "cached_tokens"]
 
 TRAJECTORY_SCHEMA = pa.schema([
     pa.field("session_id", pa.string(), nullable=False),

@@ -16,15 +16,19 @@ home worker
   gateway's `prefix_hash` policy has the same absolute threshold). A few long sessions cannot
   pile onto one worker: once their home is full, the next turn moves.
 
-Otherwise the turn goes to the least-loaded candidate (ties: the name, so every server picks
-alike) and that becomes the session's home; the reason is counted (`new`, `gone`, `sick`,
-`cannot`, `weights`, `full`). A move costs one prefill of the episode on the new worker, once.
+Otherwise the turn goes to the least-loaded candidate and that becomes the session's home.
+Ties (an idle pool) are broken by rendezvous hashing of the session id and the worker id, so
+sessions spread evenly and every server picks alike, without hashing on the prompt (hashing a
+system prompt that every session shares sends a whole dataset to one engine). Why a home moves
+is counted (`new`, `gone`, `sick`, `cannot`, `weights`, `full`). A move costs one prefill of the
+episode on the new worker, once.
 
 `choose` is pure: the lane gives it the live workers and their loads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +55,11 @@ def bound(in_flight: int, candidates: int, load_factor: float) -> int:
     return max(1, math.ceil(load_factor * (in_flight + 1) / max(1, candidates)))
 
 
-def choose(home: str | None, workers: Sequence[WorkerInfo], loads: Mapping[str, int], *,
+def _rank(session_id: str, worker_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session_id}\0{worker_id}".encode(), digest_size=8).digest(), "big")
+
+
+def choose(session_id: str, home: str | None, workers: Sequence[WorkerInfo], loads: Mapping[str, int], *,
            can_serve: Callable[[WorkerInfo], bool], desired_version: int | None,
            load_factor: float = DEFAULT_LOAD_FACTOR, slack: int = DEFAULT_SLACK) -> Route:
     """The worker for a session's next turn (see the module doc)."""
@@ -61,7 +69,7 @@ def choose(home: str | None, workers: Sequence[WorkerInfo], loads: Mapping[str, 
     if not candidates:
         return Route(None, None if home is None else "gone")
     ids = {w.worker_id for w in candidates}
-    target = min(candidates, key=lambda w: (loads.get(w.worker_id, 0), w.worker_id)).worker_id
+    target = min(candidates, key=lambda w: (loads.get(w.worker_id, 0), -_rank(session_id, w.worker_id))).worker_id
     if home in ids:
         limit = max(bound(sum(loads.get(i, 0) for i in ids), len(ids), load_factor),
                     loads.get(target, 0) + slack)

@@ -151,7 +151,8 @@ class Lane:
             self._loads = (time.monotonic(), loads)
         return loads
 
-    def route(self, home: str | None, workers: list[WorkerInfo], placement: Placement, group: Hashable) -> Route:
+    def route(self, session_id: str, home: str | None, workers: list[WorkerInfo], placement: Placement,
+              group: Hashable) -> Route:
         """The worker for a session's turn (`affinity.choose`), counted in its load at once."""
         if not self.affinity:
             return Route(None)
@@ -163,7 +164,7 @@ class Lane:
             return not isinstance(group, tuple) or index in group
 
         loads = self.loads(workers)
-        route = choose(home, workers, loads, can_serve=can_serve, desired_version=self.desired_version(),
+        route = choose(session_id, home, workers, loads, can_serve=can_serve, desired_version=self.desired_version(),
                        load_factor=self.load_factor)
         if route.worker is not None:
             with self._lock:
@@ -181,7 +182,7 @@ class Lane:
             placement.check()
         except CapabilityError as exc:
             raise APIError(400, str(exc).replace("nothing was enqueued:\n  ", ""), code="unservable") from None
-        route = self.route(home, workers, placement, group)
+        route = self.route(turn.session_id, home, workers, placement, group)
         waiting = _Waiting(request, turn, run, output, needs, (run, output, group, route.worker), route.worker)
         with self._ready:
             if self._flusher is None:

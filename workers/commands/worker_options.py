@@ -42,6 +42,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-median-tokens", type=float, default=300.0, help="median output length")
     sim.add_argument("--sim-p99-tokens", type=float, default=4000.0, help="p99 output length (lognormal)")
     sim.add_argument("--sim-seed", type=int, default=0, help="seed of the tokens and logprobs")
+    sim.add_argument("--sim-prefill-tokens-per-s", type=float, default=50_000.0,
+                     help="uncached context tokens prefilled per second; the engine decodes nothing meanwhile "
+                          "(0: prefill is free)")
+    sim.add_argument("--sim-prefix-cache-tokens", type=int, default=1 << 20,
+                     help="the prefix cache's size in tokens (LRU, emptied at a weight swap; 0: no cache)")
     sim.add_argument("--allow-sim-in-real-pool", action="store_true",
                      help="join (and load pushes of) a pool whose weights are a real model checkpoint; by default "
                           "the sim refuses them, so its made-up tokens are never labelled as a real model's")
@@ -83,6 +88,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
             "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,
             "step_per_seq_s": args.sim_step_per_seq_us / 1e6, "median_tokens": args.sim_median_tokens,
             "p99_tokens": args.sim_p99_tokens, "seed": args.sim_seed, "real_weights": args.allow_sim_in_real_pool,
+            "prefill_tokens_per_s": args.sim_prefill_tokens_per_s, "prefix_cache_tokens": args.sim_prefix_cache_tokens,
         } if args.engine == "sim" else {},
     )
 

@@ -23,7 +23,7 @@ WORKERS = [_worker(f"w{i}") for i in range(4)]
 
 def _choose(home: str | None, loads: dict[str, int], workers: list[WorkerInfo] = WORKERS,
             desired: int | None = 0, can_serve=lambda w: True, slack: int = 0) -> Route:  # type: ignore[no-untyped-def]
-    return choose(home, workers, loads, can_serve=can_serve, desired_version=desired, slack=slack)
+    return choose("s1", home, workers, loads, can_serve=can_serve, desired_version=desired, slack=slack)
 
 
 def test_a_turn_goes_home_while_home_has_room() -> None:
@@ -32,13 +32,22 @@ def test_a_turn_goes_home_while_home_has_room() -> None:
 
 def test_a_lightly_loaded_pool_keeps_sessions_home_within_the_slack() -> None:
     # 2 turns in flight on 4 workers: the rounded bound is 1, but w2 is within 2 turns of the least.
-    assert _choose("w2", {"w2": 1, "w0": 1}) == Route("w1", "full")  # no slack: it would move
+    moved = _choose("w2", {"w2": 1, "w0": 1})  # no slack: it would move to an idle worker
+    assert moved.moved == "full" and moved.worker in {"w1", "w3"}
     assert _choose("w2", {"w2": 1, "w0": 1}, slack=2) == Route("w2")
-    assert _choose("w2", {"w2": 2}, slack=2) == Route("w0", "full")
+    assert _choose("w2", {"w2": 2, "w1": 1, "w3": 1}, slack=2) == Route("w0", "full")
 
 
 def test_a_new_session_goes_to_the_least_loaded_worker() -> None:
-    assert _choose(None, {"w0": 2, "w1": 1, "w2": 0, "w3": 0}) == Route("w2", "new")
+    assert _choose(None, {"w0": 2, "w1": 1, "w2": 0, "w3": 1}) == Route("w2", "new")
+
+
+def test_new_sessions_on_an_idle_pool_spread_by_their_ids_alike_on_every_server() -> None:
+    homes = [choose(f"s{i}", None, WORKERS, {}, can_serve=lambda w: True, desired_version=0).worker
+             for i in range(400)]
+    assert homes == [choose(f"s{i}", None, list(reversed(WORKERS)), {}, can_serve=lambda w: True,
+                            desired_version=0).worker for i in range(400)]  # whatever order the registry lists
+    assert min(Counter(homes).values()) >= 70  # about 100 each
 
 
 def test_a_full_home_yields_to_the_least_loaded_worker() -> None:
@@ -48,8 +57,9 @@ def test_a_full_home_yields_to_the_least_loaded_worker() -> None:
 
 
 def test_a_dead_unable_sick_or_stale_home_is_left() -> None:
-    assert _choose("gone", {}) == Route("w0", "gone")
-    assert _choose("w1", {}, can_serve=lambda w: w.worker_id != "w1") == Route("w0", "cannot")
+    assert _choose("gone", {}).moved == "gone"
+    unable = _choose("w1", {}, can_serve=lambda w: w.worker_id != "w1")
+    assert unable.moved == "cannot" and unable.worker not in (None, "w1")
     sick = [_worker("w0", state="unhealthy"), _worker("w1")]
     assert _choose("w0", {}, workers=sick) == Route("w1", "sick")
     rolling = [_worker("old", version=1), _worker("new", version=2)]
@@ -77,7 +87,7 @@ def test_a_skewed_mix_keeps_every_worker_within_the_bound(load_factor: float, sl
     for session in rng.sample(sessions, len(sessions)):
         loads = Counter(worker for _, worker in in_flight)
         least = min(loads.get(w.worker_id, 0) for w in workers)
-        route = choose(homes.get(session), workers, loads, can_serve=lambda w: True, desired_version=0,
+        route = choose(session, homes.get(session), workers, loads, can_serve=lambda w: True, desired_version=0,
                        load_factor=load_factor, slack=slack)
         assert route.worker is not None
         loads[route.worker] += 1

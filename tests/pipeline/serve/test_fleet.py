@@ -1,0 +1,150 @@
+"""Sessions across a fleet: turns stay on their home worker (where the prefix is cached), and a
+worker killed in the middle of a turn costs the agent latency, not an error (real `pipeline
+worker` processes on the sim engine, a real redis-server, the real server over HTTP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from rq.job import Job
+
+from pipeline.broker import keys, registry
+from pipeline.read.trajectories import turn_rows
+from tests.conftest import PIPELINE
+from tests.helpers import wait_until
+
+HEARTBEAT_S = 0.5  # registry entries expire int(3 x 0.5) + 1 = 2 s after a worker's last heartbeat
+TOOL_RESULT = list(range(300, 340))  # what the agent's tool "returned" between turns
+
+
+@pytest.fixture
+def sim_workers(pipeline_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """`start(*args)`: a `pipeline worker --engine sim` process (SIGTERM at the end, SIGKILL if it lingers)."""
+    processes: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        log = (tmp_path / f"worker{len(processes)}.log").open("w")
+        process = subprocess.Popen(
+            [*PIPELINE, "worker", "--engine", "sim", "--heartbeat-interval", str(HEARTBEAT_S),
+             "--log-level", "WARNING", *args], env=pipeline_env, stdout=log, stderr=subprocess.STDOUT)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _live(conn: redis.Redis, count: int) -> list[str]:
+    wait_until(lambda: len(registry.live_workers(conn)) == count, timeout=60, what=f"{count} live workers")
+    return sorted(w.worker_id for w in registry.live_workers(conn))
+
+
+def _turn(url: str, session: str, prompt: list[int], max_tokens: int = 64, timeout: float = 60) -> dict[str, Any]:
+    answer = httpx.post(f"{url}/sessions/{session}/v1/completions", timeout=timeout,
+                        json={"model": "m", "prompt": prompt, "max_tokens": max_tokens})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _served_by(conn: redis.Redis, run: str) -> dict[tuple[str, int], list[str]]:
+    served: dict[tuple[str, int], list[str]] = {}
+    for row in turn_rows(run, conn).to_pylist():
+        served.setdefault((row["session_id"], row["turn"]), []).append(row["worker_id"])
+    return served
+
+
+def test_a_sessions_turns_stay_home_and_find_their_prefix_cached(
+        serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen]) -> None:
+    for _ in range(2):
+        sim_workers("--sim-step-ms", "1", "--sim-median-tokens", "20", "--sim-p99-tokens", "21")
+    workers = _live(redis_client, 2)
+    stack = serve(tokenizer=None)
+    sessions = [stack.session() for _ in range(8)]
+    prompts = {s: list(range(1, 101)) for s in sessions}
+    for _turn_index in range(4):
+        for session in sessions:  # interleaved, as concurrent agents' turns arrive
+            answer = _turn(stack.url, session, prompts[session])
+            prompts[session] = prompts[session] + answer["choices"][0]["token_ids"] + TOOL_RESULT
+    served = _served_by(redis_client, stack.run)
+    homes = {}
+    for session in sessions:
+        by_turn = [served[(session, t)] for t in range(4)]
+        assert all(len(w) == 1 for w in by_turn), by_turn  # one row per turn
+        assert len({w[0] for w in by_turn}) == 1, f"session {session} moved: {by_turn}"
+        homes[session] = by_turn[0][0]
+    assert set(homes.values()) == set(workers)  # sessions spread over the pool
+    rows = turn_rows(stack.run, redis_client).to_pylist()
+    # Each later turn found the whole of its session's last context cached (in 16-token blocks).
+    for row in rows:
+        if row["turn"] > 0:
+            assert row["cached_tokens"] >= row["prompt_tokens"] - len(TOOL_RESULT) - 16, row["turn"]
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.pool(None).lane_stats).items()}
+    assert stats["turns"] == 32 and stats["homed_turns"] == 24 and stats["home_turns"] == 24
+    assert stats["cached_tokens"] == sum(r["cached_tokens"] for r in rows)
+
+
+def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
+        serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen]) -> None:
+    # 400 tokens at 10 ms a step: a turn of about 4 s, long enough to kill its worker in the middle.
+    args = ("--sim-step-ms", "10", "--sim-median-tokens", "400", "--sim-p99-tokens", "401")
+    processes = [sim_workers(*args), sim_workers(*args)]
+    _live(redis_client, 2)
+    stack = serve(tokenizer=None)
+    session = stack.session()
+    first = _turn(stack.url, session, list(range(1, 51)), max_tokens=1000)
+    [[home]] = _served_by(redis_client, stack.run).values()
+    pid_of = {w.worker_id: w.pid for w in registry.live_workers(redis_client)}
+    home_process = next(p for p in processes if p.pid == pid_of[home])
+
+    prompt = list(range(1, 51)) + first["choices"][0]["token_ids"] + TOOL_RESULT
+    answers: list[dict[str, Any]] = []
+    call = threading.Thread(target=lambda: answers.append(_turn(stack.url, session, prompt, max_tokens=1000,
+                                                                timeout=120)))
+    call.start()
+
+    def running_at_home() -> bool:
+        job_id = redis_client.get(keys.turn_job(_pending_turn_id(redis_client, session)) or "none")
+        return job_id is not None and redis_client.hget(Job.key_for(job_id.decode()), "status") == b"started"
+
+    wait_until(running_at_home, timeout=30, what="turn 1 to start on its home worker")
+    os.kill(home_process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    call.join(timeout=120)
+    took = time.monotonic() - killed_at
+    assert answers, "the agent got no answer"
+    # The bound: the registry notices the death within 3 heartbeats + 1 s (2 s here), a server or
+    # worker moves the turn within a second, and the turn is generated again (about 4 s).
+    assert took < 20, f"the turn was answered {took:.1f} s after its worker died"
+    served = _served_by(redis_client, stack.run)
+    assert len(served[(session, 1)]) == 1  # one row for the turn
+    assert served[(session, 1)][0] != home
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.pool(None).lane_stats).items()}
+    assert stats.get("moves:gone") == 1
+    # The session's next turn goes to its new home.
+    third = prompt + answers[0]["choices"][0]["token_ids"] + TOOL_RESULT
+    _turn(stack.url, session, third, max_tokens=4)
+    assert _served_by(redis_client, stack.run)[(session, 2)] == served[(session, 1)]
+
+
+def _pending_turn_id(conn: redis.Redis, session: str) -> str | None:
+    import json
+
+    raw = conn.hget(keys.session(session), "pending")
+    return None if raw is None else json.loads(raw)["turn_id"]
