@@ -33,8 +33,7 @@
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
 `schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
-reaches a caller) and `workers.process.shutdown.ShutdownAbort` (a `BaseException` raised inside a job
-by a second SIGTERM, so that nothing swallows it).
+reaches a caller).
 
 Every class here is importable from `pipeline`. The command line maps them to exit codes
 (`pipeline.cli.main.exit_code`, listed in the README).

@@ -32,6 +32,7 @@ from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
 from workers.jobs import rq_seam
+from workers.process.lane_keeper import LaneKeeper
 from workers.process.worker import RolloutWorker
 
 REQUESTS = [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2}) for i in range(3)]
@@ -51,14 +52,23 @@ class FlakyEngine(FakeEngine):
 
     def health(self) -> None:
         if self.flag.exists():
+            with open(probes_file(self.flag), "a") as probes:  # each failed probe: a loop that did not dequeue
+                probes.write(".")
             raise EngineUnavailableError("GET /health_generate: connection refused")
 
 
+def probes_file(flag: Path) -> Path:
+    return flag.with_name(flag.name + ".probes")
+
+
 FIRST_SIGNAL_KEY = "test:faults:first-shutdown-signal"
+SECOND_SIGNAL_KEY = "test:faults:second-shutdown-signal"
+HELD_KEY = "test:faults:shutdown-held"
+GO_KEY = "test:faults:shutdown-go"
 
 
 class SignalNoting(RolloutWorker):
-    """Notes in Redis when it took its first shutdown signal (RQ's own time of it)."""
+    """Notes in Redis when it took its first shutdown signal (RQ's own time of it) and its second."""
 
     def request_stop(self, signum: int, frame: Any) -> None:
         try:
@@ -68,10 +78,32 @@ class SignalNoting(RolloutWorker):
             if first is not None:
                 self.connection.set(FIRST_SIGNAL_KEY, first.timestamp())
 
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        try:
+            super().request_force_stop(signum, frame)
+        finally:
+            self.connection.set(SECOND_SIGNAL_KEY, 1)
 
-def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False) -> None:
+
+def _hold_shutdown(conn: redis.Redis) -> None:
+    """Stop the shutdown sequence before it waits for the jobs in flight (as a loaded machine might)
+    until the test says go: a second signal then lands outside that wait."""
+    original = LaneKeeper.stop
+
+    def held(self: LaneKeeper) -> None:
+        conn.set(HELD_KEY, 1)
+        while not conn.exists(GO_KEY):
+            time.sleep(0.01)
+        original(self)
+
+    LaneKeeper.stop = held  # type: ignore[method-assign]  # in the forked worker only
+
+
+def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False, hold: bool = False) -> None:
     from pipeline.broker.connection import connect_redis
 
+    if hold:
+        _hold_shutdown(connect_redis(url))
     if slow_sim:  # a concurrent engine (several jobs in flight) whose sequences take minutes
         engine: Any = SimEngine(SimConfig(capacity=16, step_s=0.05, median_tokens=4000, p99_tokens=4001))
     else:
@@ -85,9 +117,10 @@ def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False) -> 
 def spawn(redis_url: str) -> Iterator[Callable[..., mp.process.BaseProcess]]:
     processes: list[mp.process.BaseProcess] = []
 
-    def start(job_s: float = 0.05, flag: Path | None = None, slow_sim: bool = False) -> mp.process.BaseProcess:
+    def start(job_s: float = 0.05, flag: Path | None = None, slow_sim: bool = False,
+              hold: bool = False) -> mp.process.BaseProcess:
         process = mp.get_context("fork").Process(
-            target=_serve, args=(redis_url, job_s, str(flag) if flag else None, slow_sim), daemon=True)
+            target=_serve, args=(redis_url, job_s, str(flag) if flag else None, slow_sim, hold), daemon=True)
         process.start()
         processes.append(process)
         return process
@@ -110,16 +143,19 @@ def _job(conn: redis.Redis, batch: Batch) -> Job:
     return Job.fetch(batch.job_ids[0], connection=conn, serializer=JSONSerializer)
 
 
-def _sigterm_twice(conn: redis.Redis, pid: int) -> None:
+def _sigterm_twice(conn: redis.Redis, pid: int, before_second: Callable[[], None] = lambda: None) -> None:
     """Two SIGTERMs that the worker cannot take for one delivered twice: the second is sent once
-    the worker has recorded the first and the clock is past RQ's one-second repeat window from
-    that moment, whatever the delay in handling the first."""
-    conn.delete(FIRST_SIGNAL_KEY)
+    the worker has recorded the first (and `before_second` returned) and the clock is past RQ's
+    one-second repeat window from that moment, whatever the delay in handling the first; returns
+    once the worker has taken the second."""
+    conn.delete(FIRST_SIGNAL_KEY, SECOND_SIGNAL_KEY)
     os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: conn.get(FIRST_SIGNAL_KEY) is not None, 20, "the worker to take the first SIGTERM")
+    wait_until(lambda: conn.get(FIRST_SIGNAL_KEY) is not None, 60, "the worker to take the first SIGTERM")
+    before_second()
     first = float(conn.get(FIRST_SIGNAL_KEY))  # type: ignore[arg-type]
     wait_until(lambda: time.time() - first > 1.05, 5, "RQ's repeat window to pass")
     os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: conn.exists(SECOND_SIGNAL_KEY), 60, "the worker to take the second SIGTERM")
 
 
 def _started(conn: redis.Redis, batch: Batch) -> Callable[[], bool]:
@@ -178,16 +214,26 @@ def test_second_sigterm_hands_the_job_back(redis_client: redis.Redis, tmp_path: 
     assert batch.wait(timeout=20).counts["finished"] == 1
 
 
-def test_second_sigterm_hands_back_every_job_in_flight(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
-    """With a concurrent engine several jobs run at once; the operator's abort spends none of their retries."""
+@pytest.mark.parametrize("where", ["waiting for the jobs", "before that wait"])
+def test_second_sigterm_hands_back_every_job_in_flight(redis_client: redis.Redis, tmp_path: Path, spawn,
+                                                       where: str) -> None:
+    """With a concurrent engine several jobs run at once; the operator's abort spends none of their
+    retries, wherever in the worker's shutdown the second signal lands (it used to raise where it
+    landed: outside the wait for the jobs in flight it skipped that wait, and no job was handed back)."""
     requests = [RolloutRequest(id=f"s{i}", input_ids=[1, 2], sampling_params={"max_new_tokens": 4000})
                 for i in range(6)]
     batch = Batch(redis_client, submit_requests(redis_client, requests, run="flight", output=f"file://{tmp_path}",
                                                 batch_size=2))
-    worker = spawn(slow_sim=True)
-    wait_until(lambda: list(batch.job_states().values()) == ["started"] * 3, 20, "all three jobs in flight")
-    _sigterm_twice(redis_client, worker.pid)  # type: ignore[arg-type]
-    worker.join(timeout=20)
+    held = where == "before that wait"
+    worker = spawn(slow_sim=True, hold=held)
+    wait_until(lambda: list(batch.job_states().values()) == ["started"] * 3, 60, "all three jobs in flight")
+    if held:
+        _sigterm_twice(redis_client, worker.pid,  # type: ignore[arg-type]
+                       lambda: wait_until(lambda: redis_client.exists(HELD_KEY), 60, "the shutdown to be held"))
+        redis_client.set(GO_KEY, 1)
+    else:
+        _sigterm_twice(redis_client, worker.pid)  # type: ignore[arg-type]
+    worker.join(timeout=60)  # the sequences would run for minutes: an exit means they were aborted
     assert worker.exitcode is not None
     for job_id in batch.job_ids:
         job = Job.fetch(job_id, connection=redis_client, serializer=JSONSerializer)
@@ -206,18 +252,23 @@ def test_failing_engine_makes_the_worker_unhealthy_until_it_recovers(
     def unhealthy() -> bool:
         return [w.state for w in registry.live_workers(redis_client)] == ["unhealthy"]
 
-    wait_until(unhealthy, 20, "the worker to mark itself unhealthy")
+    wait_until(unhealthy, 60, "the worker to mark itself unhealthy")
     [info] = registry.live_workers(redis_client)
     assert "connection refused" in (info.error or "")
     # The registry says unhealthy as soon as the failure is seen; the hand-back follows it.
-    wait_until(lambda: _job(redis_client, batch).get_status() == "queued", 10, "the job handed back")
+    wait_until(lambda: _job(redis_client, batch).get_status() == "queued", 60, "the job handed back")
     job = _job(redis_client, batch)
     assert job.get_status() == "queued" and job.retries_left == 2 and job.meta["handed_back"] == 1
-    time.sleep(1.5)  # it stops dequeuing: the job stays queued
-    assert _job(redis_client, batch).get_status() == "queued"
+    # It stops dequeuing: the probes are its work loop going round without a dequeue; after two
+    # more failed ones the job is still queued.
+    probed = len(probes_file(flag).read_text()) if probes_file(flag).exists() else 0
+    wait_until(lambda: probes_file(flag).exists() and len(probes_file(flag).read_text()) >= probed + 2, 60,
+               "two more failed health probes")
+    job = _job(redis_client, batch)
+    assert job.get_status() == "queued" and job.meta["handed_back"] == 1
     flag.unlink()
-    assert batch.wait(timeout=20).counts["finished"] == 1
-    wait_until(lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"], 10, "recovery")
+    assert batch.wait(timeout=60).counts["finished"] == 1
+    wait_until(lambda: [w.state for w in registry.live_workers(redis_client)] == ["idle"], 60, "recovery")
 
 
 def test_a_flaky_object_store_costs_the_engine_nothing(

@@ -53,6 +53,7 @@ from workers.process.lane_keeper import LaneKeeper
 from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
 log = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.1  # how often a warm shutdown's wait for the jobs in flight looks for a second signal
 
 
 def new_worker_id() -> str:
@@ -196,6 +197,19 @@ class EngineWorker(SimpleWorker):
         if not isinstance(return_value, Retry):
             self.metrics.job_finished(return_value)
 
+    def aborting(self) -> bool:
+        """Whether a second shutdown signal asked to abort the jobs in flight (`workers.process.shutdown`)."""
+        return False
+
+    def _drain_feeder(self) -> None:
+        """Warm shutdown: the jobs in flight finish and commit; once `aborting()`, the engine aborts
+        them instead (each then fails, and is handed back, on the feeder's thread)."""
+        while not self.feeder.drain(timeout=DRAIN_POLL_S):
+            if self.aborting():
+                self.feeder.abort_all()
+                self.feeder.drain(timeout=10)
+                return
+
     def work(self, *args: Any, **kwargs: Any) -> bool:
         context.install(context.WorkerContext(worker_id=self.worker_id, engine=self.engine))
         self.presence.joined = False  # loading the pool's weights before joining: not a member yet
@@ -221,8 +235,8 @@ class EngineWorker(SimpleWorker):
             keeper.stop()
             flusher.stop(flush=True)
             try:
-                self.feeder.drain()  # warm shutdown: the jobs in flight finish and commit
-            except BaseException:  # a second signal: abort them rather than leave them running
+                self._drain_feeder()
+            except BaseException:  # an exit raised in the wait: abort them rather than leave them running
                 self.feeder.abort_all()
                 self.feeder.drain(timeout=10)
                 raise

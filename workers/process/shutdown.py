@@ -1,12 +1,15 @@
-"""SIGTERM/SIGINT handling: the first signal is a warm shutdown, the second hands the job back.
+"""SIGTERM/SIGINT handling: the first signal is a warm shutdown, the second hands the jobs back.
 
-RQ's first signal already means "finish the job in hand, then exit" (the commit included).
-RQ's second signal raises `SystemExit` inside the job, which the worker would record as a
-failure and retry, spending a retry on an operator's decision. Here the second signal
-(more than a second after the first, as in RQ) raises `ShutdownAbort` instead; every job
-that fails from then on (the one in hand, and with a concurrent engine every other job in
-flight, whose requests the worker then aborts) is handed back to the front of its queue,
-untouched by the retry count, for another worker, and the worker exits.
+RQ's first signal already means "finish the job in hand, then exit" (the commit included): the
+worker stops dequeuing and waits for its jobs in flight (`EngineWorker.work`). RQ's second
+signal would raise `SystemExit` wherever the main thread is, and a failing job would spend a
+retry on an operator's decision. Here the second signal (more than a second after the first,
+as in RQ) only marks the shutdown aborting: the worker's wait for its jobs sees it, aborts
+them in the engine, and every job that fails from then on is handed back to the front of its
+queue, untouched by the retry count, for another worker; then the worker exits. Nothing is
+raised into the main thread while jobs are in flight, so a second signal landing anywhere in
+the shutdown sequence (not only in that wait) still aborts and hands back every job. With no
+job in flight the second signal exits at once.
 """
 
 from __future__ import annotations
@@ -17,10 +20,6 @@ from datetime import datetime, timedelta
 from rq.utils import now
 
 log = logging.getLogger(__name__)
-
-
-class ShutdownAbort(BaseException):
-    """Raised inside a running job by the second shutdown signal (not an `Exception`: nothing swallows it)."""
 
 
 class Shutdown:
@@ -36,17 +35,18 @@ class Shutdown:
         return first_signal_at is not None and now() - first_signal_at < timedelta(seconds=1)
 
     def abort(self, running: list[str]) -> None:
-        """Second signal: raise `ShutdownAbort` in the job in hand, or exit at once when there is none."""
+        """Second signal: mark the jobs in flight for abort and hand-back (the worker's wait for them
+        acts on it), or exit at once when there is none."""
         if running:
             self.aborting = True
             log.warning("worker %s: second shutdown signal; aborting %s and handing back",
                         self.worker_name, ", ".join(running))
-            raise ShutdownAbort(f"worker {self.worker_name} shut down while running the job; handed back")
+            return
         log.warning("worker %s: second shutdown signal; exiting now", self.worker_name)
         raise SystemExit(1)
 
     def handback_reason(self, exc: BaseException | None) -> str | None:
         """Why a job failing now must be handed back after a shutdown abort, or None."""
-        if isinstance(exc, ShutdownAbort) or self.aborting:
+        if self.aborting:
             return "the worker was shut down (second SIGTERM) while running it"
         return None
