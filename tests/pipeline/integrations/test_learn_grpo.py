@@ -1,0 +1,79 @@
+"""examples/learn_grpo.py for two steps on the tiny model: a real redis-server, a real `pipeline worker`
+process, both loops (the asynchronous pipeline loop with partial pushes and TIS, and TRL's GRPOTrainer)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import pipeline
+from examples.learn_grpo import Settings, pipeline_loop, trl_loop
+from pipeline.read.reader import read_rollouts
+from tests.helpers import wait_until
+
+SETTINGS = Settings(steps=2, groups=2, samples=2, max_new_tokens=4, lr=1e-3, heldout=2, heldout_samples=2)
+
+
+@pytest.fixture
+def chat_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model with a chat template (the example's prompts are chat messages)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "tiny-chat"
+    shutil.copytree(tiny_model_dir, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _client(redis_url: str, pool: str, start_worker: Callable[..., subprocess.Popen]) -> pipeline.Client:
+    client = pipeline.connect(redis_url, pool=pool)
+    start_worker("--pool", pool)
+    wait_until(lambda: len(client.workers()) == 1, timeout=120, what="the worker to register")
+    return client
+
+
+def test_two_steps_of_the_pipeline_loop(tmp_path: Path, redis_url: str, chat_model_dir: Path,
+                                        start_worker: Callable[..., subprocess.Popen]) -> None:
+    client = _client(redis_url, "learn", start_worker)
+    output = f"file://{tmp_path / 'shards'}"
+    result = pipeline_loop(client, chat_model_dir, SETTINGS, run="learn", output=output, store=str(tmp_path / "w"),
+                           log=lambda line: None)
+
+    assert [s.step for s in result.steps] == [0, 1]
+    first, second = result.steps
+    # Step 0 trains v0 on rows v0 sampled: every ratio is the trainer's and the engine's logprob of
+    # the same weights, so 1 up to float error.
+    assert first.version == 0 and set(first.reward_by_version) == {0} and first.older_share == 0
+    assert first.ratio_mean == pytest.approx(1.0, abs=1e-3) and first.ratio_max < 1.01
+    # Step 1 trains v1 on rows submitted before v1 was pushed: their tokens are v0's, or v1's after the
+    # partial swap; the v0 ones are the older share.
+    assert second.version == 1 and set(second.reward_by_version) <= {0, 1}
+    assert 0.0 <= second.older_share <= 1.0
+    # Both pushes were served: the worker holds v2 and the held-out rows after training are v2's.
+    assert [w.weight_version for w in client.workers()] == [2]
+    rows = read_rollouts(output, "learn", conn=client.conn, columns=["request_id", "weight_version"]).to_pylist()
+    assert {r["weight_version"] for r in rows if r["request_id"].startswith("heldout-v2")} == {2}
+    assert {r["weight_version"] for r in rows if r["request_id"].startswith("heldout-v0")} == {0}
+    assert 0.0 <= result.before <= 1.0 and 0.0 <= result.after <= 1.0
+
+
+def test_two_steps_of_the_trl_loop(tmp_path: Path, redis_url: str, chat_model_dir: Path,
+                                   start_worker: Callable[..., subprocess.Popen]) -> None:
+    pytest.importorskip("trl")
+    client = _client(redis_url, "learn-trl", start_worker)
+    output = f"file://{tmp_path / 'shards'}"
+    result = trl_loop(client, chat_model_dir, SETTINGS, run="learn-trl", output=output, store=str(tmp_path / "w"),
+                      log=lambda line: None)
+
+    assert [s.step for s in result.steps] == [0, 1]
+    assert [w.weight_version for w in client.workers()] == [2]
+    rows = read_rollouts(output, "learn-trl", conn=client.conn, columns=["request_id", "weight_version"])
+    versions = [r["weight_version"] for r in rows.to_pylist() if not r["request_id"].startswith("heldout")]
+    # Two generations of 2 prompts x 2 samples: the first at v0, the second at v1 (pushed after step 1).
+    assert sorted(versions) == [0, 0, 0, 0, 1, 1, 1, 1]
