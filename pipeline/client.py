@@ -16,7 +16,7 @@ from pipeline.broker.connection import connect_redis
 from pipeline.errors import REQUESTS, LineError, PipelineError, RequestFileError
 from pipeline.intake.dataset_input import ColumnMapping
 from pipeline.intake.dataset_source import is_dataset_path
-from pipeline.intake.request_file import ParsedRequest, validation_errors
+from pipeline.intake.request_file import ParsedRequest, validation_errors, with_sampling_defaults
 from pipeline.intake.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
 from pipeline.read.batch import Batch
 from pipeline.read.cancel import CancelResult, cancel
@@ -130,7 +130,8 @@ class Client:
 
         A dataset path (Parquet, Arrow/Feather, a directory of Parquet or of `datasets.save_to_disk`;
         `pipeline.intake.dataset_source.is_dataset_path`) is read by column instead, mapped by `columns`,
-        `metadata` and `sampling` as in `submit` (`pipeline.intake.submit.submit_dataset`)."""
+        `metadata` and `sampling` as in `submit` (`pipeline.intake.submit.submit_dataset`). For a JSONL
+        file, `sampling` gives every line the sampling parameters its `sampling_params` does not set."""
         renderer = _renderer(tokenizer)
         options["pool"] = self._pool(options.get("pool"))
         if is_dataset_path(path):
@@ -138,9 +139,11 @@ class Client:
             plan = submit_dataset(self.conn, path, mapping=mapping, vocab_size=vocab_size, renderer=renderer,
                                   **options)
             return Batch(self.conn, plan)
-        if columns or metadata or sampling:
+        if columns or metadata:
             raise PipelineError(f"{path}: a column mapping applies to datasets (Parquet, Arrow, Feather, a "
                                 "directory), not to JSONL lines, which name their fields")
+        if sampling:  # defaults for the lines' sampling_params (a line's own values win)
+            renderer = with_sampling_defaults(sampling, renderer)
         return Batch(self.conn, submit_file(self.conn, path, vocab_size=vocab_size, renderer=renderer, **options))
 
     def workers(self, *, pool: str | None = None) -> list[WorkerInfo]:

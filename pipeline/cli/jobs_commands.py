@@ -8,7 +8,9 @@ from typing import Any
 from pipeline.cli.command import Command
 from pipeline.errors import PipelineError
 
-# Sampling flags of `pipeline submit`: defaults for every row of a dataset (a row's own columns win).
+_DEFAULT = "default for every line or row that does not set it"
+# Sampling flags of `pipeline submit`: defaults for every row of a dataset or line of a JSONL file (a row's
+# own columns, a line's own sampling_params, win).
 _SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids")
 
 
@@ -28,17 +30,17 @@ class SubmitCommand(Command):
         add("--metadata", action="append", default=[], metavar="KEY=COLUMN",
             help="dataset: a metadata key from a column, e.g. answer=reward_model.ground_truth; "
                  "repeatable")
-        add("--max-new-tokens", dest="max_new_tokens", type=int, help="dataset: default for every row")
-        add("--temperature", type=float, help="dataset: default for every row")
-        add("--top-p", dest="top_p", type=float, help="dataset: default for every row")
-        add("--top-k", dest="top_k", type=int, help="dataset: default for every row")
-        add("--min-p", dest="min_p", type=float, help="dataset: default for every row")
-        add("--n", type=int, help="dataset: samples per prompt for every row")
-        add("--seed", type=int, help="dataset: sampling seed for every row")
+        add("--max-new-tokens", dest="max_new_tokens", type=int, help=_DEFAULT)
+        add("--temperature", type=float, help=_DEFAULT)
+        add("--top-p", dest="top_p", type=float, help=_DEFAULT)
+        add("--top-k", dest="top_k", type=int, help=_DEFAULT)
+        add("--min-p", dest="min_p", type=float, help=_DEFAULT)
+        add("--n", type=int, help="samples per prompt, for every line or row that does not set it")
+        add("--seed", type=int, help="sampling seed, for every line or row that does not set it")
         add("--stop", action="append", default=None,
-            help="dataset: a stop string for every row; repeatable")
+            help="a stop string, for every line or row that sets none; repeatable")
         add("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=None,
-            help="dataset: a stop token id for every row; repeatable")
+            help="a stop token id, for every line or row that sets none; repeatable")
         add("--run", default=None, help="run name (default: a new timestamped one)")
         add("--output", default=None,
             help="fsspec URL for shards (default: $PIPELINE_OUTPUT or the state dir)")
@@ -75,10 +77,13 @@ class SubmitCommand(Command):
             from pipeline.intake.dataset_source import is_dataset_path
 
             if not is_dataset_path(args.file):
-                raise PipelineError("--column, --metadata and the sampling flags apply to a dataset (Parquet, "
-                                    "Arrow, Feather or a directory of them); JSONL lines give their own fields")
-            parsed = ColumnMapping.parse(args.column, args.metadata, sampling)
-            mapping = {"columns": parsed.columns, "metadata": parsed.metadata, "sampling": parsed.sampling}
+                if args.column or args.metadata:
+                    raise PipelineError("--column and --metadata apply to a dataset (Parquet, Arrow, Feather or a "
+                                        "directory of them); JSONL lines name their own fields")
+                mapping = {"sampling": sampling}  # defaults for the lines that do not set them
+            else:
+                parsed = ColumnMapping.parse(args.column, args.metadata, sampling)
+                mapping = {"columns": parsed.columns, "metadata": parsed.metadata, "sampling": parsed.sampling}
         batch = client.submit_file(
             args.file,
             **mapping,

@@ -11,7 +11,7 @@ import gc
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -415,6 +415,35 @@ def _line_errors(path: str, number: int, raw: str | bytes,
             return [LineError(path, number, getattr(exc, "field", ""), getattr(exc, "message", str(exc)))], b""
         raw = json.dumps(rendered) if isinstance(rendered, dict) else rendered
     return [], raw if isinstance(raw, bytes) else raw.encode()
+
+
+LineHook = Callable[[str | bytes], str | bytes | dict]
+
+
+def with_sampling_defaults(sampling: Mapping[str, Any], then: LineHook | None = None) -> LineHook:
+    """A line hook giving each line the sampling parameters `sampling` (`pipeline submit FILE.jsonl
+    --temperature T --n N ...`) where its own `sampling_params` does not set them; after `then`
+    (the chat renderer) when given. Defaults that are no valid sampling parameters raise
+    `PipelineError` naming each; a line that is no JSON object is left for the parse to report."""
+    try:
+        SamplingParams.model_validate(dict(sampling))
+    except ValidationError as exc:
+        problems = "; ".join(f"{e.field}: {e.message}" for e in validation_errors("", 0, exc))
+        raise PipelineError(f"default sampling parameters: {problems}") from None
+    defaults = dict(sampling)
+
+    def apply(raw: str | bytes) -> str | bytes | dict:
+        text = then(raw) if then is not None else raw
+        try:
+            line = text if isinstance(text, dict) else json.loads(text)
+        except ValueError:
+            return text
+        if not isinstance(line, dict) or not isinstance(line.get("sampling_params", {}), dict):
+            return text
+        line["sampling_params"] = {**defaults, **line.get("sampling_params", {})}
+        return line
+
+    return apply
 
 
 def parse_request_lines(

@@ -58,6 +58,14 @@ class Batch:
         self._last_entry: str | None = None
         self.last_take: TakeResult | None = None  # the report of the last `take`: kept, dropped, canceled
 
+    def __repr__(self) -> str:
+        """What was submitted and where its rows go (no Redis call: `status()` says how far it is)."""
+        plan = self.plan
+        extra = "".join(f", {name}={value!r}" for name, value in (("reward", plan.reward), ("groups", plan.groups))
+                        if value is not None)
+        return (f"Batch(run={plan.run!r}, pool={plan.pool!r}, jobs={len(plan.job_ids)}, requests={plan.requests}, "
+                f"samples={plan.samples}, url={self.url!r}{extra})")
+
     @property
     def run(self) -> str:
         return self.plan.run

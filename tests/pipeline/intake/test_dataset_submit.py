@@ -197,7 +197,7 @@ def test_cli_mapping_syntax_and_jsonl_are_refused(redis_url: str, tmp_path: Path
     assert cli_main(["submit", str(tmp_path / "d.parquet"), "--redis", redis_url, "--column", "input_ids"]) == 2
     assert "write NAME=COLUMN" in capsys.readouterr().err
     (tmp_path / "r.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
-    assert cli_main(["submit", str(tmp_path / "r.jsonl"), "--redis", redis_url, "--temperature", "0.5"]) == 2
+    assert cli_main(["submit", str(tmp_path / "r.jsonl"), "--redis", redis_url, "--metadata", "k=c"]) == 2
     assert "apply to a dataset" in capsys.readouterr().err
 
 

@@ -112,3 +112,11 @@ def test_wait_on_a_batch_a_failover_lost_raises_instead_of_waiting_forever(
     with pytest.raises(pipeline.SubmitLostError, match=f"batch {plan.batch_id} of run 'lost' was enqueued on a "
                        "Redis master that failed over"):
         Batch(redis_client, plan).wait(timeout=30)
+
+
+def test_a_batch_shows_what_was_submitted_and_where_its_rows_go(redis_client: redis.Redis, tmp_path: Path) -> None:
+    client = pipeline.Client(redis_client, pool="tour")
+    batch = client.submit([{"id": f"q{i}", "input_ids": [1, 2], "sampling_params": {"n": 2}} for i in range(3)],
+                          run="tour-2", output=f"file://{tmp_path}", batch_size=2, reward="exact_match")
+    assert repr(batch) == (f"Batch(run='tour-2', pool='tour', jobs=2, requests=3, samples=6, "
+                           f"url='file://{tmp_path}/tour-2', reward='exact_match')")
