@@ -1,0 +1,142 @@
+"""Resume, don't restart: `pipeline worker` processes on the hf engine (tiny random model) and the real
+Redis; a worker SIGKILLed with samples in flight, its job taken by another worker, which continues
+every checkpointed sample from its last saved token. Every stored logprob is checked against
+teacher forcing (`pipeline.verify`) under the version recorded for its token.
+
+The tests wait on the checkpoint in Redis (its pieces) and on the batch, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import redis
+
+import pipeline
+from pipeline.broker import commit_log, keys, registry
+from tests.helpers import wait_until
+from workers.jobs.checkpoint import CheckpointStore
+from workers.rows.continuation import Piece
+
+# Registry scans fast, so the dead worker's job is retried within seconds (heartbeats every 2 s: a
+# worker whose decode loop starves its heartbeat thread on a busy machine is not taken for dead).
+FAST = ("--heartbeat-interval", "2", "--maintenance-interval", "1", "--max-top-logprobs", "2")
+LENGTH = 160
+
+
+def saved(conn: redis.Redis, job_id: str) -> dict[tuple[int, int], list[Piece]]:
+    return CheckpointStore(conn).load(job_id)
+
+
+def tokens(chain: list[Piece]) -> np.ndarray:
+    return np.concatenate([p.token_ids for p in chain])
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def long_requests() -> list[dict]:
+    return [
+        {"id": "sampled", "input_ids": [5, 6, 7], "logprobs": 2,
+         "sampling_params": {"max_new_tokens": LENGTH, "n": 2, "seed": 3, "temperature": 0.8, "ignore_eos": True}},
+        {"id": "greedy", "input_ids": [9, 8], "logprobs": 2,
+         "sampling_params": {"max_new_tokens": LENGTH, "temperature": 0, "ignore_eos": True}},
+    ]
+
+
+def check_verified(conn: redis.Redis, run: str, models: dict[int, Path], rows: list[dict]) -> None:
+    """Every stored logprob equals teacher forcing under its token's recorded version (<= 1e-3)."""
+    report = pipeline.verify(run, {v: str(p) for v, p in models.items()}, conn=conn, threshold=1e-3)
+    assert report.tokens == sum(len(r["completion_token_ids"]) for r in rows)
+    assert report.max_abs_diff <= 1e-3, report.to_dict()
+
+
+def test_a_worker_killed_mid_sample_is_resumed_by_another(
+    redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, start_worker: Callable[..., subprocess.Popen]
+) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit(long_requests(), run="resume", output=f"file://{tmp_path}", batch_size=8)
+    (job_id,) = batch.job_ids
+    victim = start_worker("--checkpoint-every", "0.2", *FAST)
+    wait_until(lambda: len(saved(redis_client, job_id)) == 3 and all(
+        len(tokens(c)) >= 20 for c in saved(redis_client, job_id).values()), 120, "a checkpoint of every sample")
+    kill(victim)
+    before = saved(redis_client, job_id)  # what the victim saved, read after its death
+    assert all(0 < len(tokens(c)) < LENGTH for c in before.values())  # killed mid-sample
+    assert commit_log.read_all(redis_client, "resume") == []
+    start_worker("--checkpoint-every", "0.2", *FAST)
+    assert batch.wait(timeout=180).counts["finished"] == 1
+    rows = batch.read().to_pylist()
+    assert sorted(r["rollout_id"] for r in rows) == ["greedy:0", "sampled:0", "sampled:1"]  # none lost, none twice
+    slot = {"sampled": 0, "greedy": 1}
+    for row in rows:
+        chain = before[(slot[row["request_id"]], row["sample_index"])]
+        kept = len(tokens(chain))
+        assert len(row["completion_token_ids"]) == LENGTH  # the budget counts the whole completion
+        assert row["resumed_at"] == [kept]  # the resume point, recorded
+        assert row["completion_token_ids"][:kept] == tokens(chain).tolist()  # each token once, the dead worker's
+        assert np.allclose(row["completion_logprobs"][:kept], np.concatenate([p.logprobs for p in chain]))
+        assert [len(position) for position in row["completion_top_logprobs"]] == [2] * LENGTH
+        assert row["weight_version_segments"] is None  # one version: the pool never changed its weights
+    sampled = [r["completion_token_ids"] for r in rows if r["request_id"] == "sampled"]
+    assert sampled[0] != sampled[1]  # n=2: each sample keeps its own seed across the resume
+    check_verified(redis_client, "resume", {0: tiny_model_dir}, rows)
+    assert not redis_client.exists(keys.checkpoint(job_id))  # deleted with the commit
+
+
+def test_a_worker_killed_before_its_first_checkpoint_restarts_from_the_prompt(
+    redis_client: redis.Redis, tmp_path: Path, start_worker: Callable[..., subprocess.Popen]
+) -> None:
+    client = pipeline.Client(redis_client)
+    batch = client.submit(long_requests(), run="early", output=f"file://{tmp_path}", batch_size=8)
+    (job_id,) = batch.job_ids
+    victim = start_worker("--checkpoint-every", "3600", *FAST)
+    wait_until(lambda: any(w.current_job == job_id for w in registry.live_workers(redis_client)), 120,
+               "the victim to start the job")
+    kill(victim)
+    assert not redis_client.exists(keys.checkpoint(job_id))
+    start_worker("--checkpoint-every", "3600", *FAST)
+    assert batch.wait(timeout=180).counts["finished"] == 1
+    rows = batch.read().to_pylist()
+    assert sorted(r["rollout_id"] for r in rows) == ["greedy:0", "sampled:0", "sampled:1"]
+    assert all(r["resumed_at"] is None and len(r["completion_token_ids"]) == LENGTH for r in rows)
+
+
+def test_a_worker_killed_after_a_partial_swap_resumes_on_the_new_weights(
+    redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, v1_model_dir: Path,
+    start_worker: Callable[..., subprocess.Popen],
+) -> None:
+    """The swap's checkpoint holds the v0 tokens; the continuation's on v1 follow; killed then, the
+    job resumes on another worker (which loads the pool's v1): each token checked under its version."""
+    client = pipeline.Client(redis_client)
+    batch = client.submit(long_requests(), run="swap", output=f"file://{tmp_path}", batch_size=8)
+    (job_id,) = batch.job_ids
+    victim = start_worker("--checkpoint-every", "0.2", *FAST)
+    wait_until(lambda: len(saved(redis_client, job_id)) == 3, 120, "a first checkpoint")
+    acks = client.push_weights(str(v1_model_dir), version=1, mode="partial", timeout=60).acks
+    assert [a.mode for a in acks] == ["partial"]
+
+    def on_v1() -> bool:
+        chains = saved(redis_client, job_id)
+        return len(chains) == 3 and all(c[-1].version == 1 and len(c[-1].token_ids) for c in chains.values())
+
+    wait_until(on_v1, 120, "checkpoints of tokens generated on v1")
+    kill(victim)
+    before = saved(redis_client, job_id)
+    start_worker("--checkpoint-every", "0.2", *FAST)
+    assert batch.wait(timeout=180).counts["finished"] == 1
+    rows = batch.read().to_pylist()
+    assert len(rows) == 3
+    slot = {"sampled": 0, "greedy": 1}
+    for row in rows:
+        chain = before[(slot[row["request_id"]], row["sample_index"])]
+        boundary = next(p.start for p in chain if p.version == 1)
+        assert [(s["start"], s["version"]) for s in row["weight_version_segments"]] == [(0, 0), (boundary, 1)]
+        assert row["resumed_at"] == [len(tokens(chain))] and len(row["completion_token_ids"]) == LENGTH
+    check_verified(redis_client, "swap", {0: tiny_model_dir, 1: v1_model_dir}, rows)
