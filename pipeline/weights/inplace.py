@@ -9,7 +9,7 @@ tied names share storage and are written once) from version `have` of the store 
 - **full**: otherwise (no `have`: a worker that joined late or loaded a checkpoint since; a
   missing delta), the latest full version at or before `version` and every delta after it.
 
-Then every tensor's sha256 (of its bits in the stored dtype) is compared with the manifest's. A
+Then every tensor's checksum (xxh3-128 of its bits in the stored dtype) is compared with the manifest's. A
 delta that leaves any tensor different falls back to the full rebuild, and says so; a full
 rebuild that still differs raises `WeightsMismatchError` after putting `have` back when the store
 can rebuild it (the tensors are then exactly `have` again), so weights are exact or refused.
@@ -97,7 +97,7 @@ class _Target:
         bad = []
         for entry in manifest.tensors:
             words, _ = self.words(entry)
-            if checksum(words) != entry.sha256:
+            if checksum(words) != entry.xxh3:
                 bad.append(entry.name)
         return bad
 

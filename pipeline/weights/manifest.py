@@ -22,8 +22,8 @@ class TensorEntry(BaseModel):
     name: Annotated[StrictStr, Field(min_length=1, max_length=1024)]
     dtype: StrictStr
     shape: list[Annotated[StrictInt, Field(ge=0)]]
-    # sha256 of the tensor's raw little-endian bits at this version (after applying, for a delta).
-    sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+    # xxh3-128 of the tensor's raw little-endian bits at this version (after applying, for a delta).
+    xxh3: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{32}$")]
     # `plain`: the bits as they are, in a safetensors file (full versions); else a codec encoding (deltas).
     encoding: Literal["plain"] | Encoding
     file: Annotated[StrictStr, Field(pattern=r"^[a-z0-9.-]{1,64}$")] | None = None

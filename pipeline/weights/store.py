@@ -7,7 +7,7 @@ Layout (`URL/v00000003/...`, one directory per version):
 - a **delta** version: `delta-00000.bin`, ... — each tensor's change against the version before
   (`pipeline.weights.codec`), concatenated in buckets;
 - `manifest.json` (`pipeline.weights.manifest`), written last: where each tensor's bytes are,
-  how they are encoded and the sha256 of the tensor's bits at this version. A directory without
+  how they are encoded and the checksum of the tensor's bits at this version. A directory without
   one is a push that did not finish; readers ignore it and the next write of that version
   replaces it.
 
@@ -17,11 +17,11 @@ A version is rebuilt from the latest full version at or before it plus every del
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from pipeline import settings
 from pipeline.read.storage import url_to_fs
@@ -55,7 +55,10 @@ def describe(url: str) -> dict[str, object]:
 
 
 def checksum(words: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(words)).cast("B")).hexdigest()
+    """xxh3-128 of a tensor's bits: a checksum against damage and drift (6 GB/s; sha256 ran at 0.45
+    GB/s here, longer than applying a delta), not a signature: who may write the store is the
+    deployment's allowed weight prefixes."""
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(words)).cast("B"))
 
 
 def version_dir(version: int) -> str:
@@ -216,15 +219,15 @@ class VersionWriter:
     _pending_bytes: int = 0
     _buckets: int = 0
 
-    def add(self, tensor: TensorBits, encoding: str, blob: bytes, sha256: str) -> None:
+    def add(self, tensor: TensorBits, encoding: str, blob: bytes, xxh3: str) -> None:
         if encoding == "same":
             self.entries.append(TensorEntry(name=tensor.name, dtype=tensor.dtype, shape=list(tensor.shape),
-                                            sha256=sha256, encoding="same"))
+                                            xxh3=xxh3, encoding="same"))
             return
-        self._pending.append((tensor, sha256, blob))
+        self._pending.append((tensor, xxh3, blob))
         self._pending_bytes += tensor.words.nbytes if encoding == "plain" else len(blob)
         self.entries.append(TensorEntry(name=tensor.name, dtype=tensor.dtype, shape=list(tensor.shape),
-                                        sha256=sha256, encoding=encoding))  # type: ignore[arg-type]
+                                        xxh3=xxh3, encoding=encoding))  # type: ignore[arg-type]
         if self._pending_bytes >= self.bucket_bytes:
             self._flush()
 

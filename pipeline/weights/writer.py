@@ -3,7 +3,7 @@
 The first version, one pushed with `delta=False`, and every `full_every`-th after a full one
 are written in full; the others as deltas against the latest stored version, whose tensors are
 rebuilt from the store one at a time (so the writer holds one tensor of each version, never two
-models). Every entry carries the sha256 of the tensor's bits at the new version.
+models). Every entry carries the checksum (xxh3-128) of the tensor's bits at the new version.
 """
 
 from __future__ import annotations

@@ -80,9 +80,9 @@ def test_a_damaged_manifest_is_refused_naming_file_and_field(tmp_path: Path) -> 
     write_version(store, _bits(_model(np.random.default_rng(2))), 3)
     path = tmp_path / version_dir(3) / "manifest.json"
     record = json.loads(path.read_text())
-    record["tensors"][0]["sha256"] = "not a checksum"
+    record["tensors"][0]["xxh3"] = "not a checksum"
     path.write_text(json.dumps(record))
-    with pytest.raises(StoreError, match=r"v00000003/manifest.json: tensors\.0\.sha256: String should match"):
+    with pytest.raises(StoreError, match=r"v00000003/manifest.json: tensors\.0\.xxh3: String should match"):
         WeightStore(str(tmp_path)).manifest(3)
 
 
