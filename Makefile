@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint schemas clean vllm-env
+.PHONY: install demo learn test lint schemas clean vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/pipeline demo
+
+# GRPO that learns (examples/learn_grpo.py): the demo model on single-digit addition, the pipeline's
+# asynchronous loop and TRL's GRPOTrainer, 20 steps each; minutes on a CPU. The curve: .state/learn_grpo.png.
+learn: $(STAMP)
+	$(BIN)/python examples/learn_grpo.py --plot .state/learn_grpo.png
 
 # vLLM's CPU build in its own venv, cached outside the repo (tests/vllm_env.py): the real-server
 # tests run it. The first run installs it (a few minutes); later runs find it built.

@@ -296,6 +296,7 @@ def plot(results: list[Result], path: str) -> None:
     axis.set_title("GRPO on SmolLM2-135M-Instruct: single-digit addition")
     axis.legend(fontsize=7)
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
 
 
