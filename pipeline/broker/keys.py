@@ -173,6 +173,12 @@ def canceled(run: str) -> str:
     return f"{PREFIX}:run:{run}:canceled"
 
 
+def run_request_ids(run: str) -> str:
+    """The set of every request id submitted into a run: ids are unique in a run, so `rollout_id`s are
+    (`pipeline.intake.submit`)."""
+    return f"{PREFIX}:run:{run}:request_ids"
+
+
 # Runs submitted with a reward function (`--reward`): the streams reward workers read.
 REWARD_RUNS = f"{PREFIX}:rewards:runs"
 REPLICATION_PROBE = f"{PREFIX}:replication:probe"  # `pipeline.broker.replication` writes it before each WAIT

@@ -280,6 +280,7 @@ def submit_blocks(
             reward_log.ensure_group(conn, run)
         with conn.pipeline(transaction=True) as pipe:
             stager.confirm(pipe)
+            _refuse_ids_in_run(pipe, run, jobs.request_ids)
             pipe.multi()
             for key in stager.keys:
                 pipe.expire(key, PROMPTS_TTL_S)
@@ -301,6 +302,8 @@ def submit_blocks(
             if reward is not None:
                 pipe.sadd(keys.REWARD_RUNS, run)
             pipe.sadd(keys.run_batches(run), jobs.batch_id)
+            for chunk in _chunks(jobs.request_ids):
+                pipe.sadd(keys.run_request_ids(run), *chunk)
             pipe.sadd(where.open_batches, jobs.batch_id)
             pipe.sadd(where.runs, run)
             pipe.sadd(keys.POOLS, where.name)
@@ -310,8 +313,9 @@ def submit_blocks(
                 # redis-py also says WatchError when the connection died under the EXEC, which may
                 # have gone through: the batch's record says whether it did.
                 if not conn.exists(keys.batch(jobs.batch_id)):
-                    raise PipelineError("staged prompt ids changed in Redis before the jobs were enqueued; "
-                                        "nothing was enqueued, submit again") from None
+                    raise PipelineError(f"staged prompt ids, or the request ids of run {run!r} (another submit "
+                                        "into it at the same time), changed in Redis before the jobs were "
+                                        "enqueued; nothing was enqueued, submit again") from None
     except BaseException:
         stager.discard()
         raise
@@ -324,6 +328,32 @@ def submit_blocks(
         raise SubmitLostError(jobs.batch_id, run) from None
     return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name, reward,
                       groups)
+
+
+_ID_CHUNK = 10_000
+
+
+def _chunks(ids: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(ids), _ID_CHUNK):
+        yield ids[start : start + _ID_CHUNK]
+
+
+def _refuse_ids_in_run(pipe: redis.client.Pipeline, run: str, ids: list[str]) -> None:
+    """`PipelineError` when the run already has one of `ids` (a row's `rollout_id` is `{id}:{sample}`,
+    unique in a run). `pipe` is in WATCH mode: the run's id set is watched, so a submit into the same
+    run at the same time makes this one's EXEC fail rather than both add the same id."""
+    key = keys.run_request_ids(run)
+    pipe.watch(key)
+    if not pipe.exists(key):
+        return
+    taken = sorted(i for chunk in _chunks(ids) for i, hit in zip(chunk, pipe.smismember(key, chunk), strict=True)
+                   if hit)
+    if taken:
+        shown = ", ".join(repr(i) for i in taken[:10]) + (f" and {len(taken) - 10} more" if len(taken) > 10 else "")
+        raise PipelineError(
+            f"run {run!r} already has {len(taken)} of these request ids ({shown}) from an earlier submit: their rows "
+            "would share rollout_ids ('{id}:{sample}'); submit them into another run (--run NAME), or give them new "
+            "ids; nothing was enqueued")
 
 
 def _request_limit(groups: int | None, oversample: float | None) -> int | None:
@@ -400,6 +430,11 @@ class _Jobs:
     requests: int = 0
     samples: int = 0
     _seen: set[str] = field(default_factory=set)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request id packed so far."""
+        return list(self._seen)
 
     def add(self, chunk: Sequence[RolloutRequest | ParsedRequest], stager: PromptStager, needs: Needs) -> None:
         self._unique([request.id for request in chunk])
