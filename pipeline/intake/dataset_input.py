@@ -272,6 +272,7 @@ class RequestColumns:
     flat: np.ndarray
     offsets: np.ndarray
     shape: SamplingShape
+    first: int = 0  # the dataset row of `ids[0]`
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -455,7 +456,7 @@ class DatasetRows:
             names = list(metadata)
             for job_fields, values in zip(fields, zip(*metadata.values(), strict=True), strict=True):
                 job_fields["metadata"] = dict(zip(names, values, strict=True))
-        return RequestColumns(idents, fields, seeds, flat, offsets, shape)
+        return RequestColumns(idents, fields, seeds, flat, offsets, shape, first)
 
     def _unique(self, idents: list[str], first: int) -> bool:
         """Record the ids of rows `first...`; False (each duplicate noted) when one was seen before."""

@@ -42,8 +42,9 @@ class Placement:
         # its own, and the fields the rules read): its needs without token ids and the job key.
         self._shapes: dict[tuple[int, int | None, bool, bool], tuple[SamplingParams, Needs, Hashable]] = {}
 
-    def place(self, request: Asks, request_id: str) -> tuple[Needs, Hashable]:
-        """The request's needs, and the key of the jobs it may share (the classes that serve it).
+    def place(self, request: Asks, request_id: str, row: int | None = None) -> tuple[Needs, Hashable]:
+        """The request's needs, and the key of the jobs it may share (the classes that serve it);
+        a problem names the request by its id (and `row`, its row in a table, when given).
 
         The rules run once per request shape (`ParsedRequest`s of one `sampling_params` shape share
         its parameters object); per request only the largest token id is checked, when a worker
@@ -64,7 +65,8 @@ class Placement:
             needs = needs.with_token_ids(request.max_token_id())
             key = tuple(i for i in key if in_vocabulary(needs.max_token_id, self.classes[i]))
         if self.classes and not key and len(self.problems) < MAX_PROBLEMS:
-            self.problems.append(self._explain(request_id, needs))
+            where = "" if row is None else f" (row {row})"
+            self.problems.append(self._explain(f"request {request_id!r}{where}", needs))
         return needs, key
 
     def check(self) -> None:
@@ -72,10 +74,9 @@ class Placement:
         if self.problems:
             raise CapabilityError("nothing was enqueued:\n  " + "\n  ".join(self.problems))
 
-    def _explain(self, request_id: str, needs: Needs) -> str:
+    def _explain(self, who: str, needs: Needs) -> str:
         lacks = [missing(needs, c) for c in self.classes]
         everywhere = [need for need in lacks[0] if all(need in other for other in lacks[1:])]
-        who = f"request {request_id!r}"
         if everywhere:
             hints = [_HINTS[need] for need in everywhere if need in _HINTS]
             if needs.top_logprobs and f"top-{needs.top_logprobs} logprobs" in everywhere:

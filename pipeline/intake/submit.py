@@ -385,7 +385,7 @@ def _pack_columns(block: RequestColumns, placement: Placement, pending: dict[Has
     whole jobs packed straight from its arrays; the open job's remainder and the block's tail
     joined as single requests."""
     row = block.largest_row()  # a token id outside a vocabulary is named by its row
-    needs, key = placement.place(block.stand_in, block.ids[row])
+    needs, key = placement.place(block.stand_in, block.ids[row], block.first + row)
     placement.check()
     start = 0
     group = pending.get(key)

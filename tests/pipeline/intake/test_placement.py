@@ -41,7 +41,7 @@ def test_a_table_names_the_row_whose_token_is_outside_the_vocabulary(
     with pytest.raises(pipeline.CapabilityError) as refused:
         client.submit(pa.table(ROWS), output="memory://x", batch_size=batch_size)
     message = str(refused.value)
-    assert "request 'c':" in message and "token id 99999" in message, message
+    assert "request 'c' (row 2):" in message and "token id 99999" in message, message
     assert "'a'" not in message
     _nothing_enqueued(redis_client)
 
@@ -55,7 +55,7 @@ def test_a_parquet_submit_names_the_row_whose_token_is_outside_the_vocabulary(
                      "--batch-size", batch_size])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "request '2':" in err and "token id 99999" in err, err
+    assert "request '2' (row 2):" in err and "token id 99999" in err, err
     _nothing_enqueued(redis_client)
 
 
