@@ -246,10 +246,14 @@ def _throughput_section(f: RunFigures) -> str:
     note = ("from each row's started_at and finished_at (the time its job held a worker, from taking it to "
             "building its rows): the span runs from the first start to the last finish; 'while generating' "
             "counts only the time some job was running (idle gaps between jobs left out)")
-    rates: list[Any] = ["—", "—"]
+    total = float(tokens.sum())
+    # A rate needs time to divide by: "—" where rows started and finished within the same millisecond.
+    rates: list[Any] = [total / span if span > 0 else "—", total / generating if generating > 0 else "—"]
+    if generating <= 0:
+        note += ("; every job's rows started and finished within the same millisecond: too short to measure a "
+                 "rate while generating, so none is shown")
     image = None
-    if generating > 0:
-        rates = [float(tokens.sum() / span), float(tokens.sum() / generating)]
+    if span > 0:
         # Each job's tokens spread evenly over its own time (a job of no duration: all in its bin).
         edges = np.linspace(0.0, span, min(30, max(2, len(tokens))) + 1)
         per_bin = np.zeros(len(edges) - 1)
@@ -264,12 +268,9 @@ def _throughput_section(f: RunFigures) -> str:
         ax.set_xlabel("seconds since the first row started")
         ax.set_ylabel("completion tokens / s")
         image = _png(fig)
-    else:
-        note += ("; every row started and finished within the same millisecond: too short to measure a rate, "
-                 "so none is shown")
     rows = [[datetime.fromtimestamp(start, UTC).isoformat(timespec="seconds"),
              datetime.fromtimestamp(end, UTC).isoformat(timespec="seconds"), f"{span:.1f}", f"{generating:.1f}",
-             len(tokens), int(tokens.sum()), *rates]]
+             len(tokens), int(total), *rates]]
     return _section("Throughput over time", image,
                     _table(["first start (UTC)", "last finish (UTC)", "span (s)", "generating (s)", "jobs",
                             "completion tokens", "tokens/s over the span", "tokens/s while generating"], rows),

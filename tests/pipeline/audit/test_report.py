@@ -208,8 +208,11 @@ def test_throughput_of_rows_too_short_to_time_says_so_instead_of_a_rate(tmp_path
     timed_shard(tmp_path, "j1", 128, t0, t0)  # started and finished within the same millisecond
     text = pipeline.report(str(tmp_path / "timed"))
     (throughput,) = Page(text).table_with("tokens/s while generating")
-    assert throughput["tokens/s while generating"] == "—" and throughput["span (s)"] == "0.0"
-    assert "too short to measure a rate" in text and "128.0" not in text
+    assert throughput["tokens/s while generating"] == throughput["tokens/s over the span"] == "—"
+    assert throughput["span (s)"] == "0.0" and "too short to measure a rate" in text and "128.0" not in text
+    timed_shard(tmp_path, "j2", 72, t0 + 4, t0 + 4)  # another, 4 s later: a span, still no time generating
+    (throughput,) = Page(pipeline.report(str(tmp_path / "timed"))).table_with("tokens/s while generating")
+    assert (throughput["tokens/s over the span"], throughput["tokens/s while generating"]) == ("50", "—")
 
 
 def turn_shard(out: Path, run: str, job_id: str, turns: list[tuple[TurnTag | None, int]]) -> tuple[str, pa.Table]:
