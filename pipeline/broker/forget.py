@@ -125,8 +125,14 @@ def delete_run(conn: redis.Redis, run: str, *, shards: bool = False) -> DeletedR
 
 def reset_control(conn: redis.Redis, pool: str) -> None:
     """Forget the pool's desired state (weights, paused) and weight acknowledgements: its workers
-    start on the weights they load themselves, at version 0, running."""
+    start on the weights they load themselves, at version 0, running. Refused (`PipelineError`)
+    while a worker of the pool is live: it would keep serving weights the pool no longer names."""
     where = keys.pool(pool)
+    live = registry.live_workers(conn, where.name)
+    if live:
+        raise PipelineError(f"pool {where.name!r} is served by {len(live)} live worker(s) "
+                            f"({listing(w.worker_id for w in live)}); stop them, or use another pool, to start it "
+                            "afresh; nothing was reset")
     acks = list(conn.scan_iter(match=where.weight_acks(0)[: -len("0")] + "*", count=1000))
     conn.delete(where.control_state, *acks)
 

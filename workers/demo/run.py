@@ -68,20 +68,8 @@ def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: in
     return batch, elapsed
 
 
-def _reset_pool(client: Any) -> None:
-    """Forget the pool's desired weights (a previous demo's push), so this one starts on the base weights."""
-    from pipeline.broker import registry
-    from pipeline.broker.forget import reset_control
-    from pipeline.errors import PipelineError
-
-    live = registry.live_workers(client.conn, client.pool)
-    if live:
-        raise PipelineError(f"the demo resets pool {client.pool!r}'s weights, but {len(live)} worker(s) serve it "
-                            f"({', '.join(w.worker_id for w in live)}); stop them or pass --pool NAME")
-    reset_control(client.conn, client.pool)
-
-
 def run_demo(args: argparse.Namespace) -> int:
+    from pipeline.broker.forget import reset_control
     from pipeline.client import connect
     from workers.demo.model import DEMO_MODEL_NAME, ensure_demo_model, ensure_perturbed_copy
     from workers.engines.hf.engine import HFEngine
@@ -96,7 +84,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"wrote {count} requests to {path}")
 
     client = connect(args.redis, pool=args.pool or DEMO_POOL)
-    _reset_pool(client)
+    reset_control(client.conn, client.pool)  # a previous demo's push: this one starts on the base weights
     print(f"pool: {client.pool} (weights reset to the base model, v0)")
     run = args.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     first, elapsed = _run_round(client, engine, path, run, batch_size=args.batch_size)
