@@ -66,8 +66,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         self.max_batch_sequences = max(1, max_batch_sequences)
         self._feed_capacity = self.max_batch_sequences
         path = Path(model_path)
-        if not (path / "config.json").exists():
-            raise EngineUnavailableError(f"{path} is not a transformers model directory (no config.json)")
+        _check_model_dir(path)
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         self.model.eval()
@@ -121,8 +120,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         from transformers import AutoModelForCausalLM
 
         source = Path(path)
-        if not (source / "config.json").exists():
-            raise EngineUnavailableError(f"{source} is not a transformers model directory (no config.json)")
+        _check_model_dir(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
         if int(model.config.vocab_size) != self.vocab_size:
             raise EngineUnavailableError(
@@ -515,3 +513,11 @@ class SamplingRows:
             floor = probs.max(dim=-1, keepdim=True).values * self.min_p[:, None]
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
         return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _check_model_dir(path: Path) -> None:
+    """`EngineUnavailableError` saying what is wrong with a model directory: missing, or no config.json."""
+    if not path.exists():
+        raise EngineUnavailableError(f"{path} does not exist (as this worker sees it)")
+    if not (path / "config.json").exists():
+        raise EngineUnavailableError(f"{path} is not a transformers model directory (no config.json)")
