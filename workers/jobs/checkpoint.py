@@ -47,7 +47,7 @@ from workers.engines.base import Finish
 from workers.errors import WorkerError
 from workers.rows.continuation import Piece
 
-DEFAULT_CHECKPOINT_EVERY_S = 30.0
+DEFAULT_CHECKPOINT_EVERY_S = 10.0
 CHECKPOINT_TTL_S = 7 * 24 * 3600
 
 MAGIC = 1

@@ -148,8 +148,8 @@ class InFlight:
 class CheckpointStats:
     """What this worker's checkpoints wrote (for benchmarks and metrics)."""
 
-    saves: int = 0  # round trips
-    commands: int = 0
+    saves: int = 0  # round trips of saves
+    commands: int = 0  # every checkpoint command: RPUSH + EXPIRE per job saved, LRANGE per job admitted, DEL
     pieces: int = 0
     tokens: int = 0
     bytes: int = 0
@@ -305,6 +305,7 @@ class Feeder:
         if self.checkpoints is None or entry.progress is None:
             return 0
         chains = self.checkpoints.load(entry.job.id)
+        self.checkpoint_stats.commands += 1
         if not chains:
             return 0
         entry.checkpointed = True
@@ -464,6 +465,7 @@ class Feeder:
                 summary.update(resumed=progress.resumed)
             if entry.checkpointed and self.checkpoints is not None:
                 self.checkpoints.delete(entry.job.id)
+                self.checkpoint_stats.commands += 1
         except BaseException:
             self._finish(entry, sys.exc_info())
             return
