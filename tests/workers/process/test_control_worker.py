@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from workers.errors import WeightsRefusedError
 from workers.process.worker import RolloutWorker
 
 REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+FAST_BEATS = ("--heartbeat-interval", "0.5")  # the negative checks wait for two of them
 
 
 def _burst(conn: redis.Redis, engine: FakeEngine) -> None:
@@ -119,7 +119,20 @@ def test_a_replayed_older_signed_state_is_refused(
 # -- real worker processes, hf engine --------------------------------------------------------------
 
 
-def _live(conn: redis.Redis, count: int, timeout: float = 60) -> list[str]:
+def _heartbeats(conn: redis.Redis, count: int = 2) -> None:
+    """Until every live worker has published its registry entry `count` more times: a window for a
+    negative check measured in the workers' own progress (a loaded machine slows both alike)."""
+    seen = {w.worker_id: {w.heartbeat_at} for w in registry.live_workers(conn)}
+
+    def beaten() -> bool:
+        for info in registry.live_workers(conn):
+            seen.setdefault(info.worker_id, set()).add(info.heartbeat_at)
+        return all(len(beats) > count for beats in seen.values())
+
+    wait_until(beaten, 60, f"{count} more heartbeats of every worker")
+
+
+def _live(conn: redis.Redis, count: int, timeout: float = 300) -> list[str]:
     wait_until(lambda: len([w for w in registry.live_workers(conn) if w.state != "starting"]) >= count, timeout,
            f"{count} live workers")
     return sorted(w.worker_id for w in registry.live_workers(conn))
@@ -130,14 +143,14 @@ def test_push_pause_resume_and_a_late_worker(
 ) -> None:
     client = pipeline.Client(redis_client)
     output = f"file://{tmp_path}"
-    start_worker()
+    start_worker(*FAST_BEATS)
     [first] = _live(redis_client, 1)
 
     result = client.push_weights(str(v1_model_dir), version=1, timeout=60)
     assert [(a.worker, a.version, a.ok) for a in result.acks] == [(first, 1, True)]
 
     # A worker started after the push comes up at v1 (acknowledged) before its first job.
-    start_worker()
+    start_worker(*FAST_BEATS)
     workers = _live(redis_client, 2)
     [late] = [w for w in workers if w != first]
     wait_until(lambda: late in control_channel.read_acks(redis_client, 1), 60, "the late worker's ack")
@@ -153,7 +166,7 @@ def test_push_pause_resume_and_a_late_worker(
     client.pause()
     wait_until(lambda: {w.state for w in client.workers()} == {"paused"}, 10, "every worker paused")
     held = client.submit([REQUEST], run="held", output=output)
-    time.sleep(2.5)
+    _heartbeats(redis_client)
     assert _queued(redis_client) == held.job_ids
     assert held.status().counts["finished"] == 0
     assert {w.state for w in client.workers()} == {"paused"}
@@ -167,10 +180,11 @@ def test_a_push_no_worker_loads_changes_nothing(
     tmp_path: Path,
 ) -> None:
     client = pipeline.Client(redis_client)
-    start_worker()
-    start_worker()
+    start_worker(*FAST_BEATS)
+    start_worker(*FAST_BEATS)
     workers = _live(redis_client, 2)
-    missing = tmp_path / "no-such-checkpoint"
+    missing = tmp_path / "not-a-checkpoint"  # a directory (a missing path is refused before the push)
+    missing.mkdir()
     for _ in range(2):  # the version is not used up: the same push fails the same way again
         push = subprocess.run([*PIPELINE, "weights", "push", str(missing), "--version", "1", "--timeout", "60"],
                               env=pipeline_env, capture_output=True, text=True, timeout=90)
@@ -194,7 +208,7 @@ def test_a_push_no_worker_loads_changes_nothing(
     any_version = client.submit([REQUEST], run="any", output=f"file://{tmp_path}")
     assert any_version.wait(timeout=30).counts["finished"] == 1
     assert any_version.read().column("weight_version").to_pylist() == [0]
-    time.sleep(1.0)
+    _heartbeats(redis_client)
     assert needs_v1.status().counts["finished"] == 0
 
 
