@@ -8,6 +8,7 @@ along the same planned ids, so an interrupted and continued completion must equa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -261,17 +262,37 @@ def test_hf_partial_swap_routed_experts_are_the_last_segments_for_every_position
     assert not np.array_equal(stored, routing(tiny_moe_dir))
 
 
-def _serve(url: str, step_s: float) -> None:
+LOADING_KEY = "test:partial-swap:loading"
+
+
+class LoadsForever(SimEngine):
+    """A sim engine whose weight load never ends: it notes in Redis that it started (and how many
+    sequences the engine still held then), so that a test can kill it in the middle of the swap."""
+
+    def __init__(self, conn: redis.Redis, config: SimConfig) -> None:
+        super().__init__(config)
+        self.conn = conn
+
+    def update_weights(self, path: str, version: int) -> None:
+        self.conn.set(LOADING_KEY, self.load())
+        threading.Event().wait()
+
+
+def _serve(url: str, step_s: float, hold_swap: bool = False) -> None:
     from pipeline.broker.connection import connect_redis
 
-    engine = SimEngine(SimConfig(capacity=16, step_s=step_s, median_tokens=10_000, p99_tokens=10_001))
-    RolloutWorker(connect_redis(url), engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
+    conn = connect_redis(url)
+    config = SimConfig(capacity=16, step_s=step_s, median_tokens=10_000, p99_tokens=10_001)
+    engine = LoadsForever(conn, config) if hold_swap else SimEngine(config)
+    RolloutWorker(conn, engine, heartbeat_interval_s=0.5, maintenance_interval_s=1,
                   control_poll_s=0.2).work(burst=False, with_scheduler=False, logging_level="WARNING")
 
 
 def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     redis_client: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
+    """SIGKILL while the worker is inside a partial swap (its samples stopped, the new weights
+    loading, no continuation submitted): another worker regenerates every sample, once."""
     import multiprocessing as mp
     import os
     import signal
@@ -282,25 +303,29 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     batch = client.submit(lines("k", [400, 400, 400, 400], n=2), run="killed", output=f"file://{tmp_path}",
                           batch_size=2)
     fork = mp.get_context("fork")
-    victim = fork.Process(target=_serve, args=(redis_url, 0.01), daemon=True)
+    # 0.05 s steps: the jobs (400 tokens) would take 20 s, far longer than the push takes to arrive.
+    victim = fork.Process(target=_serve, args=(redis_url, 0.05, True), daemon=True)
     victim.start()
     rescuer = None
+    push = threading.Thread(target=lambda: _push_ignoring_acks(client), daemon=True)
     try:
-        wait_until(lambda: sum(1 for w in registry.live_workers(redis_client) if w.state == "busy") == 1, 30,
+        wait_until(lambda: sum(1 for w in registry.live_workers(redis_client) if w.state == "busy") == 1, 120,
                    "the victim to start its jobs")
-        acks = client.push_weights("/ckpt/v1", version=1, mode="partial", timeout=30).acks
-        assert [a.mode for a in acks] == ["partial"]  # samples stopped, v1 loaded, continuations submitted
+        push.start()
+        wait_until(lambda: redis_client.exists(LOADING_KEY), 120, "the victim to be loading v1 mid-swap")
+        assert int(redis_client.get(LOADING_KEY)) == 0  # type: ignore[arg-type]  # its samples were stopped first
         os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
         victim.join()
         assert commit_log.read_all(redis_client, "killed") == []  # nothing was written before the kill
         rescuer = fork.Process(target=_serve, args=(redis_url, 0.0), daemon=True)
         rescuer.start()
-        assert batch.wait(timeout=60).counts["finished"] == 2
+        assert batch.wait(timeout=120).counts["finished"] == 2
     finally:
         for process in (victim, rescuer):
             if process is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
                 process.join()
+        push.join(timeout=60)
     commits = commit_log.read_all(redis_client, "killed")
     assert sorted(c.job_id for c in commits) == sorted(batch.job_ids)  # one commit per job
     assert sorted(p.name for p in tmp_path.joinpath("killed").glob("*.parquet")) == sorted(
@@ -312,6 +337,13 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     assert set(table.column("weight_version").to_pylist()) == {1}
     assert table.column("weight_version_segments").null_count == 8
     assert set(table.column("completion_tokens").to_pylist()) == {400}
+
+
+def _push_ignoring_acks(client: pipeline.Client) -> None:
+    """Push v1 in partial mode; the victim never acknowledges (it dies loading), so the push's
+    answer is not what the test is about."""
+    with contextlib.suppress(pipeline.PipelineError):
+        client.push_weights("/ckpt/v1", version=1, mode="partial", timeout=10)
 
 
 def test_staleness_bound_restarts_samples_behind_the_pushed_version(redis_client: redis.Redis,
