@@ -107,8 +107,8 @@ def delete_run(conn: redis.Redis, run: str, *, shards: bool = False) -> DeletedR
         pipe.srem(keys.REWARD_RUNS, run)
         pipe.srem(keys.TURN_RUNS, run)
         pipe.delete(keys.commit_log(run), keys.run_jobs(run), keys.run_totals(run), keys.run_batches(run),
-                    keys.canceled(run), keys.reward_log(run), keys.reward_jobs(run), keys.reward_totals(run),
-                    keys.turn_log(run), keys.turn_log_jobs(run), keys.turn_log_output(run),
+                    keys.canceled(run), keys.run_request_ids(run), keys.reward_log(run), keys.reward_jobs(run),
+                    keys.reward_totals(run), keys.turn_log(run), keys.turn_log_jobs(run), keys.turn_log_output(run),
                     keys.turn_flush_lock(run), keys.run_turn_stats(run))
         pipe.execute()
     deleted = DeletedRun(run, len(job_ids), rows, outputs)
