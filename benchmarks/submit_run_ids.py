@@ -5,7 +5,9 @@ transaction and, when the run has ids already, checks the new ones against them 
 first. Measured: the same `submit_file` of a JSONL of 512-token prompts, in this process on one
 Redis, with the id set (this tree) and with it patched out (the submit as before issue 36: the
 baseline), alternating round by round; a first submit into a fresh run, and a second submit of
-new ids into a run that holds as many already (the check's path). Medians with min and max.
+new ids into a run that holds as many already (the check's path). Medians with min and max. On a
+loaded machine the paired ratios scatter widely, so the id set's own Redis work (the WATCH, the
+check and the SADDs of one submit, timed alone) is printed beside them as a share of a submit.
 
     .venv/bin/python benchmarks/submit_run_ids.py [--requests 20000] [--repeats 7]
 """
@@ -55,6 +57,21 @@ def timed(conn: redis.Redis, path: Path, run: str) -> float:
     return time.perf_counter() - start
 
 
+def id_set_work(conn: redis.Redis, ids: list[str], existing: list[str]) -> float:
+    """Seconds of the id set's Redis work in one submit: WATCH, the check, the SADDs in a MULTI/EXEC."""
+    conn.flushall()
+    for chunk in submit._chunks(existing):
+        conn.sadd(submit.keys.run_request_ids("r"), *chunk)
+    start = time.perf_counter()
+    with conn.pipeline(transaction=True) as pipe:
+        submit._refuse_ids_in_run(pipe, "r", ids)
+        pipe.multi()
+        for chunk in submit._chunks(ids):
+            pipe.sadd(submit.keys.run_request_ids("r"), *chunk)
+        pipe.execute()
+    return time.perf_counter() - start
+
+
 def summary(name: str, seconds: list[float], requests: int) -> str:
     rates = sorted(requests / s for s in seconds)
     return f"{name}: median {statistics.median(rates):,.0f}, min {rates[0]:,.0f}, max {rates[-1]:,.0f} requests/s"
@@ -92,6 +109,12 @@ def main() -> None:
             paired = sorted(ratios[case])
             print(f"  ratio this tree / baseline: median {statistics.median(paired):.3f} "
                   f"(min {paired[0]:.3f}, max {paired[-1]:.3f}, paired rounds)")
+        for case, existing in (("first", []), ("second", [f"a{i}" for i in range(args.requests)])):
+            work = sorted(id_set_work(conn, [f"b{i}" for i in range(args.requests)], existing)
+                          for _ in range(args.repeats))
+            share = statistics.median(work) / statistics.median(times[f"ours-{case}"])
+            print(f"  the id set's own Redis work, {case} submit: median {statistics.median(work) * 1000:.1f} ms "
+                  f"(min {work[0] * 1000:.1f}, max {work[-1] * 1000:.1f}), {share:.1%} of the submit's median time")
         conn.flushall()
         before = conn.info("memory")["used_memory"]
         timed(conn, first, "r")
