@@ -4,6 +4,7 @@ worker, a reward worker, DAPO's filter; what remains is canceled."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -11,6 +12,7 @@ import redis
 import pipeline
 from pipeline.audit.status import collect
 from pipeline.intake.submit import rollout_queue
+from pipeline.read.batch import Batch
 from pipeline.read.take import RewardsFailedWarning, rewards_differ
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
@@ -33,16 +35,25 @@ def generate(conn: redis.Redis, jobs: int) -> None:
         engine.close()
 
 
+def scored(conn: redis.Redis, output: Path, monkeypatch: pytest.MonkeyPatch, reward: str, run: str, count: int,
+           jobs: int, **options: Any) -> Batch:
+    """`count` requests submitted one a job with reward function `reward` (of tests.reward_functions),
+    the first `jobs` of them generated and scored."""
+    monkeypatch.setenv("PIPELINE_REWARDS", f"{reward}=tests.reward_functions:{reward}")
+    batch = pipeline.Client(conn).submit(requests(count), run=run, output=f"file://{output}", batch_size=1,
+                                         reward=reward, **options)
+    generate(conn, jobs=jobs)
+    RewardWorker(conn, block_ms=50).work(burst=True)
+    return batch
+
+
 def test_take_keeps_groups_the_filter_accepts_and_cancels_the_rest(
     redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("PIPELINE_REWARDS", "varies=tests.reward_functions:varies")
     client = pipeline.Client(redis_client)
-    batch = client.submit(requests(10), run="t", output=f"file://{tmp_path}", batch_size=1, reward="varies",
-                          groups=2, oversample=2.5)
+    # q0..q3 generated; q4 waits in the queue
+    batch = scored(redis_client, tmp_path, monkeypatch, "varies", "t", 10, jobs=4, groups=2, oversample=2.5)
     assert (batch.plan.requests, batch.plan.groups, len(batch.job_ids)) == (5, 2, 5)  # ceil(2 x 2.5) of 10
-    generate(redis_client, jobs=4)  # q0..q3 generated; q4 waits in the queue
-    RewardWorker(redis_client, block_ms=50).work(burst=True)
 
     result = batch.take(keep=rewards_differ, timeout=30)
 
@@ -83,12 +94,7 @@ def test_oversample_needs_groups_and_enough_requests(redis_client: redis.Redis, 
 def test_take_with_every_reward_failed_warns_instead_of_silently_keeping_nothing(
     redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("PIPELINE_REWARDS", "broken=tests.reward_functions:broken")
-    client = pipeline.Client(redis_client)
-    batch = client.submit(requests(3), run="rf", output=f"file://{tmp_path}", batch_size=1, reward="broken",
-                          groups=3)
-    generate(redis_client, jobs=3)
-    RewardWorker(redis_client, block_ms=50).work(burst=True)
+    batch = scored(redis_client, tmp_path, monkeypatch, "broken", "rf", 3, jobs=3, groups=3)
 
     with pytest.warns(RewardsFailedWarning) as warned:
         result = batch.take(keep=rewards_differ, timeout=30)
