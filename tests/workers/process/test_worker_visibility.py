@@ -34,11 +34,11 @@ def test_a_worker_process_is_titled_pipeline_worker_with_its_pool_engine_and_mod
         title = _title(process.pid)
     finally:
         terminate(process, timeout=30)
-    assert title.startswith(f"pipeline worker (finder, hf, {tiny_model_dir}): Listening on "), title
-    assert "rq:worker" not in title
     # The model was loaded with stderr a file: no progress bar (transformers' "Loading weights") in it.
     text = log.read_text()
     assert "Loading weights" not in text and "\r" not in text, text[-2000:]
+    assert title.startswith(f"pipeline worker (finder, hf, {tiny_model_dir}): Listening on "), title
+    assert "rq:worker" not in title
 
 
 def test_rq_group_registry_cleaning_is_logged_at_debug_not_info(
