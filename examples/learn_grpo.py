@@ -4,7 +4,7 @@
 
 The task: "What is 3 + 5? Answer with the number only." The reward is the pipeline's built-in
 `numeric_match` (the completion's last number equals the answer). SmolLM2-135M-Instruct rambles
-and gets about one in six right at 24 new tokens; a few steps of GRPO teach it the short form.
+and rarely answers within 10 new tokens; a few steps of GRPO teach it the short form.
 
 - `pipeline` loop (`pipeline_loop`): asynchronous. The next step's prompts are submitted before
   this step trains, so the worker generates while the trainer learns; after each optimizer step
@@ -16,7 +16,7 @@ and gets about one in six right at 24 new tokens; a few steps of GRPO teach it t
   (synchronous: each generation waits for the version pushed after the step before).
 
 Each prints the mean reward per step and per weight version and the held-out reward (16
-problems never trained on, 4 samples each) before and after; `--plot PATH` draws the learning
+problems never trained on, 2 samples each) before and after; `--plot PATH` draws the learning
 curve. A worker process on the demo model (nothing downloaded) and the embedded Redis are
 started unless `--no-worker` (then the workers of `--pool` serve).
 """
@@ -53,14 +53,14 @@ class Settings:
     """One training run's knobs (defaults: the demo model on a CPU)."""
 
     steps: int = 20
-    groups: int = 8  # prompts per step
+    groups: int = 4  # prompts per step
     samples: int = 4  # completions per prompt (the GRPO group)
-    max_new_tokens: int = 24
+    max_new_tokens: int = 10  # "3 + 5 = 8" fits; rambling is cut before its number
     temperature: float = 1.0
-    lr: float = 2e-5
+    lr: float = 5e-5
     cap: float = 2.0  # the TIS cap on importance ratios
     heldout: int = 16
-    heldout_samples: int = 4
+    heldout_samples: int = 2
     seed: int = 0
 
 

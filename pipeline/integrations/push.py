@@ -1,15 +1,14 @@
 """A trainer's in-memory model to every worker of a pool as the next weight version.
 
-One function, `push_model`, so that the way weights travel is one line to change: today through a
-directory (`save_pretrained` into `store`, then `Client.push_weights(path)`); once
-`Client.push_weights(state_dict=...)` (issue 32) lands, straight from memory. The directory of the
-version before is removed once every worker has acknowledged the new one (none still loads it).
+One function, `push_model`, so that the way weights travel is one line: from memory through the
+pool's weight store (`Client.push_weights(state_dict=...)`: a delta against the version before,
+applied in place by the workers; docs/control.md "Pushes from memory"). A trainer without a
+store shared with its workers would `save_pretrained` into a directory they can read and push
+its path instead (`Client.push_weights(path, ...)`).
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
 from pipeline.broker.control_channel import DEFAULT_PUSH_TIMEOUT_S, PushResult
@@ -22,17 +21,12 @@ def next_version(client: Client) -> int:
     return client.control_state().weight_version + 1
 
 
-def push_model(client: Client, model: Any, *, store: str | Path, mode: SwapMode = "partial",
+def push_model(client: Client, model: Any, *, mode: SwapMode = "partial", store: str | None = None,
                version: int | None = None, timeout: float | None = DEFAULT_PUSH_TIMEOUT_S) -> PushResult:
-    """Every worker of `client`'s pool loads `model` (a transformers `PreTrainedModel`) as `version`
-    (default: the pool's next). Returns when all live workers acknowledged (`WeightPushError` naming
-    those that did not)."""
+    """Every worker of `client`'s pool loads `model`'s weights (a torch module) as `version` (default:
+    the pool's next), through the weight store `store` (an fsspec URL the workers read; default
+    `<PIPELINE_HOME>/weights/<pool>`). Returns when all live workers acknowledged
+    (`WeightPushError` naming those that did not)."""
     version = next_version(client) if version is None else version
-    root = Path(store)
-    path = root / f"v{version}"
-    model.save_pretrained(path)
-    result = client.push_weights(str(path), version=version, mode=mode, timeout=timeout)
-    for old in root.glob("v*"):
-        if old != path and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-    return result
+    return client.push_weights(state_dict=model.state_dict(), version=version, mode=mode, store=store,
+                               timeout=timeout)

@@ -15,8 +15,9 @@ reward functions as keywords: `weight_version` (its oldest token's), `token_weig
 (one per token; several after a partial swap), `rollout_id`, `request_id`, `finish_reason`.
 
 The callback (`WeightSync`, a `transformers.TrainerCallback`) pushes the model after every
-`every`-th optimizer step as the pool's next weight version (`mode` "partial" or "drain") through
-`pipeline.integrations.push.push_model`, and the next rollout asks for that version.
+`every`-th optimizer step as the pool's next weight version (`mode` "partial" or "drain") from
+memory (`pipeline.integrations.push.push_model`: a delta through the pool's weight store), and
+the next rollout asks for that version.
 
 Tested with TRL 1.16.0 (the `trl` extra pins it). The API is experimental in TRL. Its facts this
 module depends on, and what changes if they move:
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -167,9 +167,7 @@ class WeightSyncState:
 
     def __init__(self, client: Client, *, mode: SwapMode, store: str | None, every: int,
                  timeout: float | None) -> None:
-        self.client, self.mode, self.every, self.timeout = client, mode, every, timeout
-        self._tmp = None if store else tempfile.TemporaryDirectory(prefix="pipeline-trl-weights-")
-        self.store = store or (self._tmp.name if self._tmp else "")
+        self.client, self.mode, self.store, self.every, self.timeout = client, mode, store, every, timeout
         self.version: int | None = None
         self.pushes: list[Any] = []
 
@@ -217,8 +215,8 @@ def pipeline_rollout(client: Client, run: str = "grpo", mode: SwapMode = "partia
     """`(rollout_func, weight_sync)` for `GRPOTrainer(rollout_func=..., callbacks=[weight_sync])`.
 
     `run`: the pipeline run every rollout is submitted to (`pipeline report RUN` plots it); `mode`:
-    how workers swap to a pushed version ("partial" or "drain"); `store`: the directory pushed
-    weights are saved under (a temporary one by default; it must be readable by the workers);
+    how workers swap to a pushed version ("partial" or "drain"); `store`: the weight store's fsspec
+    URL, which the workers read (default `<PIPELINE_HOME>/weights/<pool>`);
     `every`: push after every `every`-th optimizer step; `timeout`: seconds a rollout waits for its
     rows (`WaitTimeoutError` after); `push_timeout`: seconds a push waits for every worker's
     acknowledgement; `output`: the shards' URL (the pipeline's default otherwise).
