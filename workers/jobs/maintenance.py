@@ -63,21 +63,23 @@ class RegistryMaintenance:
         self.exception_handlers = exception_handlers  # RQ's registry cleaning hands abandoned jobs to them
         self.fail_job = fail_job  # (job, queue, reason): the worker's failure path (retries, then failed)
         self.stuck_after_s = stuck_after_s
-        self.reconcilers = {r.queue.name: r for r in reconcilers}  # by queue name
+        # Each sweeps all of its pool's queues, under the cleaning lock of its batch queue (the last).
+        self.reconcilers = {r.queues[-1].name: r for r in reconcilers}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def clean(self) -> None:
         """Clean each queue's registries unless another worker is at it (a lock of 2 × interval)."""
         lock_ttl = max(2, int(self.interval_s) * 2)
+        for reconciler in self.reconcilers.values():
+            reconciler.observe_master()
+        settling = any(r.settling() for r in self.reconcilers.values())  # see `Reconciler.settling`
         for queue in self.queues:
             reconciler = self.reconcilers.get(queue.name)
-            if reconciler is not None:
-                reconciler.observe_master()
             if not self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl):
                 continue
             try:
-                if reconciler is None or not reconciler.settling():  # see `Reconciler.settling`
+                if not settling:
                     clean_registries(queue, self.exception_handlers)
                     worker_registration.clean_worker_registry(queue)
                     self._recover_intermediate(queue)

@@ -17,10 +17,11 @@ worker ran it to the end) is dropped rather than run again.
 
 Each sweep looks at the jobs of the pool's open batches (`pipeline.broker.keys.PoolKeys.open_batches`:
 every submit adds its batch; a sweep drops a batch once all its jobs have ended, committed, over
-two sweeps) and reads, in one transaction, the queue, the intermediate queue and the registries.
-A job found orphaned twice, at least `grace_s` apart, is requeued at the front of its queue
+two sweeps) and reads, in one transaction, every queue of the pool (the batch queue and the agent
+lanes: a job may move between them), its intermediate queue and its registries. A job found
+orphaned twice, at least `grace_s` apart, is requeued at the front of its own queue (its origin)
 (status `queued`), in one Lua script that first checks again, atomically, that its status is
-still the one seen and that it is still in none of those places. Live workers re-add their
+still the one seen and that it is still in none of those places of any of the pool's queues. Live workers re-add their
 started-registry entries at every heartbeat (`workers.process.heartbeat`), so a job a live worker
 still runs is never orphaned for longer than a heartbeat, and `grace_s` (the maintenance's
 `stuck_after_s`) is far longer. Should a job run twice anyway, nothing is duplicated: it
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -54,21 +56,24 @@ ENDED = ("finished", "failed", "stopped", "canceled")
 IDLE_SWEEP_S = 600.0  # between sweeps while the master has not changed and nothing is suspected
 WINDOW_GRACES = 20  # sweeps stay frequent this many grace periods after the master changed
 
-# KEYS: the job's hash, the queue, the intermediate queue, the started, scheduled and deferred
-# registries, the run's committed jobs. ARGV: the job id, the status the sweep saw. Requeues the
-# job (at the front) only if it is still orphaned; returns 1 if it did.
+# KEYS: the job's hash, the run's committed jobs, the queue to requeue it in, then per queue of
+# the pool five: the queue, the intermediate queue, the started, scheduled and deferred
+# registries. ARGV: the job id, the status the sweep saw. Requeues the job (at the front) only if
+# it is still orphaned; returns 1 if it did.
 _REQUEUE_ORPHAN = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= ARGV[2] then return 0 end
-if status == 'finished' and redis.call('HEXISTS', KEYS[7], ARGV[1]) == 1 then return 0 end
-if redis.call('LPOS', KEYS[2], ARGV[1]) or redis.call('LPOS', KEYS[3], ARGV[1]) then return 0 end
-if redis.call('ZSCORE', KEYS[5], ARGV[1]) or redis.call('ZSCORE', KEYS[6], ARGV[1]) then return 0 end
+if status == 'finished' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
 local prefix = ARGV[1] .. ':'
-for _, member in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
-  if string.sub(member, 1, #prefix) == prefix then return 0 end
+for q = 4, #KEYS, 5 do
+  if redis.call('LPOS', KEYS[q], ARGV[1]) or redis.call('LPOS', KEYS[q + 1], ARGV[1]) then return 0 end
+  if redis.call('ZSCORE', KEYS[q + 3], ARGV[1]) or redis.call('ZSCORE', KEYS[q + 4], ARGV[1]) then return 0 end
+  for _, member in ipairs(redis.call('ZRANGE', KEYS[q + 2], 0, -1)) do
+    if string.sub(member, 1, #prefix) == prefix then return 0 end
+  end
 end
 redis.call('HSET', KEYS[1], 'status', 'queued')
-redis.call('LPUSH', KEYS[2], ARGV[1])
+redis.call('LPUSH', KEYS[3], ARGV[1])
 return 1
 """
 
@@ -89,11 +94,14 @@ class _Seen:
 
 
 class Reconciler:
-    """Sweeps one pool's open batches for orphaned jobs and requeues them (see the module doc)."""
+    """Sweeps one pool's open batches for orphaned jobs and requeues them (see the module doc);
+    `queues`: every queue of the pool, the batch queue last (a job whose origin is none of them
+    goes back there)."""
 
-    def __init__(self, conn: redis.Redis, queue: Queue, pool: str, *, grace_s: float, interval_s: float) -> None:
+    def __init__(self, conn: redis.Redis, queues: Sequence[Queue], pool: str, *, grace_s: float,
+                 interval_s: float) -> None:
         self.conn = conn
-        self.queue = queue
+        self.queues = list(queues)
         self.pool = keys.pool(pool)
         self.grace_s = grace_s
         self.interval_s = interval_s
@@ -154,7 +162,7 @@ class Reconciler:
                 status, committed = statuses[job_id]
                 if status in ENDED and (status != "finished" or committed):
                     if job_id in scheduled:
-                        self._drop_retry(job_id, status)
+                        self._drop_retry(job_id, status, scheduled[job_id])
                     continue
                 if status is None:  # the job's record expired (results are kept for days): nothing to run
                     continue
@@ -208,36 +216,44 @@ class Reconciler:
                 statuses[job_id] = (status.decode() if status else None, commit is not None)
         return statuses
 
-    def _held(self) -> tuple[set[str], set[str]]:
-        """Every job id in the queue, the intermediate queue or a registry, read in one transaction;
-        and those of the scheduled registry (retries waiting out their backoff)."""
-        queue = self.queue
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.lrange(queue.key, 0, -1)
-            pipe.lrange(queue.intermediate_queue_key, 0, -1)
-            pipe.zrange(queue.started_job_registry.key, 0, -1)
-            pipe.zrange(queue.scheduled_job_registry.key, 0, -1)
-            pipe.zrange(queue.deferred_job_registry.key, 0, -1)
-            queued, intermediate, started, scheduled, deferred = pipe.execute()
-        held = {m.decode() for m in (*queued, *intermediate, *scheduled, *deferred)}
-        held.update(m.decode().split(":", 1)[0] for m in started)  # `job id:execution id`
-        return held, {m.decode() for m in scheduled}
+    def _places(self, queue: Queue) -> list[str]:
+        """A queue's five places of a job, in `_REQUEUE_ORPHAN`'s order."""
+        return [queue.key, queue.intermediate_queue_key, queue.started_job_registry.key,
+                queue.scheduled_job_registry.key, queue.deferred_job_registry.key]
 
-    def _drop_retry(self, job_id: str, status: str) -> None:
+    def _held(self) -> tuple[set[str], dict[str, str]]:
+        """Every job id in a queue of the pool, its intermediate queue or a registry, read in one
+        transaction; and those of the scheduled registries (retries waiting out their backoff), each
+        with its registry's key."""
+        with self.conn.pipeline(transaction=True) as pipe:
+            for queue in self.queues:
+                pipe.lrange(queue.key, 0, -1)
+                pipe.lrange(queue.intermediate_queue_key, 0, -1)
+                pipe.zrange(queue.started_job_registry.key, 0, -1)
+                pipe.zrange(queue.scheduled_job_registry.key, 0, -1)
+                pipe.zrange(queue.deferred_job_registry.key, 0, -1)
+            replies = iter(pipe.execute())
+        held: set[str] = set()
+        scheduled_in: dict[str, str] = {}
+        for queue in self.queues:
+            queued, intermediate, started, scheduled, deferred = (next(replies) for _ in range(5))
+            held.update(m.decode() for m in (*queued, *intermediate, *scheduled, *deferred))
+            held.update(m.decode().split(":", 1)[0] for m in started)  # `job id:execution id`
+            scheduled_in.update((m.decode(), queue.scheduled_job_registry.key) for m in scheduled)
+        return held, scheduled_in
+
+    def _drop_retry(self, job_id: str, status: str, registry: str) -> None:
         """A retry scheduled for a job that has ended since: a failover's lost writes made RQ take the
         job for abandoned while its worker still ran it to the end. Dropped, not run again."""
-        if self._drop_ended_retry(keys=[Job.key_for(job_id), self.queue.scheduled_job_registry.key],
-                                  args=[job_id, status]):
+        if self._drop_ended_retry(keys=[Job.key_for(job_id), registry], args=[job_id, status]):
             log.warning("job %s is %s, but a retry of it was scheduled (a Redis failover made it look "
                         "abandoned?); the retry is dropped", job_id, status)
 
     def _requeue(self, job_id: str, run: str, status: str) -> bool:
-        queue = self.queue
-        done = self._script(
-            keys=[Job.key_for(job_id), queue.key, queue.intermediate_queue_key, queue.started_job_registry.key,
-                  queue.scheduled_job_registry.key, queue.deferred_job_registry.key, keys.run_jobs(run)],
-            args=[job_id, status],
-        )
+        origin = self.conn.hget(Job.key_for(job_id), "origin")
+        home = next((q for q in self.queues if origin is not None and q.name == origin.decode()), self.queues[-1])
+        places = [key for queue in self.queues for key in self._places(queue)]
+        done = self._script(keys=[Job.key_for(job_id), keys.run_jobs(run), home.key, *places], args=[job_id, status])
         if done:
             what = "finished but its commit is missing" if status == "finished" else f"{status} but held nowhere"
             log.warning("job %s of run %s was %s (state lost in a Redis failover?); requeued it", job_id, run, what)

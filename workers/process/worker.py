@@ -69,8 +69,8 @@ class RolloutWorker(EngineWorker):
             conn, self.queues, interval_s=interval, stuck_after_s=stuck_after_s,
             exception_handlers=rq_seam.exception_handlers(self),
             fail_job=lambda job, queue, reason: self.handle_job_failure(job, queue, exc_string=reason),
-            reconcilers=[Reconciler(conn, queue, self.pool.name, grace_s=stuck_after_s, interval_s=interval)
-                         for queue in self.queues],
+            # One for all of the pool's queues: a job is held if any of them holds it.
+            reconcilers=[Reconciler(conn, self.queues, self.pool.name, grace_s=stuck_after_s, interval_s=interval)],
         )
         # RQ passes a failing job's exception to handle_exception, then (same thread) calls
         # handle_job_failure without it. Jobs fail on two threads (the work loop, and the
