@@ -85,6 +85,11 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
             raise ManifestError(f"{where}: tensor {tensor.name}: dtype {tensor.dtype!r} is not a safetensors dtype")
         if tensor.encoding != "same" and tensor.file is None:
             raise ManifestError(f"{where}: tensor {tensor.name}: {tensor.encoding} data without a file")
+        # Bounds what a reader allocates: plain bits are the tensor's size, an encoding at most about twice it.
+        limit = tensor.nbytes if tensor.encoding == "plain" else 2 * tensor.nbytes + 4096
+        if tensor.length > limit or (tensor.encoding == "plain" and tensor.length != limit):
+            raise ManifestError(f"{where}: tensor {tensor.name}: {tensor.length} bytes of {tensor.encoding} data for "
+                                f"a {tensor.dtype} tensor of shape {tensor.shape} ({tensor.nbytes} bytes)")
     if manifest.kind == "delta" and (manifest.base is None or manifest.base >= manifest.version):
         raise ManifestError(f"{where}: a delta's base must be an older version, got {manifest.base}")
     return manifest

@@ -84,6 +84,11 @@ def test_a_damaged_manifest_is_refused_naming_file_and_field(tmp_path: Path) -> 
     path.write_text(json.dumps(record))
     with pytest.raises(StoreError, match=r"v00000003/manifest.json: tensors\.0\.xxh3: String should match"):
         WeightStore(str(tmp_path)).manifest(3)
+    record = json.loads(path.read_text().replace("not a checksum", "0" * 32))
+    record["tensors"][0]["length"] = 10**10  # a reader would allocate what the manifest claims
+    path.write_text(json.dumps(record))
+    with pytest.raises(StoreError, match=r"tensor embed: 10000000000 bytes of plain data for a F32 tensor"):
+        WeightStore(str(tmp_path)).manifest(3)
 
 
 def test_prune_keeps_what_rebuilds_the_versions_still_needed(tmp_path: Path) -> None:
