@@ -99,8 +99,9 @@ def _size(count: int) -> str:
 
 
 def _check_target(conn: redis.Redis, pool: str, path: str) -> None:
-    """Before a push: refuse a local path that does not exist where every live worker of the pool
-    runs (this machine); warn when it is missing here only, and when no worker ever named the pool."""
+    """Before a push: refuse a local path that does not exist when every live worker of the pool runs
+    here and loads weights from this disk (the hf engine; HTTP engines' servers and the sim read paths
+    of their own); warn when it is missing here only, and when no worker ever named the pool."""
     from pipeline.broker import registry
     from pipeline.suggest import did_you_mean, listing
 
@@ -112,9 +113,9 @@ def _check_target(conn: redis.Redis, pool: str, path: str) -> None:
     if "://" in path or os.path.exists(path):
         return
     live = registry.live_workers(conn, pool)
-    if live and all(w.host == socket.gethostname() for w in live):
-        raise PipelineError(f"weight path {path} does not exist (this machine runs every live worker of pool "
-                            f"{pool!r}); nothing was pushed")
+    if live and all(w.host == socket.gethostname() and w.engine == "hf" for w in live):
+        raise PipelineError(f"weight path {path} does not exist (every live worker of pool {pool!r} loads from "
+                            "this machine's disk); nothing was pushed")
     print(f"warning: weight path {path} does not exist on this machine; the workers must see it where they run",
           file=sys.stderr)
 

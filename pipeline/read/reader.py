@@ -36,8 +36,9 @@ __all__ = [
 
 
 def is_location(source: str) -> bool:
-    """A URL or an existing path; anything else names a run (read through its commit log)."""
-    return "://" in source or os.path.exists(source)
+    """A URL, an existing path, or what no run name can be (a '/' in it, a `.parquet` file): a missing
+    path then says what is there instead. Anything else names a run (read through its commit log)."""
+    return "://" in source or os.path.exists(source) or "/" in source or source.endswith(".parquet")
 
 
 def shard_paths(url: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:

@@ -14,7 +14,7 @@ import redis
 
 import pipeline
 from pipeline.broker import control_channel, keys, registry
-from pipeline.cli.command import EXIT_FAILED, EXIT_USAGE
+from pipeline.cli.command import EXIT_FAILED, EXIT_TIMEOUT, EXIT_USAGE
 from pipeline.cli.main import main
 from schemas.worker_info import WorkerInfo
 from workers.engines.fake import FakeEngine
@@ -125,11 +125,18 @@ def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_mi
     assert ("warning: no worker has ever served pool 'tuor' and nothing was submitted to it (pools here: default, "
             "tour; did you mean 'tour'?)") in err
 
-    # Every live worker of the pool runs on this machine, where the path does not exist.
+    # A sim worker takes any path (so do HTTP engines' servers, wherever they run): a warning only.
     now = time.time()
-    registry.publish(redis_client, WorkerInfo(worker_id="w1", pool="tour", host=socket.gethostname(), pid=1,
-                                              engine="fake", model="m", started_at=now, heartbeat_at=now))
     missing = tmp_path / "no-such-checkpoint"
+    registry.publish(redis_client, WorkerInfo(worker_id="w0", pool="sim", host=socket.gethostname(), pid=1,
+                                              engine="sim", model="m", started_at=now, heartbeat_at=now))
+    code, _, err = _cli(capsys, redis_url, "weights", "push", str(missing), "--version", "1", "--pool", "sim",
+                        "--timeout", "0.5")
+    assert f"warning: weight path {missing} does not exist on this machine" in err
+    assert code == EXIT_TIMEOUT and "no worker loaded it" in err  # pushed, and waited for (this entry never answers)
+    # Every live worker of the pool loads weights from this machine's disk, where the path does not exist.
+    registry.publish(redis_client, WorkerInfo(worker_id="w1", pool="tour", host=socket.gethostname(), pid=1,
+                                              engine="hf", model="m", started_at=now, heartbeat_at=now))
     code, _, err = _cli(capsys, redis_url, "weights", "push", str(missing), "--version", "1", "--pool", "tour")
     assert code == EXIT_USAGE and f"weight path {missing} does not exist" in err and "nothing was pushed" in err
     assert control_channel.read_state(redis_client, "tour").weight_version == 0

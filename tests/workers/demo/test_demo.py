@@ -3,6 +3,7 @@ and the commands that undo what it left (`pipeline runs delete`, `pipeline pools
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -49,6 +50,12 @@ def test_the_demo_runs_in_its_own_pool_and_a_second_demo_starts_on_the_base_weig
     # Its second step ran at v1 both times (not v2 on top of the first demo's push).
     assert {r["weight_version"] for r in _rows(redis_client, "d1-step2") + _rows(redis_client, "d2-step2")} == {1}
     assert "pipeline redis stop" in second and "pipeline runs delete d2 d2-step2" in second
+
+    # `demo` names the model on the command line: verify the base step against it.
+    verified = subprocess.run([*PIPELINE, "verify", "d2", "--model", "0=demo", "--rows", "2", "--json"],
+                              env=pipeline_env, capture_output=True, text=True, timeout=600)
+    assert verified.returncode == 0, verified.stderr[-2000:]
+    assert json.loads(verified.stdout)["tokens"] > 0
 
     # Undo it: one run, then the pool (its desired weights and the runs left).
     deleted = subprocess.run([*PIPELINE, "runs", "delete", "d1"], env=pipeline_env, capture_output=True, text=True,
