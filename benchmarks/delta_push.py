@@ -1,0 +1,210 @@
+"""Weight pushes from memory as deltas: bytes per push and the hf engine's pause, against full pushes.
+
+    .venv/bin/python benchmarks/delta_push.py [--steps 6] [--lr 1e-6] [--store-gbps 10] [--nccl-gbps 100]
+
+On the demo model (SmolLM2-135M-Instruct, converted once into the model cache; nothing is
+downloaded) a trainer takes real RL steps: the hf engine samples rollouts of a few chat prompts
+(n=4, 48 tokens), each step is a backward pass of a REINFORCE loss (group-normalised random
+rewards) over them and an AdamW step (lr 1e-6, weight decay 0, float32 master weights).
+After every step the state dict is pushed into two weight stores (`pipeline.weights.writer`):
+
+- bf16 (what an engine serving bf16 holds; the cast is the trainer's) and float32 (what the hf
+  engine serves): bytes stored per push, delta against the full version (the first push), and
+  how the per-tensor choice between the two encodings went (xor+zstd vs changed elements+zstd),
+  with what each alone would have stored;
+- engine pause, hf, as in a partial swap (the engine stopped between interrupt and resume): the
+  delta applied in place with every tensor's checksum checked (`HFEngine.apply_store_version`)
+  against the baseline a user writes today, a full reload of the checkpoint directory the trainer
+  saved (`HFEngine.update_weights`, the road of `pipeline weights push PATH`), in the same process,
+  alternating per step. The trainer-side costs (writing the delta; `save_pretrained`) are reported too.
+
+Medians over the steps, with min-max. Then a paper model: seconds per push for 7 B, 32 B and
+235 B parameters in bf16 from the measured bf16 byte ratio, at a stated store bandwidth (the
+trainer writes, a worker reads: bytes / bandwidth each way) and a stated NCCL broadcast bandwidth
+for a full push. These are arithmetic on the measured ratio, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.weights import codec
+from pipeline.weights.store import WeightStore
+from pipeline.weights.torch_bits import state_dict_bits
+from pipeline.weights.writer import write_version
+from schemas.request import RolloutRequest
+from workers.demo.model import ensure_demo_model
+from workers.engines.hf.engine import HFEngine
+
+QUESTIONS = ["What is 17 + 25?", "Name a prime number above 50.", "Spell 'cat' backwards.",
+             "What is the capital of France?", "Give a synonym of 'quick'.", "What is 9 times 7?"]
+PAPER_MODELS = {"7B": 7e9, "32B": 32e9, "235B": 235e9}
+
+
+def spread(values: list[float], unit: str = "s", scale: float = 1.0) -> str:
+    return (f"{statistics.median(values) * scale:.3f} {unit} (min {min(values) * scale:.3f}, "
+            f"max {max(values) * scale:.3f}, n={len(values)})")
+
+
+def rollouts(engine: HFEngine, tokenizer, n: int, tokens: int) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
+    requests = []
+    for i, question in enumerate(QUESTIONS):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        requests.append(RolloutRequest.model_validate({
+            "id": f"q{i}", "input_ids": ids,
+            "sampling_params": {"max_new_tokens": tokens, "n": n, "temperature": 1.0, "seed": i}}))
+    out = engine.generate(requests)
+    return [(list(r.input_ids), list(s.token_ids)) for r, samples in zip(requests, out, strict=True) for s in samples]
+
+
+def rl_step(model, optimizer, batch, rng: np.random.Generator, group: int) -> float:  # type: ignore[no-untyped-def]
+    """One REINFORCE step: advantages are group-normalised random rewards (a stand-in verifier)."""
+    rewards = rng.random(len(batch)).reshape(-1, group)
+    advantages = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
+    total = 0.0
+    for (prompt, completion), advantage in zip(batch, advantages, strict=True):
+        ids = torch.tensor([prompt + completion])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        logprobs = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])
+        loss = -(float(advantage) * logprobs.sum()) / (len(batch) * max(1, len(completion)))
+        loss.backward()
+        total += float(loss.detach())
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
+def encodings_by_dtype(before: dict[str, np.ndarray], after: dict[str, np.ndarray], dtype: str) -> dict[str, int]:
+    """What each encoding alone would store for this step's change, and how often each wins per tensor."""
+    sizes: Counter[str] = Counter()
+    for name, new in after.items():
+        old = before[name]
+        if np.array_equal(old, new):
+            sizes["wins:same"] += 1
+            continue
+        xor, sparse = len(codec.encode_xor(old, new)), len(codec.encode_sparse(old, new))
+        sizes["xor_only"] += xor
+        sizes["sparse_only"] += sparse
+        sizes["wins:xor" if xor <= sparse else "wins:sparse"] += 1
+        sizes["changed_elements"] += int(np.count_nonzero(old != new))
+        sizes["elements"] += new.size
+    sizes["dtype_" + dtype] = 1
+    return dict(sizes)
+
+
+def bits(state_dict, dtype) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    return {t.name: t.words for t in state_dict_bits(state_dict, dtype)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (the group)")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--store-gbps", type=float, default=10.0,
+                        help="paper model: store bandwidth in GB/s (each way; e.g. NVMe-oF or 100 GbE)")
+    parser.add_argument("--nccl-gbps", type=float, default=100.0,
+                        help="paper model: NCCL broadcast bandwidth in GB/s of a full push (e.g. 8x400 Gb/s IB)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model_dir = ensure_demo_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFEngine(model_dir)
+    batch = rollouts(engine, tokenizer, args.samples, args.tokens)
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer.train()
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=args.lr, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    work = Path(tempfile.mkdtemp(prefix="delta-push-"))
+    stores = {"bf16": WeightStore(str(work / "bf16")), "f32": WeightStore(str(work / "f32"))}
+    casts = {"bf16": torch.bfloat16, "f32": None}
+    previous = {kind: bits(trainer.state_dict(), casts[kind]) for kind in ("bf16", "f32")}
+    full_bytes: dict[str, int] = {}
+    for kind, store in stores.items():  # v0: the full version every delta is measured against
+        full_bytes[kind] = write_version(store, state_dict_bits(trainer.state_dict(), casts[kind]), 0).stored_bytes
+    engine.apply_store_version(stores["f32"], None, 0)
+
+    delta_bytes: dict[str, list[int]] = {kind: [] for kind in stores}
+    write_s: dict[str, list[float]] = {kind: [] for kind in stores}
+    choice: dict[str, Counter[str]] = {kind: Counter() for kind in stores}
+    pause_delta: list[float] = []
+    pause_full: list[float] = []
+    save_s: list[float] = []
+    read_delta: list[int] = []
+    print(f"v0 stored in full ({full_bytes['bf16'] / 1e6:.0f} MB bf16, {full_bytes['f32'] / 1e6:.0f} MB f32); "
+          f"{len(batch)} rollouts", flush=True)
+    for version in range(1, args.steps + 1):
+        started = time.perf_counter()
+        rl_step(trainer, optimizer, batch, rng, args.samples)
+        print(f"step {version}: RL step {time.perf_counter() - started:.1f} s", flush=True)
+        for kind, store in stores.items():
+            if version == 1:  # each encoding alone, once: the choice is per tensor, this says why
+                choice[kind].update(encodings_by_dtype(previous[kind], bits(trainer.state_dict(), casts[kind]), kind))
+            started = time.perf_counter()
+            written = write_version(store, state_dict_bits(trainer.state_dict(), casts[kind]), version,
+                                    full_every=args.steps + 1)
+            write_s[kind].append(time.perf_counter() - started)
+            delta_bytes[kind].append(written.stored_bytes)
+        checkpoint = work / f"ckpt-{version}"
+        started = time.perf_counter()
+        trainer.save_pretrained(checkpoint)
+        save_s.append(time.perf_counter() - started)
+        # The engine serves v-1: the delta in place (checked), then the baseline full reload of v.
+        started = time.perf_counter()
+        applied = engine.apply_store_version(stores["f32"], version - 1, version)
+        pause_delta.append(time.perf_counter() - started)
+        assert applied.how == "delta", applied
+        read_delta.append(applied.bytes_read)
+        started = time.perf_counter()
+        engine.update_weights(str(checkpoint), version)
+        pause_full.append(time.perf_counter() - started)
+        print(f"step {version}: bf16 delta {delta_bytes['bf16'][-1] / 1e6:.2f} MB, f32 delta "
+              f"{delta_bytes['f32'][-1] / 1e6:.2f} MB; pause delta {pause_delta[-1]:.3f} s, full reload "
+              f"{pause_full[-1]:.3f} s", flush=True)
+
+    print(f"\nDemo model {model_dir.name}, {args.steps} RL steps (REINFORCE + AdamW lr {args.lr:g}, "
+          f"{len(batch)} rollouts of <= {args.tokens} tokens per step), torch threads {torch.get_num_threads()}")
+    print("\nBytes per push (median over steps; min-max):")
+    ratios = {}
+    for kind in stores:
+        ratio = [b / full_bytes[kind] for b in delta_bytes[kind]]
+        ratios[kind] = statistics.median(ratio)
+        c = choice[kind]
+        print(f"  {kind:>4}: full {full_bytes[kind] / 1e6:.1f} MB, delta {spread(delta_bytes[kind], 'MB', 1e-6)}; "
+              f"ratio delta/full {spread(ratio, '', 1.0)} = 1/{1 / ratios[kind]:.1f}")
+        print(f"        step 1: changed elements {c['changed_elements'] / max(1, c['elements']):.2%}; per tensor the "
+              f"smaller won: xor {c['wins:xor']}, sparse {c['wins:sparse']}, unchanged {c['wins:same']}; "
+              f"xor alone {c['xor_only'] / 1e6:.2f} MB, sparse alone {c['sparse_only'] / 1e6:.2f} MB (step 1)")
+        print(f"        trainer-side write of the delta: {spread(write_s[kind])}")
+    print("\nhf engine pause per push (float32, as in a partial swap), same process, alternating:")
+    print(f"  delta in place + checksums: {spread(pause_delta)}; reads {statistics.median(read_delta) / 1e6:.1f} MB")
+    print(f"  baseline full reload of the saved checkpoint: {spread(pause_full)}")
+    print(f"  ratio delta/full: {statistics.median(pause_delta) / statistics.median(pause_full):.3f} "
+          f"(1/{statistics.median(pause_full) / statistics.median(pause_delta):.1f})")
+    print(f"  the baseline's trainer also writes the checkpoint first: save_pretrained {spread(save_s)}")
+
+    ratio = ratios["bf16"]
+    print(f"\nPaper model (arithmetic, not measured): bf16 weights (2 bytes/param), measured bf16 delta ratio "
+          f"{ratio:.4f}; store {args.store_gbps:g} GB/s each way (write, then read), NCCL {args.nccl_gbps:g} GB/s")
+    print(f"  {'model':>6} {'full bytes':>11} {'full via store':>15} {'delta via store':>16} {'full NCCL':>10}")
+    for name, params in PAPER_MODELS.items():
+        full = 2 * params
+        print(f"  {name:>6} {full / 1e9:>8.0f} GB {2 * full / (args.store_gbps * 1e9):>13.1f} s "
+              f"{2 * full * ratio / (args.store_gbps * 1e9):>14.2f} s {full / (args.nccl_gbps * 1e9):>8.2f} s")
+
+
+if __name__ == "__main__":
+    main()
