@@ -292,12 +292,14 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     redis_client: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     """SIGKILL while the worker is inside a partial swap (its samples stopped, the new weights
-    loading, no continuation submitted): another worker regenerates every sample, once."""
+    loading, no continuation submitted): another worker finishes every sample, once — those the
+    swap's checkpoint saved continued from there on v1 (`workers.jobs.checkpoint`), the rest from
+    their prompts."""
     import multiprocessing as mp
     import os
     import signal
 
-    from pipeline.broker import commit_log, registry
+    from pipeline.broker import commit_log, keys, registry
 
     client = pipeline.Client(redis_client)
     batch = client.submit(lines("k", [400, 400, 400, 400], n=2), run="killed", output=f"file://{tmp_path}",
@@ -314,6 +316,7 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
         push.start()
         wait_until(lambda: redis_client.exists(LOADING_KEY), 120, "the victim to be loading v1 mid-swap")
         assert int(redis_client.get(LOADING_KEY)) == 0  # type: ignore[arg-type]  # its samples were stopped first
+        wait_until(lambda: redis_client.keys(keys.checkpoint("*")), 120, "the swap's checkpoint")
         os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
         victim.join()
         assert commit_log.read_all(redis_client, "killed") == []  # nothing was written before the kill
@@ -333,10 +336,19 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     table = batch.read()
     ids = table.column("rollout_id").to_pylist()
     assert sorted(ids) == sorted(f"k{i}:{s}" for i in range(4) for s in range(2))  # none lost, none twice
-    # Regenerated from the start on the rescuer, at the version it serves: one version per row.
-    assert set(table.column("weight_version").to_pylist()) == {1}
-    assert table.column("weight_version_segments").null_count == 8
-    assert set(table.column("completion_tokens").to_pylist()) == {400}
+    resumed = 0
+    for row in table.to_pylist():
+        assert row["completion_tokens"] == 400
+        if row["resumed_at"] is None:  # regenerated from the start on the rescuer, at the version it serves
+            assert row["weight_version"] == 1 and row["weight_version_segments"] is None
+            continue
+        resumed += 1  # the v0 tokens the swap saved, then the rescuer's on v1, each once
+        (kept,) = row["resumed_at"]
+        assert [(s["start"], s["version"]) for s in row["weight_version_segments"]] == [(0, 0), (kept, 1)]
+        request = RolloutRequest.model_validate(lines("k", [400] * 4, n=2)[int(row["request_id"][1:])])
+        plan = simulate_sample(SimConfig(median_tokens=10_000, p99_tokens=10_001), request, row["sample_index"], 0)
+        assert row["completion_token_ids"] == plan.token_ids.tolist()  # the sim continues its planned sample
+    assert resumed
 
 
 def _push_ignoring_acks(client: pipeline.Client) -> None:
