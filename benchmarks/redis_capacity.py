@@ -7,9 +7,10 @@ intervals), then measures from Redis's own counters (`INFO commandstats`, `INFO 
 
 0. the server alone for half of `--idle-seconds`: its own housekeeping, subtracted from the idle phase;
 1. idle: the workers waiting on an empty queue for `--idle-seconds`: per worker-second;
-2. jobs: `--jobs` jobs of `--requests-per-job` requests each submitted and served: per job (the
-   enqueue, the dequeue, the job's status writes, its commit, its finish), the idle workers'
-   share over the same time subtracted;
+2. jobs: `--jobs` jobs of `--requests-per-job` requests (default 64, of `--prompt-tokens` 512 random
+   ids: the prompt ids are staged in Redis beside each job) each submitted and served: per job (the
+   enqueue, the prompt ids staged and read, the dequeue, the job's status writes, its commit, its
+   finish), the idle workers' share over the same time subtracted;
 3. pushes: `--pushes` weight pushes to all workers: per push per worker.
 
 It prints one table of the three and the top commands of the job phase; `docs/scaling.md` turns
@@ -17,6 +18,7 @@ the figures into a capacity model. The baseline in the same process is the idle 
 figure is also given as a multiple of one idle worker-second.
 
     .venv/bin/python benchmarks/redis_capacity.py [--workers 30] [--jobs 600] [--idle-seconds 20]
+        [--requests-per-job 64] [--prompt-tokens 512]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
 from pipeline.broker import control_channel, registry  # noqa: E402
@@ -91,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=30)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--jobs", type=int, default=600)
-    parser.add_argument("--requests-per-job", type=int, default=16)
+    parser.add_argument("--requests-per-job", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="tokens a prompt (random ids below 150 000: staged in Redis as int32)")
+    parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--pushes", type=int, default=3)
     args = parser.parse_args(argv)
     context = mp.get_context("fork")
@@ -117,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             idle.cpu_s -= alone.cpu_s * idle.seconds / alone.seconds
             idle_ws = args.workers * idle.seconds
 
-            requests = [RolloutRequest(id=f"r{i}", input_ids=[1 + i % 900, 2, 3],
-                                       sampling_params={"max_new_tokens": 4})
+            rng = np.random.default_rng(0)
+            requests = [RolloutRequest(id=f"r{i}", input_ids=rng.integers(0, 150_000, args.prompt_tokens).tolist(),
+                                       sampling_params={"max_new_tokens": args.max_new_tokens})
                         for i in range(args.jobs * args.requests_per_job)]
             before = snapshot(conn)
             plan = submit_requests(conn, requests, run="capacity", output=f"file://{tmp}/shards",
@@ -147,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                     process.join()
 
     idle_per = idle.per(idle_ws)
-    print(f"{args.workers} workers; {len(plan.job_ids)} jobs of {args.requests_per_job} requests; "
+    print(f"{args.workers} workers; {len(plan.job_ids)} jobs of {args.requests_per_job} requests of "
+          f"{args.prompt_tokens}-token prompts, {args.max_new_tokens} new tokens; "
           f"{args.pushes} pushes; Redis on a unix socket; server alone: "
           f"{alone.cpu_s / alone.seconds * 1e6:.0f} µs CPU per second")
     print(f"{'unit':<34} {'commands':>9} {'bytes':>9} {'server CPU':>12}")
