@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PUSH_TIMEOUT_S = 600.0
 _POLL_S = 0.01
+# A push that finds no live worker in a pool whose previous version workers acknowledged waits this
+# long for their entries: after a Redis failover the registry's entries may have gone with the old
+# master, and each live worker writes its entry again at its next heartbeat (every 5 s by default).
+NO_WORKERS_WAIT_S = 6.0
 
 
 @dataclass
@@ -268,7 +272,9 @@ def push_weights(
     some loaded and some failed, the push stands; the workers that failed take no job (they are
     `unhealthy`, handing jobs back) until they load it (a `force` re-push retries). With no live
     worker at all the push is recorded for the workers that join; one that cannot load it
-    refuses to join.
+    refuses to join. A pool whose previous version workers acknowledged but that shows no live
+    worker (right after a Redis failover, their entries lost with the old master) is given
+    `NO_WORKERS_WAIT_S` for their next heartbeats before the push answers.
     """
     if version < 0:
         raise WeightVersionError(f"weight version must be >= 0, got {version}")
@@ -303,11 +309,15 @@ def push_weights(
         _confirm(conn, where, state)
         conn.publish(where.control_channel, str(state.generation))
     deadline = None if timeout is None else started + timeout
+    had_workers = bool(before) and bool(conn.hlen(where.weight_acks(before[0].weight_version)))
     while True:
         live = [w.worker_id for w in registry.live_workers(conn, where.name)]
         acks = read_acks(conn, version, where.name)
         missing = [w for w in live if w not in acks]
-        if not missing or (deadline is not None and time.monotonic() >= deadline):
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            break
+        if not missing and (live or not had_workers or now - started >= NO_WORKERS_WAIT_S):
             break
         time.sleep(_POLL_S)
     mine = [acks[w] for w in live if w in acks]

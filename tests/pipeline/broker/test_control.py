@@ -129,3 +129,26 @@ def test_push_records_its_swap_mode_and_refuses_unknown_ones(redis_client: redis
     with pytest.raises(pipeline.PipelineError, match="swap mode must be one of drain, partial, not 'eager'"):
         client.push_weights("/ckpt/3", version=3, timeout=1, mode="eager")  # type: ignore[arg-type]
     assert client.control_state().weight_version == 2
+
+
+def test_a_push_that_finds_no_worker_where_workers_acked_before_waits_for_their_heartbeat(
+    redis_client: redis.Redis
+) -> None:
+    """After a failover the registry's entries can be gone with the old master while the workers
+    live: the push waits for their next heartbeat instead of answering "0 of 0 workers loaded"."""
+    client = pipeline.Client(redis_client)
+    client.push_weights("/ckpt/1", version=1, timeout=1)
+    ack = WeightAck(worker="w", version=1, ok=True, seconds=0.1)
+    redis_client.hset(keys.pool().weight_acks(1), "w", ack.model_dump_json())  # w loaded v1; its entry is lost
+
+    def heartbeat_then_ack() -> None:
+        wait_until(lambda: control_channel.read_state(redis_client).weight_version == 2, 10, "the push to start")
+        _fake_entry(redis_client, "w")
+        loaded = WeightAck(worker="w", version=2, ok=True, seconds=0.1)
+        redis_client.hset(keys.pool().weight_acks(2), "w", loaded.model_dump_json())
+
+    thread = threading.Thread(target=heartbeat_then_ack)
+    thread.start()
+    result = client.push_weights("/ckpt/2", version=2, timeout=30)
+    thread.join()
+    assert [a.worker for a in result.acks] == ["w"]
