@@ -1,6 +1,7 @@
 """An RL loop on the sim engine: how busy the engine stays across weight swaps, partial vs drain.
 
-    .venv/bin/python benchmarks/rl_loop.py [--steps 10] [--samples 512] [--repeats 1] [--step-ms 4] [--job-size 2]
+    .venv/bin/python benchmarks/rl_loop.py [--steps 10] [--samples 512] [--repeats 3] [--step-ms 4] [--job-size 2]
+        [--max-new-tokens 16384] [--prefill-tokens-per-s 50000]
 
 A real `RolloutWorker` on an embedded Redis serves a sim engine with 256 slots and lognormal
 output lengths (median 300, p99 4000 tokens: `occupancy.py`'s configuration), weight loads of
@@ -24,8 +25,11 @@ for its long sample holds its place). Decode steps are 4 ms so that the per-job 
 Busy fraction = the engine's busy slot-steps / capacity slot-steps over the whole loop (the
 first submit until the last step's samples are in and its push is acknowledged), swaps
 included. Also samples/s over the same window, and how many rows hold tokens of two or more
-versions. Prints
-medians over repeats and the ratio. Goal: >= 90 % busy in partial mode.
+versions (of all the run's rows: (steps + 1) x samples, the last step's submitted one step ahead).
+Prints medians over repeats (with the range of the busy fraction) and the ratio. Goal: >= 90 % busy
+in partial mode. These are the sim's figures: it pays a prefill of prompt + generated tokens when a
+sample continues after a swap (`SimConfig.prefill_tokens_per_s`; its prefix cache is cleared by a
+swap), and lengths are capped at `--max-new-tokens`.
 """
 
 from __future__ import annotations
@@ -47,19 +51,22 @@ from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 
 
-def run(conn: redis.Redis, output: str, mode: str, steps: int, samples: int, job_size: int, step_s: float,
-        seed: int, max_jobs: int) -> tuple[float, float, float, int]:
-    """(busy fraction, samples/s, seconds, rows with tokens of several versions) of one loop."""
+def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
+        seed: int) -> tuple[float, float, float, int, int]:
+    """(busy fraction, samples/s, seconds, rows with tokens of several versions, rows) of one loop."""
+    steps, samples, job_size = args.steps, args.samples, args.job_size
     conn.flushall()
     client = pipeline.Client(conn)
-    engine = SimEngine(SimConfig(capacity=256, step_s=step_s, median_tokens=300, p99_tokens=4000, load_s=0.05))
+    engine = SimEngine(SimConfig(capacity=256, step_s=args.step_ms / 1000, median_tokens=300, p99_tokens=4000,
+                                 load_s=0.05, prefill_tokens_per_s=args.prefill_tokens_per_s))
     run_name = f"rl-{mode}-{seed}"
     result: dict[str, float] = {}
     errors: list[BaseException] = []
 
     def submit(step: int) -> None:
         lines = [{"id": f"s{step}-q{i}", "input_ids": [1 + i % 1000] * 16,
-                  "sampling_params": {"max_new_tokens": 100_000, "seed": seed * 1_000_000 + step * 10_000 + i}}
+                  "sampling_params": {"max_new_tokens": args.max_new_tokens,
+                                      "seed": seed * 1_000_000 + step * 10_000 + i}}
                  for i in range(samples)]
         client.submit(lines, run=run_name, output=output, batch_size=job_size)
 
@@ -82,7 +89,7 @@ def run(conn: redis.Redis, output: str, mode: str, steps: int, samples: int, job
     thread = threading.Thread(target=trainer)
     thread.start()
     try:
-        RolloutWorker(conn, engine, control_poll_s=0.05, max_jobs_in_flight=max_jobs).work(
+        RolloutWorker(conn, engine, control_poll_s=0.05, max_jobs_in_flight=args.max_jobs_in_flight).work(
             burst=False, max_idle_time=1, with_scheduler=False, logging_level="WARNING")
     finally:
         thread.join(timeout=900)
@@ -90,38 +97,46 @@ def run(conn: redis.Redis, output: str, mode: str, steps: int, samples: int, job
     if errors:
         raise errors[0]
     table = read_rollouts(output, run_name, columns=["weight_version_segments"])
+    # Every row of the run: the last step's requests (submitted one step ahead) are generated too.
     mixed = table.num_rows - table.column("weight_version_segments").null_count
-    return result["busy"], steps * samples / result["seconds"], result["seconds"], mixed
+    return result["busy"], steps * samples / result["seconds"], result["seconds"], mixed, table.num_rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=4.0)
     parser.add_argument("--job-size", type=int, default=2, help="requests per job (a job commits as one shard)")
+    parser.add_argument("--max-new-tokens", type=int, default=16_384,
+                        help="the cap on each sample's length, as real runs set one (the lognormal tail is cut there)")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=SimConfig.prefill_tokens_per_s,
+                        help="the sim's prefill rate: a continuation after a partial swap re-computes prompt + "
+                             "generated tokens (its prefix cache is cleared by the swap); 0: free")
     parser.add_argument("--max-jobs-in-flight", type=int, default=256,
                         help="the worker's limit (a job waiting for its long sample keeps its place)")
     args = parser.parse_args()
-    figures: dict[str, list[tuple[float, float, float, int]]] = {"partial": [], "drain": []}
+    figures: dict[str, list[tuple[float, float, float, int, int]]] = {"partial": [], "drain": []}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
         conn = redis.Redis.from_url(server.url)
         output = f"file://{tmp}/shards"
         for repeat in range(args.repeats):
             for mode in ("partial", "drain"):
-                figures[mode].append(run(conn, output, mode, args.steps, args.samples, args.job_size,
-                                         args.step_ms / 1000, repeat, args.max_jobs_in_flight))
+                figures[mode].append(run(conn, output, mode, args, repeat))
 
     def median(mode: str, at: int) -> float:
         return statistics.median(f[at] for f in figures[mode])
 
     setup = (f"{args.steps} steps x {args.samples} samples (n=1, jobs of {args.job_size}), 256 slots, lognormal median "
-             f"300 p99 4000, {args.step_ms:g} ms steps, 50 ms loads, median of {args.repeats}")
-    print(f"rl loop ({setup})")
+             f"300 p99 4000 capped at {args.max_new_tokens}, {args.step_ms:g} ms steps, 50 ms loads, prefill "
+             f"{args.prefill_tokens_per_s:,.0f} tokens/s, median of {args.repeats}")
+    print(f"rl loop ({setup}; figures of the sim engine)")
     for mode in ("partial", "drain"):
-        print(f"  {mode:7s}: {median(mode, 0):.1%} busy, {median(mode, 1):.0f} samples/s, "
-              f"{median(mode, 2):.1f} s, {median(mode, 3):.0f} rows with tokens of two or more versions")
+        busy = [f[0] for f in figures[mode]]
+        print(f"  {mode:7s}: {median(mode, 0):.1%} busy (min {min(busy):.1%}, max {max(busy):.1%}), "
+              f"{median(mode, 1):.0f} samples/s, {median(mode, 2):.1f} s, {median(mode, 3):.0f} of "
+              f"{median(mode, 4):.0f} rows with tokens of two or more versions")
     print(f"ratio partial/drain: busy {median('partial', 0) / median('drain', 0):.1f}x, "
           f"samples/s {median('partial', 1) / median('drain', 1):.1f}x")
 
