@@ -48,7 +48,7 @@ from workers.errors import WorkerError
 from workers.rows.continuation import Piece
 
 DEFAULT_CHECKPOINT_EVERY_S = 10.0
-CHECKPOINT_TTL_S = 7 * 24 * 3600
+CHECKPOINT_TTL_S = 24 * 3600
 
 MAGIC = 1
 LOGPROBS = 1
