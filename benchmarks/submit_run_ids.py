@@ -1,13 +1,14 @@
 """What keeping request ids unique in a run costs a submit (issue 36).
 
 `submit_file` adds every request id to the run's id set (`keys.run_request_ids`) in its enqueue
-transaction and, when the run has ids already, checks the new ones against them (SMISMEMBER)
-first. Measured: the same `submit_file` of a JSONL of 512-token prompts, in this process on one
-Redis, with the id set (this tree) and with it patched out (the submit as before issue 36: the
-baseline), alternating round by round; a first submit into a fresh run, and a second submit of
-new ids into a run that holds as many already (the check's path). Medians with min and max. On a
-loaded machine the paired ratios scatter widely, so the id set's own Redis work (the WATCH, the
-check and the SADDs of one submit, timed alone) is printed beside them as a share of a submit.
+transaction and, when the run has ids already, checks the new ones against them first
+(`pipeline.intake.run_ids`: a Lua script each, the ids as one JSON array). Measured: the same
+`submit_file` of a JSONL of 512-token prompts, in this process on one Redis, with the id set
+(this tree) and with it patched out (the submit as before issue 36: the baseline), alternating
+round by round; a first submit into a fresh run, and a second submit of new ids into a run that
+holds as many already (the check's path). Medians with min and max. On a loaded machine the
+paired ratios scatter widely, so the id set's own work (encoding, WATCH, check and add of one
+submit, timed alone) is printed beside them as a share of a submit.
 
     .venv/bin/python benchmarks/submit_run_ids.py [--requests 20000] [--repeats 7]
 """
@@ -29,6 +30,7 @@ import redis
 import pipeline.intake.submit as submit
 from pipeline.broker import keys
 from pipeline.broker.redis_server import RedisServer
+from pipeline.intake import run_ids
 
 
 def make_file(path: Path, count: int, prefix: str) -> None:
@@ -42,13 +44,13 @@ def make_file(path: Path, count: int, prefix: str) -> None:
 @contextmanager
 def without_id_set() -> Iterator[None]:
     """The submit without the run's id set: no check, nothing added (as before issue 36)."""
-    check, chunks = submit._refuse_ids_in_run, submit._chunks
-    submit._refuse_ids_in_run = lambda *args: None  # type: ignore[assignment]
-    submit._chunks = lambda ids: iter(())  # type: ignore[assignment]
+    encode, check, add = run_ids.encode, run_ids.refuse_taken, run_ids.add
+    run_ids.encode = lambda ids: ""  # type: ignore[assignment]
+    run_ids.refuse_taken = run_ids.add = lambda *args: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        submit._refuse_ids_in_run, submit._chunks = check, chunks
+        run_ids.encode, run_ids.refuse_taken, run_ids.add = encode, check, add
 
 
 def timed(conn: redis.Redis, path: Path, run: str) -> float:
@@ -58,16 +60,16 @@ def timed(conn: redis.Redis, path: Path, run: str) -> float:
 
 
 def id_set_work(conn: redis.Redis, ids: list[str], existing: list[str]) -> float:
-    """Seconds of the id set's Redis work in one submit: WATCH, the check, the SADDs in a MULTI/EXEC."""
+    """Seconds of the id set's work in one submit: encoding, WATCH, the check, the add in a MULTI/EXEC."""
     conn.flushall()
-    for chunk in submit._chunks(existing):
-        conn.sadd(submit.keys.run_request_ids("r"), *chunk)
+    if existing:
+        conn.sadd(keys.run_request_ids("r"), *existing)
     start = time.perf_counter()
     with conn.pipeline(transaction=True) as pipe:
-        submit._refuse_ids_in_run(pipe, "r", ids)
+        encoded = run_ids.encode(ids)
+        run_ids.refuse_taken(pipe, "r", encoded)
         pipe.multi()
-        for chunk in submit._chunks(ids):
-            pipe.sadd(submit.keys.run_request_ids("r"), *chunk)
+        run_ids.add(pipe, "r", encoded)
         pipe.execute()
     return time.perf_counter() - start
 
@@ -113,7 +115,7 @@ def main() -> None:
             work = sorted(id_set_work(conn, [f"b{i}" for i in range(args.requests)], existing)
                           for _ in range(args.repeats))
             share = statistics.median(work) / statistics.median(times[f"ours-{case}"])
-            print(f"  the id set's own Redis work, {case} submit: median {statistics.median(work) * 1000:.1f} ms "
+            print(f"  the id set's own work, {case} submit: median {statistics.median(work) * 1000:.1f} ms "
                   f"(min {work[0] * 1000:.1f}, max {work[-1] * 1000:.1f}), {share:.1%} of the submit's median time")
         conn.flushall()
         before = conn.info("memory")["used_memory"]

@@ -24,6 +24,7 @@ from pipeline.broker.redis_server import state_dir
 from pipeline.broker.replication import Proof, replicated
 from pipeline.broker.security import check_output_url
 from pipeline.errors import PipelineError, SubmitLostError, WriteLostError
+from pipeline.intake import run_ids
 from pipeline.intake.dataset_input import ColumnMapping, RequestColumns, dataset_blocks
 from pipeline.intake.dataset_source import open_memory, open_path
 from pipeline.intake.placement import Placement
@@ -280,7 +281,8 @@ def submit_blocks(
             reward_log.ensure_group(conn, run)
         with conn.pipeline(transaction=True) as pipe:
             stager.confirm(pipe)
-            _refuse_ids_in_run(pipe, run, jobs.request_ids)
+            request_ids = run_ids.encode(jobs.request_ids)
+            run_ids.refuse_taken(pipe, run, request_ids)
             pipe.multi()
             for key in stager.keys:
                 pipe.expire(key, PROMPTS_TTL_S)
@@ -302,8 +304,7 @@ def submit_blocks(
             if reward is not None:
                 pipe.sadd(keys.REWARD_RUNS, run)
             pipe.sadd(keys.run_batches(run), jobs.batch_id)
-            for chunk in _chunks(jobs.request_ids):
-                pipe.sadd(keys.run_request_ids(run), *chunk)
+            run_ids.add(pipe, run, request_ids)
             pipe.sadd(where.open_batches, jobs.batch_id)
             pipe.sadd(where.runs, run)
             pipe.sadd(keys.POOLS, where.name)
@@ -328,32 +329,6 @@ def submit_blocks(
         raise SubmitLostError(jobs.batch_id, run) from None
     return SubmitPlan(jobs.batch_id, run, output, jobs.job_ids, jobs.requests, jobs.samples, where.name, reward,
                       groups)
-
-
-_ID_CHUNK = 10_000
-
-
-def _chunks(ids: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(ids), _ID_CHUNK):
-        yield ids[start : start + _ID_CHUNK]
-
-
-def _refuse_ids_in_run(pipe: redis.client.Pipeline, run: str, ids: list[str]) -> None:
-    """`PipelineError` when the run already has one of `ids` (a row's `rollout_id` is `{id}:{sample}`,
-    unique in a run). `pipe` is in WATCH mode: the run's id set is watched, so a submit into the same
-    run at the same time makes this one's EXEC fail rather than both add the same id."""
-    key = keys.run_request_ids(run)
-    pipe.watch(key)
-    if not pipe.exists(key):
-        return
-    taken = sorted(i for chunk in _chunks(ids) for i, hit in zip(chunk, pipe.smismember(key, chunk), strict=True)
-                   if hit)
-    if taken:
-        shown = ", ".join(repr(i) for i in taken[:10]) + (f" and {len(taken) - 10} more" if len(taken) > 10 else "")
-        raise PipelineError(
-            f"run {run!r} already has {len(taken)} of these request ids ({shown}) from an earlier submit: their rows "
-            "would share rollout_ids ('{id}:{sample}'); submit them into another run (--run NAME), or give them new "
-            "ids; nothing was enqueued")
 
 
 def _request_limit(groups: int | None, oversample: float | None) -> int | None:

@@ -43,10 +43,21 @@ def test_the_same_file_submitted_twice_into_one_run_is_refused(
 def test_an_overlap_in_a_table_submit_is_refused_whole(redis_url: str, redis_client: redis.Redis) -> None:
     import pyarrow as pa
 
+    odd = 'q "2"\n\u00e9'  # quotes, a newline, a non-ASCII letter: ids of any text
     client = pipeline.connect(redis_url)
-    client.submit(pa.table({"id": ["q1", "q2"], "input_ids": [[1], [2]]}), run="t", output="memory://x")
-    with pytest.raises(pipeline.PipelineError, match=r"run 't' already has 1 of these request ids \('q2'\)"):
-        client.submit(pa.table({"id": ["q2", "q3"], "input_ids": [[1], [2]]}), run="t", output="memory://x")
+    client.submit(pa.table({"id": ["q1", odd], "input_ids": [[1], [2]]}), run="t", output="memory://x")
+    with pytest.raises(pipeline.PipelineError) as refused:
+        client.submit(pa.table({"id": [odd, "q3"], "input_ids": [[1], [2]]}), run="t", output="memory://x")
+    assert f"run 't' already has 1 of these request ids ({odd!r})" in str(refused.value)
     assert rollout_queue(redis_client).count == 1
     client.submit(pa.table({"id": ["q3"], "input_ids": [[3]]}), run="t", output="memory://x")
     assert rollout_queue(redis_client).count == 2
+
+
+def test_many_taken_ids_are_counted_and_the_first_ten_named(redis_url: str) -> None:
+    rows = [{"id": f"r{i:02d}", "input_ids": [1]} for i in range(25)]
+    client = pipeline.connect(redis_url)
+    client.submit(rows, run="many", output="memory://x")
+    with pytest.raises(pipeline.PipelineError, match=r"already has 25 of these request ids \('r00', 'r01', .*'r09' "
+                                                     r"and 15 more\)"):
+        client.submit(rows[::-1], run="many", output="memory://x")
