@@ -49,6 +49,10 @@ class WorkerCommand(Command):
         from workers.process.engine_worker import new_worker_id
         from workers.process.worker import RolloutWorker
 
+        if args.checkpoint_every < 0:
+            print(f"error: --checkpoint-every must be >= 0 seconds (0: off), got {args.checkpoint_every:g}",
+                  file=sys.stderr)
+            return EXIT_USAGE
         logs.configure(args.log_level, args.log_format)
         worker_id = args.worker_id or new_worker_id()
         logs.set_worker_id(worker_id)

@@ -140,3 +140,12 @@ def test_a_worker_killed_after_a_partial_swap_resumes_on_the_new_weights(
         assert [(s["start"], s["version"]) for s in row["weight_version_segments"]] == [(0, 0), (boundary, 1)]
         assert row["resumed_at"] == [len(tokens(chain))] and len(row["completion_token_ids"]) == LENGTH
     check_verified(redis_client, "swap", {0: tiny_model_dir, 1: v1_model_dir}, rows)
+
+
+def test_a_negative_interval_is_refused_before_anything_loads(pipeline_env: dict[str, str]) -> None:
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "worker", "--checkpoint-every", "-1"],
+                          env=pipeline_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--checkpoint-every must be >= 0 seconds (0: off), got -1" in done.stderr
