@@ -297,18 +297,10 @@ class SimEngine(EngineIdentity):
             self._load -= len(stopped)
             batches: dict[int, _Batch] = {}
             for seq in stopped:
-                output = seq.batch.outputs[seq.request][seq.sample]
-                generated = 0 if seq.started is None else int(self._step - seq.started)
-                kept = min(max(0, generated), len(output.token_ids) - 1)
+                so_far = self._so_far(seq)
                 if seq.started is not None:
-                    self._cache.insert(np.concatenate([seq.context, output.token_ids[:kept]]))
-                seq.batch.outputs[seq.request][seq.sample] = SampleOutput(
-                    token_ids=output.token_ids[:kept], finish=Finish("abort", message=INTERRUPTED),
-                    logprobs=None if output.logprobs is None else output.logprobs[:kept],
-                    top_logprobs=None if output.top_logprobs is None else output.top_logprobs[:kept],
-                    prompt_logprobs=output.prompt_logprobs, weight_version=output.weight_version,
-                    cached_tokens=output.cached_tokens,
-                )
+                    self._cache.insert(np.concatenate([seq.context, so_far.token_ids]))
+                seq.batch.outputs[seq.request][seq.sample] = so_far
                 seq.batch.left -= 1
                 batches[id(seq.batch)] = seq.batch
         for batch in batches.values():
@@ -327,17 +319,21 @@ class SimEngine(EngineIdentity):
                 return None
             outputs = [list(samples) for samples in live[0].batch.outputs]
             for seq in live:
-                output = outputs[seq.request][seq.sample]
-                generated = 0 if seq.started is None else int(self._step - seq.started)
-                kept = min(max(0, generated), len(output.token_ids) - 1)
-                outputs[seq.request][seq.sample] = SampleOutput(
-                    token_ids=output.token_ids[:kept], finish=Finish("abort", message=INTERRUPTED),
-                    logprobs=None if output.logprobs is None else output.logprobs[:kept],
-                    top_logprobs=None if output.top_logprobs is None else output.top_logprobs[:kept],
-                    prompt_logprobs=output.prompt_logprobs, weight_version=output.weight_version,
-                    cached_tokens=output.cached_tokens,
-                )
+                outputs[seq.request][seq.sample] = self._so_far(seq)
             return outputs
+
+    def _so_far(self, seq: _Seq) -> SampleOutput:
+        """A sequence's planned output cut at the current step (never at its last token), interrupted."""
+        output = seq.batch.outputs[seq.request][seq.sample]
+        generated = 0 if seq.started is None else int(self._step - seq.started)
+        kept = min(max(0, generated), len(output.token_ids) - 1)
+        return SampleOutput(
+            token_ids=output.token_ids[:kept], finish=Finish("abort", message=INTERRUPTED),
+            logprobs=None if output.logprobs is None else output.logprobs[:kept],
+            top_logprobs=None if output.top_logprobs is None else output.top_logprobs[:kept],
+            prompt_logprobs=output.prompt_logprobs, weight_version=output.weight_version,
+            cached_tokens=output.cached_tokens,
+        )
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str | None:
         return None  # no tokenizer: stop strings are refused before they reach this engine

@@ -151,3 +151,29 @@ def test_prefill_stalls_the_engine_for_the_uncached_context() -> None:
         assert stats.busy_slot_steps <= 2 + 1e-6 and stats.capacity_slot_steps >= 0.2 / 0.001 * 4 * 0.99
     finally:
         engine.close()
+
+
+def test_progress_reports_each_sample_so_far_without_stopping_it() -> None:
+    """`progress()` (a worker's checkpoint): finished samples whole, running ones a prefix of their
+    plan (interrupted), the batch running on; None once it resolved."""
+    from tests.helpers import wait_until
+    from workers.engines.base import is_checkpointable
+
+    config = SimConfig(capacity=4, step_s=0.002, median_tokens=10_000, p99_tokens=10_001)
+    engine = SimEngine(config)
+    try:
+        assert is_checkpointable(engine)
+        requests = [RolloutRequest(id="short", input_ids=[1], sampling_params={"max_new_tokens": 3, "seed": 1}),
+                    RolloutRequest(id="long", input_ids=[1], sampling_params={"max_new_tokens": 400, "seed": 2})]
+        future = engine.submit(requests)
+        wait_until(lambda: len((engine.progress(future) or [[], [None]])[1][0].token_ids) >= 10, 30, "decoding")
+        short, long = (samples[0] for samples in engine.progress(future) or [])
+        plan = [simulate_sample(config, r, 0, 0) for r in requests]
+        assert short.finish == plan[0].finish and short.token_ids.tolist() == plan[0].token_ids.tolist()
+        assert long.finish.interrupted and 10 <= len(long.token_ids) < 400
+        assert long.token_ids.tolist() == plan[1].token_ids[: len(long.token_ids)].tolist()
+        assert not future.done()  # a snapshot: the batch runs on
+        assert len(future.result(timeout=30)[1][0].token_ids) == 400
+        assert engine.progress(future) is None
+    finally:
+        engine.close()
