@@ -9,7 +9,8 @@ time per step, and for the pipeline loop the share of each step's completion tok
 a version older than the one being trained, and the spread of the importance ratios
 π_train/π_rollout on those tokens. Prints medians over seeds with their min-max spread; the
 baseline is the held-out reward before training (same model, same problems, same process). A
-worker process on the demo model serves each loop (its own pool, the embedded Redis). CPU only:
+worker process on the demo model serves each loop (its own pool, on a redis-server of this
+script's own, so nothing else on the machine touches its queue). CPU only:
 the figures are this machine's (2 shared cores), not a GPU's.
 """
 
@@ -28,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipeline
 from examples.learn_grpo import Result, Settings, StepLog, pipeline_loop, plot, start_worker, trl_loop
-from pipeline.broker.connection import connect_redis, resolve_url
+from pipeline.broker.connection import connect_redis
+from pipeline.broker.redis_server import RedisServer
 from tests.helpers import wait_until
 
 
@@ -67,10 +69,10 @@ def run(args: argparse.Namespace) -> list[Result]:
     from workers.demo.model import ensure_demo_model
 
     model = str(ensure_demo_model())
-    url = resolve_url(None)
-    conn = connect_redis(url)
     results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="bench-learn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-learn-") as tmp, RedisServer(Path(tmp) / "redis") as server:
+        url = server.url
+        conn = connect_redis(url)
         for loop in args.loops:
             for seed in args.seeds:
                 pool = f"bench-learn-{loop}-{seed}-{int(time.time())}"
