@@ -12,11 +12,13 @@ worker's own cost per job. Pinned to one core with one Arrow thread:
   `workers.jobs.batch_job.prepare_batch` with its Redis reads of the staged prompts, the engine,
   `commit_batch` (contracts, Arrow table, Parquet shard written atomically, commit-log entry);
 - of which the commit alone: `commit_batch` on the same outputs (the earlier figure);
-- baseline, a plain pipeline doing the same work with the same tools as a user would write it:
-  one RQ job per 64 requests (the request dicts as the job's arguments, JSON serializer), an
-  `rq.SimpleWorker` in burst mode running a function that validates the requests, asks the
-  same engine, builds one dict per row, writes them with `pa.Table.from_pylist` +
-  `pq.write_table` (zstd) and appends the shard to a Redis stream.
+- baseline, a plain pipeline doing the same work with the same tools as a competent user would
+  write it: one RQ job per 64 requests (the request dicts as the job's arguments, JSON
+  serializer), an `rq.SimpleWorker` in burst mode running a function that validates the
+  requests, asks the same engine, builds the table column by column (the token and logprob
+  columns from one concatenation of the samples' arrays and their offsets, no Python object per
+  token), writes it with `pq.write_table` (zstd) and appends the shard to a Redis stream;
+- the issue-24 baseline beside it: the same, but one dict per row and `pa.Table.from_pylist`.
 
 Prints medians, the ratio, and the shard bytes per completion token of the token-id and
 logprob columns (goal <= 5) and of the whole shard.
@@ -161,12 +163,55 @@ def plain_job(requests: list[dict], run: str, job_id: str, directory: str) -> in
     return tokens
 
 
-def plain_pipeline(conn: redis.Redis, lines: list[dict], directory: Path, run: str) -> tuple[float, float]:
-    """The baseline: plain RQ jobs of request dicts and a SimpleWorker; completion tokens/s from
-    start to end, and steady."""
+def _list_column(arrays: list[np.ndarray], dtype: pa.DataType) -> pa.ListArray:
+    """One list column from per-row arrays: one concatenation and an offsets array."""
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.empty(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=dtype))
+
+
+def plain_columnar_job(requests: list[dict], run: str, job_id: str, directory: str) -> int:
+    """The columnar baseline's job function: validate, generate, the token columns built from
+    concatenated arrays and offsets (no Python list per token), pyarrow, a stream entry."""
+    parsed = [RolloutRequest.model_validate(r) for r in requests]
+    outputs = _plain_engine().generate(parsed)
+    pairs = [(request, index, sample) for request, samples in zip(parsed, outputs, strict=True)
+             for index, sample in enumerate(samples)]
+    prompts = {request.id: np.asarray(request.input_ids, dtype=np.int32) for request in parsed}
+    lengths = np.array([len(sample.token_ids) for _, _, sample in pairs], dtype=np.int64)
+    table = pa.table({
+        "rollout_id": [f"{request.id}:{index}" for request, index, _ in pairs],
+        "request_id": [request.id for request, _, _ in pairs],
+        "run": pa.repeat(run, len(pairs)),
+        "job_id": pa.repeat(job_id, len(pairs)),
+        "sample_index": np.array([index for _, index, _ in pairs], dtype=np.int32),
+        "prompt_token_ids": _list_column([prompts[request.id] for request, _, _ in pairs], pa.int32()),
+        "completion_token_ids": _list_column([sample.token_ids for _, _, sample in pairs], pa.int32()),
+        "completion_logprobs": _list_column([sample.logprobs for _, _, sample in pairs], pa.float32()),
+        "finish_reason": [sample.finish.kind for _, _, sample in pairs],
+        "weight_version": np.array([sample.weight_version for _, _, sample in pairs], dtype=np.int64),
+        "completion_tokens": lengths,
+        "metadata": [request.metadata for request, _, _ in pairs],
+    })
+    path = Path(directory, f"{job_id}.parquet")
+    pq.write_table(table, path, compression="zstd")
+    tokens = int(lengths.sum())
+    from rq import get_current_job
+
+    job = get_current_job()
+    assert job is not None
+    job.connection.xadd(f"plain:{run}:commits", {"job_id": job_id, "url": str(path), "tokens": tokens})
+    return tokens
+
+
+def plain_pipeline(conn: redis.Redis, lines: list[dict], directory: Path, run: str,
+                   function: str = "plain_columnar_job") -> tuple[float, float]:
+    """A baseline: plain RQ jobs of request dicts and a SimpleWorker running `function`;
+    completion tokens/s from start to end, and steady."""
     directory.mkdir(parents=True)
     queue = Queue(f"plain-{run}", connection=conn, serializer=JSONSerializer)
-    jobs = [queue.enqueue("worker_overhead.plain_job", lines[i:i + REQUESTS_PER_JOB], run,
+    jobs = [queue.enqueue(f"worker_overhead.{function}", lines[i:i + REQUESTS_PER_JOB], run,
                           f"job-{i // REQUESTS_PER_JOB:04d}", str(directory))
             for i in range(0, len(lines), REQUESTS_PER_JOB)]
     _plain_engine()  # built before the clock starts
@@ -213,26 +258,36 @@ def main() -> None:
     jobs = make_jobs(engine, lines)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
         conn = redis.Redis.from_url(server.url)
-        commit_rates, ours_rates, base_rates = [], [], []
+        commit_rates, ours_rates, base_rates, rows_rates = [], [], [], []
         for r in range(args.repeats):
             rate, tokens = ours(jobs, f"file://{tmp}/shards-{r}", conn)
             commit_rates.append(rate)
             ours_rates.append(end_to_end(conn, engine, lines, f"file://{tmp}/worker-{r}", f"e2e-{r}"))
             base_rates.append(plain_pipeline(conn, lines, Path(tmp) / f"plain-{r}", f"plain-{r}"))
+            rows_rates.append(plain_pipeline(conn, lines, Path(tmp) / f"rows-{r}", f"rows-{r}", "plain_job"))
         per_token, per_token_all = footprint(Path(tmp) / "shards-0")
         plain_bytes = sum(p.stat().st_size for p in (Path(tmp) / "plain-0").iterdir()) / tokens
     def medians(rates: list[tuple[float, float]]) -> tuple[float, float]:
         return statistics.median(r for r, _ in rates), statistics.median(s for _, s in rates)
 
     (ours_all, ours_steady), (base_all, base_steady) = medians(ours_rates), medians(base_rates)
+    rows_all, rows_steady = medians(rows_rates)
+
+    def steady_range(rates: list[tuple[float, float]]) -> str:
+        return f"min {min(s for _, s in rates) / 1e6:.2f}, max {max(s for _, s in rates) / 1e6:.2f}"
+
     print(f"worker overhead, end to end: {ours_steady / 1e6:.2f} M completion tokens/s steady, "
           f"{ours_all / 1e6:.2f} M with the worker's start-up (medians of {args.repeats}; dequeue, prompts from "
           f"Redis, infinite-speed engine, shard, commit, RQ bookkeeping; one core, logprobs; {args.jobs} jobs x "
           f"{REQUESTS_PER_JOB * N} rows, {tokens:,} tokens)")
     print(f"  of which the commit alone (commit_batch): {statistics.median(commit_rates) / 1e6:.2f} M tokens/s")
-    print(f"baseline plain RQ + pyarrow pipeline: {base_steady / 1e6:.2f} M tokens/s steady, "
-          f"{base_all / 1e6:.2f} M with start-up")
+    print(f"  steady range over repeats: {steady_range(ours_rates)}")
+    print(f"baseline plain RQ + columnar pyarrow pipeline: {base_steady / 1e6:.2f} M tokens/s steady "
+          f"({steady_range(base_rates)}), {base_all / 1e6:.2f} M with start-up")
     print(f"ratio: {ours_steady / base_steady:.1f}x steady, {ours_all / base_all:.1f}x with start-up")
+    print(f"earlier baseline, one dict per row + from_pylist: {rows_steady / 1e6:.2f} M tokens/s steady "
+          f"({steady_range(rows_rates)}), {rows_all / 1e6:.2f} M with start-up; ratio {ours_steady / rows_steady:.1f}x "
+          "steady")
     print(f"shard bytes per completion token: {per_token:.2f} (token ids + logprobs columns), "
           f"{per_token_all:.2f} (whole shard, prompts included); plain pipeline's shards: {plain_bytes:.2f}")
 
