@@ -55,11 +55,14 @@ class Manifest(BaseModel):
     # The full version this one's chain starts from (itself for a full version).
     full: Annotated[StrictInt, Field(ge=0)]
     tensors: list[TensorEntry]
+    # A full version written after deltas (every `full_every`) also carries its delta against
+    # `base`: workers serving `base` apply that; only a rebuild reads the full bits.
+    delta: list[TensorEntry] | None = None
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of tensor data this version adds to the store (what a worker reads to apply it)."""
-        return sum(t.length for t in self.tensors)
+        """Bytes of tensor data this version adds to the store (its delta's too, if it carries one)."""
+        return sum(t.length for t in [*self.tensors, *(self.delta or [])])
 
     @property
     def model_bytes(self) -> int:
@@ -80,7 +83,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "<record>"
         raise ManifestError(f"{where}: {field}: {first['msg']}") from exc
-    for tensor in manifest.tensors:
+    for tensor in [*manifest.tensors, *(manifest.delta or [])]:
         if tensor.dtype not in WORDS:
             raise ManifestError(f"{where}: tensor {tensor.name}: dtype {tensor.dtype!r} is not a safetensors dtype")
         if tensor.encoding != "same" and tensor.file is None:
@@ -90,6 +93,9 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         if tensor.length > limit or (tensor.encoding == "plain" and tensor.length != limit):
             raise ManifestError(f"{where}: tensor {tensor.name}: {tensor.length} bytes of {tensor.encoding} data for "
                                 f"a {tensor.dtype} tensor of shape {tensor.shape} ({tensor.nbytes} bytes)")
-    if manifest.kind == "delta" and (manifest.base is None or manifest.base >= manifest.version):
+    if (manifest.kind == "delta" or manifest.delta is not None) and (
+            manifest.base is None or manifest.base >= manifest.version):
         raise ManifestError(f"{where}: a delta's base must be an older version, got {manifest.base}")
+    if manifest.kind == "full" and manifest.base is not None and manifest.delta is None:
+        raise ManifestError(f"{where}: a full version names a base ({manifest.base}) but carries no delta")
     return manifest

@@ -133,8 +133,12 @@ class WeightStore:
                 manifest = self.manifest(current)
             except StoreError:
                 return None
-            if manifest.kind != "delta" or manifest.base is None or manifest.base < have:
+            if manifest.base is None or manifest.base < have:
                 return None
+            if manifest.kind == "full":  # a full version carrying its delta: that delta is the step
+                if manifest.delta is None:
+                    return None
+                manifest = manifest.model_copy(update={"kind": "delta", "tensors": manifest.delta, "delta": None})
             manifests.insert(0, manifest)
             current = manifest.base
         return manifests
@@ -253,14 +257,17 @@ class VersionWriter:
         self.entries = [e.model_copy(update={"file": name, "offset": spans[e.name][0], "length": spans[e.name][1]})
                         if e.name in placed and e.file is None else e for e in self.entries]
 
-    def commit(self) -> Manifest:
+    def commit(self, delta: VersionWriter | None = None) -> Manifest:
+        """Write the manifest (with `delta`'s entries: a full version carrying its delta)."""
         self._flush()
+        if delta is not None:
+            delta._flush()
         names = [e.name for e in self.entries]
         if len(set(names)) != len(names):
             duplicate = next(n for n in names if names.count(n) > 1)
             raise StoreError(f"{self.store.url}: version {self.version}: tensor {duplicate} given twice")
         manifest = Manifest(version=self.version, kind=self.kind, base=self.base,  # type: ignore[arg-type]
-                            full=self.full, tensors=self.entries)
+                            full=self.full, tensors=self.entries, delta=None if delta is None else delta.entries)
         directory = self.store._path(version_dir(self.version))
         self.store.fs.pipe_file(f"{directory}/{MANIFEST}.tmp", manifest.model_dump_json().encode())
         self.store.fs.mv(f"{directory}/{MANIFEST}.tmp", f"{directory}/{MANIFEST}")

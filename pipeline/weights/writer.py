@@ -1,7 +1,8 @@
 """Writing the next version of a weight store from tensors given one at a time.
 
 The first version, one pushed with `delta=False`, and every `full_every`-th after a full one
-are written in full; the others as deltas against the latest stored version, whose tensors are
+are written in full (the latter carrying their delta too, for the workers serving the version
+before); the others as deltas against the latest stored version, whose tensors are
 rebuilt from the store one at a time (so the writer holds one tensor of each version, never two
 models). Every entry carries the checksum (xxh3-128) of the tensor's bits at the new version.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pipeline.weights import codec
 from pipeline.weights.manifest import Manifest
 from pipeline.weights.safetensors_io import TensorBits
-from pipeline.weights.store import DEFAULT_BUCKET_BYTES, StoreError, WeightStore, checksum
+from pipeline.weights.store import DEFAULT_BUCKET_BYTES, StoreError, VersionWriter, WeightStore, checksum
 
 DEFAULT_FULL_EVERY = 10
 
@@ -46,23 +47,29 @@ def write_version(
         raise StoreError(f"{store.url}: version {version} is not newer than the stored version {latest}; "
                          "push a newer version (or another store)")
     as_delta = delta and latest is not None and len(store.chain(latest)) < full_every
+    # A full version every `full_every` also carries its delta, for the workers serving `latest`.
+    with_delta = delta and latest is not None and not as_delta
+    carried = None
     if as_delta:
         assert latest is not None
         full = store.chain(latest)[0].version
         out = store.writer(version, "delta", latest, full, bucket_bytes)
     else:
-        out = store.writer(version, "full", None, version, bucket_bytes)
+        out = store.writer(version, "full", latest if with_delta else None, version, bucket_bytes)
+        if with_delta:
+            carried = VersionWriter(store, version, "delta", latest, version, bucket_bytes)
     for tensor in tensors:
         words = tensor.words.reshape(-1)
         if words.dtype != codec.word_type(tensor.dtype):
             raise StoreError(f"tensor {tensor.name}: bits of {words.dtype}, not the {tensor.dtype} word")
         bits = TensorBits(tensor.name, tensor.dtype, tuple(tensor.shape), words)
-        if as_delta:
+        xxh3 = checksum(words)
+        if as_delta or with_delta:
             before = store.tensor(latest, tensor.name)  # type: ignore[arg-type]
             same_kind = before is not None and before.dtype == bits.dtype and before.shape == bits.shape
             encoding, blob = codec.encode(before.words if same_kind else None, words)  # type: ignore[union-attr]
-        else:
-            encoding, blob = "plain", b""
-        out.add(bits, encoding, blob, checksum(words))
-    manifest = out.commit()
+            (out if as_delta else carried).add(bits, encoding, blob, xxh3)  # type: ignore[union-attr]
+        if not as_delta:
+            out.add(bits, "plain", b"", xxh3)
+    manifest = out.commit(carried)
     return Written(manifest, manifest.stored_bytes, manifest.model_bytes)

@@ -40,6 +40,11 @@ def test_versions_rebuild_exactly_from_full_and_deltas(tmp_path: Path) -> None:
     assert [w.manifest.kind for w in written] == ["full", "delta", "delta", "full", "delta"]
     assert all(w.stored_bytes < w.model_bytes / 2 for w in written if w.manifest.kind == "delta")
     assert {t.name: t.encoding for t in written[1].manifest.tensors}["norm"] == "same"
+    # The full v3 carries its delta against v2: a reader at v2 steps through it; a rebuild does not need it.
+    steps = store.deltas_between(1, 4)
+    assert steps is not None and [(m.version, m.kind) for m in steps] == [(2, "delta"), (3, "delta"), (4, "delta")]
+    assert [m.version for m in store.chain(4)] == [3, 4] and written[3].manifest.delta is not None
+    assert all(e.encoding == "plain" for e in written[3].manifest.tensors)
     for version, model in enumerate(models):
         for name, value in model.items():
             rebuilt = store.tensor(version, name)

@@ -151,15 +151,16 @@ def test_a_late_worker_rebuilds_from_full_and_deltas_and_the_cli_pushes_a_checkp
         pushed = client.push_weights(state_dict=trainer.model.state_dict(), version=version, store=store,
                                      full_every=2, timeout=120)
         kinds.append((pushed.kind, pushed.acks[0].applied))  # type: ignore[attr-defined]
-    # A full version is read in full by every worker (the store keeps no delta into it).
-    assert kinds == [("full", "full"), ("delta", "delta"), ("full", "full"), ("delta", "delta")]
+    # The full v3 carries its delta against v2, which the worker serving v2 applies.
+    assert kinds == [("full", "full"), ("delta", "delta"), ("full", "delta"), ("delta", "delta")]
     assert WeightStore(store).versions() == [3, 4]
 
     start_worker()  # joins at v4: rebuilt from the full v3 and the delta v4
     wait_until(lambda: len(control_channel.read_acks(conn, 4)) == 2, 60, "the late worker's acknowledgement")
     late = [a for a in control_channel.read_acks(conn, 4).values() if a.applied == "full"]
-    assert len(late) == 1 and late[0].ok and late[0].bytes_read == WeightStore(store).manifest(3).stored_bytes + \
-        WeightStore(store).manifest(4).stored_bytes
+    full_bits = sum(t.length for t in WeightStore(store).manifest(3).tensors)  # not the delta v3 carries
+    assert len(late) == 1 and late[0].ok
+    assert late[0].bytes_read == full_bits + WeightStore(store).manifest(4).stored_bytes
     wait_until(lambda: sorted(w.weight_version for w in client.workers()) == [4, 4], 30, "both workers at v4")
 
     # v5 from a checkpoint directory through the CLI, as a delta; both workers apply it in place.
