@@ -15,7 +15,7 @@ import redis
 
 from pipeline.broker import control_channel, keys, registry
 from pipeline.broker.security import check_weight_path
-from pipeline.errors import WeightVersionError
+from pipeline.errors import WeightPushError, WeightVersionError
 from pipeline.weights.safetensors_io import TensorBits
 from pipeline.weights.store import StoreError, WeightStore, default_url
 from pipeline.weights.writer import DEFAULT_FULL_EVERY, write_version
@@ -66,8 +66,13 @@ def push_via_store(
     else:
         written = write_version(weights, tensors, version, delta=delta, full_every=full_every)
         kind, stored, model = written.manifest.kind, written.stored_bytes, written.model_bytes
-    result = control_channel.push_weights(conn, url, version, timeout=timeout, force=force, mode=mode, pool=pool,
-                                          source="store")
+    try:
+        result = control_channel.push_weights(conn, url, version, timeout=timeout, force=force, mode=mode,
+                                              pool=pool, source="store")
+    except WeightPushError as exc:
+        if exc.rolled_back is not None and weights.latest() == version:
+            weights.remove(version)  # no worker took it: the version can be pushed again, with any weights
+        raise
     served = [w.weight_version for w in registry.live_workers(conn, keys.pool_name(pool))]
     stored_versions = set(weights.versions())
     keep_from = min([v for v in served if v in stored_versions and v <= version] + [version])

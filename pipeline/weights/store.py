@@ -182,11 +182,14 @@ class WeightStore:
         start = self.chain(keep_from)[0].version
         gone = [v for v in self.versions() if v < start]
         for version in gone:
-            # The manifest first: a half-deleted version is then an unfinished one, never a broken one.
-            self.fs.rm(self._path(version_dir(version), MANIFEST))
-            self.fs.rm(self._path(version_dir(version)), recursive=True)
-            self._manifests.pop(version, None)
+            self.remove(version)
         return gone
+
+    def remove(self, version: int) -> None:
+        """Delete one version (the manifest first: half deleted, it is an unfinished one, never a broken one)."""
+        self.fs.rm(self._path(version_dir(version), MANIFEST))
+        self.fs.rm(self._path(version_dir(version)), recursive=True)
+        self._manifests.pop(version, None)
 
     def size_bytes(self) -> dict[int, int]:
         """Each complete version's stored tensor bytes."""

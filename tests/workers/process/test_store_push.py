@@ -182,3 +182,27 @@ def test_a_late_worker_rebuilds_from_full_and_deltas_and_the_cli_pushes_a_checkp
     assert set(pipeline.read_rollouts(rows).column("weight_version").to_pylist()) == {5}
     assert pipeline.verify(rows, v5).max_abs_diff <= SAME_WEIGHTS
     assert {w.weight_version for w in registry.live_workers(conn)} == {5}
+
+
+def test_an_engine_that_cannot_apply_a_store_refuses_and_the_version_can_be_pushed_again(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    from pipeline.errors import WeightPushError
+    from workers.engines.fake import FakeEngine
+
+    client = pipeline.Client(redis_client)
+    store = f"file://{tmp_path}/store"
+    state_dict = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    errors: list[WeightPushError] = []
+
+    def driver() -> None:
+        wait_until(lambda: [w.state for w in client.workers()] == ["idle"], 30, "an idle worker")
+        with pytest.raises(WeightPushError) as raised:
+            client.push_weights(state_dict=state_dict, version=1, store=store, timeout=30)
+        errors.append(raised.value)
+
+    drive_worker(redis_client, FakeEngine(), driver, stop_when_done=True)
+    [error] = errors
+    assert "the fake engine cannot load weights from a weight store; push a checkpoint directory" in str(error)
+    assert error.rolled_back is not None and control_channel.read_state(redis_client).weight_version == 0
+    assert WeightStore(store).versions() == []  # nobody took v1: it is gone, and v1 can be pushed again
