@@ -46,14 +46,22 @@ from pipeline.intake.submit import submit_requests  # noqa: E402
 from pipeline.read.batch import Batch  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 
+VOCAB = 151_936
+
 
 def run_worker(url: str, worker_id: str) -> None:
     """One worker process with the default intervals (the target of `multiprocessing`)."""
+    from dataclasses import replace
+
     from pipeline.broker.connection import connect_redis
+    from schemas.worker_info import Capabilities
     from workers.engines.fake import FakeEngine
     from workers.process.worker import RolloutWorker
 
-    RolloutWorker(connect_redis(url), FakeEngine(), worker_id=worker_id).work(
+    engine = FakeEngine()
+    # A real model's vocabulary (the fake's is 1 000): prompt ids above 65 535 are staged as int32.
+    engine._description = replace(engine._description, capabilities=Capabilities(vocab_size=VOCAB))
+    RolloutWorker(connect_redis(url), engine, worker_id=worker_id).work(
         burst=False, with_scheduler=False, logging_level="ERROR")
 
 
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=600)
     parser.add_argument("--requests-per-job", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512,
-                        help="tokens a prompt (random ids below 150 000: staged in Redis as int32)")
+                        help="tokens a prompt (random ids of a 151 936 vocabulary: staged in Redis as int32)")
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--pushes", type=int, default=3)
     args = parser.parse_args(argv)
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             idle_ws = args.workers * idle.seconds
 
             rng = np.random.default_rng(0)
-            requests = [RolloutRequest(id=f"r{i}", input_ids=rng.integers(0, 150_000, args.prompt_tokens).tolist(),
+            requests = [RolloutRequest(id=f"r{i}", input_ids=rng.integers(0, VOCAB, args.prompt_tokens).tolist(),
                                        sampling_params={"max_new_tokens": args.max_new_tokens})
                         for i in range(args.jobs * args.requests_per_job)]
             before = snapshot(conn)

@@ -123,9 +123,11 @@ def main() -> None:
         for proc in procs:
             proc.start()
         try:
-            mine = [ours(client, f"ours{r}", args.groups, args.oversample, output) for r in range(args.repeats)]
-            over = [baseline(client, f"over{r}", args.groups, output, args.oversample) for r in range(args.repeats)]
-            base = [baseline(client, f"base{r}", args.groups, output) for r in range(args.repeats)]
+            mine, over, base = [], [], []
+            for r in range(args.repeats):  # interleaved, so a busy machine slows each alike
+                mine.append(ours(client, f"ours{r}", args.groups, args.oversample, output))
+                over.append(baseline(client, f"over{r}", args.groups, output, args.oversample))
+                base.append(baseline(client, f"base{r}", args.groups, output))
         finally:
             for proc in procs:
                 proc.terminate()
