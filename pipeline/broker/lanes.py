@@ -5,9 +5,11 @@ enqueueing it on that worker's own RQ queue (`keys.PoolKeys.worker_lane_queue_na
 worker takes before the pool's shared lane and its batch queue. A worker registers its lane
 (`register`) when it starts. When its registry entry expires (it was killed, or its host
 went away), `rehome_orphans`, run by every server that waits on a turn and by every worker of
-the pool, moves every job it held (queued, dequeued, running, or a retry waiting out its
-backoff) to the front of the pool's shared lane, where the next free worker takes it; its
-turns in flight stop counting against it. A job moved while its worker still ran it (an entry
+the pool, moves every job it held (queued, running, or a retry waiting out its backoff) to the
+front of the pool's shared lane, where the next free worker takes it; its sessions stop
+counting against it. A job it had popped but not yet started is in none of those places (RQ
+dequeues from several queues with a BLPOP): the server waiting for it requeues it
+(`rescue_popped`). A job moved while its worker still ran it (an entry
 expired by a partition, not a death) runs twice, and answers once: the turn log keeps the rows
 logged first (`workers.jobs.turn_log`).
 """
@@ -50,6 +52,19 @@ return count
 """
 
 
+# KEYS: the job's hash, the queue it names as its origin, the shared lane queue. ARGV: the job id,
+# the shared lane's name. Requeues a job its worker popped and died with before starting it (RQ's
+# multi-queue dequeue is a BLPOP: between the pop and the start the job is in no list, no registry).
+_RESCUE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+if redis.call('HGET', KEYS[1], 'origin') ~= ARGV[3] then return 0 end
+if redis.call('LPOS', KEYS[2], ARGV[1]) or redis.call('LPOS', KEYS[3], ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'origin', ARGV[2])
+redis.call('LPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+
+
 def worker_queue(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> Queue:
     return Queue(pool.worker_lane_queue_name(worker_id), connection=conn, serializer=JSONSerializer)
 
@@ -77,3 +92,16 @@ def rehome_orphans(conn: redis.Redis, pool: keys.PoolKeys, live: set[str] | None
                   queue.scheduled_job_registry.key, shared.key, pool.lane_workers, pool.lane_load(worker_id)],
             args=[worker_id, shared.name, Job.redis_job_namespace_prefix]))
     return moved
+
+
+def rescue_popped(conn: redis.Redis, pool: keys.PoolKeys, job_id: str, live: set[str]) -> bool:
+    """Requeue on the shared lane a job still `queued` in the lane of a dead worker but in no list:
+    the worker popped it and died before starting it. True if it did."""
+    origin = conn.hget(Job.key_for(job_id), "origin")
+    prefix = pool.worker_lane_queue_name("")
+    if origin is None or not origin.decode().startswith(prefix) or origin.decode()[len(prefix):] in live:
+        return False
+    shared = Queue(pool.lane_queue_name, connection=conn, serializer=JSONSerializer)
+    dead = Queue(origin.decode(), connection=conn, serializer=JSONSerializer)
+    return bool(conn.eval(_RESCUE, 3, Job.key_for(job_id), dead.key, shared.key, job_id, shared.name,
+                          origin.decode()))

@@ -9,12 +9,13 @@ home worker
 - can serve it (its capabilities, `pipeline.intake.placement`) and serves the pool's desired
   weights (during a rolling push, a worker still on the old version is passed over when one on
   the new version can take the turn), and is not failing (`unhealthy`, `failed`),
-- has room: its turns in flight, this one included, stay within `load_factor` times the mean
-  over the candidates, rounded up (consistent hashing with bounded loads, Mirrokni, Thorup
-  and Zadeh 2018), or within `slack` turns of the least-loaded candidate (so that a lightly
-  loaded pool, where the rounded bound is 1 or 2, does not scatter sessions for nothing; the
-  gateway's `prefix_hash` policy has the same absolute threshold). A few long sessions cannot
-  pile onto one worker: once their home is full, the next turn moves.
+- has room: its load (active sessions homed there, `pipeline.serve.lane`), this session
+  included, stays within `load_factor` times the mean over the candidates, rounded up
+  (consistent hashing with bounded loads, Mirrokni, Thorup and Zadeh 2018), or within `slack`
+  sessions of the least-loaded candidate (so that a lightly loaded pool, where the rounded
+  bound is 1 or 2, does not scatter sessions for nothing; the gateway's `prefix_hash` policy
+  has an absolute threshold too). A few long sessions cannot pile onto one worker: once
+  their home is full, the next turn moves.
 
 Otherwise the turn goes to the least-loaded candidate and that becomes the session's home.
 Ties (an idle pool) are broken by rendezvous hashing of the session id and the worker id, so
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from schemas.worker_info import WorkerInfo
 
 DEFAULT_LOAD_FACTOR = 1.25
-DEFAULT_SLACK = 2  # turns above the least-loaded worker a home may hold whatever the bound
+DEFAULT_SLACK = 2  # sessions above the least-loaded worker a home may hold whatever the bound
 SICK = ("unhealthy", "failed")
 REASONS = ("new", "gone", "sick", "cannot", "weights", "full")
 
@@ -51,7 +52,7 @@ class Route:
 
 
 def bound(in_flight: int, candidates: int, load_factor: float) -> int:
-    """The most turns in flight one worker may hold once this turn is placed."""
+    """The most load one worker may hold once this session is placed (`in_flight`: the candidates' load)."""
     return max(1, math.ceil(load_factor * (in_flight + 1) / max(1, candidates)))
 
 
