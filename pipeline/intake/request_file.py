@@ -365,8 +365,10 @@ def _parse_line(parser: simdjson.Parser, raw: bytes) -> tuple[dict[str, Any], np
         del doc
 
 
-def _fast_block(raws: list[bytes], shapes: dict[Any, SamplingShape]) -> list[ParsedRequest | None]:
-    """The common lines of a block validated quickly; None where pydantic's full path must decide.
+def _fast_block(raws: list[bytes], shapes: dict[Any, SamplingShape],
+                defaults: SamplingDefaults | None = None) -> list[ParsedRequest | None]:
+    """The common lines of a block validated quickly (with `defaults`' sampling parameters added);
+    None where pydantic's full path must decide.
 
     Each line is parsed by simdjson (which holds JSON's number grammar: no leading zeros, no '+');
     the ids of the whole block are then range-checked at once.
@@ -377,6 +379,8 @@ def _fast_block(raws: list[bytes], shapes: dict[Any, SamplingShape]) -> list[Par
     for index, raw in enumerate(raws):
         got = _parse_line(parser, raw)
         if got is not None:
+            if defaults is not None:
+                defaults.merge(got[0])
             parsed.append((index, *got))
     if not parsed:
         return out
@@ -420,30 +424,47 @@ def _line_errors(path: str, number: int, raw: str | bytes,
 LineHook = Callable[[str | bytes], str | bytes | dict]
 
 
-def with_sampling_defaults(sampling: Mapping[str, Any], then: LineHook | None = None) -> LineHook:
+class SamplingDefaults:
     """A line hook giving each line the sampling parameters `sampling` (`pipeline submit FILE.jsonl
     --temperature T --n N ...`) where its own `sampling_params` does not set them; after `then`
     (the chat renderer) when given. Defaults that are no valid sampling parameters raise
-    `PipelineError` naming each; a line that is no JSON object is left for the parse to report."""
-    try:
-        SamplingParams.model_validate(dict(sampling))
-    except ValidationError as exc:
-        problems = "; ".join(f"{e.field}: {e.message}" for e in validation_errors("", 0, exc))
-        raise PipelineError(f"default sampling parameters: {problems}") from None
-    defaults = dict(sampling)
+    `PipelineError` naming each. The parser knows this hook: the lines it reads quickly get the
+    defaults while they are parsed (no second JSON round trip); the others through `__call__`."""
 
-    def apply(raw: str | bytes) -> str | bytes | dict:
-        text = then(raw) if then is not None else raw
+    def __init__(self, sampling: Mapping[str, Any], then: LineHook | None = None) -> None:
+        try:
+            SamplingParams.model_validate(dict(sampling))
+        except ValidationError as exc:
+            problems = "; ".join(f"{e.field}: {e.message}" for e in validation_errors("", 0, exc))
+            raise PipelineError(f"default sampling parameters: {problems}") from None
+        self.sampling = dict(sampling)
+        self.then = then
+
+    def merge(self, line: dict[str, Any]) -> None:
+        """Add the defaults to a parsed line whose `sampling_params` is an object (or absent)."""
+        given = line.get("sampling_params", {})
+        if type(given) is dict:
+            line["sampling_params"] = {**self.sampling, **given}
+
+    def __call__(self, raw: str | bytes) -> str | bytes | dict:
+        """The line rendered by `then`, with the defaults (`apply`)."""
+        return self.apply(self.then(raw) if self.then is not None else raw)
+
+    def apply(self, text: str | bytes | dict) -> str | bytes | dict:
+        """The line with the defaults; a line that is no JSON object is left for the parse to report."""
         try:
             line = text if isinstance(text, dict) else json.loads(text)
         except ValueError:
             return text
-        if not isinstance(line, dict) or not isinstance(line.get("sampling_params", {}), dict):
+        if not isinstance(line, dict):
             return text
-        line["sampling_params"] = {**defaults, **line.get("sampling_params", {})}
+        self.merge(line)
         return line
 
-    return apply
+
+def with_sampling_defaults(sampling: Mapping[str, Any], then: LineHook | None = None) -> SamplingDefaults:
+    """The line hook of `SamplingDefaults` (pass it where a renderer goes)."""
+    return SamplingDefaults(sampling, then)
 
 
 def parse_request_lines(
@@ -485,6 +506,9 @@ def _request_blocks(
     errors: list[LineError] = []
     first_line_of: dict[str, int] = {}
     shapes: dict[Any, SamplingShape] = {}
+    defaults = renderer if isinstance(renderer, SamplingDefaults) else None
+    if defaults is not None:  # merged while parsing; the renderer it wraps, if any, runs first
+        renderer = defaults.then
     fast_lines = renderer is None
     total = 0
     numbered = enumerate(lines, start=1)
@@ -498,7 +522,7 @@ def _request_blocks(
             else (number, *_line_errors(path, number, raw, renderer))
             for number, raw in block if raw and not raw.isspace()
         ]
-        fast = _fast_block([raw for _, found, raw in checked if not found], shapes)
+        fast = _fast_block([raw for _, found, raw in checked if not found], shapes, defaults)
         fast_of = iter(fast)
         requests: list[ParsedRequest] = []
         for number, found, raw in checked:
@@ -508,7 +532,10 @@ def _request_blocks(
             request = next(fast_of)
             if request is None:
                 try:
-                    request = ParsedRequest.from_request(RolloutRequest.model_validate_json(raw))
+                    with_defaults = raw if defaults is None else defaults.apply(raw)  # rendered already
+                    if isinstance(with_defaults, dict):  # JSON again: the same (strict JSON-mode) validation
+                        with_defaults = json.dumps(with_defaults)
+                    request = ParsedRequest.from_request(RolloutRequest.model_validate_json(with_defaults))
                 except ValidationError as exc:
                     errors.extend(validation_errors(path, number, exc))
                     continue

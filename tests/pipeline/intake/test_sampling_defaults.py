@@ -11,6 +11,7 @@ import redis
 
 from pipeline.cli.command import EXIT_USAGE
 from pipeline.cli.main import main
+from pipeline.intake.request_file import parse_request_lines, with_sampling_defaults
 from pipeline.read.reader import read_rollouts
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
@@ -47,3 +48,26 @@ def test_a_bad_sampling_default_for_a_jsonl_file_is_a_usage_error_naming_it(
     assert main(["submit", str(path), "--redis", redis_url, "--top-p", "7"]) == EXIT_USAGE
     assert "default sampling parameters: top_p:" in capsys.readouterr().err
     assert not redis_client.keys("pipeline:batch:*")
+
+
+def test_defaults_reach_lines_of_the_fast_parse_and_of_the_full_one_and_a_renderer_runs_once() -> None:
+    lines = [json.dumps({"id": "fast", "input_ids": [1, 2]}),
+             '{"id": "\\u0073low", "input_ids": [3]}',  # a \u escape: pydantic's full parse decides
+             json.dumps({"id": "own", "input_ids": [4], "sampling_params": {"n": 1, "seed": 5}})]
+    hook = with_sampling_defaults({"n": 3, "temperature": 0.5, "seed": 9})
+    parsed = {r.id: r.to_request().sampling_params for r in parse_request_lines([line.encode() for line in lines],
+                                                                                renderer=hook)}
+    assert {ident: (p.n, p.temperature, p.seed) for ident, p in parsed.items()} == \
+        {"fast": (3, 0.5, 9), "slow": (3, 0.5, 9), "own": (1, 0.5, 5)}
+
+    rendered: list[str] = []
+
+    def render(raw: str | bytes) -> dict:  # stands in for the chat renderer: prompt text to ids
+        line = json.loads(raw)
+        rendered.append(line["id"])
+        return {"id": line["id"], "input_ids": [ord(c) for c in line.pop("prompt")], **line}
+
+    chat = [json.dumps({"id": "c", "prompt": "hi"}), json.dumps({"id": "d\u00e9", "prompt": "yo"})]
+    parsed = parse_request_lines(chat, renderer=with_sampling_defaults({"n": 2}, render))
+    assert [(r.id, r.to_request().sampling_params.n) for r in parsed] == [("c", 2), ("d\u00e9", 2)]
+    assert rendered == ["c", "d\u00e9"]
