@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -263,6 +264,7 @@ def test_hf_partial_swap_routed_experts_are_the_last_segments_for_every_position
 
 
 LOADING_KEY = "test:partial-swap:loading"
+STEPS_KEY = "test:partial-swap:steps"
 
 
 class LoadsForever(SimEngine):
@@ -272,6 +274,13 @@ class LoadsForever(SimEngine):
     def __init__(self, conn: redis.Redis, config: SimConfig) -> None:
         super().__init__(config)
         self.conn = conn
+        threading.Thread(target=self._note_steps, daemon=True).start()
+
+    def _note_steps(self) -> None:
+        """The decode steps taken so far, in Redis (the test pushes once the samples have tokens)."""
+        while True:
+            self.conn.set(STEPS_KEY, self.stats().steps)
+            time.sleep(0.02)
 
     def update_weights(self, path: str, version: int) -> None:
         self.conn.set(LOADING_KEY, self.load())
@@ -313,6 +322,8 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     try:
         wait_until(lambda: sum(1 for w in registry.live_workers(redis_client) if w.state == "busy") == 1, 120,
                    "the victim to start its jobs")
+        # Samples with tokens to save (on a loaded machine the push could otherwise beat the first step).
+        wait_until(lambda: float(redis_client.get(STEPS_KEY) or 0) >= 5, 120, "the victim's first decode steps")
         push.start()
         wait_until(lambda: redis_client.exists(LOADING_KEY), 120, "the victim to be loading v1 mid-swap")
         assert int(redis_client.get(LOADING_KEY)) == 0  # type: ignore[arg-type]  # its samples were stopped first
@@ -328,7 +339,8 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
             if process is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
                 process.join()
-        push.join(timeout=60)
+        if push.ident is not None:
+            push.join(timeout=60)
     commits = commit_log.read_all(redis_client, "killed")
     assert sorted(c.job_id for c in commits) == sorted(batch.job_ids)  # one commit per job
     assert sorted(p.name for p in tmp_path.joinpath("killed").glob("*.parquet")) == sorted(
