@@ -120,14 +120,20 @@ class CancelCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.broker import registry
         from pipeline.client import connect
+        from pipeline.errors import UnknownRunError
+        from pipeline.suggest import did_you_mean, listing
 
         client = connect(args.redis, pool=args.pool)
+        known = registry.runs(client.conn)
         if args.run is None and args.job_ids:
-            runs = set(registry.runs(client.conn)).intersection(args.job_ids)
+            runs = set(known).intersection(args.job_ids)
             if runs:
                 name = sorted(runs)[0]
                 raise PipelineError(f"{name!r} is a run, not a job id: `pipeline cancel --run {name}`; nothing was "
                                     "canceled")
+        if args.run is not None and args.run not in known:
+            raise UnknownRunError(f"no run {args.run!r} in this Redis; runs here: {listing(known)}"
+                                  f"{did_you_mean(args.run, known)}; nothing was canceled")
         result = client.cancel(args.run, job_ids=args.job_ids, pool=args.pool)
         print(f"canceled {result.canceled} of {len(result.job_ids)} job(s): {result.queued} removed from the queue, "
               f"{result.running} aborted in flight; left as they were: {result.finished} finished, "

@@ -115,6 +115,8 @@ def test_show_takes_a_run_name_with_did_you_mean_and_cancel_of_a_run_name_points
     code, _, err = _cli(capsys, redis_url, "cancel", "cxl")
     assert code == EXIT_USAGE and "'cxl' is a run, not a job id: `pipeline cancel --run cxl`" in err
     assert redis_client.scard(keys.canceled("cxl")) == 0
+    code, _, err = _cli(capsys, redis_url, "cancel", "--run", "cxll")
+    assert code == EXIT_FAILED and "no run 'cxll' in this Redis" in err and "did you mean 'cxl'?" in err
 
 
 def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_missing(
