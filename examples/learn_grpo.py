@@ -121,7 +121,7 @@ def rewards_of(table: pa.Table) -> np.ndarray:
     return np.array([reward for reward, _ in numeric_match(rows)], dtype=np.float64)
 
 
-def heldout_reward(client: pipeline.Client, tokenizer: Any, settings: Settings, *, run: str, output: str,
+def heldout_reward(client: pipeline.Client, tokenizer: Any, settings: Settings, *, run: str, output: str | None,
                    version: int) -> float:
     """Mean reward on the held-out problems, sampled by the pool's workers at `version` or newer."""
     batch = client.submit(requests(heldout_set(settings.heldout), tag=f"heldout-v{version}",
@@ -161,7 +161,7 @@ def train_step(model: Any, optimizer: Any, table: pa.Table, *, version: int,
     return older, float(ratios.mean()), float(ratios.std()), float(ratios.max())
 
 
-def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Settings, *, run: str, output: str,
+def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Settings, *, run: str, output: str | None,
                   store: str, log: Any = print) -> Result:
     """The asynchronous loop: submit one step ahead, train with TIS, push partially after each step."""
     import torch
@@ -213,7 +213,7 @@ def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Sett
     return result
 
 
-def trl_loop(client: pipeline.Client, model_dir: str | Path, settings: Settings, *, run: str, output: str,
+def trl_loop(client: pipeline.Client, model_dir: str | Path, settings: Settings, *, run: str, output: str | None,
              store: str, log: Any = print) -> Result:
     """The same task through TRL's GRPOTrainer with `pipeline_rollout`."""
     import os
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 settings = Settings(steps=args.steps, seed=args.seed)
                 run = f"{pool}-run"
-                output = f"file://{tmp}/shards"
+                output = None  # the pipeline's default shard location: `pipeline report` reads them afterwards
                 function = pipeline_loop if loop == "pipeline" else trl_loop
                 results.append(function(client, args.model, settings, run=run, output=output,
                                         store=f"{tmp}/{loop}-weights"))
