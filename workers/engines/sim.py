@@ -31,7 +31,7 @@ import math
 import threading
 import time
 import zlib
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.request import RolloutRequest
-from schemas.worker_info import Capabilities
+from schemas.worker_info import Capabilities, WorkerInfo
 from workers.engines.base import (
     INTERRUPTED,
     ContinuedRequest,
@@ -278,6 +278,21 @@ class SimEngine(EngineIdentity):
             self._cond.notify_all()
         future.add_done_callback(lambda f: self._on_cancel(batch) if f.cancelled() else None)
         return future
+
+    def refuses_pool(self, workers: Sequence[WorkerInfo]) -> str | None:
+        """Why the sim does not join a pool with nothing pushed that these live workers serve: one of
+        them is a real engine (its rows are a real model's at the version it started with), unless
+        `real_weights`; None to join."""
+        if self.config.real_weights:
+            return None
+        real = Counter((w.engine, w.model) for w in workers if w.engine != "sim")
+        if not real:
+            return None
+        serving = ", ".join(f"{count} {engine} worker(s) with model {model}" for (engine, model), count in
+                            sorted(real.items()))
+        return (f"the pool has no pushed weights and real engines serve it ({serving}): the sim's made-up tokens "
+                "would be rows of that pool beside theirs. Start it with a --pool of its own, or with "
+                "--allow-sim-in-real-pool to run it in this pool anyway (its rows say engine=sim)")
 
     def update_weights(self, path: str, version: int) -> None:
         if not self.config.real_weights:

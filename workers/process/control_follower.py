@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from pipeline.broker import control_channel, keys
+from pipeline.broker import control_channel, keys, registry
 from pipeline.broker.control_channel import encode_ack
 from pipeline.broker.replication import Proof, replicated, write_until_kept
 from pipeline.broker.security import check_weight_path
@@ -321,11 +321,19 @@ class ControlFollower:
     def join(self) -> None:
         """Load the pool's desired weights before the first job; refuse to join if they do not load
         (another model's checkpoint, mismatched parameters, a path this host cannot read): rows at
-        this engine's own version would mean something else than the pool's."""
+        this engine's own version would mean something else than the pool's. With nothing pushed,
+        an engine with `refuses_pool(live workers)` (the sim) may refuse the pool its workers serve."""
         state = self.sync()
+        description = self.engine.description
+        refuses_pool = getattr(self.engine, "refuses_pool", None)
+        if state.weight_path is None and refuses_pool is not None:
+            others = [w for w in registry.live_workers(self.conn, self.pool.name) if w.worker_id != self.worker_id]
+            reason = refuses_pool(others)
+            if reason:
+                raise WeightsRefusedError(f"worker {self.worker_id} ({description.name} engine, model "
+                                          f"{description.model}) does not join pool {self.pool.name!r}: {reason}")
         if not self.behind(state):
             return
-        description = self.engine.description
         raise WeightsRefusedError(
             f"worker {self.worker_id} ({description.name} engine, model {description.model}) does not join pool "
             f"{self.pool.name!r}: the pool serves weights v{state.weight_version} from {state.weight_path} and this "

@@ -4,6 +4,7 @@ on a real Redis, against a pool whose desired weights are a real checkpoint or a
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -11,6 +12,7 @@ import redis
 import pipeline
 from pipeline.broker import registry
 from tests.conftest import PIPELINE
+from tests.helpers import terminate, wait_until
 
 
 def _sim_worker(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -53,3 +55,35 @@ def test_the_sim_joins_a_pool_of_sim_weights_or_a_real_one_when_told(
     assert allowed.returncode == 0, allowed.stderr
     assert told.wait(timeout=30).counts["finished"] == 1
     assert told.read().column("engine").to_pylist() == ["sim"]  # labelled as the sim's, for whoever reads it
+
+
+def test_a_sim_worker_does_not_join_a_pool_real_engines_serve_without_a_push(
+        redis_client: redis.Redis, pipeline_env: dict[str, str], start_worker: Callable[..., subprocess.Popen],
+        tiny_model_dir: Path) -> None:
+    """Nothing pushed: each worker serves the model it started with, and the pool's rows are an hf
+    model's at v0; a sim joining would add made-up rows at the same v0."""
+    start_worker()
+    wait_until(lambda: len(registry.live_workers(redis_client)) == 1, 60, "the hf worker to register")
+    refused = _sim_worker(pipeline_env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "does not join pool 'default'" in refused.stderr and "no pushed weights" in refused.stderr
+    assert f"1 hf worker(s) with model {tiny_model_dir}" in refused.stderr, refused.stderr
+    assert "--allow-sim-in-real-pool" in refused.stderr
+    assert _sim_worker(pipeline_env, "--allow-sim-in-real-pool").returncode == 0
+
+
+def test_sim_workers_share_a_pool_with_nothing_pushed(redis_client: redis.Redis, pipeline_env: dict[str, str],
+                                                     tmp_path: Path) -> None:
+    """Benchmarks run many sim workers in one pool: a live sim worker does not keep another out."""
+    held = subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", "--log-level", "WARNING"], env=pipeline_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(registry.live_workers(redis_client)) == 1, 60, "the first sim worker to register")
+        batch = pipeline.Client(redis_client).submit(
+            [{"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}], run="sims",
+            output=f"file://{tmp_path}")
+        joined = _sim_worker(pipeline_env)
+        assert joined.returncode == 0, joined.stderr
+        assert batch.wait(timeout=30).counts["finished"] == 1
+    finally:
+        terminate(held)
