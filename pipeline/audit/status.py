@@ -23,6 +23,7 @@ from schemas.capabilities import describe
 from schemas.control import DesiredState
 
 FAILURES_SHOWN = 20
+RATE_BUCKETS = 6  # agent turns per second are over the last this many whole buckets (a minute)
 SESSIONS_READ = 10_000  # open sessions whose versions status reads (one pipeline of HMGETs), at most
 
 
@@ -77,6 +78,28 @@ def open_sessions(conn: redis.Redis, pool: str, limit: int = SESSIONS_READ) -> d
             "mixed_versions": sum(1 for low, high in versions if high > low)}
 
 
+def affinity(conn: redis.Redis, pool: str) -> dict[str, Any] | None:
+    """Where the pool's agent turns ran (`pipeline.serve.affinity`), None before its first turn: turns
+    per second over the last minute; of the turns of sessions with a home, the share served there;
+    prompt tokens, and the share the engines found in their prefix caches (the prefill saved);
+    moves of session homes by reason."""
+    where = keys.pool(pool)
+    stats = {k.decode(): int(v) for k, v in conn.hgetall(where.lane_stats).items()}
+    if not stats:
+        return None
+    now = int(time.time()) // keys.LANE_RATE_BUCKET_S
+    counts = conn.mget([where.lane_turns_in(now - 1 - i) for i in range(RATE_BUCKETS)])
+    homed = stats.get("homed_turns", 0)
+    prompt = stats.get("prompt_tokens", 0)
+    return {"turns": stats.get("turns", 0),
+            "turns_per_s": round(sum(int(c or 0) for c in counts) / (keys.LANE_RATE_BUCKET_S * RATE_BUCKETS), 1),
+            "homed_turns": homed, "home_turns": stats.get("home_turns", 0),
+            "home_share": round(stats.get("home_turns", 0) / homed, 4) if homed else None,
+            "prompt_tokens": prompt, "cached_tokens": stats.get("cached_tokens", 0),
+            "cached_share": round(stats.get("cached_tokens", 0) / prompt, 4) if prompt else None,
+            "moves": {k[6:]: v for k, v in sorted(stats.items()) if k.startswith("moves:")}}
+
+
 def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) -> dict[str, Any]:
     """Every pool's status (`pools`: name → status), or only `pool`'s when one is named."""
     names = [keys.pool_name(pool)] if pool else registry.pools(conn)
@@ -113,6 +136,7 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
         "lane": {"name": where.lane_queue_name,
                  "queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count},
         "sessions": open_sessions(conn, where.name),
+        "affinity": affinity(conn, where.name),
         "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
         "capability_classes": [
             {"serves": describe(capabilities), "capabilities": capabilities.model_dump(), "workers": count}
@@ -219,6 +243,16 @@ def format_sessions(s: dict[str, Any]) -> str:
     return line + (f" ({', '.join(notes)})" if notes else "")
 
 
+def format_affinity(a: dict[str, Any]) -> str:
+    """`affinity` as one line: rate, home share, prefill saved, moves."""
+    home = "-" if a["home_share"] is None else f"{a['home_share']:.1%}"
+    cached = "-" if a["cached_share"] is None else f"{a['cached_share']:.1%}"
+    moves = ", ".join(f"{n} {why}" for why, n in a["moves"].items()) or "none"
+    return (f"agent turns: {a['turns']} ({a['turns_per_s']:g}/s over the last minute); {home} of "
+            f"{a['homed_turns']} on their session's home worker; {a['cached_tokens']} of {a['prompt_tokens']} "
+            f"prompt tokens found in prefix caches ({cached}, prefill saved); home moves: {moves}")
+
+
 def format_pool(name: str, status: dict[str, Any]) -> str:
     q = status["queue"]
     desired = status["desired"]
@@ -234,6 +268,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
     sessions = status["sessions"]
     if sessions["open"] or any(r.get("agent_turns") for r in status["runs"].values()):
         lines.append(format_sessions(sessions))
+    if status.get("affinity"):
+        lines.append(format_affinity(status["affinity"]))
     workers = status["workers"]
     lines.append(f"workers: {len(workers)} live")
     for w in workers:

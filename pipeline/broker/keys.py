@@ -24,6 +24,7 @@ from pipeline.errors import PoolNameError
 from schemas.worker_info import DEFAULT_POOL
 
 PREFIX = "pipeline"
+LANE_RATE_BUCKET_S = 10  # agent turns are counted per bucket of this many seconds (`PoolKeys.lane_turns_in`)
 QUEUE_NAME = "rollouts"
 ENV_POOL = settings.POOL.name
 # Every pool ever named by a submit, a worker or a control change (status lists them).
@@ -75,6 +76,11 @@ class PoolKeys:
     def lane_stats(self) -> str:
         """A hash of the pool's turn counts: turns, home_turns, cached and prompt tokens, moves by reason."""
         return f"{self._base}:lane:stats"
+
+    def lane_turns_in(self, bucket: int) -> str:
+        """A counter of the pool's turns committed in one bucket of `LANE_RATE_BUCKET_S` seconds (the
+        bucket: epoch seconds // that), for turns per second in `pipeline status`."""
+        return f"{self._base}:lane:turns:{bucket}"
 
     @property
     def control_state(self) -> str:
@@ -229,6 +235,12 @@ TURN_RUNS = f"{PREFIX}:turns:runs"
 def turn_log(run: str) -> str:
     """A run's stream of agent-turn rows not yet written to a shard (one entry per turn, Arrow IPC)."""
     return f"{PREFIX}:turns:{run}"
+
+
+def turn_shard(turn_id: str) -> str:
+    """The URL of the shard a flushed turn's rows went to (kept a while after the flush: a waiter
+    that lost the reply reads them there, and a second run of the turn's job does not log it again)."""
+    return f"{PREFIX}:turn:{turn_id}:shard"
 
 
 def turn_log_jobs(run: str) -> str:

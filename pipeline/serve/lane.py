@@ -44,6 +44,7 @@ from typing import Any
 
 import anyio
 import pyarrow as pa
+import pyarrow.compute as pc
 import redis
 import redis.asyncio
 from rq import Queue
@@ -359,7 +360,8 @@ class Lane:
             if logged is not None:
                 return logged
             raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
-                                "no longer in the turn log; call again to generate it again", code="turn_failed")
+                                "in neither the turn log nor a shard it remembers; call again to generate it "
+                                "again", code="turn_failed")
         if status == b"queued" and job_id is not None:
             self._rescue(job_id)
         if status in (b"failed", b"stopped", b"canceled") or status is None:
@@ -395,10 +397,21 @@ class Lane:
         return self._aconn or None
 
     def _logged(self, run: str, turn_id: str) -> pa.Table | None:
-        """A turn's rows from the run's turn log, while they are there (not yet in a shard)."""
+        """A turn's rows from the run's turn log, or from the shard it was flushed to (the reply was
+        lost: a waiter gone, or a read that timed out as the reply came)."""
         entry_id = self.conn.hget(keys.turn_log_jobs(run), turn_id)
         entries = self.conn.xrange(keys.turn_log(run), entry_id, entry_id) if entry_id else []
-        return rows_from_ipc(entries[0][1][b"rows"]) if entries else None
+        if entries:
+            return rows_from_ipc(entries[0][1][b"rows"])
+        url = self.conn.get(keys.turn_shard(turn_id))
+        if url is None:
+            return None
+        from pipeline.read.reader import read_rollouts
+
+        session_id, turn, _ = turn_id.rsplit("-", 2)  # `pipeline.serve.turns`: session-turn-nonce
+        rows = read_rollouts(url.decode(), filter=(pc.field("session_id") == session_id)
+                             & (pc.field("turn") == int(turn)))
+        return rows if rows.num_rows else None
 
     def _late(self, turn_id: str) -> APIError:
         job_id = self.job_of(turn_id)

@@ -139,11 +139,15 @@ class Placed:
     prompt_tokens: int
     cached_tokens: int
 
-    def count(self, pipe: Any, stats_key: str, home: str | None) -> None:
+    def count(self, pipe: Any, pool: keys.PoolKeys, home: str | None) -> None:
         """The pool's affinity counts (`keys.PoolKeys.lane_stats`): turns; turns of a session with a
         home, and those served there; prompt and cached tokens; moves by reason (a turn routed home
-        that ran elsewhere moved because its worker died: `gone`)."""
+        that ran elsewhere moved because its worker died: `gone`); turns per 10-second bucket."""
+        stats_key = pool.lane_stats
         pipe.hincrby(stats_key, "turns", 1)
+        bucket = pool.lane_turns_in(int(time.time()) // keys.LANE_RATE_BUCKET_S)
+        pipe.incr(bucket)
+        pipe.expire(bucket, 600)
         pipe.hincrby(stats_key, "prompt_tokens", self.prompt_tokens)
         pipe.hincrby(stats_key, "cached_tokens", self.cached_tokens)
         if home is None:
@@ -267,7 +271,7 @@ class SessionStore:
         key = keys.session(session.session_id)
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"last": record.to_json(), "turns": pending.turn + 1, "home": placed.served_by})
-            placed.count(pipe, keys.pool(session.pool).lane_stats, session.home)
+            placed.count(pipe, keys.pool(session.pool), session.home)
             pipe.eval(_WIDEN_VERSIONS, 1, key, *versions)
             pipe.hdel(key, "pending")
             pipe.expire(key, SESSION_TTL_S)

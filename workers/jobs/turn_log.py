@@ -38,14 +38,17 @@ from workers.rows.shard_writer import PendingShard
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 600  # a reply nobody took (the server gave up or died) expires
+TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`keys.turn_shard`)
 DEFAULT_SHARD_TURNS = 256
 DEFAULT_SHARD_AGE_S = 10.0
 LOCK_TTL_MS = 120_000
 
-# KEYS: turn log, turn index, reply list, TURN_RUNS. ARGV: turn id, rows (IPC), run, reply ttl.
-# Logs the rows once per turn id; answers with the rows logged first (a duplicate run of the job
-# answers what the log holds, or nothing if that entry was flushed already).
+# KEYS: turn log, turn index, reply list, TURN_RUNS, the turn's shard key. ARGV: turn id, rows
+# (IPC), run, reply ttl. Logs the rows once per turn id; answers with the rows logged first (a
+# duplicate run of the job answers what the log holds; nothing once that entry was flushed: its
+# waiter reads the shard).
 _COMMIT = """
+if redis.call('EXISTS', KEYS[5]) == 1 then return {0, 'flushed'} end
 local logged = redis.call('HGET', KEYS[2], ARGV[1])
 if not logged then
   local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[1], 'rows', ARGV[2])
@@ -99,7 +102,8 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
             rows = table.slice(start, request.sampling_params.n)
             start += request.sampling_params.n
             script(keys=[keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(turn.turn_id),
-                         keys.TURN_RUNS], args=[turn.turn_id, rows_to_ipc(rows), job.run, REPLY_TTL_S], client=pipe)
+                         keys.TURN_RUNS, keys.turn_shard(turn.turn_id)],
+                   args=[turn.turn_id, rows_to_ipc(rows), job.run, REPLY_TTL_S], client=pipe)
         logged = pipe.execute()
     if start != table.num_rows:
         raise WorkerError(f"job {job.job_id}: {table.num_rows} rows for {start} samples of its turns")
@@ -154,6 +158,8 @@ def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS
         with conn.pipeline(transaction=True) as pipe:
             pipe.xdel(keys.turn_log(run), *[entry_id for entry_id, _ in entries])
             pipe.hdel(keys.turn_log_jobs(run), *{fields[b"turn"] for _, fields in entries})
+            for turn in {fields[b"turn"] for _, fields in entries}:
+                pipe.set(keys.turn_shard(turn.decode()), url, ex=TURN_SHARD_TTL_S)
             pipe.execute()
         log.info("run %s: %d turns (%d rows) written to %s", run, len(entries), rows, url)
         return url

@@ -15,7 +15,7 @@ from pipeline.broker import commit_log, keys, registry
 from pipeline.cli.main import main
 from pipeline.errors import UnknownRunError
 from pipeline.intake.submit import JOB_FUNCTION, rollout_queue
-from pipeline.serve.sessions import Pending, Session, SessionStore, TurnRecord
+from pipeline.serve.sessions import Pending, Placed, Session, SessionStore, TurnRecord
 from schemas.worker_info import WorkerInfo
 
 
@@ -83,7 +83,7 @@ def _turn(store: SessionStore, session: Session, turn: int, versions: tuple[int,
     pending = Pending(turn, f"{session.session_id}-t{turn}", "req", "msgs", 1 + turn, prefix_break)
     assert store.claim(session, pending)
     record = TurnRecord(turn, pending.turn_id, "req", "msgs", 1 + turn, [1, 2, 3], None, [], {})
-    store.record(session, pending, record, versions)
+    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=3, cached_tokens=0))
 
 
 def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_turns(

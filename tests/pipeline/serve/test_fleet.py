@@ -18,6 +18,7 @@ import pytest
 import redis
 from rq.job import Job
 
+from pipeline.audit import status
 from pipeline.broker import keys, registry
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
@@ -98,6 +99,11 @@ def test_a_sessions_turns_stay_home_and_find_their_prefix_cached(
     stats = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.pool(None).lane_stats).items()}
     assert stats["turns"] == 32 and stats["homed_turns"] == 24 and stats["home_turns"] == 24
     assert stats["cached_tokens"] == sum(r["cached_tokens"] for r in rows)
+    # What `pipeline status` shows of it.
+    shown = status.collect_pool(redis_client, "default")["affinity"]
+    assert shown["home_share"] == 1.0 and shown["turns"] == 32 and shown["moves"] == {}
+    assert shown["cached_share"] == round(stats["cached_tokens"] / stats["prompt_tokens"], 4) > 0.5
+    assert "100.0% of 24 on their session's home worker" in status.format_affinity(shown)
 
 
 def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(

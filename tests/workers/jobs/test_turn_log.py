@@ -1,0 +1,50 @@
+"""The turn log: a turn's rows are logged once, flushed to a shard, and still found by a waiter
+whose reply was lost (real redis-server, real Parquet)."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import redis
+
+from pipeline.broker import keys
+from pipeline.serve.lane import Lane
+from schemas.job_payload import JobPayload, TurnTag
+from schemas.request import RolloutRequest
+from workers.engines.fake import FakeEngine
+from workers.jobs.turn_log import commit_turns, flush_turns
+from workers.rows.table import RowContext, build_table
+
+
+def _turn(conn: redis.Redis, tmp_path: Path, turn_id: str) -> tuple[JobPayload, list[RolloutRequest], object]:
+    request = RolloutRequest(id="s-1:2", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
+    tag = TurnTag(turn_id=turn_id, session_id="s-1", turn=2, prefix_break=False)
+    job = JobPayload.pack([request], run="agents", job_id="lane-1", batch_id="lane-1",
+                          output=f"file://{tmp_path}/shards", submitted_at_ms=int(time.time() * 1000), turns=[tag])
+    now = datetime.now(UTC)
+    outputs = FakeEngine().generate([request])
+    table = build_table([request], outputs, RowContext("agents", "lane-1", "fake", "m", "w1", 0, now, now, now,
+                                                       turns=[tag]))
+    conn.set(keys.turn_log_output("agents"), f"file://{tmp_path}/shards")
+    return job, [request], table
+
+
+def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    turn_id = "s-1-00002-abcdef"
+    job, requests, table = _turn(redis_client, tmp_path, turn_id)
+    assert commit_turns(job, requests, table, redis_client)["logged"] == 1
+    redis_client.delete(keys.turn_reply(turn_id))  # the reply went to a waiter that is gone
+    assert flush_turns(redis_client, "agents", force=True) is not None  # then the log was flushed
+    # The job finished; a waiter (the agent's retry) finds the rows in the shard the turn went to.
+    redis_client.set(keys.turn_job(turn_id), "lane-1")
+    redis_client.hset("rq:job:lane-1", "status", "finished")
+    lane = Lane(redis_client, "default", turn_timeout_s=10)
+    got = lane.wait(turn_id, "agents", time.monotonic(), settled=lambda: None)
+    assert got.column("completion_token_ids").to_pylist() == table.column("completion_token_ids").to_pylist()
+    assert got.column("session_id").to_pylist() == ["s-1"] and got.column("turn").to_pylist() == [2]
+    # The job run again (its worker looked dead) logs nothing new: the turn has one row.
+    assert commit_turns(job, requests, table, redis_client)["logged"] == 0
+    assert redis_client.xlen(keys.turn_log("agents")) == 0
