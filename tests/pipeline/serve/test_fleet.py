@@ -154,3 +154,28 @@ def _pending_turn_id(conn: redis.Redis, session: str) -> str | None:
 
     raw = conn.hget(keys.session(session), "pending")
     return None if raw is None else json.loads(raw)["turn_id"]
+
+
+def test_a_weight_push_mid_episode_serves_the_next_turn_on_the_new_weights_without_the_old_cache(
+        serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen],
+        tmp_path: Path) -> None:
+    import pipeline
+
+    sim_workers("--sim-step-ms", "1", "--sim-median-tokens", "20", "--sim-p99-tokens", "21")
+    _live(redis_client, 1)
+    stack = serve(tokenizer=None)
+    session = stack.session()
+    prompt = list(range(1, 101))
+    for turn in range(4):
+        if turn == 2:  # the trainer pushes between the session's turns 1 and 2
+            (tmp_path / "v1").mkdir()
+            result = pipeline.Client(redis_client).push_weights(str(tmp_path / "v1"), version=1, timeout=60)
+            assert [a.ok for a in result.acks] == [True], result
+        answer = _turn(stack.url, session, prompt)
+        prompt = prompt + answer["choices"][0]["token_ids"] + TOOL_RESULT
+    rows = sorted(turn_rows(stack.run, redis_client).to_pylist(), key=lambda r: r["turn"])
+    assert [r["weight_version"] for r in rows] == [0, 0, 1, 1]
+    # The engine's cache of the old weights is not reused for the new ones (the sim empties it at
+    # a load, as SGLang's update_weights_from_disk flushes and vLLM's reload is followed by
+    # /reset_prefix_cache); the turn after finds the new weights' cache again.
+    assert rows[1]["cached_tokens"] > 0 and rows[2]["cached_tokens"] == 0 and rows[3]["cached_tokens"] > 0
