@@ -21,7 +21,7 @@ from matplotlib import image
 
 import pipeline
 from pipeline.broker import commit_log, keys
-from pipeline.serve.sessions import Pending, SessionStore, TurnRecord
+from pipeline.serve.sessions import Pending, Placed, SessionStore, TurnRecord
 from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import SHARD_SCHEMA, rows_to_ipc
@@ -247,7 +247,7 @@ def test_report_counts_agent_turns_sessions_and_prefix_breaks(redis_client: redi
             pending = Pending(index, f"{session_id}{index}", "req", "msgs", 1, prefix_break)
             store.claim(session, pending)
             store.record(session, pending, TurnRecord(index, pending.turn_id, "req", "msgs", 1, [1], None, [], {}),
-                         (2, 2))
+                         (2, 2), Placed("w", "w", None, prompt_tokens=3, cached_tokens=0))
     # sa's third turn is logged but not flushed to a shard yet
     redis_client.xadd(keys.turn_log(run), {"turn": "sa2", "rows": rows_to_ipc(table.slice(0, 1))})
 
