@@ -135,7 +135,11 @@ class EngineWorker(SimpleWorker):
             self.metrics.set_state(state)
             self.metrics.set_weight_version(self.engine.weight_version)
             self.presence.update(state=state, current_job=current_job, weight_version=self.engine.weight_version,
-                                 error=self.control.weight_error)
+                                 error=self._registry_error())
+
+    def _registry_error(self) -> str | None:
+        """What the registry entry says is wrong, published with the state it explains (None: nothing)."""
+        return self.control.weight_error
 
     def _resting_state(self) -> WorkerState:
         return self.control.resting_state()

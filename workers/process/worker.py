@@ -82,11 +82,9 @@ class RolloutWorker(EngineWorker):
     def _resting_state(self) -> WorkerState:
         return "unhealthy" if self.health.reason else super()._resting_state()
 
-    def set_registry_state(self, state: WorkerState, current_job: str | None = None) -> None:
-        super().set_registry_state(state, current_job)
-        reason = self.health.reason
-        if reason and self.info.error != reason:
-            self.presence.update(error=reason)
+    def _registry_error(self) -> str | None:
+        # One publish with the state: a reader never sees `unhealthy` without its reason.
+        return self.health.reason or super()._registry_error()
 
     # -- dequeue and failure ------------------------------------------------------------------
 
