@@ -179,3 +179,46 @@ def test_a_weight_push_mid_episode_serves_the_next_turn_on_the_new_weights_witho
     # a load, as SGLang's update_weights_from_disk flushes and vLLM's reload is followed by
     # /reset_prefix_cache); the turn after finds the new weights' cache again.
     assert rows[1]["cached_tokens"] > 0 and rows[2]["cached_tokens"] == 0 and rows[3]["cached_tokens"] > 0
+
+
+def test_a_server_killed_mid_turn_costs_the_agent_a_retry_not_a_second_generation(
+        redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen], pipeline_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """The openai SDK retries a connection error; the server that answers the retry (here a new one
+    on the same address, as behind a load balancer) finds the turn in flight and waits for it."""
+    import openai
+
+    from tests.helpers import free_port, wait_healthy
+
+    sim_workers("--sim-step-ms", "10", "--sim-median-tokens", "300", "--sim-p99-tokens", "301")
+    _live(redis_client, 1)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def start_server(name: str) -> subprocess.Popen:
+        log = tmp_path / f"{name}.log"
+        process = subprocess.Popen([*PIPELINE, "serve", "--port", str(port), "--run", "agents"], env=pipeline_env,
+                                   stdout=log.open("w"), stderr=subprocess.STDOUT)
+        wait_healthy(url, process, log, timeout_s=60, what=f"pipeline serve ({name})")
+        return process
+
+    first = start_server("first")
+    session = httpx.post(f"{url}/sessions", json={}, timeout=30).json()["session_id"]
+    client = openai.OpenAI(base_url=f"{url}/sessions/{session}/v1", api_key="unused", max_retries=6, timeout=60)
+    answers: list[Any] = []
+    call = threading.Thread(target=lambda: answers.append(
+        client.completions.create(model="m", prompt=list(range(1, 51)), max_tokens=1000)))
+    call.start()
+    wait_until(lambda: _pending_turn_id(redis_client, session) is not None, timeout=30, what="the turn in flight")
+    first.kill()  # SIGKILL, the turn still generating
+    first.wait(timeout=10)
+    second = start_server("second")
+    try:
+        call.join(timeout=120)
+        assert answers, "the agent got no answer"
+        rows = turn_rows("agents", redis_client).to_pylist()
+        assert len(rows) == 1  # generated once
+        assert answers[0].choices[0].token_ids == rows[0]["completion_token_ids"]
+    finally:
+        second.terminate()
+        second.wait(timeout=20)
