@@ -175,13 +175,15 @@ SUMMARY_TYPES = {
 class VerifyReport:
     """`pipeline verify`'s result: `table` (one row per weight version and engine), `worst`
     (the tokens that disagree most), `experts` (routed-expert agreement per layer), and the
-    rows read but not checked (`skipped`: reason → rows)."""
+    rows read but not checked (`skipped`: reason → rows); `resumed_rows`: rows resumed from a
+    checkpoint after their worker died, checked like any other (each token under its version)."""
 
     table: pa.Table
     worst: pa.Table
     experts: pa.Table
     skipped: dict[str, int]
     threshold: float
+    resumed_rows: int = 0
 
     @property
     def max_abs_diff(self) -> float:
@@ -196,7 +198,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.table.to_pylist(), "worst": self.worst.to_pylist(),
                 "experts": self.experts.to_pylist(), "skipped": self.skipped, "threshold": self.threshold,
-                "max_abs_diff": self.max_abs_diff, "tokens": self.tokens}
+                "max_abs_diff": self.max_abs_diff, "tokens": self.tokens, "resumed_rows": self.resumed_rows}
 
     def to_json(self) -> str:
         def clean(value: Any) -> Any:  # JSON has no inf/nan: null
@@ -236,11 +238,14 @@ class VerifyReport:
                              f"{e['matching']}/{e['positions']} ({e['share']:.2%})")
         for reason, count in sorted(self.skipped.items()):
             lines.append(f"skipped {count} rows: {reason}")
+        if self.resumed_rows:
+            lines.append(f"{self.resumed_rows} rows resumed from a checkpoint after their worker died "
+                         "(checked like the others)")
         return "\n".join(lines)
 
 
 def build_report(groups: list[GroupStats], experts: list[ExpertStats], skipped: dict[str, int],
-                 threshold: float) -> VerifyReport:
+                 threshold: float, *, resumed_rows: int = 0) -> VerifyReport:
     groups = sorted(groups, key=lambda g: (g.weight_version, g.engine))
     summary = pa.Table.from_pylist([g.summary() for g in groups], schema=pa.schema(SUMMARY_TYPES))
     worst_rows = sorted((w for g in groups for w in g.worst()), key=lambda w: -w["abs_diff"])
@@ -251,4 +256,4 @@ def build_report(groups: list[GroupStats], experts: list[ExpertStats], skipped: 
     experts_table = pa.Table.from_pylist(expert_rows, schema=pa.schema({
         "weight_version": pa.int64(), "engine": pa.string(), "layer": pa.int64(), "positions": pa.int64(),
         "matching": pa.int64(), "share": pa.float64()}))
-    return VerifyReport(summary, worst, experts_table, dict(skipped), threshold)
+    return VerifyReport(summary, worst, experts_table, dict(skipped), threshold, resumed_rows)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from schemas.request import RolloutRequest, SamplingParams
 REQUIRED_COLUMNS = ["rollout_id", "engine", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
                     "weight_version", "temperature"]
 PENALTY_COLUMNS = ["frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"]
-OPTIONAL_COLUMNS = ["weight_version_segments", *PENALTY_COLUMNS, *ROUTED_EXPERTS_COLUMNS]
+OPTIONAL_COLUMNS = ["weight_version_segments", "resumed_at", *PENALTY_COLUMNS, *ROUTED_EXPERTS_COLUMNS]
 DEFAULT_THRESHOLD = 0.1
 DEFAULT_MEMORY_MB = 512
 READ_BATCH_ROWS = 256
@@ -170,6 +171,11 @@ def _rows_of(batch: pa.RecordBatch, vocab: int, skipped: dict[str, int]) -> Iter
         if not len(completion):
             skipped["empty completion"] = skipped.get("empty completion", 0) + 1
             continue
+        resumed = row.get("resumed_at")
+        if resumed is not None and (any(b <= a for a, b in pairwise(resumed))
+                                    or not all(0 < t < len(completion) for t in resumed)):
+            raise PipelineError(f"row {rid!r}: resumed_at {resumed} are not ascending offsets inside its "
+                                f"{len(completion)} completion tokens; the shard is inconsistent")
         yield _Row(rid, row["engine"], prompt, completion, logprobs, _versions(row, len(completion)), _params(row),
                    experts[i] if experts is not None else None, int(row.get("routed_experts_start") or 0))
 
@@ -295,6 +301,7 @@ def verify(
         groups: dict[tuple[int, str], GroupStats] = {}
         experts: dict[tuple[int, str], ExpertStats] = {}
         skipped: dict[str, int] = {}
+        resumed = 0  # rows resumed from a checkpoint (`workers.jobs.checkpoint`): checked like any other
         offset = 0
         for batch in dataset.to_batches(columns=names, batch_size=READ_BATCH_ROWS):
             if chosen is not None:
@@ -306,12 +313,14 @@ def verify(
                 batch = batch.take(pa.array(picked))
             else:
                 offset += batch.num_rows
+            if "resumed_at" in batch.schema.names:
+                resumed += batch.num_rows - batch.column("resumed_at").null_count
             rows_in = list(_rows_of(batch, vocab, skipped))
             _check_batch(rows_in, models, checkers, groups, experts, threshold, worst, memory_mb, max_batch_rows)
     finally:
         for checker in checkers.values():
             checker.close()
-    return build_report(list(groups.values()), list(experts.values()), skipped, threshold)
+    return build_report(list(groups.values()), list(experts.values()), skipped, threshold, resumed_rows=resumed)
 
 
 def _check_batch(

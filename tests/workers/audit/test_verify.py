@@ -195,6 +195,8 @@ def _replace(table: pa.Table, name: str, values: list) -> pa.Table:
                                                      t.column("completion_token_ids").to_pylist()]),
      r"completion_token_ids holds id 500, outside the model's vocabulary \(0\.\.71\)"),
     (lambda t: t.drop_columns(["completion_logprobs"]), r"lack columns \['completion_logprobs'\]"),
+    (lambda t: _replace(t, "resumed_at", [[len(ids)] for ids in t.column("completion_token_ids").to_pylist()]),
+     r"resumed_at \[\d+\] are not ascending offsets inside its \d+ completion tokens"),
 ])
 def test_hostile_shards_are_refused(dense_run: str, tiny_model_dir: Path, tmp_path: Path, change, message: str
                                     ) -> None:  # type: ignore[no-untyped-def]

@@ -54,6 +54,7 @@ def check_verified(conn: redis.Redis, run: str, models: dict[int, Path], rows: l
     """Every stored logprob equals teacher forcing under its token's recorded version (<= 1e-3)."""
     report = pipeline.verify(run, {v: str(p) for v, p in models.items()}, conn=conn, threshold=1e-3)
     assert report.tokens == sum(len(r["completion_token_ids"]) for r in rows)
+    assert report.resumed_rows == sum(r["resumed_at"] is not None for r in rows) > 0
     assert report.max_abs_diff <= 1e-3, report.to_dict()
 
 
