@@ -83,13 +83,31 @@ def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
             from pipeline.broker.connection import connect_redis
 
             conn = connect_redis()
-        tables = [read_rollouts([], run=source, conn=conn, missing_ok=True), *_unflushed(conn, source)]
+        # The log first, then the shards: a flush between the two reads moves turns from the log to
+        # a shard, and this order sees them (twice, deduplicated below) rather than not at all.
+        logged = _unflushed(conn, source)
+        tables = [read_rollouts([], run=source, conn=conn, missing_ok=True), *logged]
         tables = [t for t in tables if "session_id" in t.column_names]
     if not tables:
         return pa.table({name: pa.array([], pa.null()) for name in _COLUMNS})
     selected = [t.select(_COLUMNS) for t in tables]
     table = pa.concat_tables(selected, promote_options="permissive")
-    return table.filter(pc.is_valid(table.column("session_id")))
+    table = table.filter(pc.is_valid(table.column("session_id")))
+    return _first_of_each_sample(table)
+
+
+def _first_of_each_sample(table: pa.Table) -> pa.Table:
+    """Each generated row once: a turn read from both the log and its new shard is the same row
+    (same session, turn, sample and finish time); a turn generated again is not."""
+    keys_seen = table.select(["session_id", "turn", "sample_index", "finished_at"]).to_pylist()
+    seen: set[tuple[Any, ...]] = set()
+    keep = []
+    for i, row in enumerate(keys_seen):
+        key = (row["session_id"], row["turn"], row["sample_index"], row["finished_at"])
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return table if len(keep) == table.num_rows else table.take(keep)
 
 
 def _versions(row: dict[str, Any]) -> np.ndarray:

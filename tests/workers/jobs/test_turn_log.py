@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 
 from pipeline.broker import keys
@@ -48,3 +50,22 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     # The job run again (its worker looked dead) logs nothing new: the turn has one row.
     assert commit_turns(job, requests, table, redis_client)["logged"] == 0
     assert redis_client.xlen(keys.turn_log("agents")) == 0
+
+
+def test_turn_rows_read_during_a_flush_see_each_turn_once(redis_client: redis.Redis, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.read import trajectories
+
+    job, requests, table = _turn(redis_client, tmp_path, "s-1-00002-abcdef")
+    commit_turns(job, requests, table, redis_client)
+    real_read = trajectories.read_rollouts
+
+    def read_then_flush(*args: Any, **kwargs: Any) -> Any:  # a flusher moves the log to a shard meanwhile
+        got = real_read(*args, **kwargs)
+        assert flush_turns(redis_client, "agents", force=True) is not None
+        return got
+
+    monkeypatch.setattr(trajectories, "read_rollouts", read_then_flush)
+    assert trajectories.turn_rows("agents", redis_client).num_rows == 1
+    monkeypatch.setattr(trajectories, "read_rollouts", real_read)
+    assert trajectories.turn_rows("agents", redis_client).num_rows == 1  # now from the shard alone
