@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="the first repeat's seed (repeat i uses seed + i)")
     parser.add_argument("--step-ms", type=float, default=4.0)
     parser.add_argument("--job-size", type=int, default=2, help="requests per job (a job commits as one shard)")
     parser.add_argument("--max-new-tokens", type=int, default=16_384,
@@ -123,7 +124,7 @@ def main() -> None:
         output = f"file://{tmp}/shards"
         for repeat in range(args.repeats):
             for mode in ("partial", "drain"):
-                figures[mode].append(run(conn, output, mode, args, repeat))
+                figures[mode].append(run(conn, output, mode, args, args.seed + repeat))
 
     def median(mode: str, at: int) -> float:
         return statistics.median(f[at] for f in figures[mode])
