@@ -58,6 +58,10 @@ PIPELINE = [sys.executable, "-m", "pipeline.cli.main"]
 SYSTEM = list(range(1000, 1200))  # the system prompt every session shares
 SIM = ["--sim-step-ms", "2", "--sim-median-tokens", "40", "--sim-p99-tokens", "200", "--sim-capacity", "256",
        "--heartbeat-interval", "0.5", "--log-level", "WARNING"]
+# Each engine's prefix cache: 262 144 tokens. Llama-3-8B's KV cache takes 128 KiB a token (32 layers,
+# 8 KV heads of 128, K and V in bf16), so this is 32 GiB: about half of what an 80 GB GPU keeps for KV
+# beside that model's weights. `--cache-tokens` sets another (1 048 576: every history fits).
+CACHE_TOKENS = 262_144
 
 
 def _free_port() -> int:
@@ -74,8 +78,9 @@ def _pct(values: list[float], q: float) -> float:
 class Fleet:
     """The redis-server's workers and servers, as processes."""
 
-    def __init__(self, url: str, tmp: str) -> None:
+    def __init__(self, url: str, tmp: str, cache_tokens: int = CACHE_TOKENS) -> None:
         self.url = url
+        self.cache_tokens = cache_tokens
         self.tmp = tmp
         self.env = {**os.environ, "PIPELINE_REDIS_URL": url, "PIPELINE_OUTPUT": f"file://{tmp}/shards",
                     "PIPELINE_STATE_DIR": f"{tmp}/state"}
@@ -84,8 +89,8 @@ class Fleet:
 
     def start_worker(self) -> subprocess.Popen:
         log = open(f"{self.tmp}/worker{len(self.workers)}.log", "w")  # noqa: SIM115
-        process = subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", *SIM], env=self.env, stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", *SIM, "--sim-prefix-cache-tokens",
+                                    str(self.cache_tokens)], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.workers.append(process)
         return process
 
@@ -216,12 +221,14 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=10_000, help="requests of the batch run (0: skip that figure)")
+    parser.add_argument("--cache-tokens", type=int, default=CACHE_TOKENS, help="each engine's prefix cache, in tokens")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: skewed, kill")
     args = parser.parse_args()
     placements = {"affinity": (), "random": ("--no-affinity",), "sticky": ("--load-factor", "1e9")}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as redis_server:
         conn = redis.Redis.from_url(redis_server.url)
         os.environ["AFFINITY_REDIS"] = redis_server.url
-        fleet = Fleet(redis_server.url, tmp)
+        fleet = Fleet(redis_server.url, tmp, args.cache_tokens)
         try:
             for _ in range(args.workers):
                 fleet.start_worker()
@@ -229,8 +236,9 @@ def main() -> None:
             urls = {name: fleet.server(name, *flags) for name, flags in placements.items()}
             asyncio.run(_agents(urls["affinity"], "warmup", [2] * 8, 0))
             mix = [args.turns] * args.sessions
-            print(f"{args.workers} sim workers, {args.sessions} sessions x {args.turns} turns at once, "
-                  f"{args.repeats} repeats per placement (figures are the sim's)", flush=True)
+            print(f"{args.workers} sim workers (prefix cache {args.cache_tokens:,} tokens each, prefill 50 000 "
+                  f"tokens/s), {args.sessions} sessions x {args.turns} turns at once, {args.repeats} repeats per "
+                  "placement (figures are the sim's)", flush=True)
 
             results: dict[str, list[dict[str, float]]] = {"affinity": [], "random": []}
             for repeat in range(args.repeats):
@@ -262,46 +270,54 @@ def main() -> None:
                   f"p99 {median('random', 'p99') * 1000:.0f} ms; wall time affinity "
                   f"{median('affinity', 'seconds'):.1f} s, random {median('random', 'seconds'):.1f} s")
 
-            # A skewed mix: a few long sessions among many short ones.
-            long_turns = args.turns * 8
-            skewed = [long_turns] * max(1, args.workers * 2) + [2] * args.sessions
-            random.Random(5).shuffle(skewed)
-            for name in ("affinity", "sticky", "random"):
-                run = f"skewed-{name}"
-                seconds, _ = asyncio.run(_agents(urls[name], run, skewed, 99))
-                figures = _figures(_rows(conn, run))
-                print(f"skewed mix ({skewed.count(long_turns)} sessions of {long_turns} turns, {args.sessions} of 2), "
-                      f"{name}: max/mean worker turns {figures['imbalance']:.2f} (goal <= 1.5 with affinity), "
-                      f"home {figures['home']:.1%}, prefill {figures['prefill']:,}, {seconds:.1f} s", flush=True)
-
-            # A worker SIGKILLed a third of the way into a run.
-            run = "killed"
-            total = args.sessions * args.turns
-            victim = fleet.workers[0]
-
-            async def with_kill() -> tuple[float, list[float]]:
-                task = asyncio.create_task(_agents(urls["affinity"], run, mix, 77))
-                while conn.hget(keys.run_turn_stats(run), "turns") is None or \
-                        int(conn.hget(keys.run_turn_stats(run), "turns") or 0) < total // 3:
-                    await asyncio.sleep(0.05)
-                os.kill(victim.pid, signal.SIGKILL)
-                return await task
-
-            stats_before = {k.decode(): int(v) for k, v in conn.hgetall(keys.pool(None).lane_stats).items()}
-            seconds, latencies = asyncio.run(with_kill())
-            stats = {k.decode(): int(v) for k, v in conn.hgetall(keys.pool(None).lane_stats).items()}
-            figures = _figures(_rows(conn, run))
-            moved = stats.get("moves:gone", 0) - stats_before.get("moves:gone", 0)
-            print(f"a worker SIGKILLed a third of the way through {total} turns: {figures['turns']} turns answered "
-                  f"({total - figures['turns']} lost), {figures['duplicated']} duplicated, {moved} turns moved off it, "
-                  f"turn p99 {_pct(latencies, 0.99):.1f} s, max {max(latencies):.1f} s", flush=True)
-            fleet.start_worker()
-            fleet.wait_live(conn, args.workers)
-
+            skip = set(filter(None, args.skip.split(",")))
+            if "skewed" not in skip:
+                _skewed(conn, urls, args)
+            if "kill" not in skip:
+                _killed(conn, fleet, urls["affinity"], mix, args)
             if args.batch:
                 _batch_figure(conn, urls["affinity"], args)
         finally:
             fleet.stop()
+
+
+def _skewed(conn: redis.Redis, urls: dict[str, str], args: argparse.Namespace) -> None:
+    """A few long sessions among many short ones: per-worker turns, max over mean, per placement."""
+    long_turns = args.turns * 8
+    skewed = [long_turns] * max(1, args.workers * 2) + [2] * args.sessions
+    random.Random(5).shuffle(skewed)
+    for name in ("affinity", "sticky", "random"):
+        run = f"skewed-{name}"
+        seconds, _ = asyncio.run(_agents(urls[name], run, skewed, 99))
+        figures = _figures(_rows(conn, run))
+        print(f"skewed mix ({skewed.count(long_turns)} sessions of {long_turns} turns, {args.sessions} of 2), "
+              f"{name}: max/mean worker turns {figures['imbalance']:.2f} (goal <= 1.5 with affinity), "
+              f"home {figures['home']:.1%}, prefill {figures['prefill']:,}, {seconds:.1f} s", flush=True)
+
+
+def _killed(conn: redis.Redis, fleet: Fleet, url: str, mix: list[int], args: argparse.Namespace) -> None:
+    """A worker SIGKILLed a third of the way into a run: turns lost, duplicated, moved; then replaced."""
+    run = "killed"
+    total = sum(mix)
+    victim = fleet.workers[0]
+
+    async def with_kill() -> tuple[float, list[float]]:
+        task = asyncio.create_task(_agents(url, run, mix, 77))
+        while int(conn.hget(keys.run_turn_stats(run), "turns") or 0) < total // 3:
+            await asyncio.sleep(0.05)
+        os.kill(victim.pid, signal.SIGKILL)
+        return await task
+
+    moved_before = _moves(conn)["gone"]
+    _, latencies = asyncio.run(with_kill())
+    figures = _figures(_rows(conn, run))
+    print(f"a worker SIGKILLed a third of the way through {total} turns: {figures['turns']} turns answered "
+          f"({total - figures['turns']} lost), {figures['duplicated']} duplicated, "
+          f"{_moves(conn)['gone'] - moved_before} turns moved off it, turn p99 {_pct(latencies, 0.99):.1f} s, "
+          f"max {max(latencies):.1f} s", flush=True)
+    fleet.workers.remove(victim)
+    fleet.start_worker()
+    fleet.wait_live(conn, args.workers)
 
 
 def _batch_figure(conn: redis.Redis, url: str, args: argparse.Namespace) -> None:
