@@ -1,10 +1,10 @@
 """Weight pushes from memory as deltas: bytes per push and the hf engine's pause, against full pushes.
 
-    .venv/bin/python benchmarks/delta_push.py [--steps 6] [--lr 1e-6] [--store-gbps 10] [--nccl-gbps 100]
+    .venv/bin/python benchmarks/delta_push.py [--steps 3] [--lr 1e-6] [--store-gbps 10] [--nccl-gbps 100]
 
 On the demo model (SmolLM2-135M-Instruct, converted once into the model cache; nothing is
 downloaded) a trainer takes real RL steps: the hf engine samples rollouts of a few chat prompts
-(n=4, 48 tokens), each step is a backward pass of a REINFORCE loss (group-normalised random
+(n=2, 24 tokens by default), each step is one padded backward pass of a REINFORCE loss (group-normalised random
 rewards) over them and an AdamW step (lr 1e-6, weight decay 0, float32 master weights).
 After every step the state dict is pushed into two weight stores (`pipeline.weights.writer`):
 
@@ -69,20 +69,27 @@ def rollouts(engine: HFEngine, tokenizer, n: int, tokens: int) -> list[tuple[lis
 
 
 def rl_step(model, optimizer, batch, rng: np.random.Generator, group: int) -> float:  # type: ignore[no-untyped-def]
-    """One REINFORCE step: advantages are group-normalised random rewards (a stand-in verifier)."""
+    """One REINFORCE step over the batch as one padded forward and backward; advantages are
+    group-normalised random rewards (a stand-in verifier)."""
     rewards = rng.random(len(batch)).reshape(-1, group)
     advantages = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
-    total = 0.0
-    for (prompt, completion), advantage in zip(batch, advantages, strict=True):
-        ids = torch.tensor([prompt + completion])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
-        logprobs = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])
-        loss = -(float(advantage) * logprobs.sum()) / (len(batch) * max(1, len(completion)))
-        loss.backward()
-        total += float(loss.detach())
+    width = max(len(p) + len(c) for p, c in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    weights = torch.zeros((len(batch), width - 1))
+    for row, ((prompt, completion), advantage) in enumerate(zip(batch, advantages, strict=True)):
+        sequence = prompt + completion
+        ids[row, :len(sequence)] = torch.tensor(sequence)
+        mask[row, :len(sequence)] = 1
+        # Position t predicts token t+1: the completion's tokens, weighted by the advantage.
+        weights[row, len(prompt) - 1:len(sequence) - 1] = float(advantage) / max(1, len(completion))
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(2, ids[:, 1:, None]).squeeze(-1)
+    loss = -(logprobs * weights).sum() / len(batch)
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    return total
+    return float(loss.detach())
 
 
 def encodings_by_dtype(before: dict[str, np.ndarray], after: dict[str, np.ndarray], dtype: str) -> dict[str, int]:
@@ -109,10 +116,10 @@ def bits(state_dict, dtype) -> dict[str, np.ndarray]:  # type: ignore[no-untyped
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (the group)")
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--samples", type=int, default=2, help="samples per prompt (the group)")
+    parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--store-gbps", type=float, default=10.0,
                         help="paper model: store bandwidth in GB/s (each way; e.g. NVMe-oF or 100 GbE)")
     parser.add_argument("--nccl-gbps", type=float, default=100.0,
