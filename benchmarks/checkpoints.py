@@ -183,6 +183,8 @@ def one_round(setup: Setup, checkpoint_every: float, work: Path, seed: int) -> d
             "jobs_held_per_kill": statistics.mean(held_at_kill) if held_at_kill else 0.0,
             "bytes_per_token": sum(f["bytes"] for f in figures) / ckpt_tokens if ckpt_tokens else 0.0,
             "commands_per_s_per_worker": sum(f["commands"] for f in figures) / worker_s if worker_s else 0.0,
+            "commands_per_ktoken": 1000 * sum(f["commands"] for f in figures) / generated if generated else 0.0,
+            "bytes_per_generated_token": sum(f["bytes"] for f in figures) / generated if generated else 0.0,
         }
 
 
@@ -250,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
           f"Redis memory {redis_memory_per_token(work):.1f} B/token (a 4000-token sample saved 200 tokens at a "
           f"time; {redis_memory_per_token(work, top=5):.1f} B/token with 5 top logprobs); "
           f"{statistics.median(commands):.1f} Redis commands/s per worker (range {min(commands):.1f}–"
-          f"{max(commands):.1f})")
+          f"{max(commands):.1f}); per generated token: "
+          f"{statistics.median(r['bytes_per_generated_token'] for r in rounds['with']):.2f} bytes written, "
+          f"{statistics.median(r['commands_per_ktoken'] for r in rounds['with']):.3f} commands per 1 000 tokens")
     return 0 if lost == 0 and dup == 0 else 1
 
 
