@@ -37,6 +37,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**63 - 1
 # Fixed bounds of the request line (the file path's and the dataset path's fast checks use them too).
 MAX_ID_CHARS = 512
+# A routing key travels as an HTTP header (SGLang's gateway `smg` ignores keys over 128 bytes).
+MAX_ROUTING_KEY_CHARS = 128
 MAX_LOGPROBS = 1024
 # Only 0 (the prompt token's own logprob): shards have no column for prompt alternatives.
 MAX_PROMPT_LOGPROBS = 0
@@ -212,6 +214,12 @@ class RolloutRequest(_Strict):
     metadata: dict[str, Any] = Field(default_factory=dict)
     # Set by the chat renderer (`pipeline.intake.render`): the text the ids were rendered from, kept in the row.
     prompt_text: StrictStr | None = None
+    routing_key: Annotated[StrictStr, Field(
+        min_length=1, max_length=MAX_ROUTING_KEY_CHARS, pattern=r"^[!-~]+$",
+        description="Requests with the same key go to the same server of a worker, while it is up and not "
+                    "overloaded (so they find each other's prefix in its KV cache); 1-128 visible ASCII "
+                    "characters. `pipeline serve` sets it to the session id.",
+    )] | None = None
 
     @field_validator("input_ids")
     @classmethod

@@ -286,6 +286,8 @@ def fast_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[A
                 if encoded > request_schema.MAX_METADATA_BYTES:
                     raise StepAside
             fields["metadata"] = metadata
+    if "routing_key" in line:  # rare in files: the model checks it
+        raise StepAside
     prompt_text = line.get("prompt_text")
     if prompt_text is not None:
         if type(prompt_text) is not str:

@@ -322,6 +322,7 @@ class Turns:
             "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
             "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
             "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
+            "routing_key": session.session_id,  # the worker's server holding the session's prefix
         })
         pending = Pending(turn, turn_id, request_digest, messages_digest, n_messages, prompt.prefix_break)
         if not self.sessions.claim(session, pending):

@@ -86,3 +86,11 @@ def test_strictness(fields: dict) -> None:
 def test_ints_are_accepted_for_float_fields() -> None:
     params = SamplingParams.model_validate({"temperature": 0, "top_p": 1})
     assert params.greedy and params.top_p == 1.0
+
+
+def test_a_routing_key_is_a_short_visible_ascii_string() -> None:
+    assert RolloutRequest.model_validate(line(routing_key="session-7")).routing_key == "session-7"
+    assert RolloutRequest.model_validate(line()).routing_key is None
+    for bad in ("", "two words", "caf\u00e9", "k" * 129, 7):
+        with pytest.raises(ValidationError, match="routing_key"):
+            RolloutRequest.model_validate(line(routing_key=bad))

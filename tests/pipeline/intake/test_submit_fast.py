@@ -141,6 +141,8 @@ def test_fast_lines_carry_what_the_model_would(fields: dict, ensure_ascii: bool)
     b'{"id": "a", "input_ids": [1, [2]], "metadata": {"input_ids": [3]}}',
     b'{"id": "a", "input_ids": [1], "metadata": ' + b'{"k": ' * 300 + b'1' + b'}' * 301,  # deep nesting
     b'{"id": "a", "input_ids": [1], "metadata": {"k": "' + b'x' * (70 * 1024) + b'"}}',  # over the metadata limit
+    b'{"id": "a", "input_ids": [1], "routing_key": "session-7"}',  # kept, checked by the model
+    b'{"id": "a", "input_ids": [1], "routing_key": "two words"}',
 ])
 def test_lines_the_fast_path_cannot_vouch_for_step_aside(line: bytes) -> None:
     assert _fast_parse(line) is None

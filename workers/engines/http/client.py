@@ -1,7 +1,13 @@
 """Async HTTP client for the HTTP engines (SGLang's `/generate`, vLLM's `/v1/completions`), with retries.
 
-- Requests go to the least-loaded URL (fewest in flight, round robin among equals); a URL that
-  fails to connect is avoided for a short cool-down.
+- A request without a `routing_key` goes to the least-loaded URL (fewest in flight, round robin
+  among equals). Requests with the same `routing_key` (the agent lane sets the session id) go to
+  the same URL, so a session's turns find its prefix in that server's KV cache: rendezvous
+  hashing of key and URL over the URLs that are up, with bounded load (a URL holding more than
+  `pipeline.serve.affinity.bound` of the mean, and more than `DEFAULT_SLACK` above the least
+  loaded, is passed over, as the lane does between workers). Behind one gateway URL the gateway
+  chooses the server: the `Wire` names the header that carries the key to it.
+- A URL that fails to connect is avoided for a short cool-down.
 - One pooled `httpx.AsyncClient`; at most `max_in_flight` requests outstanding at once.
 - Connection errors and 5xx answers are retried with exponential backoff (each attempt under a
   fresh request id); 4xx answers and read timeouts are not.
@@ -25,6 +31,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound
+from pipeline.serve.affinity import _rank as rank
 from schemas.request import RolloutRequest
 from workers.engines.sglang.backends import Answer, Backends, error_message
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
@@ -71,6 +79,8 @@ class Wire:
     ids: Callable[[Any], list[str]]  # the ids the server tracks a call under
     # Abort these ids on the server(s) behind the URL the call went to, within a timeout.
     abort: Callable[[str, list[str], float], Awaitable[Aborts]]
+    # The header that carries a request's routing key to a gateway in front of the servers (None: not sent).
+    routing_header: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,8 @@ class RetryPolicy:
 
 
 class ServerPool:
-    """Picks a URL per request: least in flight, skipping recently unreachable ones."""
+    """Picks a URL per request, skipping recently unreachable ones: by its routing key (rendezvous
+    hashing with bounded load) or, without one, least in flight."""
 
     def __init__(self, urls: Sequence[str]) -> None:
         if not urls:
@@ -97,14 +108,19 @@ class ServerPool:
         self._down_until = dict.fromkeys(self.urls, 0.0)
         self._turn = 0
 
-    def acquire(self, avoid: str | None = None) -> str:
+    def acquire(self, avoid: str | None = None, key: str | None = None) -> str:
         now = time.monotonic()
         candidates = [u for u in self.urls if self._down_until[u] <= now and u != avoid]
         candidates = candidates or [u for u in self.urls if u != avoid] or self.urls
         least = min(self.in_flight[u] for u in candidates)
-        tied = [u for u in candidates if self.in_flight[u] == least]
-        url = tied[self._turn % len(tied)]
-        self._turn += 1
+        if key is not None:
+            total = sum(self.in_flight[u] for u in candidates)
+            limit = max(bound(total, len(candidates), DEFAULT_LOAD_FACTOR), least + DEFAULT_SLACK)
+            url = max((u for u in candidates if self.in_flight[u] + 1 <= limit), key=lambda u: rank(key, u))
+        else:
+            tied = [u for u in candidates if self.in_flight[u] == least]
+            url = tied[self._turn % len(tied)]
+            self._turn += 1
         self.in_flight[url] += 1
         self.sent[url] += 1
         return url
@@ -171,15 +187,18 @@ class GenerateClient:
         who = f"request {call.request.id!r}"
         last_error = "no attempt made"
         avoid: str | None = None
+        key = call.request.routing_key
+        headers = {self.wire.routing_header: key} if key is not None and self.wire.routing_header else None
         for attempt in range(self.retry.attempts):
             if attempt:
                 await asyncio.sleep(self.retry.delay(attempt))
             attempt_call = call if attempt == 0 else call.with_rid(f"{call.rid}-r{attempt}")
             async with self.slots:
-                url = self.pool.acquire(avoid)
+                url = self.pool.acquire(avoid, key)
                 self._sent[attempt_call.rid] = (url, attempt_call)
                 try:
-                    response = await self.client.post(f"{url}{self.wire.path}", json=attempt_call.payload)
+                    response = await self.client.post(f"{url}{self.wire.path}", json=attempt_call.payload,
+                                                      headers=headers)
                 except _RETRYABLE as exc:
                     last_error = f"{url}: {type(exc).__name__}: {exc or 'connection failed'}"
                     log.warning("%s attempt %d failed: %s", who, attempt + 1, last_error)

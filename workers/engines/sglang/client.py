@@ -3,6 +3,16 @@
 SGLang tracks a call under its `rid` (an `n`-call under `{rid}_{i}`, `GenerateCall.sglang_rids`)
 and aborts each with `POST /abort_request {"rid"}`; behind a gateway, on every server behind it
 (`sglang_backends`).
+
+A request's `routing_key` goes in the `X-SMG-Routing-Key` header. Between several `--url`s the
+client picks the server itself (`http_client.ServerPool`); behind the gateway (`smg` 1.13) the
+gateway does, given `--policy consistent_hashing`, which hashes that header's value onto its
+ring of healthy workers (smg-project/smg, model_gateway/src/policies/consistent_hashing.rs:
+"`X-SMG-Routing-Key`: Consistent hash routing for session affinity"; `--routing-key-headers`
+names other headers, `x-smg-routing-key` by default: smg-project/smg-docs,
+src/lib/content/concepts/routing/sticky-sessions.md). Not `--routing-key-override`
+(`--sticky-sessions`): with it the body's `rid` wins over the header, and each call's `rid` is
+unique, so every call would pin apart.
 """
 
 from __future__ import annotations
@@ -13,14 +23,17 @@ from typing import Any
 from workers.engines.http.client import Aborts, GenerateClient, RetryPolicy, Wire
 from workers.engines.sglang.backends import Backends
 
-__all__ = ["RetryPolicy", "SGLangClient", "sglang_wire"]
+ROUTING_HEADER = "X-SMG-Routing-Key"
+
+__all__ = ["ROUTING_HEADER", "RetryPolicy", "SGLangClient", "sglang_wire"]
 
 
 def sglang_wire(backends: Backends) -> Wire:
     async def abort(url: str, rids: list[str], timeout_s: float) -> Aborts:
         return {rid: await backends.abort(rid, via=url, timeout_s=timeout_s) for rid in rids}
 
-    return Wire(server="SGLang", path="/generate", ids=lambda call: call.sglang_rids, abort=abort)
+    return Wire(server="SGLang", path="/generate", ids=lambda call: call.sglang_rids, abort=abort,
+                routing_header=ROUTING_HEADER)
 
 
 class SGLangClient(GenerateClient):
