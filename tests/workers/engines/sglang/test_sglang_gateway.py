@@ -52,15 +52,15 @@ class Gateway:
         wait_until(lambda: url not in self.workers(), timeout=30, what=f"the gateway to drop {url}")
 
 
-def launch_gateway(log: Path, *server_urls: str) -> Gateway:
-    """`smg launch` on free loopback ports, round robin so both servers get work; waits until ready."""
+def launch_gateway(log: Path, *server_urls: str, policy: str = "round_robin") -> Gateway:
+    """`smg launch` on free loopback ports (round robin: both servers get work); waits until ready."""
     if importlib.util.find_spec("smg") is None:
         pytest.fail("the smg gateway is not installed: pip install -e '.[test]' (make test does)")
     port = free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "round_robin",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", policy,
              "--log-level", "warn", "--shutdown-grace-period-secs", "1",
              *(["--worker-urls", *server_urls] if server_urls else [])],
             stdout=out, stderr=subprocess.STDOUT,
@@ -327,3 +327,73 @@ def test_servers_removed_from_and_added_to_the_gateway_mid_run(
     engine.update_weights(str(a.model_dir), engine.weight_version + 1)
     assert sorted(engine.servers) == sorted([a.url, b.url])
     assert [p for p, _ in lifecycle(b, marks[1])] == ["/update_weights_from_disk"]
+
+
+# -- routing keys: a session's turns on one server ----------------------------------------------
+
+
+def sessions(turns: int, sessions: int, *, keyed: bool = True) -> list[RolloutRequest]:
+    """`turns` requests of each of `sessions` sessions (ids s00t0, s00t1, ...), routed by session when `keyed`."""
+    return [req(f"s{k:02d}t{t}", **({"routing_key": f"session-{k:02d}"} if keyed else {}))
+            for t in range(turns) for k in range(sessions)]
+
+
+def servers_of_sessions(servers: tuple[Standin, Standin], since: list[int]) -> dict[str, set[str]]:
+    """The servers each session's requests reached (after `since`, from `rid_counts`)."""
+    reached: dict[str, set[str]] = {}
+    for server, mark in zip(servers, since, strict=True):
+        for rid in server.stats()["rids"][mark:]:
+            reached.setdefault(rid[:3], set()).add(server.url)  # "s07t2-..." -> "s07"
+    return reached
+
+
+@pytest.fixture(scope="module")
+def hashing_gateway(servers: tuple[Standin, Standin], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """smg with `--policy consistent_hashing`: it hashes the `X-SMG-Routing-Key` header (see
+    `workers.engines.sglang.client`)."""
+    gateway = launch_gateway(tmp_path_factory.mktemp("smg-hash") / "smg.log", *(s.url for s in servers),
+                             policy="consistent_hashing")
+    yield gateway
+    stop_gateway(gateway)
+
+
+def test_the_gateway_keeps_a_sessions_turns_on_one_server_by_its_routing_key(
+    hashing_gateway: Gateway, servers: tuple[Standin, Standin]
+) -> None:
+    engine = SGLangHTTPEngine([hashing_gateway.url])
+    try:
+        since = rid_counts(servers)
+        engine.generate(sessions(3, 13))  # all at once: the gateway's hash has no load bound
+        reached = servers_of_sessions(servers, since)
+        assert len(reached) == 13
+        assert all(len(urls) == 1 for urls in reached.values()), reached
+        assert set().union(*reached.values()) == {s.url for s in servers}  # sessions spread over both
+
+        since = rid_counts(servers)  # without the key the gateway places each request at random
+        engine.generate(sessions(3, 13, keyed=False))
+        assert any(len(urls) > 1 for urls in servers_of_sessions(servers, since).values())
+    finally:
+        engine.close()
+
+
+def test_several_server_urls_keep_a_sessions_turns_on_one_server_by_its_routing_key(
+    servers: tuple[Standin, Standin]
+) -> None:
+    """No gateway: the engine's own pool picks the server per routing key (one turn of a session at
+    a time, as an agent sends them; the pool's load bound is `tests/workers/engines/http`'s topic)."""
+    engine = SGLangHTTPEngine([s.url for s in servers])
+    try:
+        since = rid_counts(servers)
+        for request in sessions(3, 13):
+            engine.generate([request])
+        reached = servers_of_sessions(servers, since)
+        assert len(reached) == 13
+        assert all(len(urls) == 1 for urls in reached.values()), reached
+        assert set().union(*reached.values()) == {s.url for s in servers}
+
+        since = rid_counts(servers)  # without the key: least loaded in turn; 13 per round, so a turn alternates
+        for request in sessions(3, 13, keyed=False):
+            engine.generate([request])
+        assert any(len(urls) > 1 for urls in servers_of_sessions(servers, since).values())
+    finally:
+        engine.close()
