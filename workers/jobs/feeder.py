@@ -167,7 +167,7 @@ class Feeder:
         self, engine: ConcurrentEngine, bookkeeping: JobBookkeeping, *, connection: redis.Redis, worker_id: str,
         jobs_changed: Callable[[Job | None], None] = lambda _: None,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
-        checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S,
+        checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S, lane_reserve: int | None = None,
     ) -> None:
         self.engine = engine
         self.bookkeeping = bookkeeping
@@ -178,6 +178,10 @@ class Feeder:
         self.max_jobs_in_flight = max(1, max_jobs_in_flight)
         # Sequences fed beyond the capacity, so a freed slot never waits for a Redis round trip.
         self.headroom = engine.capacity // 8 if headroom is None else headroom
+        # Slots (and one job) batch jobs leave free while the pool serves agent turns (`has_room`).
+        self.lane_reserve = max(1, engine.capacity // 8) if lane_reserve is None else lane_reserve
+        self.lane_active: Callable[[], bool] = lambda: False
+        self._batch_job_samples = 0  # the last batch job's sequences: what the next one likely adds
         self._done: queue_mod.Queue[InFlight | None] = queue_mod.Queue()
         self._entries: dict[str, InFlight] = {}
         self._cond = threading.Condition()
@@ -220,14 +224,21 @@ class Feeder:
             self._thread.join(timeout=10)
             self._thread = None
 
-    def has_room(self) -> bool:
-        return (len(self._entries) < self.max_jobs_in_flight
-                and self.engine.load() < self.engine.capacity + self.headroom)
+    def has_room(self, batch: bool = False) -> bool:
+        """Whether the engine can take another job: an agent turn's while its load is under capacity +
+        headroom; a batch job's, while the pool serves agent turns (`lane_active`), only while it
+        leaves `lane_reserve` slots and one job free, so that a turn never waits behind a batch run
+        for a slot (the engine's queue is first come, first served)."""
+        jobs, limit = self.max_jobs_in_flight, self.engine.capacity + self.headroom
+        if batch and self.lane_active():  # the next batch job's sequences too must leave the reserve free
+            jobs = max(1, jobs - 1)
+            limit = max(1, self.engine.capacity - self.lane_reserve - self._batch_job_samples + 1)
+        return len(self._entries) < jobs and self.engine.load() < limit
 
-    def wait_for_room(self, stop: Callable[[], bool]) -> None:
-        """Return once the engine can take more (or a stop is requested)."""
+    def wait_for_room(self, stop: Callable[[], bool], batch: bool = False) -> None:
+        """Return once the engine can take more (a batch job, if `batch`), or a stop is requested."""
         with self._cond:
-            while not self.has_room() and not stop():
+            while not self.has_room(batch) and not stop():
                 self._cond.wait(0.005)
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -286,6 +297,8 @@ class Feeder:
             batch = prepare_batch(job.args[0], self.connection)
             entry.batch = batch
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
+            if batch.job.turns is None:
+                self._batch_job_samples = entry.samples
             progress = entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
             entry.writer = writer_id(execution.id)
             restored = self._restore(entry)

@@ -22,15 +22,17 @@ composition of the parts a worker holds, and overrides RQ's hooks only to hand e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.exceptions import StopRequested
+from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
 from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
@@ -54,6 +56,10 @@ from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_w
 
 log = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.1  # how often a warm shutdown's wait for the jobs in flight looks for a second signal
+
+
+LANE_CHECK_S = 5.0  # how often a worker looks whether its pool serves agent turns
+LANE_ACTIVE_BUCKETS = 7  # ... in the last this many buckets of `keys.LANE_RATE_BUCKET_S` (about a minute)
 
 
 def new_worker_id() -> str:
@@ -111,11 +117,14 @@ class EngineWorker(SimpleWorker):
             self._serial = SerialEngine(engine)
             max_jobs_in_flight = 1
         self._waiting_for_job = False  # the loop blocks in RQ's dequeue (`_shutdown`)
+        self._lane_checked_at = float("-inf")
+        self._lane_seen = False
         self.feeder = Feeder(
             self._serial or engine, rq_seam.WorkerBookkeeping(self),
             connection=conn, worker_id=worker_id, jobs_changed=self._jobs_changed,
             max_jobs_in_flight=max_jobs_in_flight, headroom=feed_headroom, checkpoint_every_s=checkpoint_every_s,
         )
+        self.feeder.lane_active = self._lane_active
         self.presence = Heartbeat(conn, worker_info(worker_id, self.pool.name, engine), interval_s=heartbeat_interval_s,
                                   jobs=self.feeder.jobs, beat_job=self.maintain_heartbeats)
         self.info = self.presence.info
@@ -178,11 +187,42 @@ class EngineWorker(SimpleWorker):
             try:
                 if rq_seam.stop_requested(self):  # asked while busy, just before this wait: stop now
                     raise StopRequested()
+                while not self.feeder.has_room(batch=True):
+                    # The batch share of the engine is full, its reserve for agent turns is not: take turns
+                    # only, looking again every second whether a batch job fits.
+                    turn = self._dequeue_turn(timeout=None if timeout is None else 1)
+                    if turn is not None:
+                        return turn
+                    if timeout is None:  # burst: no turn waiting; wait for the batch share
+                        self.feeder.wait_for_room(lambda: rq_seam.stop_requested(self), batch=True)
+                    if rq_seam.stop_requested(self):
+                        raise StopRequested()
                 return super(EngineWorker, self).dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             finally:
                 self._waiting_for_job = False
 
         return self.intake.dequeue(rq_dequeue, burst=timeout is None, stopping=lambda: rq_seam.stop_requested(self))
+
+    def _dequeue_turn(self, timeout: int | None) -> tuple[Job, Queue] | None:
+        """A job from this worker's lanes only (its own, then the pool's shared one), or None."""
+        self.heartbeat()
+        try:
+            return self.queue_class.dequeue_any(
+                self.queues[:2], timeout, connection=self.connection, job_class=self.job_class,
+                serializer=self.serializer, death_penalty_class=self.death_penalty_class)
+        except DequeueTimeout:
+            return None
+
+    def _lane_active(self) -> bool:
+        """Whether the pool committed an agent turn in the last minute (read at most every 5 s)."""
+        now = time.monotonic()
+        if now - self._lane_checked_at > LANE_CHECK_S:
+            bucket = int(time.time()) // keys.LANE_RATE_BUCKET_S
+            with contextlib.suppress(redis.RedisError):  # Redis away: keep what was seen last
+                self._lane_seen = bool(self.connection.exists(
+                    *(self.pool.lane_turns_in(bucket - i) for i in range(LANE_ACTIVE_BUCKETS))))
+            self._lane_checked_at = now
+        return self._lane_seen
 
     def _shutdown(self) -> None:
         """A warm shutdown while the loop waits in RQ's dequeue stops the wait at once, as RQ does for
