@@ -70,11 +70,14 @@ def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
                  for i in range(samples)]
         client.submit(lines, run=run_name, output=output, batch_size=job_size)
 
+    # The first step is queued before the worker starts: a worker idle for a second exits
+    # (max_idle_time), and on a loaded machine the first submit could take longer than that.
+    engine.reset_stats()
+    started = time.perf_counter()
+    submit(0)
+
     def trainer() -> None:
         try:
-            engine.reset_stats()
-            started = time.perf_counter()
-            submit(0)
             for step in range(steps):
                 submit(step + 1)  # one step ahead
                 needed = (step + 1) * samples
