@@ -6,7 +6,7 @@ header names a session too, opened at its first call):
 
     POST /v1/chat/completions    POST /v1/completions    GET /v1/models    GET /health
     POST /sessions               GET /sessions/<id>      POST /sessions/<id>/reward
-    POST /sessions/<id>/end
+    POST /sessions/<id>/end      GET /metrics (`pipeline.serve.metrics`)
 
 Bodies are read up to `max_body_bytes` (413 beyond), must be UTF-8 JSON objects (400 for
 invalid UTF-8, malformed or too deeply nested JSON, naming what is wrong), and are validated
@@ -35,6 +35,8 @@ from starlette.routing import Route
 
 from pipeline.errors import APIError, PipelineError
 from pipeline.serve.answers import chat_chunks, text_chunks
+from pipeline.serve.metrics import CONTENT_TYPE as METRICS_TYPE
+from pipeline.serve.metrics import render as render_metrics
 from pipeline.serve.protocol import ChatCompletionBody, CompletionBody
 from pipeline.serve.turns import InFlight, Turns
 from pipeline.serve.validation import from_validation
@@ -166,6 +168,10 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         workers = await in_thread(turns.lane.live_workers)
         return JSONResponse({"status": "ok", "pool": turns.settings.pool, "live_workers": len(workers)})
 
+    async def metrics(request: Request) -> Response:
+        text = await in_thread(render_metrics, turns.conn, turns.settings.pool)
+        return Response(text, media_type=METRICS_TYPE)
+
     async def create_session(request: Request) -> Response:
         data = await read_json(request, max_body_bytes, empty={})
         if not isinstance(data, dict) or set(data) - {"run", "metadata", "session_id"}:
@@ -202,6 +208,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         ]
     routes += [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/sessions", guarded(create_session), methods=["POST"]),
         Route("/sessions/{session_id}", guarded(get_session), methods=["GET"]),
         Route("/sessions/{session_id}/reward", guarded(reward), methods=["POST"]),

@@ -104,6 +104,11 @@ def test_a_sessions_turns_stay_home_and_find_their_prefix_cached(
     assert shown["home_share"] == 1.0 and shown["turns"] == 32 and shown["moves"] == {}
     assert shown["cached_share"] == round(stats["cached_tokens"] / stats["prompt_tokens"], 4) > 0.5
     assert "100.0% of 24 on their session's home worker" in status.format_affinity(shown)
+    scraped = httpx.get(f"{stack.url}/metrics", timeout=10)
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    assert 'pipeline_agent_home_turns_total{pool="default"} 24' in scraped.text
+    assert f'pipeline_agent_cached_tokens_total{{pool="default"}} {stats["cached_tokens"]}' in scraped.text
+    assert 'pipeline_sessions_open{pool="default"} 8' in scraped.text
 
 
 def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
