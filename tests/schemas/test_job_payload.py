@@ -14,7 +14,7 @@ from schemas.request import RolloutRequest
 def _requests() -> list[RolloutRequest]:
     return [
         RolloutRequest(id="a", input_ids=[1, 2, 3], sampling_params={"n": 2, "stop": [7]}, metadata={"k": [1]}),
-        RolloutRequest(id="b", input_ids=[2**31 - 1, 0]),
+        RolloutRequest(id="b", input_ids=[2**31 - 1, 0], routing_key="session-7"),
     ]
 
 
