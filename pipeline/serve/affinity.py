@@ -56,7 +56,8 @@ def bound(in_flight: int, candidates: int, load_factor: float) -> int:
     return max(1, math.ceil(load_factor * (in_flight + 1) / max(1, candidates)))
 
 
-def _rank(session_id: str, worker_id: str) -> int:
+def rank(session_id: str, worker_id: str) -> int:
+    """Rendezvous hashing's weight of a worker (or server) for a key: the highest wins."""
     return int.from_bytes(hashlib.blake2b(f"{session_id}\0{worker_id}".encode(), digest_size=8).digest(), "big")
 
 
@@ -70,7 +71,7 @@ def choose(session_id: str, home: str | None, workers: Sequence[WorkerInfo], loa
     if not candidates:
         return Route(None, None if home is None else "gone")
     ids = {w.worker_id for w in candidates}
-    target = min(candidates, key=lambda w: (loads.get(w.worker_id, 0), -_rank(session_id, w.worker_id))).worker_id
+    target = min(candidates, key=lambda w: (loads.get(w.worker_id, 0), -rank(session_id, w.worker_id))).worker_id
     if home in ids:
         limit = max(bound(sum(loads.get(i, 0) for i in ids), len(ids), load_factor),
                     loads.get(target, 0) + slack)

@@ -3,7 +3,7 @@
 An engine with `apply_store_version(store, have, version)` (hf in its own process; vllm-http
 through the worker extension the project ships) applies the deltas in place from the version
 it serves, or rebuilds from the full version, and checks every tensor's checksum
-(`pipeline.weights.inplace`). An engine without it cannot take a store push: the load fails
+(`workers.engines.inplace`). An engine without it cannot take a store push: the load fails
 with what to do instead (push a checkpoint directory).
 """
 

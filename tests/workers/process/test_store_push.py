@@ -113,9 +113,9 @@ def test_a_delta_over_drifted_weights_falls_back_to_a_full_rebuild(tiny_model_di
 def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_version_exactly(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from pipeline.weights.inplace import WeightsMismatchError
     from pipeline.weights.torch_bits import state_dict_bits
     from pipeline.weights.writer import write_version
+    from workers.engines.inplace import WeightsMismatchError
 
     trainer = Trainer(tiny_model_dir)
     store = WeightStore(str(tmp_path / "store"))

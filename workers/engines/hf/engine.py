@@ -151,8 +151,8 @@ class HFEngine(SerialFeed, EngineIdentity):
 
     def apply_store_version(self, store: Any, have: int | None, version: int) -> Any:
         """Take the loaded model's tensors in place from `have` to `version` of a weight store,
-        checked bit for bit (`pipeline.weights.inplace.apply_version`); `Applied` says how."""
-        from pipeline.weights.inplace import apply_version
+        checked bit for bit (`workers.engines.inplace.apply_version`); `Applied` says how."""
+        from workers.engines.inplace import apply_version
 
         applied = apply_version(store, self.model.state_dict(), have, version)
         self._weight_version = version

@@ -31,8 +31,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound
-from pipeline.serve.affinity import _rank as rank
+from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound, rank
 from schemas.request import RolloutRequest
 from workers.engines.sglang.backends import Answer, Backends, error_message
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError

@@ -1,4 +1,4 @@
-"""Applying a stored version to a model's tensors in place, checked bit for bit (torch side).
+"""Applying a stored version (`pipeline.weights`) to an engine's tensors in place, checked bit for bit.
 
 `apply_version(store, tensors, have, version)` takes a model's tensors by name (a `state_dict()`:
 tied names share storage and are written once) from version `have` of the store to `version`:
