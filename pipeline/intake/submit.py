@@ -429,12 +429,15 @@ class _Jobs:
         self._enqueue(job_id, payload, prompt_bytes, block.n * (end - start), stager, needs)
 
     def _unique(self, ids: list[str]) -> None:
-        before = len(self._seen)
-        self._seen.update(ids)
-        if len(self._seen) != before + len(ids):
-            seen = self._seen - set(ids)
-            twice = next(i for k, i in enumerate(ids) if i in seen or i in ids[:k])
-            raise PipelineError(f"request id {twice!r} appears twice; ids must be unique within a submit")
+        fresh = set(ids)
+        if len(fresh) != len(ids) or not self._seen.isdisjoint(fresh):
+            this_job: set[str] = set()
+            for request_id in ids:  # the first id seen before, in an earlier job or earlier in this one
+                if request_id in self._seen or request_id in this_job:
+                    raise PipelineError(f"request id {request_id!r} appears twice; ids must be unique within a "
+                                        "submit")
+                this_job.add(request_id)
+        self._seen.update(fresh)
 
     def _next(self) -> tuple[str, JobHeader]:
         job_id = f"{self.batch_id}-{len(self.job_ids):05d}"
