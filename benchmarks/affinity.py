@@ -58,10 +58,12 @@ PIPELINE = [sys.executable, "-m", "pipeline.cli.main"]
 SYSTEM = list(range(1000, 1200))  # the system prompt every session shares
 SIM = ["--sim-step-ms", "2", "--sim-median-tokens", "40", "--sim-p99-tokens", "200", "--sim-capacity", "256",
        "--heartbeat-interval", "0.5", "--log-level", "WARNING"]
-# Each engine's prefix cache: 262 144 tokens. Llama-3-8B's KV cache takes 128 KiB a token (32 layers,
-# 8 KV heads of 128, K and V in bf16), so this is 32 GiB: about half of what an 80 GB GPU keeps for KV
-# beside that model's weights. `--cache-tokens` sets another (1 048 576: every history fits).
-CACHE_TOKENS = 262_144
+# Each engine's prefix cache: 524 288 tokens. Llama-3-8B's KV cache takes 128 KiB a token (32 layers,
+# 8 KV heads of 128, K and V in bf16), so this is 64 GiB: what an 80 GB GPU keeps for KV beside that
+# model's 16 GB of weights. Here it holds an engine's share of the sessions' histories (a quarter of
+# about 1.5 M tokens), not all of them. `--cache-tokens` sets another: the figures depend on it
+# (benchmarks/README.md gives 262 144 and 1 048 576 too).
+CACHE_TOKENS = 524_288
 
 
 def _free_port() -> int:
