@@ -76,6 +76,9 @@ def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
     started = time.perf_counter()
     submit(0)
 
+    # A drain push waits for the longest sample in flight: up to the cap's decode time, and more on a loaded machine.
+    push_timeout = max(60.0, 3 * args.max_new_tokens * args.step_ms / 1000)
+
     def trainer() -> None:
         try:
             for step in range(steps):
@@ -83,7 +86,7 @@ def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
                 needed = (step + 1) * samples
                 while commit_log.totals(conn, run_name).rows < needed:
                     time.sleep(0.005)
-                client.push_weights(f"/ckpt/v{step + 1}", version=step + 1, mode=mode, timeout=60)  # type: ignore[arg-type]
+                client.push_weights(f"/ckpt/v{step + 1}", version=step + 1, mode=mode, timeout=push_timeout)  # type: ignore[arg-type]
             result["seconds"] = time.perf_counter() - started
             result["busy"] = engine.stats().utilisation
         except BaseException as exc:
