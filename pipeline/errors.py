@@ -22,6 +22,12 @@
     ├── WriteLostError                 a write is not on the master named after a failover (lost with the old one)
     │   └── SubmitLostError            a submit's whole batch was lost that way: nothing of it will run
     ├── APIError                       `pipeline serve`'s answer other than 200, in OpenAI's error format
+    ├── WeightStoreError               a weight store's content cannot be read or written (also a ValueError)
+    │   ├── StoreError                 the store cannot give or take what was asked (store, version, tensor)
+    │   │   └── WeightsMismatchError   tensors still not the trainer's bits after a full rebuild
+    │   ├── ManifestError              a version's manifest is not a valid record (file, field)
+    │   ├── SafetensorsError           a stored file that is not valid safetensors (file, what)
+    │   └── CorruptDeltaError          a stored delta that does not decode to the tensor it changes
     └── workers.errors.WorkerError     raised in worker processes; the job fails with its message
         ├── UnsupportedRequestError    a job asks for something this worker cannot serve
         ├── ContractViolation          an engine's output breaks an invariant; never written
@@ -29,7 +35,8 @@
         ├── NotAllowedJobError         a job names a function or output that is not allowed
         ├── JobCanceledError           the job was canceled; no shard, no commit
         ├── ShardWriteError            a shard could not be written; nothing was committed
-        └── WeightsRefusedError        the pool's weights do not load here: the worker does not join
+        ├── WeightsRefusedError        the pool's weights do not load here: the worker does not join
+        └── CheckpointError            a job's checkpoint in Redis does not decode
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
 `schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
@@ -267,3 +274,27 @@ class APIError(PipelineError):
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": _API_ERROR_TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code or str(self.status)}}
+
+
+class WeightStoreError(PipelineError, ValueError):
+    """A weight store's content (`pipeline.weights`) cannot be read or written as asked."""
+
+
+class StoreError(WeightStoreError):
+    """A store that cannot give or take what was asked; says which store, version and tensor."""
+
+
+class WeightsMismatchError(StoreError):
+    """The tensors do not hold the trainer's bits after a full rebuild (a corrupt store, a bug)."""
+
+
+class ManifestError(WeightStoreError):
+    """A manifest that is not a valid record; says which file and field."""
+
+
+class SafetensorsError(WeightStoreError):
+    """A file that is not valid safetensors; says which file and what."""
+
+
+class CorruptDeltaError(WeightStoreError):
+    """A stored blob that does not decode to the tensor it claims to change."""

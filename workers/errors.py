@@ -35,3 +35,7 @@ class ShardWriteError(WorkerError):
 
 class WeightsRefusedError(WorkerError):
     """The worker cannot load its pool's desired weights, so it does not join the pool."""
+
+
+class CheckpointError(WorkerError):
+    """A job's checkpoint in Redis does not decode."""

@@ -25,6 +25,8 @@ from typing import Literal
 import numpy as np
 import zstandard
 
+from pipeline.errors import CorruptDeltaError
+
 Encoding = Literal["same", "xor", "sparse", "raw"]
 ENCODINGS: tuple[Encoding, ...] = ("same", "xor", "sparse", "raw")
 ZSTD_LEVEL = 3
@@ -39,8 +41,6 @@ WORDS: dict[str, type[np.unsignedinteger]] = {
 _HEADER = struct.Struct("<QQ")  # sparse: changed count, compressed gaps length
 
 
-class CorruptDeltaError(ValueError):
-    """A stored blob that does not decode to the tensor it claims to change."""
 
 
 def word_type(dtype: str) -> type[np.unsignedinteger]:

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from pipeline.errors import ManifestError
 from pipeline.weights.codec import WORDS, Encoding
 
 MANIFEST = "manifest.json"
@@ -70,8 +71,6 @@ class Manifest(BaseModel):
         return sum(t.nbytes for t in self.tensors)
 
 
-class ManifestError(ValueError):
-    """A manifest that is not a valid record; says which file and field."""
 
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:

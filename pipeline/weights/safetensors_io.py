@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
+from pipeline.errors import SafetensorsError
 from pipeline.weights.codec import WORDS, word_type
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-class SafetensorsError(ValueError):
-    """A file that is not valid safetensors; says which file and what."""
 
 
 @dataclass(frozen=True)

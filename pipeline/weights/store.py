@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from pipeline import settings
+from pipeline.errors import StoreError
 from pipeline.read.storage import url_to_fs
 from pipeline.weights import codec
 from pipeline.weights.manifest import MANIFEST, Manifest, ManifestError, TensorEntry, parse_manifest
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
-class StoreError(ValueError):
-    """A store that cannot give or take what was asked; says which store, version and tensor."""
 
 
 def default_url(pool: str) -> str:

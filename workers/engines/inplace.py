@@ -25,6 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from pipeline.errors import WeightsMismatchError
 from pipeline.weights.codec import CorruptDeltaError
 from pipeline.weights.manifest import Manifest, TensorEntry
 from pipeline.weights.store import StoreError, WeightStore, apply_entry, checksum
@@ -33,8 +34,6 @@ from pipeline.weights.torch_bits import dtype_name, from_words, torch_dtype, wor
 log = logging.getLogger(__name__)
 
 
-class WeightsMismatchError(StoreError):
-    """The tensors do not hold the trainer's bits after a full rebuild (a corrupt store, a bug)."""
 
 
 @dataclass(frozen=True)

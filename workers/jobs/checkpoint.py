@@ -44,7 +44,7 @@ import redis
 
 from pipeline.broker import keys
 from workers.engines.base import Finish
-from workers.errors import WorkerError
+from workers.errors import CheckpointError
 from workers.rows.continuation import Piece
 
 DEFAULT_CHECKPOINT_EVERY_S = 10.0
@@ -57,8 +57,6 @@ FINISHED = 4
 _HEADER = struct.Struct("<BBHIIIIqIH")
 
 
-class CheckpointError(WorkerError):
-    """A job's checkpoint in Redis does not decode."""
 
 
 def writer_id(execution_id: str) -> int:
