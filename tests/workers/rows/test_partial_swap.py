@@ -88,7 +88,17 @@ def test_partial_swap_continues_samples_on_the_new_weights(redis_client: redis.R
     batch = client.submit(lines("a", [300, 300, 5, 200], n=2), run="partial", output=f"file://{tmp_path}",
                           batch_size=2)
     engine = Counting()
-    acks = run_with_push(redis_client, engine, "partial")
+    since: list[float] = []
+
+    def both_jobs_decoding() -> bool:
+        """Both jobs reached the engine, then 40 steps passed (the engine's idle steps before a loaded
+        machine's slow worker start do not count), with the long samples still running."""
+        if len(engine.submitted_at) < 2:
+            return False
+        since[:] = since or [engine.stats().steps]
+        return engine.stats().steps - since[0] > 40 and engine.load() > 0
+
+    acks = run_with_push(redis_client, engine, "partial", ready=both_jobs_decoding)
     assert [a["mode"] for a in acks] == ["partial"] and all(a["ok"] for a in acks)
     # Not drained: the load came before the long samples' batches finished.
     assert engine.events.index("load v1") < len(engine.events) - 1
