@@ -24,6 +24,8 @@ from workers.rows.continuation import Piece
 
 # Registry scans fast, so the dead worker's job is retried within seconds (heartbeats every 2 s: a
 # worker whose decode loop starves its heartbeat thread on a busy machine is not taken for dead).
+# The waits below are safety nets sized for a machine running several suites at once (a worker's
+# start, torch and the model, took over 2 minutes there).
 FAST = ("--heartbeat-interval", "2", "--maintenance-interval", "1", "--max-top-logprobs", "2")
 LENGTH = 160
 
@@ -66,7 +68,7 @@ def test_a_worker_killed_mid_sample_is_resumed_by_another(
     (job_id,) = batch.job_ids
     victim = start_worker("--checkpoint-every", "0.2", *FAST)
     wait_until(lambda: len(saved(redis_client, job_id)) == 3 and all(
-        len(tokens(c)) >= 20 for c in saved(redis_client, job_id).values()), 120, "a checkpoint of every sample")
+        len(tokens(c)) >= 20 for c in saved(redis_client, job_id).values()), 300, "a checkpoint of every sample")
     kill(victim)
     before = saved(redis_client, job_id)  # what the victim saved, read after its death
     assert all(0 < len(tokens(c)) < LENGTH for c in before.values())  # killed mid-sample
@@ -98,7 +100,7 @@ def test_a_worker_killed_before_its_first_checkpoint_restarts_from_the_prompt(
     batch = client.submit(long_requests(), run="early", output=f"file://{tmp_path}", batch_size=8)
     (job_id,) = batch.job_ids
     victim = start_worker("--checkpoint-every", "3600", *FAST)
-    wait_until(lambda: any(w.current_job == job_id for w in registry.live_workers(redis_client)), 120,
+    wait_until(lambda: any(w.current_job == job_id for w in registry.live_workers(redis_client)), 300,
                "the victim to start the job")
     kill(victim)
     assert not redis_client.exists(keys.checkpoint(job_id))
@@ -119,7 +121,7 @@ def test_a_worker_killed_after_a_partial_swap_resumes_on_the_new_weights(
     batch = client.submit(long_requests(), run="swap", output=f"file://{tmp_path}", batch_size=8)
     (job_id,) = batch.job_ids
     victim = start_worker("--checkpoint-every", "0.2", *FAST)
-    wait_until(lambda: len(saved(redis_client, job_id)) == 3, 120, "a first checkpoint")
+    wait_until(lambda: len(saved(redis_client, job_id)) == 3, 300, "a first checkpoint")
     acks = client.push_weights(str(v1_model_dir), version=1, mode="partial", timeout=60).acks
     assert [a.mode for a in acks] == ["partial"]
 
@@ -127,7 +129,7 @@ def test_a_worker_killed_after_a_partial_swap_resumes_on_the_new_weights(
         chains = saved(redis_client, job_id)
         return len(chains) == 3 and all(c[-1].version == 1 and len(c[-1].token_ids) for c in chains.values())
 
-    wait_until(on_v1, 120, "checkpoints of tokens generated on v1")
+    wait_until(on_v1, 300, "checkpoints of tokens generated on v1")
     kill(victim)
     before = saved(redis_client, job_id)
     start_worker("--checkpoint-every", "0.2", *FAST)
