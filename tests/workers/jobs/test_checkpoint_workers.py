@@ -27,7 +27,7 @@ from workers.rows.continuation import Piece
 # The waits below are safety nets sized for a machine running several suites at once (a worker's
 # start, torch and the model, took over 2 minutes there).
 FAST = ("--heartbeat-interval", "2", "--maintenance-interval", "1", "--max-top-logprobs", "2")
-LENGTH = 160
+LENGTH = 480  # long enough that a checkpoint lands mid-sample on a quiet machine too (160 finished first)
 
 
 def saved(conn: redis.Redis, job_id: str) -> dict[tuple[int, int], list[Piece]]:
