@@ -3,6 +3,7 @@ a flaky object store."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -60,6 +61,20 @@ def terminate(process: subprocess.Popen, timeout: float = 5) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def stop_all(processes: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM every process still running (warm shutdown, all at once), reap each; SIGKILL any that
+    has not exited after `timeout` seconds."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 class FlakyStore(MemoryFileSystem):

@@ -22,7 +22,7 @@ from pipeline.audit import status
 from pipeline.broker import keys, registry
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
-from tests.helpers import wait_until
+from tests.helpers import stop_all, wait_until
 
 HEARTBEAT_S = 0.5  # registry entries expire int(3 x 0.5) + 1 = 2 s after a worker's last heartbeat
 TOOL_RESULT = list(range(300, 340))  # what the agent's tool "returned" between turns
@@ -42,14 +42,7 @@ def sim_workers(pipeline_env: dict[str, str], tmp_path: Path) -> Iterator[Callab
         return process
 
     yield start
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    stop_all(processes)
 
 
 def _live(conn: redis.Redis, count: int) -> list[str]:

@@ -4,8 +4,6 @@ real server, the real `openai` SDK)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -19,7 +17,7 @@ from pipeline.broker.connection import connect_redis
 from pipeline.read.trajectories import turn_rows
 from pipeline.serve.server import ServeConfig, Server
 from tests.conftest import PIPELINE
-from tests.helpers import wait_until
+from tests.helpers import stop_all, wait_until
 from tests.sentinel_group import SentinelGroup
 
 SESSIONS, TURNS = 4, 6
@@ -74,10 +72,4 @@ def test_sessions_carry_on_across_a_redis_master_failover(pipeline_env: dict[str
             assert served == sorted((sid, t) for sid in ids for t in range(TURNS))  # each turn once
         finally:
             server.stop()
-            for worker in workers:
-                worker.send_signal(signal.SIGTERM)
-            for worker in workers:
-                try:
-                    worker.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.kill(worker.pid, signal.SIGKILL)
+            stop_all(workers)
