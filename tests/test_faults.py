@@ -167,7 +167,7 @@ def test_sigkill_mid_batch_reruns_elsewhere(redis_client: redis.Redis, tmp_path:
     other worker; how fast is measured in benchmarks/chaos.py, not asserted here."""
     batch = _submit(redis_client, tmp_path)
     victim = spawn(job_s=30)
-    wait_until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 60, "the job to start")
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     spawn(job_s=0.05)
     assert batch.wait(timeout=60).counts["finished"] == 1
@@ -178,11 +178,11 @@ def test_sigkill_mid_batch_reruns_elsewhere(redis_client: redis.Redis, tmp_path:
 def test_abandoned_job_out_of_retries_is_a_visible_failure(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path, retries=0)
     victim = spawn(job_s=30)
-    wait_until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 60, "the job to start")
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     spawn()
     with pytest.raises(JobsFailedError, match="AbandonedJobError"):
-        batch.wait(timeout=20)
+        batch.wait(timeout=60)
     status = collect(redis_client)["pools"]["default"]
     assert status["failed_jobs"] == batch.job_ids
     assert "AbandonedJobError" in status["failure_reasons"][batch.job_ids[0]]
@@ -191,9 +191,9 @@ def test_abandoned_job_out_of_retries_is_a_visible_failure(redis_client: redis.R
 def test_first_sigterm_finishes_and_commits_then_exits(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path)
     worker = spawn(job_s=2)
-    wait_until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 60, "the job to start")
     os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
-    worker.join(timeout=20)
+    worker.join(timeout=60)
     assert worker.exitcode is not None
     assert batch.status().counts["finished"] == 1
     assert [c.rows for c in commit_log.read_all(redis_client, "faults")] == [3]
@@ -202,16 +202,16 @@ def test_first_sigterm_finishes_and_commits_then_exits(redis_client: redis.Redis
 def test_second_sigterm_hands_the_job_back(redis_client: redis.Redis, tmp_path: Path, spawn) -> None:
     batch = _submit(redis_client, tmp_path)
     worker = spawn(job_s=30)
-    wait_until(_started(redis_client, batch), 20, "the job to start")
+    wait_until(_started(redis_client, batch), 60, "the job to start")
     _sigterm_twice(redis_client, worker.pid)  # type: ignore[arg-type]
-    worker.join(timeout=20)
+    worker.join(timeout=60)
     assert worker.exitcode is not None
     job = _job(redis_client, batch)
     assert job.get_status() == "queued" and job.retries_left == 2  # handed back, no retry spent
     assert job.meta["handed_back"] == 1 and "SIGTERM" in job.meta["handed_back_reason"]
     assert commit_log.read_all(redis_client, "faults") == []
     spawn()
-    assert batch.wait(timeout=20).counts["finished"] == 1
+    assert batch.wait(timeout=60).counts["finished"] == 1
 
 
 @pytest.mark.parametrize("where", ["waiting for the jobs", "before that wait"])

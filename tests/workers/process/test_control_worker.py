@@ -164,7 +164,7 @@ def test_push_pause_resume_and_a_late_worker(
 
     # Pause: idle workers (blocked in their dequeue) hand a new job back and wait.
     client.pause()
-    wait_until(lambda: {w.state for w in client.workers()} == {"paused"}, 10, "every worker paused")
+    wait_until(lambda: {w.state for w in client.workers()} == {"paused"}, 60, "every worker paused")
     held = client.submit([REQUEST], run="held", output=output)
     _heartbeats(redis_client)
     assert _queued(redis_client) == held.job_ids
@@ -201,7 +201,7 @@ def test_a_push_no_worker_loads_changes_nothing(
     desired = status["desired"]
     assert (desired["weight_version"], desired["weight_path"]) == (0, None)
     wait_until(lambda: {(w.state, w.weight_version, w.error) for w in client.workers()} == {("idle", 0, None)},
-               10, "the workers back to serving v0")
+               60, "the workers back to serving v0")
 
     # The pool still serves v0, so jobs run on it; nobody serves v1.
     needs_v1 = client.submit([REQUEST], run="needs", output=f"file://{tmp_path}", min_weight_version=1)
@@ -229,7 +229,7 @@ def test_a_worker_that_failed_a_push_serves_nothing_until_it_converges(
     assert list(info.value.failed) == [picky] and "the push stands" in str(info.value)
     assert client.control_state().weight_version == 1  # one worker took it: the fleet's weights are v1
     wait_until(lambda: {w.worker_id: (w.state, w.weight_version) for w in client.workers()}[picky]
-               == ("unhealthy", 0), 10, "the failed worker unhealthy")
+               == ("unhealthy", 0), 60, "the failed worker unhealthy")
     weights = subprocess.run([*PIPELINE, "weights", "status", "--json"], env=pipeline_env, capture_output=True,
                              text=True, timeout=60)
     assert weights.returncode == 1, weights.stderr  # not every worker serves the desired weights
