@@ -2,6 +2,8 @@
 
 Sections, each a plot (PNG, base64 in the page) beside a table of its numbers:
 
+- rewards, when rows have them (a batch submitted with a reward function): mean reward per step
+  (a submitted batch, in submit order) and per weight version (`pipeline.audit.report_rewards`);
 - completion lengths per weight version (histogram; rows, mean and percentiles);
 - finish and stop reasons (counts per version);
 - logprobs of the sampled tokens, and the entropy proxy: a row's mean −logprob of its sampled
@@ -23,9 +25,7 @@ pipeline` does not import it.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -37,14 +37,16 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import redis
 
+from pipeline.audit.report_html import html_section, html_table, new_figure, png
+from pipeline.audit.report_rewards import RewardFigures, rewards_section, with_rewards, written_rewards
 from pipeline.audit.verify_stats import VerifyReport
 from pipeline.broker import keys
 from pipeline.errors import PipelineError
 from pipeline.read.reader import is_location, rollouts_dataset
 
-COLUMNS = ["job_id", "worker_id", "engine", "weight_version", "completion_tokens",
-           "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "started_at",
-           "finished_at"]
+COLUMNS = ["rollout_id", "job_id", "worker_id", "engine", "weight_version", "completion_tokens",
+           "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "submitted_at",
+           "started_at", "finished_at"]
 # Columns a shard may lack (written before they existed): read as nulls.
 OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break"]
 LOGPROB_BINS = np.linspace(-20.0, 0.0, 81)
@@ -73,9 +75,11 @@ class RunFigures:
     agent_turns: int = 0
     prefix_breaks: int = 0  # turns rendered in full because the agent rewrote its history
     sessions: set[str] = field(default_factory=set)
+    rewards: RewardFigures = field(default_factory=RewardFigures)
 
-    def add(self, batch: pa.RecordBatch) -> None:
+    def add(self, batch: pa.Table) -> None:
         for row in batch.to_pylist():
+            self.rewards.add(row)
             version = int(row["weight_version"])
             n = int(row["completion_tokens"])
             self.rows += 1
@@ -116,60 +120,29 @@ class RunFigures:
                     self.prefix_breaks += bool(row["prefix_break"])
 
 
-def gather(dataset: pads.Dataset) -> RunFigures:
+def gather(dataset: pads.Dataset, rewarded_jobs: set[str] | None = None) -> RunFigures:
+    """The figures of every row, a shard at a time (its rewards joined from the rewards shard beside
+    it; `rewarded_jobs`: only those jobs' rewards, as the run's reward log records them)."""
     missing = [c for c in COLUMNS if c not in dataset.schema.names]
     if missing:
         raise PipelineError(f"the shards lack columns {missing}; they are not rollout shards of this pipeline")
     names = COLUMNS + [c for c in OPTIONAL if c in dataset.schema.names]
+    filesystem = getattr(dataset, "filesystem", None)
     figures = RunFigures()
-    for batch in dataset.to_batches(columns=names, batch_size=READ_BATCH_ROWS):
-        for name in OPTIONAL:
-            if name not in batch.schema.names:
-                batch = batch.append_column(name, pa.nulls(batch.num_rows))
-        figures.add(batch)
+    for fragment in dataset.get_fragments():
+        path = getattr(fragment, "path", None)
+        for batch in fragment.to_batches(schema=dataset.schema, columns=names, batch_size=READ_BATCH_ROWS):
+            for name in OPTIONAL:
+                if name not in batch.schema.names:
+                    batch = batch.append_column(name, pa.nulls(batch.num_rows))
+            figures.add(with_rewards(batch, filesystem, path, rewarded_jobs))
     return figures
 
 
 # -- drawing -------------------------------------------------------------------------------------
 
-def _png(figure: Any) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def _figure(columns: int = 1) -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, columns, figsize=(4.0 + 2.0 * columns, 3.2))
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return "—" if math.isnan(value) else f"{value:.4g}"
-        return html.escape(str(value))
-
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _section(title: str, image: str | None, table: str, note: str = "") -> str:
-    img = f'<img alt="{html.escape(title)}" src="{image}">' if image else ""
-    note_html = f"<p class='note'>{html.escape(note)}</p>" if note else ""
-    return (f"<section><h2>{html.escape(title)}</h2>{note_html}<div class='pair'><div>{img}</div>"
-            f"<div>{table}</div></div></section>")
-
-
 def _lengths_section(f: RunFigures) -> str:
-    fig, ax = _figure()
+    fig, ax = new_figure()
     every = [n for values in f.lengths.values() for n in values]
     bins = np.histogram_bin_edges(every or [0], bins=30)
     for version, values in sorted(f.lengths.items()):
@@ -179,12 +152,12 @@ def _lengths_section(f: RunFigures) -> str:
     ax.legend()
     rows = [[f"v{v}", len(x), float(np.mean(x)), *(float(np.percentile(x, q)) for q in (50, 90, 99)), max(x)]
             for v, x in sorted(f.lengths.items())]
-    return _section("Completion length per weight version", _png(fig),
-                    _table(["version", "rows", "mean", "p50", "p90", "p99", "max"], rows))
+    return html_section("Completion length per weight version", png(fig),
+                        html_table(["version", "rows", "mean", "p50", "p90", "p99", "max"], rows))
 
 
 def _finish_section(f: RunFigures) -> str:
-    fig, ax = _figure()
+    fig, ax = new_figure()
     by_reason = Counter()
     for (_, reason, stop), count in f.finishes.items():
         by_reason[f"{reason} {stop}".strip()] += count
@@ -193,15 +166,15 @@ def _finish_section(f: RunFigures) -> str:
     ax.set_xlabel("rows")
     rows = [[f"v{v}", reason, stop or "—", count, count / f.rows]
             for (v, reason, stop), count in sorted(f.finishes.items(), key=lambda kv: (kv[0][0], -kv[1]))]
-    return _section("Finish and stop reasons", _png(fig),
-                    _table(["version", "finish_reason", "stop", "rows", "share"], rows),
-                    note="stop: the user's stop string or token that matched (none: the model's own end token)")
+    return html_section("Finish and stop reasons", png(fig),
+                        html_table(["version", "finish_reason", "stop", "rows", "share"], rows),
+                        note="stop: the user's stop string or token that matched (none: the model's own end token)")
 
 
 def _logprob_section(f: RunFigures) -> str:
     if not f.logprob_count:
-        return _section("Logprobs and entropy proxy", None, "<p>no row stores logprobs</p>")
-    fig, (left, right) = _figure(columns=2)
+        return html_section("Logprobs and entropy proxy", None, "<p>no row stores logprobs</p>")
+    fig, (left, right) = new_figure(columns=2)
     centers = np.concatenate([[LOGPROB_BINS[0] - 0.125], (LOGPROB_BINS[:-1] + LOGPROB_BINS[1:]) / 2, [0.0]])
     left.bar(centers, f.logprob_hist, width=0.25)
     left.set_xlabel("logprob of the sampled token (≤ −20 at the left edge)")
@@ -212,18 +185,19 @@ def _logprob_section(f: RunFigures) -> str:
     right.legend()
     rows = [[f"v{v}", len(x), float(np.mean(x)), float(np.percentile(x, 10)), float(np.percentile(x, 90))]
             for v, x in sorted(f.entropy.items())]
-    table = _table(["version", "rows", "mean entropy proxy", "p10", "p90"], rows)
-    table += _table(["tokens with logprobs", "mean logprob"], [[f.logprob_count, f.logprob_sum / f.logprob_count]])
-    return _section("Logprobs and entropy proxy", _png(fig), table)
+    table = html_table(["version", "rows", "mean entropy proxy", "p10", "p90"], rows)
+    table += html_table(["tokens with logprobs", "mean logprob"], [[f.logprob_count, f.logprob_sum / f.logprob_count]])
+    return html_section("Logprobs and entropy proxy", png(fig), table)
 
 
 def _workers_section(f: RunFigures) -> str:
-    fig, ax = _figure()
+    fig, ax = new_figure()
     keys = sorted(f.workers, key=lambda k: -f.worker_tokens[k])
     ax.barh([f"{w} ({e})" for w, e in keys], [f.worker_tokens[k] for k in keys])
     ax.set_xlabel("completion tokens")
     rows = [[w, e, f.workers[(w, e)], f.worker_tokens[(w, e)]] for w, e in keys]
-    return _section("Rows and tokens per worker", _png(fig), _table(["worker", "engine", "rows", "tokens"], rows))
+    return html_section("Rows and tokens per worker", png(fig),
+                        html_table(["worker", "engine", "rows", "tokens"], rows))
 
 
 def _generating_s(intervals: np.ndarray) -> float:
@@ -238,7 +212,7 @@ def _generating_s(intervals: np.ndarray) -> float:
 
 def _throughput_section(f: RunFigures) -> str:
     if not f.job_times:
-        return _section("Throughput", None, "<p>nothing committed</p>")
+        return html_section("Throughput", None, "<p>nothing committed</p>")
     intervals = np.array([(a.timestamp(), b.timestamp()) for a, b, _ in f.job_times.values()])
     tokens = np.array([t for _, _, t in f.job_times.values()], dtype=np.float64)
     start, end = float(intervals[:, 0].min()), float(intervals[:, 1].max())
@@ -263,33 +237,33 @@ def _throughput_section(f: RunFigures) -> str:
                 per_bin += count * overlap / (finish - begin)
             else:
                 per_bin[min(int(np.searchsorted(edges, begin, side="right")) - 1, len(per_bin) - 1)] += count
-        fig, ax = _figure()
+        fig, ax = new_figure()
         ax.step(edges[:-1], per_bin / (edges[1] - edges[0]), where="post")
         ax.set_xlabel("seconds since the first row started")
         ax.set_ylabel("completion tokens / s")
-        image = _png(fig)
+        image = png(fig)
     rows = [[datetime.fromtimestamp(start, UTC).isoformat(timespec="seconds"),
              datetime.fromtimestamp(end, UTC).isoformat(timespec="seconds"), f"{span:.1f}", f"{generating:.1f}",
              len(tokens), int(total), *rates]]
-    return _section("Throughput over time", image,
-                    _table(["first start (UTC)", "last finish (UTC)", "span (s)", "generating (s)", "jobs",
-                            "completion tokens", "tokens/s over the span", "tokens/s while generating"], rows),
-                    note=note)
+    return html_section("Throughput over time", image,
+                        html_table(["first start (UTC)", "last finish (UTC)", "span (s)", "generating (s)", "jobs",
+                                    "completion tokens", "tokens/s over the span", "tokens/s while generating"], rows),
+                        note=note)
 
 
 def _staleness_section(f: RunFigures) -> str:
     if not f.continued_rows:
-        return _section("Staleness", None, "<p>no row was continued across a partial weight swap: every token "
-                        "of a row comes from one weight version</p>")
-    fig, ax = _figure()
+        return html_section("Staleness", None, "<p>no row was continued across a partial weight swap: every token "
+                            "of a row comes from one weight version</p>")
+    fig, ax = new_figure()
     lags = sorted(f.lag_tokens)
     ax.bar([str(lag) for lag in lags], [f.lag_tokens[lag] for lag in lags])
     ax.set_xlabel("versions behind the row's newest")
     ax.set_ylabel("tokens")
     total = sum(f.lag_tokens.values())
     rows = [[lag, f.lag_tokens[lag], f.lag_tokens[lag] / total] for lag in lags]
-    return _section("Staleness (weight-version lag)", _png(fig), _table(["lag", "tokens", "share"], rows),
-                    note=f"{f.continued_rows} rows continued across partial swaps")
+    return html_section("Staleness (weight-version lag)", png(fig), html_table(["lag", "tokens", "share"], rows),
+                        note=f"{f.continued_rows} rows continued across partial swaps")
 
 
 def _agent_section(f: RunFigures, stats: dict[str, int] | None) -> str:
@@ -305,13 +279,14 @@ def _agent_section(f: RunFigures, stats: dict[str, int] | None) -> str:
         if apart:
             notes.append(f"Redis counts {apart:+d} turn(s) against the shards and the turn log (turns logged by a "
                          "worker but never recorded by their server, or shards not in the commit log)")
-    return _section("Agent sessions", None, _table(["from", "agent turns", "prefix breaks", "sessions", "rows"], rows),
-                    note="; ".join(notes))
+    return html_section("Agent sessions", None,
+                        html_table(["from", "agent turns", "prefix breaks", "sessions", "rows"], rows),
+                        note="; ".join(notes))
 
 
 def _verify_section(report: VerifyReport) -> str:
     summary = report.table.to_pylist()
-    fig, ax = _figure()
+    fig, ax = new_figure()
     labels = [f"v{r['weight_version']} {r['engine']}" for r in summary]
     ax.bar(labels, [r["mean_abs_diff"] for r in summary], label="mean |Δ|")
     ax.bar(labels, [r["max_abs_diff"] for r in summary], alpha=0.4, label="max |Δ|")
@@ -320,13 +295,13 @@ def _verify_section(report: VerifyReport) -> str:
     ax.legend()
     names = ["weight_version", "engine", "tokens", "mean_abs_diff", "p99_abs_diff", "max_abs_diff", "k1", "k3",
              "ratio_mean", "ratio_p99", "share_above"]
-    table = _table(names, [[r[n] for n in names] for r in summary])
+    table = html_table(names, [[r[n] for n in names] for r in summary])
     if report.experts.num_rows:
-        table += _table(["version", "layer", "positions", "share equal"],
-                        [[e["weight_version"], e["layer"], e["positions"], e["share"]]
-                         for e in report.experts.to_pylist()])
-    return _section("Verify: stored vs recomputed logprobs", _png(fig), table,
-                    note=f"share_above: |Δ| > {report.threshold:g}")
+        table += html_table(["version", "layer", "positions", "share equal"],
+                            [[e["weight_version"], e["layer"], e["positions"], e["share"]]
+                             for e in report.experts.to_pylist()])
+    return html_section("Verify: stored vs recomputed logprobs", png(fig), table,
+                        note=f"share_above: |Δ| > {report.threshold:g}")
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}h1{font-size:1.5em}
@@ -340,13 +315,16 @@ def render(source: str, figures: RunFigures, *, verify: VerifyReport | None = No
     """The page as one HTML string (`turn_stats`: the run's agent-turn counts in Redis, see `_turn_stats`)."""
     if not figures.rows:
         raise PipelineError(f"no rows under {source!r}: nothing to report")
-    overview = _table(["rows", "completion tokens", "weight versions", "workers", "jobs"], [[
+    overview = html_table(["rows", "completion tokens", "weight versions", "workers", "jobs"], [[
         figures.rows, figures.tokens, ", ".join(f"v{v}" for v in sorted(figures.lengths)), len(figures.workers),
         len(figures.job_times)]])
     sections = [
         _lengths_section(figures), _finish_section(figures), _logprob_section(figures), _workers_section(figures),
         _throughput_section(figures), _staleness_section(figures),
     ]
+    rewards = rewards_section(figures.rewards)
+    if rewards is not None:
+        sections.insert(0, rewards)
     if figures.agent_rows or turn_stats is not None:
         sections.insert(0, _agent_section(figures, turn_stats))
     if verify is not None:
@@ -373,15 +351,15 @@ def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = 
     """The HTML page of `source` (a URL or directory of shards; a run name with `conn`). With
     `verify_model`, `pipeline.verify` runs first (`verify_options` passed on) and its summary is a
     section of the page."""
-    turn_stats = None
+    turn_stats, rewarded_jobs = None, None
     if is_location(source):
         dataset = rollouts_dataset(source)
     elif conn is not None:
         dataset = rollouts_dataset([], source, conn=conn)
-        turn_stats = _turn_stats(conn, source)
+        turn_stats, rewarded_jobs = _turn_stats(conn, source), written_rewards(conn, source)
     else:
         raise PipelineError(f"{source!r} is neither a URL nor an existing path; a run name needs a Redis connection")
-    figures = gather(dataset)
+    figures = gather(dataset, rewarded_jobs)
     checked = None
     if verify_model is not None:
         from pipeline.audit.verify import verify
