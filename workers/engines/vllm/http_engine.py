@@ -31,14 +31,17 @@ answers each aborted completion with what it generated so far and `finish_reason
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pipeline.weights.manifest import Manifest
+from pipeline.weights.store import WeightStore, version_dir
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines import model_config
@@ -65,6 +68,8 @@ log = logging.getLogger(__name__)
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PAUSE_MODES = ("abort", "wait", "keep")  # vllm/v1/engine/__init__.py: PauseMode
+# The worker extension the project ships (`--worker-extension-cls`): weight-store versions applied in place.
+WEIGHT_EXTENSION = "workers.engines.vllm.weight_extension.RolloutWeightExtension"
 _PROBE_TOP = 5
 _PROBE_TOLERANCE = 1e-3
 
@@ -138,6 +143,11 @@ class VLLMHTTPEngine(HTTPEngine):
                 log.warning("vLLM servers report different weight versions: %s", versions)
             served = parse_weight_version(versions[first])
         self._weight_version = weight_version if served is None else served
+        extensions = {url: _config(info, "worker_extension_cls", "parallel_config") if info else None
+                      for url, info in infos.items()}
+        if all(self.dev_mode.values()) and all(ext == WEIGHT_EXTENSION for ext in extensions.values()):
+            # Only then: a worker looks the method up to choose in-place over a materialised full load.
+            self.apply_store_version = self._apply_store_version
         if vocab_size is None:
             vocab_size = model_config.vocab_size(self._model_path)
         self._description = EngineDescription(
@@ -244,11 +254,53 @@ class VLLMHTTPEngine(HTTPEngine):
         flight finish, new ones wait), `reload_weights`, reset the prefix cache, tag, resume."""
         self._require_dev_mode("a weight reload")
         check_weights_dir(path, served=self._model_path)
+
+        def reload() -> None:
+            self._each("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            if hasattr(self, "apply_store_version"):  # the extension's copy of a store version is stale now
+                self._each("POST", "/collective_rpc", {"method": "rollout_forget_store"})
+
+        self._paused_swap(version, reload)
+
+    def _apply_store_version(self, store: WeightStore, have: int | None, version: int) -> Any:
+        """Bring every server to `version` of the weight store through the worker extension
+        (`weight_extension.RolloutWeightExtension`, `POST /collective_rpc rollout_apply_store`) in the
+        same pause as a reload: the deltas from `have` applied in place and every checksum checked, or
+        a full rebuild from the store (said why). Bound to `apply_store_version` only when every
+        server runs the extension."""
+        from workers.engines.inplace import Applied
+
+        plan = store_plan(store, have, version)
+        results: list[dict[str, Any]] = []
+
+        def apply() -> None:
+            call = {"method": "rollout_apply_store", "args": [plan]}
+            for url, body in self._each_json("POST", "/collective_rpc", call).items():
+                answers = body.get("results") if isinstance(body, dict) else None
+                if not isinstance(answers, list) or not answers:
+                    raise EngineUnavailableError(f"{url}/collective_rpc rollout_apply_store answered {str(body)[:300]}")
+                for answer in answers:
+                    if not (isinstance(answer, dict) and answer.get("ok") is True):
+                        error = answer.get("error") if isinstance(answer, dict) else answer
+                        raise EngineUnavailableError(f"{url}: the weight extension could not load v{version} of "
+                                                     f"{store.url}: {error}")
+                    results.append(answer)
+
+        self._paused_swap(version, apply)
+        full = [r for r in results if r.get("how") == "full"]
+        details = sorted({str(r["detail"]) for r in results if r.get("detail")})
+        return Applied(version=version, how="full" if full else "delta",
+                       bytes_read=sum(int(r.get("bytes_read", 0)) for r in results),
+                       tensors_changed=max(int(r.get("tensors_changed", 0)) for r in results),
+                       detail="; ".join(details) or None)
+
+    def _paused_swap(self, version: int, swap: Callable[[], Any]) -> None:
+        """Pause every server (`wait`: requests in flight finish), `swap()` the weights, reset the prefix
+        cache (its KV was computed with the old weights), tag them `version`, resume (in a `finally`)."""
         done = False
         try:
             self.pause_generation("wait")
-            self._each("POST", "/collective_rpc",
-                       {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            swap()
             self.flush_cache()
             self._each("POST", "/update_weight_version", {"new_version": str(version)}, timeout_s=60)
             done = True
@@ -258,7 +310,7 @@ class VLLMHTTPEngine(HTTPEngine):
             except EngineUnavailableError as exc:
                 if done:
                     raise
-                log.warning("after the failed reload, resuming failed too: %s", exc)
+                log.warning("after the failed weight swap, resuming failed too: %s", exc)
         self._weight_version = version
 
     def pause_generation(self, mode: str = "wait") -> None:
@@ -327,11 +379,30 @@ def check_weights_dir(path: str, served: str | None = None) -> None:
             )
 
 
-def _config(info: dict[str, Any], key: str) -> Any:
-    """A field of `server_info`'s `vllm_config.model_config`."""
+def _config(info: dict[str, Any], key: str, section: str = "model_config") -> Any:
+    """A field of `server_info`'s `vllm_config.<section>`."""
     config = info.get("vllm_config")
-    model = config.get("model_config") if isinstance(config, dict) else None
-    return model.get(key) if isinstance(model, dict) else None
+    part = config.get(section) if isinstance(config, dict) else None
+    return part.get(key) if isinstance(part, dict) else None
+
+
+def store_plan(store: WeightStore, have: int | None, version: int) -> str:
+    """What the worker extension needs to bring a server to `version`, as JSON, from the store's
+    validated manifests: the deltas from `have` (null when the store has no chain from it), the
+    full chain (the fallback), and every tensor's checksum at `version`. Each step names its
+    directory; the extension reads the blobs there (the server must see the store's URL too)."""
+    def step(manifest: Manifest) -> dict[str, Any]:
+        return {"version": manifest.version, "dir": f"{store.url}/{version_dir(manifest.version)}",
+                "tensors": [entry.model_dump(mode="json") for entry in manifest.tensors]}
+
+    deltas = store.deltas_between(have, version) if have is not None and have != version else None
+    final = store.manifest(version)
+    return json.dumps({
+        "url": store.url, "version": version, "have": have,
+        "deltas": [step(m) for m in deltas] if deltas else None,
+        "chain": [step(m) for m in store.chain(version)],
+        "final": [{"name": e.name, "dtype": e.dtype, "shape": e.shape, "xxh3": e.xxh3} for e in final.tensors],
+    })
 
 
 async def probe_logprobs_mode(http: httpx.AsyncClient, url: str) -> str:

@@ -1,0 +1,104 @@
+"""The vLLM weight extension's store side without vLLM: the plan the adapter builds from a real store
+(`store_plan`), applied by the extension's code to its copy of the weights (`apply_steps`), checked
+against every checksum. The server-side half (feeding vLLM, reading back) is
+`test_vllm_store_server.py`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.weights.safetensors_io import TensorBits
+from pipeline.weights.store import WeightStore
+from pipeline.weights.writer import write_version
+from workers.engines.vllm import weight_extension
+from workers.engines.vllm.http_engine import store_plan
+
+
+def version(seed: int, base: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """float32 tensors as words: random, or `base` with a few elements of each tensor moved."""
+    rng = np.random.default_rng(seed)
+    if base is None:
+        return {f"layer.{i}.weight": rng.standard_normal(4096).astype(np.float32).view(np.uint32) for i in range(3)}
+    out = {name: words.copy() for name, words in base.items()}
+    for words in list(out.values())[:2]:
+        floats = words.view(np.float32)
+        floats[rng.integers(0, floats.size, 50)] += 1e-3
+    return out
+
+
+def bits(tensors: dict[str, np.ndarray]) -> list[TensorBits]:
+    return [TensorBits(name, "F32", (words.size,), words) for name, words in tensors.items()]
+
+
+def store_with_three_versions(tmp_path: Path) -> tuple[WeightStore, list[dict[str, np.ndarray]]]:
+    store = WeightStore(f"file://{tmp_path}/store")
+    versions = [version(0)]
+    versions += [version(1, versions[0])]
+    versions += [version(2, versions[1])]
+    for number, tensors in enumerate(versions, start=1):
+        write_version(store, bits(tensors), number)
+    return store, versions
+
+
+def test_a_delta_plan_brings_the_copy_to_the_new_version_bit_for_bit(tmp_path: Path) -> None:
+    store, versions = store_with_three_versions(tmp_path)
+    shadow: dict[str, np.ndarray] = {}
+    full = json.loads(store_plan(store, None, 1))
+    assert full["deltas"] is None and [s["version"] for s in full["chain"]] == [1]
+    reader = weight_extension._Store(full["url"])
+    assert weight_extension.apply_steps(shadow, full["chain"], reader) == set(versions[0])
+    assert reader.bytes_read == store.manifest(1).stored_bytes
+    assert not weight_extension.mismatched(shadow, full["final"])
+
+    plan = json.loads(store_plan(store, 1, 3))
+    assert [s["version"] for s in plan["deltas"]] == [2, 3]
+    changed = weight_extension.apply_steps(shadow, plan["deltas"], weight_extension._Store(plan["url"]))
+    assert changed == {"layer.0.weight", "layer.1.weight"}  # layer.2 is `same`: never fed to vLLM
+    assert not weight_extension.mismatched(shadow, plan["final"])
+    assert all(np.array_equal(shadow[name], words) for name, words in versions[2].items())
+
+
+def test_a_corrupt_delta_is_caught_before_anything_is_fed(tmp_path: Path) -> None:
+    store, _ = store_with_three_versions(tmp_path)
+    shadow: dict[str, np.ndarray] = {}
+    weight_extension.apply_steps(shadow, json.loads(store_plan(store, None, 1))["chain"],
+                                 weight_extension._Store(store.url))
+    plan = json.loads(store_plan(store, 1, 2))
+    entry = next(e for e in plan["deltas"][0]["tensors"] if e["encoding"] != "same")
+    blob = tmp_path / "store" / "v00000002" / entry["file"]
+    data = bytearray(blob.read_bytes())
+    data[entry["offset"] + entry["length"] // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    core = weight_extension.codec_core()
+    try:
+        weight_extension.apply_steps(shadow, plan["deltas"], weight_extension._Store(plan["url"]))
+    except core.DecodeError as exc:
+        assert entry["name"] in str(exc)
+    else:
+        assert entry["name"] in weight_extension.mismatched(shadow, plan["final"])
+
+
+def test_the_extension_imports_nothing_of_the_pipeline_package() -> None:
+    """vLLM's venv has no redis or pyarrow: the module and its codec core must load without `pipeline`."""
+    code = ("import sys, workers.engines.vllm.weight_extension as w; w.codec_core(); "
+            "assert 'pipeline' not in sys.modules, sorted(m for m in sys.modules if m.startswith('pipeline')); "
+            "assert not any(m.startswith(('redis', 'pyarrow', 'pydantic')) for m in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                          cwd=Path(__file__).resolve().parents[4])
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "I64", "BOOL"])
+def test_words_and_torch_tensors_round_trip(dtype: str) -> None:
+    words = np.arange(12, dtype=weight_extension.codec_core().word_type(dtype))
+    if dtype == "BOOL":
+        words = words % 2
+    tensor = weight_extension.to_torch(words, dtype, [3, 4])
+    assert tuple(tensor.shape) == (3, 4)
+    assert np.array_equal(weight_extension.to_words(tensor, dtype), words)
