@@ -17,8 +17,11 @@ and rarely answers within 10 new tokens; a few steps of GRPO teach it the short 
 
 Each prints the mean reward per step and per weight version and the held-out reward (16
 problems never trained on, 2 samples each) before and after; `--plot PATH` draws the learning
-curve. A worker process on the demo model (nothing downloaded) and the embedded Redis are
-started unless `--no-worker` (then the workers of `--pool` serve).
+curve. The pipeline loop's batches carry the reward function too (`reward="numeric_match"`): a
+reward worker records the same rewards, so `pipeline report RUN` (printed at the end; written to
+`--report PATH`) plots the mean reward per step and per weight version. A worker process on the
+demo model (nothing downloaded), a reward worker and the embedded Redis are started unless
+`--no-worker` (then the workers of `--pool` and the deployment's reward workers serve).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class Result:
     before: float
     after: float
     steps: list[StepLog] = field(default_factory=list)
+    scored: list[str] = field(default_factory=list)  # batches submitted with the reward function (their ids)
 
 
 def problems(rng: random.Random, exclude: set[tuple[int, int]] | None = None) -> Iterator[tuple[int, int]]:
@@ -183,9 +187,13 @@ def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Sett
 
     def submit(step: int) -> Any:
         pairs = [next(draw) for _ in range(settings.groups)]
-        return client.submit(requests(pairs, tag=f"s{step}", n=settings.samples, settings=settings,
-                                      seed=settings.seed * 1000 + step),
-                             run=run, output=output, tokenizer=renderer)
+        # Reward workers score these rows with the same function and record the rewards for `pipeline
+        # report`; the step trains on its own `rewards_of` (the same values) and never waits for them.
+        batch = client.submit(requests(pairs, tag=f"s{step}", n=settings.samples, settings=settings,
+                                       seed=settings.seed * 1000 + step),
+                              run=run, output=output, tokenizer=renderer, reward="numeric_match")
+        result.scored.append(batch.plan.batch_id)
+        return batch
 
     pending = submit(0)
     for step in range(settings.steps):
@@ -306,6 +314,26 @@ def start_worker(redis_url: str, pool: str, model: str) -> subprocess.Popen:
                              "--redis", redis_url, "--pool", pool, "--log-level", "WARNING"])
 
 
+def start_reward_worker(redis_url: str) -> subprocess.Popen:
+    """A `pipeline reward-worker` process (it scores every run submitted with a reward function)."""
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", "reward-worker", "--redis", redis_url,
+                             "--log-level", "WARNING"])
+
+
+def await_rewards(client: pipeline.Client, result: Result, run: str, timeout: float = 600) -> None:
+    """Block until reward workers recorded the rewards of every batch the loop scored, so that the
+    report shows every step (`WaitTimeoutError` asking whether reward workers run, after `timeout` s)."""
+    for batch_id in result.scored:
+        for _ in client.follow(run, batch_id=batch_id, rewards=True, timeout=timeout):
+            pass
+
+
+def write_report(client: pipeline.Client, run: str, path: str) -> None:
+    """`pipeline report RUN --out PATH`: rewards per step and version, lengths, staleness, throughput."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(pipeline.report(run, conn=client.conn), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--loop", choices=["pipeline", "trl", "both"], default="both")
@@ -317,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", default=None, help="the pool (default: a fresh one per loop)")
     parser.add_argument("--no-worker", action="store_true", help="start no worker: the pool's workers serve")
     parser.add_argument("--plot", default=None, help="write the learning curve here (PNG)")
+    parser.add_argument("--report", default=None, help="write each loop's `pipeline report` here (HTML; with "
+                                                       "--loop both, the loop's name before the suffix)")
     args = parser.parse_args(argv)
     if args.model is None:
         from workers.demo.model import ensure_demo_model
@@ -331,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         for loop in (["pipeline", "trl"] if args.loop == "both" else [args.loop]):
             pool = args.pool or f"learn-{loop}-{args.seed}-{int(time.time())}"
             client = pipeline.Client(conn, pool)
-            worker = None if args.no_worker else start_worker(url, pool, args.model)
+            workers = [] if args.no_worker else [start_worker(url, pool, args.model), start_reward_worker(url)]
             try:
                 settings = Settings(steps=args.steps, seed=args.seed)
                 run = f"{pool}-run"
@@ -339,10 +369,18 @@ def main(argv: list[str] | None = None) -> int:
                 function = pipeline_loop if loop == "pipeline" else trl_loop
                 results.append(function(client, args.model, settings, run=run, output=output,
                                         store=f"{tmp}/{loop}-weights"))
-                print(f"report: pipeline report {run} --pool {pool}")
+                await_rewards(client, results[-1], run)
+                if args.report:
+                    path = Path(args.report)
+                    path = path.with_stem(f"{path.stem}-{loop}") if args.loop == "both" else path
+                    write_report(client, run, str(path))
+                    print(f"report: {path}")
+                where = f" --redis {args.redis}" if args.redis else ""
+                print(f"report: pipeline report {run}{where} --out {run}.html")
             finally:
-                if worker is not None:
+                for worker in workers:
                     worker.terminate()
+                for worker in workers:
                     worker.wait(timeout=60)
     for result in results:
         print(f"{result.loop}: held-out reward {result.before:.3f} -> {result.after:.3f} in {len(result.steps)} steps")

@@ -1,19 +1,24 @@
 """examples/learn_grpo.py for two steps on the tiny model: a real redis-server, a real `pipeline worker`
-process, both loops (the asynchronous pipeline loop with partial pushes and TIS, and TRL's GRPOTrainer)."""
+process, both loops (the asynchronous pipeline loop with partial pushes and TIS, and TRL's GRPOTrainer);
+the pipeline loop's rewards recorded by a real `pipeline reward-worker` and shown by `pipeline report`."""
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import subprocess
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import pipeline
-from examples.learn_grpo import Settings, pipeline_loop, trl_loop
+from examples.learn_grpo import Settings, await_rewards, pipeline_loop, start_reward_worker, trl_loop, write_report
+from pipeline.audit.report_rewards import TITLE
 from pipeline.read.reader import read_rollouts
-from tests.helpers import wait_until
+from tests.helpers import stop_all, wait_until
+from tests.pipeline.audit.test_report import Page
 
 SETTINGS = Settings(steps=2, groups=2, samples=2, max_new_tokens=4, lr=1e-3, heldout=2, heldout_samples=2)
 
@@ -41,9 +46,14 @@ def _client(redis_url: str, pool: str, start_worker: Callable[..., subprocess.Po
 def test_two_steps_of_the_pipeline_loop(tmp_path: Path, redis_url: str, chat_model_dir: Path,
                                         start_worker: Callable[..., subprocess.Popen]) -> None:
     client = _client(redis_url, "learn", start_worker)
+    scorer = start_reward_worker(redis_url)
     output = f"file://{tmp_path / 'shards'}"
-    result = pipeline_loop(client, chat_model_dir, SETTINGS, run="learn", output=output, store=str(tmp_path / "w"),
-                           log=lambda line: None)
+    try:
+        result = pipeline_loop(client, chat_model_dir, SETTINGS, run="learn", output=output,
+                               store=str(tmp_path / "w"), log=lambda line: None)
+        await_rewards(client, result, "learn", timeout=120)
+    finally:
+        stop_all([scorer])
 
     assert [s.step for s in result.steps] == [0, 1]
     first, second = result.steps
@@ -61,6 +71,32 @@ def test_two_steps_of_the_pipeline_loop(tmp_path: Path, redis_url: str, chat_mod
     assert {r["weight_version"] for r in rows if r["request_id"].startswith("heldout-v2")} == {2}
     assert {r["weight_version"] for r in rows if r["request_id"].startswith("heldout-v0")} == {0}
     assert 0.0 <= result.before <= 1.0 and 0.0 <= result.after <= 1.0
+
+    # The run's report: the reward worker's rewards per step are the ones the loop trained on and printed,
+    # per version those of the version that finished each row; the held-out rows (no reward function)
+    # are left out and counted.
+    write_report(client, "learn", str(tmp_path / "learn.html"))
+    text = (tmp_path / "learn.html").read_text()
+    page = Page(text)
+    assert page.titles[0] == TITLE
+    steps = page.table_with("step")
+    assert [s["batch"] for s in steps] == result.scored and len(result.scored) == 2
+    assert [int(s["rows"]) for s in steps] == [SETTINGS.groups * SETTINGS.samples] * 2
+    assert [float(s["mean reward"]) for s in steps] == pytest.approx([s.reward for s in result.steps], abs=1e-3)
+    scored = read_rollouts(output, "learn", conn=client.conn, rewards=True,
+                           columns=["weight_version", "weight_version_segments", "request_id"]).to_pylist()
+    by_version: dict[int, list[float]] = defaultdict(list)
+    for row in scored:
+        if not row["request_id"].startswith("heldout"):
+            segments = row["weight_version_segments"]
+            by_version[segments[-1]["version"] if segments else row["weight_version"]].append(row["reward"])
+    shown = {v["version"]: v for v in page.table_with("continued rows")}
+    assert sorted(shown) == [f"v{v}" for v in sorted(by_version)]
+    for version, rewards in by_version.items():
+        assert int(shown[f"v{version}"]["rows"]) == len(rewards)
+        assert float(shown[f"v{version}"]["mean reward"]) == pytest.approx(statistics.fmean(rewards), abs=1e-3)
+    held_out = 2 * SETTINGS.heldout * SETTINGS.heldout_samples  # before and after training
+    assert f"{held_out} row(s) have no reward" in text
 
 
 def test_two_steps_of_the_trl_loop(tmp_path: Path, redis_url: str, chat_model_dir: Path,
