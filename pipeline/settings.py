@@ -194,6 +194,9 @@ CONTROL_SECRET_FILE = _define("PIPELINE_CONTROL_SECRET_FILE", Path, None,
                               "a file holding the control secret (when PIPELINE_CONTROL_SECRET is unset)")
 ALLOWED_WEIGHT_PREFIXES = _define("PIPELINE_ALLOWED_WEIGHT_PREFIXES", list, None,
                                   "comma-separated path prefixes weights may be loaded from; unset: any")
+WEIGHT_STAGING = _define("PIPELINE_WEIGHT_STAGING", str, "on",
+                         "`off` (or 0, false, no): a store version is applied in place inside the engine's pause, "
+                         "with no staged copy of the changed tensors")
 MAX_TOP_LOGPROBS = _define("PIPELINE_MAX_TOP_LOGPROBS", int, 0,
                            "top-k logprobs a worker serves (`--max-top-logprobs`); 0 refuses k > 0")
 UNSERVABLE_WAIT_S = _define("PIPELINE_UNSERVABLE_WAIT_S", float, 60.0,
@@ -224,6 +227,11 @@ def control_secret() -> str | None:
 
 def allowed_weight_prefixes() -> list[str]:
     return ALLOWED_WEIGHT_PREFIXES.listed()
+
+
+def weight_staging() -> bool:
+    """False when store versions are applied in place inside the pause (no staged copy)."""
+    return (WEIGHT_STAGING.raw() or "on").lower() not in {"off", "0", "false", "no"}
 
 
 def max_top_logprobs() -> int:

@@ -1,26 +1,38 @@
-"""Applying a stored version (`pipeline.weights`) to an engine's tensors in place, checked bit for bit.
+"""Applying a stored version (`pipeline.weights`) to an engine's tensors, checked bit for bit.
 
-`apply_version(store, tensors, have, version)` takes a model's tensors by name (a `state_dict()`:
-tied names share storage and are written once) from version `have` of the store to `version`:
+Two ways, the same result:
 
-- **delta**: when the store holds every delta from `have` to `version`, each changed tensor is
-  rewritten in place (on the tensor's own memory when it is a CPU tensor of the stored dtype;
-  else through a CPU copy of its bits in the stored dtype);
+- **staged** (`stage_version`, then `Staged.install()`): every new tensor is computed beside the
+  engine's weights and its checksum checked there, while the engine keeps generating on the old
+  ones; only then is the engine paused, and `install()` puts the checked tensors in: a swap of
+  the parameter's storage for a tensor that changed in most of its elements, the changed elements
+  alone for one that changed in few (`SPARSE_INSTALL`), a copy where neither fits (another device
+  or dtype). It costs memory: the staged tensors (a whole copy of each tensor changed in most of
+  its elements, indices and values of the others) until the install. Not bounded by buckets,
+  since the install must be one step between two decode steps;
+- **in place** (`apply_version`): each changed tensor is rewritten on its own memory (when it is
+  a CPU tensor of the stored dtype; else through a CPU copy of its bits), then every tensor's
+  checksum compared: no staged copy, but the engine stays paused for all of it.
+
+Either reaches `version` from the version `have` the engine serves:
+
+- **delta**: when the store holds every delta from `have` to `version`;
 - **full**: otherwise (no `have`: a worker that joined late or loaded a checkpoint since; a
   missing delta), the latest full version at or before `version` and every delta after it.
 
-Then every tensor's checksum (xxh3-128 of its bits in the stored dtype) is compared with the manifest's. A
-delta that leaves any tensor different falls back to the full rebuild, and says so; a full
-rebuild that still differs raises `WeightsMismatchError` after putting `have` back when the store
-can rebuild it (the tensors are then exactly `have` again), so weights are exact or refused.
+Each tensor's checksum (xxh3-128 of its bits in the stored dtype) is compared with the
+manifest's. A delta that leaves any tensor different falls back to the full rebuild, and says so;
+a full rebuild that still differs raises `WeightsMismatchError`: staged, before anything was
+installed (the engine is untouched); in place, after putting `have` back when the store can
+rebuild it. So weights are exact or refused.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,7 +45,11 @@ from pipeline.weights.torch_bits import dtype_name, from_words, torch_dtype, wor
 
 log = logging.getLogger(__name__)
 
-
+# A staged tensor whose changed elements are at most 1/SPARSE_INSTALL of it is installed element
+# by element (an indexed write costs several times a copy per element; bf16 steps change ~1-4 %).
+SPARSE_INSTALL = 8
+# One way of reaching a version: (manifests, the final one, whether from the engine's bits) -> (result, bad).
+Attempt = Callable[[list[Manifest], Manifest, bool], tuple[Any, list[str]]]
 
 
 @dataclass(frozen=True)
@@ -48,14 +64,23 @@ class Applied:
     detail: str | None = None
 
 
-class _Target:
-    """A model's tensors by name, each storage once."""
+@dataclass(frozen=True)
+class _Change:
+    """One tensor's new bits, staged: the whole tensor's words, or (`index`) the changed elements'."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    entry: TensorEntry
+    words: np.ndarray
+    index: np.ndarray | None = None
+
+
+class _Target:
+    """A model's tensors by name, each storage once; `parameters` (the model's `named_parameters`,
+    tied names included) lets an install swap a parameter's storage instead of copying into it."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor],
+                 parameters: Mapping[str, torch.nn.Parameter] | None = None) -> None:
         self.tensors = dict(tensors)
-        self.owner: dict[tuple[int, int], str] = {}
-        for name, tensor in self.tensors.items():
-            self.owner.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), name)
+        self.parameters = dict(parameters or {})
 
     def storage_key(self, name: str) -> tuple[int, int]:
         tensor = self.tensors[name]
@@ -92,6 +117,21 @@ class _Target:
         tensor = self.tensors[entry.name]
         tensor.copy_(from_words(words, entry.dtype, entry.shape).to(tensor.device, tensor.dtype))
 
+    def install(self, change: _Change) -> None:
+        """Put a staged tensor in: its changed elements, a swap of the parameter's storage, or a copy."""
+        entry = change.entry
+        tensor = self.tensors[entry.name]
+        if change.index is not None:
+            values = from_words(change.words, entry.dtype, (change.index.size,)).to(tensor.device, tensor.dtype)
+            tensor.view(-1)[torch.from_numpy(change.index).to(tensor.device)] = values
+            return
+        new = from_words(change.words, entry.dtype, entry.shape)
+        parameter = self.parameters.get(entry.name)
+        if parameter is not None and parameter.device == new.device and parameter.dtype == new.dtype:
+            parameter.data = new  # tied names share the Parameter: each sees the new storage
+        else:
+            tensor.copy_(new.to(tensor.device, tensor.dtype))
+
     def mismatched(self, manifest: Manifest) -> list[str]:
         bad = []
         for entry in manifest.tensors:
@@ -99,6 +139,140 @@ class _Target:
             if checksum(words) != entry.xxh3:
                 bad.append(entry.name)
         return bad
+
+
+# -- staged -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Staged:
+    """A version computed and checked beside the engine's weights; `install()` puts it in."""
+
+    applied: Applied
+    changes: list[_Change]
+    target: _Target
+
+    @property
+    def staged_bytes(self) -> int:
+        """The memory the staged tensors hold until the install."""
+        return sum(c.words.nbytes + (0 if c.index is None else c.index.nbytes) for c in self.changes)
+
+    def install(self) -> Applied:
+        with torch.no_grad():
+            for change in self.changes:
+                self.target.install(change)
+        self.changes = []
+        return self.applied
+
+
+def _stage_manifests(store: WeightStore, target: _Target, manifests: list[Manifest], final: Manifest, *,
+                     from_current: bool) -> tuple[list[_Change], int, list[str]]:
+    """Each tensor of `final` computed through `manifests` (from the engine's bits when
+    `from_current`, a delta chain; else from nothing, a full chain) into staging and checked;
+    (the changed tensors, bytes read, the names whose checksum differs)."""
+    entries = [{e.name: e for e in m.tensors} for m in manifests]
+    changes: list[_Change] = []
+    bad: list[str] = []
+    read = 0
+    done: set[tuple[int, int]] = set()
+    for final_entry in final.tensors:
+        key = target.storage_key(final_entry.name)
+        if key in done:
+            continue
+        done.add(key)
+        current, _ = target.words(final_entry)
+        words: np.ndarray | None = current if from_current else None
+        for manifest, by_name in zip(manifests, entries, strict=True):
+            entry = by_name.get(final_entry.name)
+            if entry is None:
+                words = None
+                continue
+            if entry.encoding == "same":
+                continue
+            if words is current:
+                words = current.copy()  # never the engine's own memory: it keeps generating on it
+            try:
+                words = apply_entry(store, manifest.version, entry, words)
+            except CorruptDeltaError as exc:
+                raise CorruptDeltaError(f"{store.url} v{manifest.version}: tensor {entry.name}: {exc}") from exc
+            read += entry.length
+        if words is None or checksum(words) != final_entry.xxh3:
+            bad.append(final_entry.name)
+        elif words is not current:
+            changes.append(_staged_change(final_entry, current, words, target.tensors[final_entry.name]))
+    return changes, read, bad
+
+
+def _staged_change(entry: TensorEntry, current: np.ndarray, new: np.ndarray, tensor: torch.Tensor) -> _Change:
+    """The whole new tensor, or only its changed elements when they are few."""
+    if tensor.is_contiguous() and current.dtype == new.dtype and current.size == new.size:
+        index = np.flatnonzero(current != new)
+        if index.size * SPARSE_INSTALL <= new.size:
+            return _Change(entry, new[index], index)
+    return _Change(entry, new)
+
+
+def stage_version(store: WeightStore, tensors: Mapping[str, torch.Tensor], have: int | None, version: int, *,
+                  parameters: Mapping[str, torch.nn.Parameter] | None = None) -> Staged:
+    """`version` computed beside `tensors` (at store version `have`; None: not a version of this
+    store) and checked, nothing of the engine written; `Staged.install()` puts it in."""
+    target = _Target(tensors, parameters)
+
+    def attempt(manifests: list[Manifest], final: Manifest, from_current: bool) -> tuple[Any, list[str]]:
+        changes, read, bad = _stage_manifests(store, target, manifests, final, from_current=from_current)
+        return (changes, read), bad
+
+    how, result, detail, bad = _reach(store, target, have, version, attempt)
+    if bad:
+        raise WeightsMismatchError(
+            f"{store.url} v{version}: rebuilt from the full version, {len(bad)} tensor(s) are not bit-identical to "
+            f"the trainer's (e.g. {bad[0]}): the store is corrupt; nothing was installed, the engine's weights are "
+            "unchanged; push the weights again as a new full version (`--full`, or `delta=False`)")
+    changes, read = result
+    return Staged(Applied(version, how, read, len(changes), detail), changes, target)
+
+
+def _reach(store: WeightStore, target: _Target, have: int | None, version: int,
+           attempt: Attempt) -> tuple[Literal["delta", "full"], Any, str | None, list[str]]:
+    """Reach `version` by the deltas from `have` if the store has them and they check out, else
+    from the full version: `attempt(manifests, final, from_current)` -> (result, tensors that differ);
+    returns how, the result, why a full rebuild, and what still differs after it."""
+    final = store.manifest(version)
+    target.check(final, store, covers_all=False)
+    deltas = store.deltas_between(have, version) if have is not None and have != version else None
+    if deltas:
+        try:
+            result, bad = attempt(deltas, final, True)
+        except CorruptDeltaError as exc:
+            result, bad = None, [str(exc)]
+        if not bad:
+            return "delta", result, None, []
+        detail = _delta_failed(store, version, have, bad)
+    else:
+        detail = _no_delta(have, version)
+    chain = store.chain(version)
+    target.check(chain[0], store, covers_all=True)
+    try:
+        result, bad = attempt(chain, final, False)
+    except CorruptDeltaError as exc:
+        result, bad = None, [str(exc)]
+    return "full", result, detail, bad
+
+
+def _delta_failed(store: WeightStore, version: int, have: int | None, bad: list[str]) -> str:
+    detail = (f"the delta from v{have} left {len(bad)} tensor(s) not bit-identical to the trainer's "
+              f"(e.g. {bad[0]}); rebuilt from the full version")
+    log.warning("weights v%d from %s: %s", version, store.url, detail)
+    return detail
+
+
+def _no_delta(have: int | None, version: int) -> str:
+    if have is None:
+        return "no version of this store loaded: rebuilt from the full version"
+    return f"the store has no delta chain from v{have} to v{version}: rebuilt from the full version"
+
+
+# -- in place ---------------------------------------------------------------------------------
 
 
 def _apply_manifests(store: WeightStore, target: _Target, manifests: list[Manifest]) -> tuple[int, int]:
@@ -125,41 +299,22 @@ def _apply_manifests(store: WeightStore, target: _Target, manifests: list[Manife
 
 
 def apply_version(store: WeightStore, tensors: Mapping[str, torch.Tensor], have: int | None, version: int) -> Applied:
-    """Bring `tensors` from store version `have` (None: not a version of this store) to `version`."""
+    """Bring `tensors` from store version `have` (None: not a version of this store) to `version`, in place."""
     target = _Target(tensors)
-    final = store.manifest(version)
-    target.check(final, store, covers_all=False)
-    detail: str | None = None
-    deltas = store.deltas_between(have, version) if have is not None and have != version else None
-    if deltas:
-        try:
-            read, changed = _apply_manifests(store, target, deltas)
-            bad = target.mismatched(final)
-        except CorruptDeltaError as exc:
-            read, changed, bad = 0, 0, [str(exc)]
-        if not bad:
-            return Applied(version, "delta", read, changed)
-        detail = (f"the delta from v{have} left {len(bad)} tensor(s) not bit-identical to the trainer's "
-                  f"(e.g. {bad[0]}); rebuilt from the full version")
-        log.warning("weights v%d from %s: %s", version, store.url, detail)
-    elif have is None:
-        detail = "no version of this store loaded: rebuilt from the full version"
-    else:
-        detail = f"the store has no delta chain from v{have} to v{version}: rebuilt from the full version"
-    chain = store.chain(version)
-    target.check(chain[0], store, covers_all=True)
-    try:
-        read, changed = _apply_manifests(store, target, chain)
-        bad = target.mismatched(final)
-    except CorruptDeltaError as exc:
-        bad = [str(exc)]
+
+    def attempt(manifests: list[Manifest], final: Manifest, from_current: bool) -> tuple[Any, list[str]]:
+        read_changed = _apply_manifests(store, target, manifests)
+        return read_changed, target.mismatched(final)
+
+    how, result, detail, bad = _reach(store, target, have, version, attempt)
     if bad:
         restored = _restore(store, target, have)
         raise WeightsMismatchError(
             f"{store.url} v{version}: after a full rebuild {len(bad)} tensor(s) are not bit-identical to the "
             f"trainer's (e.g. {bad[0]}): the store is corrupt; {restored}; push the weights again as a new "
             "full version (`--full`, or `delta=False`)")
-    return Applied(version, "full", read, changed, detail)
+    read, changed = result
+    return Applied(version, how, read, changed, detail)
 
 
 def _restore(store: WeightStore, target: _Target, have: int | None) -> str:

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -37,7 +38,7 @@ from workers.engines.base import Engine
 from workers.errors import WeightsRefusedError
 from workers.jobs.feeder import Feeder
 from workers.process.heartbeat import Heartbeat
-from workers.process.store_load import load_from_store
+from workers.process.store_load import prepare_store_load, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -108,34 +109,69 @@ class ControlListener:
                 backoff = min(backoff * 2, 5.0)
 
 
-def load_weights(
-    engine: Engine, worker_id: str, path: str, version: int, mode: SwapMode = "drain",
-    source: WeightSource = "checkpoint", have: int | None = None,
-) -> WeightAck:
-    """Ask the engine to load `path` as `version`; never raises: failures become ok=false acks.
+@dataclass
+class PreparedLoad:
+    """A weight load with the work that needs no pause done (`prepare_load`): `load(mode)`, run
+    with the engine stopped, does the rest and answers the ack (`seconds`: that pause)."""
 
-    `mode` is how the worker swapped (stated in the ack). `source="store"`: `path` is a weight
-    store and `have` the version of it the engine serves, if any (`workers.process.store_load`)."""
-    started = time.monotonic()
+    engine: Engine
+    worker_id: str
+    version: int
+    finish: Callable[[], dict[str, Any]] | None  # None: the load already failed (`error`)
     error: str | None = None
+    prepare_s: float = 0.0
+
+    def load(self, mode: SwapMode) -> WeightAck:
+        """Never raises: failures become ok=false acks."""
+        if self.finish is None:
+            return WeightAck(worker=self.worker_id, version=self.version, ok=False, seconds=0.0, error=self.error,
+                             mode=mode)
+        started = time.monotonic()
+        error: str | None = None
+        how: dict[str, Any] = {}
+        try:
+            how = self.finish()
+            if self.engine.weight_version != self.version:
+                raise RuntimeError(f"engine reports weight version {self.engine.weight_version} after loading "
+                                   f"{self.version}")
+        except Exception as exc:  # any load failure is reported; old weights stay
+            error = f"{type(exc).__name__}: {exc}"
+        return WeightAck(worker=self.worker_id, version=self.version, ok=error is None,
+                         seconds=float(time.monotonic() - started), error=error, mode=mode, **how)
+
+
+def prepare_load(
+    engine: Engine, worker_id: str, path: str, version: int, source: WeightSource = "checkpoint",
+    have: int | None = None,
+) -> PreparedLoad:
+    """What of loading `path` as `version` can run while the engine generates: the path checked; for
+    a store push (`path` a weight store, `have` the version of it the engine serves, if any) the
+    version staged or materialised (`workers.process.store_load`). Never raises."""
     try:
         check_weight_path(path)
     except PolicyError as exc:
         log.error("worker %s: refusing to load weights v%d: %s", worker_id, version, exc)
-        return WeightAck(worker=worker_id, version=version, ok=False, seconds=0.0, error=f"refused: {exc}",
-                         mode=mode)
-    how: dict[str, Any] = {}
-    try:
-        if source == "store":
-            how = load_from_store(engine, path, version, have)
-        else:
+        return PreparedLoad(engine, worker_id, version, None, f"refused: {exc}")
+    if source != "store":
+        def reload() -> dict[str, Any]:
             engine.update_weights(path, version)
-        if engine.weight_version != version:
-            raise RuntimeError(f"engine reports weight version {engine.weight_version} after loading {version}")
-    except Exception as exc:  # any load failure is reported; old weights stay
-        error = f"{type(exc).__name__}: {exc}"
-    return WeightAck(worker=worker_id, version=version, ok=error is None,
-                     seconds=float(time.monotonic() - started), error=error, mode=mode, **how)
+            return {}
+        return PreparedLoad(engine, worker_id, version, reload)
+    started = time.monotonic()
+    try:
+        finish = prepare_store_load(engine, path, version, have, scratch_dir(worker_id))
+    except Exception as exc:  # reported in the ack; the engine's weights were not touched
+        return PreparedLoad(engine, worker_id, version, None, f"{type(exc).__name__}: {exc}",
+                            time.monotonic() - started)
+    return PreparedLoad(engine, worker_id, version, finish, None, time.monotonic() - started)
+
+
+def load_weights(
+    engine: Engine, worker_id: str, path: str, version: int, mode: SwapMode = "drain",
+    source: WeightSource = "checkpoint", have: int | None = None,
+) -> WeightAck:
+    """Prepare and load at once (`prepare_load`, then `PreparedLoad.load`); never raises."""
+    return prepare_load(engine, worker_id, path, version, source, have).load(mode)
 
 
 def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, only_if_missing: bool = False) -> None:
@@ -265,11 +301,18 @@ class ControlFollower:
             self._refused_generation = None
 
     def _swap(self, state: DesiredState, path: str) -> None:
-        """Load pushed weights: partially (samples in flight continue on them) or after a drain."""
+        """Load pushed weights: partially (samples in flight continue on them) or after a drain. What
+        needs no pause (a store version staged and checked) runs first, while the engine generates."""
         feeder = self.feeder
         version = state.weight_version
+        # A store push applies deltas from the version of that store the engine serves, if any.
+        have = self._loaded[0] if state.weight_source == "store" and self._loaded[1] == path else None
+        prepared = prepare_load(self.engine, self.worker_id, path, version, state.weight_source, have)
+        if prepared.finish is None:  # failed before the engine had to stop: nothing to pause for
+            self._load_weights(state, path, prepared, "drain")
+            return
         if state.swap_mode == "partial" and feeder.can_interrupt:
-            stopped = feeder.partial_swap(lambda: self._load_weights(state, path, "partial"))
+            stopped = feeder.partial_swap(lambda: self._load_weights(state, path, prepared, "partial"))
             log.info("worker %s: partial swap to v%d: %d sample(s) stopped and continued",
                      self.worker_id, version, stopped)
             return
@@ -278,21 +321,20 @@ class ControlFollower:
                         "generates one batch at a time: --no-feed, or no concurrent interface); draining instead",
                         self.worker_id, self.engine.description.name)
         with feeder.gate.exclusive():
-            self._load_weights(state, path, "drain")
+            self._load_weights(state, path, prepared, "drain")
 
-    def _load_weights(self, state: DesiredState, path: str, mode: SwapMode) -> None:
+    def _load_weights(self, state: DesiredState, path: str, prepared: PreparedLoad, mode: SwapMode) -> None:
         version = state.weight_version
         self._attempted = (version, path, state.generation)
         self.report("updating")
         log.info("worker %s: loading weights v%d from %s (%s)", self.worker_id, version, path, mode)
-        # A store push applies deltas from the version of that store the engine serves, if any.
-        have = self._loaded[0] if state.weight_source == "store" and self._loaded[1] == path else None
-        ack = load_weights(self.engine, self.worker_id, path, version, mode, state.weight_source, have)
+        ack = prepared.load(mode)
         if ack.ok:
             self.weight_error = None
             self._loaded = (version, path)
-            log.info("worker %s: serving weights v%d (%.2f s, %s%s)", self.worker_id, version, ack.seconds,
-                     ack.applied, f": {ack.detail}" if ack.detail else "")
+            log.info("worker %s: serving weights v%d (paused %.2f s after %.2f s of preparation, %s%s)",
+                     self.worker_id, version, ack.seconds, prepared.prepare_s, ack.applied,
+                     f": {ack.detail}" if ack.detail else "")
         else:
             self.weight_error = f"loading weights v{version} from {path} failed: {ack.error}"
             log.error("worker %s: %s; taking no job until it loads the pool's weights (retried at the next "

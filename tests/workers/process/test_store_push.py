@@ -13,43 +13,18 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from transformers import AutoModelForCausalLM
 
 import pipeline
 from pipeline.broker import control_channel, registry
 from pipeline.weights.store import WeightStore
 from tests.conftest import PIPELINE
 from tests.helpers import drive_worker, wait_until
+from tests.weights_trainer import Trainer, corrupt_a_delta, same_bits
 from workers.engines.hf.engine import HFEngine
 
 REQUESTS = [{"id": f"r{i}", "input_ids": [3 + i, 7, 9], "sampling_params": {"max_new_tokens": 12, "seed": i}}
             for i in range(4)]
 SAME_WEIGHTS = 1e-3
-
-
-class Trainer:
-    """A model in memory taking real optimizer steps (a backward pass on a batch, AdamW)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-2)
-
-    def step(self) -> None:
-        ids = torch.randint(1, 70, (4, 16))
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def save(self, path: Path) -> str:
-        """The test's reference for teacher forcing (the push itself never writes a checkpoint)."""
-        self.model.save_pretrained(path)
-        return str(path)
-
-
-def _same_bits(engine_tensors: dict[str, torch.Tensor], trainer_tensors: dict[str, torch.Tensor]) -> bool:
-    return engine_tensors.keys() == trainer_tensors.keys() and all(
-        torch.equal(engine_tensors[n].view(torch.int32), t.view(torch.int32)) for n, t in trainer_tensors.items())
 
 
 def test_delta_pushes_from_a_state_dict_land_bit_for_bit_and_rows_match_the_new_version(
@@ -68,7 +43,7 @@ def test_delta_pushes_from_a_state_dict_land_bit_for_bit_and_rows_match_the_new_
             trainer.step()
             pushes.append(client.push_weights(state_dict=trainer.model.state_dict(), version=version, store=store,
                                               timeout=60, mode="partial"))
-            seen[f"v{version}"] = _same_bits(engine.model.state_dict(), trainer.model.state_dict())
+            seen[f"v{version}"] = same_bits(engine.model.state_dict(), trainer.model.state_dict())
         batch = client.submit(REQUESTS, run="after", output=f"file://{tmp_path}/out", min_weight_version=3)
         batch.wait(timeout=60)
 
@@ -107,7 +82,7 @@ def test_a_delta_over_drifted_weights_falls_back_to_a_full_rebuild(tiny_model_di
         engine.model.state_dict()["model.norm.weight"][0] += 1.0
     applied = engine.apply_store_version(store, 1, 2)
     assert applied.how == "full" and "model.norm.weight" in (applied.detail or "")
-    assert _same_bits(engine.model.state_dict(), trainer.model.state_dict()) and engine.weight_version == 2
+    assert same_bits(engine.model.state_dict(), trainer.model.state_dict()) and engine.weight_version == 2
 
 
 def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_version_exactly(
@@ -125,14 +100,10 @@ def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_version_exactly(
     v1 = {n: t.clone() for n, t in trainer.model.state_dict().items()}
     trainer.step()
     written = write_version(store, state_dict_bits(trainer.model.state_dict()), 2)
-    entry = next(t for t in written.manifest.tensors if t.encoding in ("xor", "sparse"))
-    blob_file = tmp_path / "store" / "v00000002" / str(entry.file)
-    data = bytearray(blob_file.read_bytes())
-    data[entry.offset:entry.offset + entry.length] = b"\0" * entry.length  # the delta's bytes lost on disk
-    blob_file.write_bytes(bytes(data))
+    entry = corrupt_a_delta(tmp_path / "store", written.manifest)  # the delta's bytes lost on disk
     with pytest.raises(WeightsMismatchError, match=rf"{entry.name}.*the engine is back at v1, bit for bit"):
         engine.apply_store_version(WeightStore(str(tmp_path / "store")), 1, 2)
-    assert _same_bits(engine.model.state_dict(), v1) and engine.weight_version == 1
+    assert same_bits(engine.model.state_dict(), v1) and engine.weight_version == 1
 
 
 def test_a_late_worker_rebuilds_from_full_and_deltas_and_the_cli_pushes_a_checkpoint_as_a_delta(
@@ -184,9 +155,10 @@ def test_a_late_worker_rebuilds_from_full_and_deltas_and_the_cli_pushes_a_checkp
     assert {w.weight_version for w in registry.live_workers(conn)} == {5}
 
 
-def test_an_engine_that_cannot_apply_a_store_refuses_and_the_version_can_be_pushed_again(
-    redis_client: redis.Redis, tmp_path: Path
+def test_an_engine_that_loads_only_from_disk_and_has_no_model_directory_refuses_a_store_push(
+    redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "state"))
     from pipeline.errors import WeightPushError
     from workers.engines.fake import FakeEngine
 
@@ -203,6 +175,50 @@ def test_an_engine_that_cannot_apply_a_store_refuses_and_the_version_can_be_push
 
     drive_worker(redis_client, FakeEngine(), driver, stop_when_done=True)
     [error] = errors
-    assert "the fake engine cannot load weights from a weight store; push a checkpoint directory" in str(error)
+    # It would load the version materialised as a checkpoint, which needs the served model's config.
+    assert "the model the engine serves (fake-model) has no config.json readable here" in str(error)
     assert error.rolled_back is not None and control_channel.read_state(redis_client).weight_version == 0
     assert WeightStore(store).versions() == []  # nobody took v1: it is gone, and v1 can be pushed again
+
+
+def test_an_engine_that_loads_only_from_disk_takes_each_store_version_in_full_and_says_so(
+    redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.workers.engines.conftest import launch, stop, wait_ready
+    from workers.engines.sglang.http_engine import SGLangHTTPEngine
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "state"))
+    client = pipeline.Client(redis_client)
+    trainer = Trainer(tiny_model_dir)
+    store = f"file://{tmp_path}/store"
+    pushes: list = []
+
+    def driver() -> None:
+        wait_until(lambda: [w.state for w in client.workers()] == ["idle"], 60, "an idle worker")
+        for version in (1, 2):
+            trainer.step()
+            pushes.append(client.push_weights(state_dict=trainer.model.state_dict(), version=version, store=store,
+                                              timeout=120))
+        client.submit(REQUESTS, run="after", output=f"file://{tmp_path}/out", min_weight_version=2).wait(timeout=120)
+
+    server = launch(tiny_model_dir, tmp_path / "standin.log")  # a real HTTP server loading from disk
+    try:
+        wait_ready(server)
+        drive_worker(redis_client, SGLangHTTPEngine([server.url]), driver, stop_when_done=True)
+    finally:
+        stop(server)
+    assert [p.kind for p in pushes] == ["full", "delta"]
+    acks = [p.acks[0] for p in pushes]
+    assert [(a.ok, a.applied) for a in acks] == [(True, "full"), (True, "full")]
+    assert all("the sglang-http engine cannot apply a delta in place" in (a.detail or "") for a in acks)
+    # Rebuilt from the store each time: the full version, then the full version and the delta.
+    assert [a.bytes_read for a in acks] == [pushes[0].stored_bytes, pushes[0].stored_bytes + pushes[1].stored_bytes]
+    # The checkpoint the server loaded: the model's config beside the rebuilt tensors; v1's is gone.
+    loaded = [p for p in (tmp_path / "state" / "materialised").glob("*/*") if p.is_dir()]
+    assert [p.name for p in loaded] == ["v00000002"]
+    assert {"config.json", "model.safetensors"} <= {f.name for f in loaded[0].iterdir()}
+
+    rows = f"{tmp_path}/out/after"
+    assert set(pipeline.read_rollouts(rows).column("weight_version").to_pylist()) == {2}
+    assert pipeline.verify(rows, trainer.save(tmp_path / "v2")).max_abs_diff <= SAME_WEIGHTS
+    assert pipeline.verify(rows, str(tiny_model_dir)).max_abs_diff > 0.05  # the check can tell versions apart

@@ -158,6 +158,20 @@ class HFEngine(SerialFeed, EngineIdentity):
         self._weight_version = version
         return applied
 
+    def stage_store_version(self, store: Any, have: int | None, version: int) -> Any:
+        """`version` of a weight store computed and checked beside the loaded model while it keeps
+        generating (`workers.engines.inplace.stage_version`); `install_store_version` puts it in."""
+        from workers.engines.inplace import stage_version
+
+        return stage_version(store, self.model.state_dict(), have, version,
+                             parameters=dict(self.model.named_parameters(remove_duplicate=False)))
+
+    def install_store_version(self, staged: Any) -> Any:
+        """Put a staged version in (the engine paused: between batches, or interrupted); `Applied`."""
+        applied = staged.install()
+        self._weight_version = applied.version
+        return applied
+
     def close(self) -> None:
         self._close_feed()
         if self._routing is not None:
