@@ -4,6 +4,7 @@ the pipeline loop's rewards recorded by a real `pipeline reward-worker` and show
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -14,9 +15,18 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from examples.learn_grpo import Settings, await_rewards, pipeline_loop, start_reward_worker, trl_loop, write_report
+from examples.learn_grpo import (
+    Settings,
+    await_rewards,
+    main,
+    pipeline_loop,
+    start_reward_worker,
+    trl_loop,
+    write_report,
+)
 from pipeline.audit.report_rewards import TITLE
 from pipeline.read.reader import read_rollouts
+from tests.conftest import PIPELINE
 from tests.helpers import stop_all, wait_until
 from tests.pipeline.audit.test_report import Page
 
@@ -113,3 +123,27 @@ def test_two_steps_of_the_trl_loop(tmp_path: Path, redis_url: str, chat_model_di
     versions = [r["weight_version"] for r in rows.to_pylist() if not r["request_id"].startswith("heldout")]
     # Two generations of 2 prompts x 2 samples: the first at v0, the second at v1 (pushed after step 1).
     assert sorted(versions) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_the_example_writes_its_report_and_prints_the_command(tmp_path: Path, redis_url: str, chat_model_dir: Path,
+                                                             pipeline_env: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`learn_grpo.py --report PATH` as a user runs it (its own worker and reward worker processes, the
+    default shard location): the report has a step per training batch, and the printed `pipeline report`
+    command writes the same page."""
+    monkeypatch.setenv("PIPELINE_HOME", pipeline_env["PIPELINE_HOME"])  # the default shards, under tmp_path
+    out = tmp_path / "learn.html"
+    assert main(["--loop", "pipeline", "--steps", "2", "--model", str(chat_model_dir), "--redis", redis_url,
+                 "--report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    steps = Page(out.read_text()).table_with("step")
+    assert [s["step"] for s in steps] == ["0", "1"]
+    assert [int(s["rows"]) for s in steps] == [Settings.groups * Settings.samples] * 2
+    (command,) = [line.removeprefix("report: ") for line in printed.splitlines()
+                  if line.startswith("report: pipeline report ")]
+    done = subprocess.run([*PIPELINE, *shlex.split(command)[1:]], cwd=tmp_path, env=pipeline_env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    (written,) = tmp_path.glob("learn-pipeline-*.html")
+    assert Page(written.read_text()).table_with("step") == steps
