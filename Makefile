@@ -24,9 +24,10 @@ demo: $(STAMP)
 	$(BIN)/pipeline demo
 
 # GRPO that learns (examples/learn_grpo.py): the demo model on single-digit addition, the pipeline's
-# asynchronous loop and TRL's GRPOTrainer, 20 steps each; minutes on a CPU. The curve: .state/learn_grpo.png.
+# asynchronous loop and TRL's GRPOTrainer, 20 steps each; minutes on a CPU. The curve: .state/learn_grpo.png;
+# each loop's `pipeline report`: .state/learn_grpo-pipeline.html, .state/learn_grpo-trl.html.
 learn: $(STAMP)
-	$(BIN)/python examples/learn_grpo.py --plot .state/learn_grpo.png
+	$(BIN)/python examples/learn_grpo.py --plot .state/learn_grpo.png --report .state/learn_grpo.html
 
 # vLLM's CPU build in its own venv, cached outside the repo (tests/vllm_env.py): the real-server
 # tests run it. The first run installs it (a few minutes); later runs find it built.

@@ -1,6 +1,7 @@
 """GRPO that learns on a CPU in minutes: single-digit addition on the demo model, two ways.
 
-    .venv/bin/python examples/learn_grpo.py [--steps 20] [--loop pipeline|trl|both] [--seed 0]   # or: make learn
+    .venv/bin/python examples/learn_grpo.py [--steps 20] [--loop pipeline|trl|both] [--seed 0] [--report PATH]
+    make learn   # both loops, 20 steps, the curve and the reports in .state/
 
 The task: "What is 3 + 5? Answer with the number only." The reward is the pipeline's built-in
 `numeric_match` (the completion's last number equals the answer). SmolLM2-135M-Instruct rambles

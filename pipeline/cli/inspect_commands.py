@@ -61,8 +61,8 @@ class ShowCommand(Command):
 
 class ReportCommand(Command):
     name = "report"
-    help = ("one self-contained HTML page of a run: lengths, finishes, logprobs, workers, throughput, staleness, "
-            "agent turns, verify")
+    help = ("one self-contained HTML page of a run: rewards, lengths, finishes, logprobs, workers, throughput, "
+            "staleness, agent turns, verify")
     connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
