@@ -120,6 +120,8 @@ def rewards_section(f: RewardFigures) -> str | None:
     step_stats = [_spread(f.by_batch[batch]) for batch in steps]
     version_stats = [_spread(f.by_version[v]) for v in versions]
     fig, (left, right) = new_figure(columns=2)
+    from matplotlib.ticker import MaxNLocator  # matplotlib only once a plot is drawn
+
     left.errorbar(range(len(steps)), [m for m, _, _ in step_stats],
                   yerr=[0.0 if math.isnan(se) else se for _, _, se in step_stats], marker="o", capsize=3)
     left.set_xlabel("step (batch, in submit order)")
@@ -127,7 +129,8 @@ def rewards_section(f: RewardFigures) -> str | None:
     right.errorbar(versions, [m for m, _, _ in version_stats],
                    yerr=[0.0 if math.isnan(se) else se for _, _, se in version_stats], marker="o", capsize=3)
     right.set_xlabel("weight version (of the row's last token)")
-    right.set_xticks(versions)
+    for axis in (left, right):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are whole numbers
     step_rows = [[step, batch, _utc(f.submitted[batch]), len(f.by_batch[batch]), mean, std,
                   ", ".join(f"v{v}" for v in sorted(f.batch_versions[batch]))]
                  for step, (batch, (mean, std, _)) in enumerate(zip(steps, step_stats, strict=True))]
