@@ -114,16 +114,18 @@ def v1_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture
 def start_worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Starts `pipeline worker` processes on the tiny model (on `redis_url`, default the test Redis);
+    """Starts `pipeline worker` processes on the tiny model (on `redis_url`, default the test Redis;
+    `module`: another entry point taking `pipeline`'s arguments, e.g. a worker with a held engine);
     each gets SIGTERM (warm shutdown) at the end of the test, SIGKILL if it lingers."""
     processes: list[subprocess.Popen] = []
 
-    def start(*args: str, redis_url: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(*args: str, redis_url: str | None = None, env: dict[str, str] | None = None,
+              module: str = "pipeline.cli.main") -> subprocess.Popen:
         env = {**pipeline_env, **(env or {})}
         if redis_url is not None:
             env["PIPELINE_REDIS_URL"] = redis_url
         process = subprocess.Popen(
-            [*PIPELINE, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING", *args],
+            [sys.executable, "-m", module, "worker", "--model", str(tiny_model_dir), "--log-level", "WARNING", *args],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         processes.append(process)

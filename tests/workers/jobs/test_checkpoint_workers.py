@@ -3,7 +3,9 @@ Redis; a worker SIGKILLed with samples in flight, its job taken by another worke
 every checkpointed sample from its last saved token. Every stored logprob is checked against
 teacher forcing (`pipeline.verify`) under the version recorded for its token.
 
-The tests wait on the checkpoint in Redis (its pieces) and on the batch, never on sleeps.
+The victim runs an hf engine held after `HELD` tokens of every sample (`held_hf_worker`: until a
+partial swap stops it, or the kill), so it is always killed mid-sample, whatever the machine's
+speed. The tests wait on the checkpoint in Redis (its pieces) and on the batch, never on sleeps.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 import redis
 
 import pipeline
 from pipeline.broker import commit_log, keys, registry
 from tests.helpers import wait_until
+from tests.workers.jobs.held_hf_worker import HOLD_VARIABLE
 from workers.jobs.checkpoint import CheckpointStore
 from workers.rows.continuation import Piece
 
@@ -28,7 +30,9 @@ from workers.rows.continuation import Piece
 # The waits below are safety nets sized for a machine running several suites at once (a worker's
 # start, torch and the model, took over 2 minutes there).
 FAST = ("--heartbeat-interval", "2", "--maintenance-interval", "1", "--max-top-logprobs", "2")
-LENGTH = 480  # long enough that a checkpoint lands mid-sample on a quiet machine too (160 finished first)
+LENGTH = 64
+HELD = 24  # the victim's engine holds each decode group after this many tokens of every sample
+HELD_WORKER = {"module": "tests.workers.jobs.held_hf_worker", "env": {HOLD_VARIABLE: str(HELD)}}
 
 
 def saved(conn: redis.Redis, job_id: str) -> dict[tuple[int, int], list[Piece]]:
@@ -61,24 +65,21 @@ def check_verified(conn: redis.Redis, run: str, models: dict[int, Path], rows: l
     assert report.max_abs_diff <= 1e-3, report.to_dict()
 
 
-@pytest.mark.skip(reason="flaky (about 1 run in 3 on a quiet machine): waiting for a mid-sample checkpoint of every "
-                         "sample races the tiny model's generation, and a job that commits first deletes its "
-                         "checkpoint; to be made deterministic with an engine the test can hold (issue 31 follow-up)")
 def test_a_worker_killed_mid_sample_is_resumed_by_another(
     redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, start_worker: Callable[..., subprocess.Popen]
 ) -> None:
     client = pipeline.Client(redis_client)
     batch = client.submit(long_requests(), run="resume", output=f"file://{tmp_path}", batch_size=8)
     (job_id,) = batch.job_ids
-    victim = start_worker("--checkpoint-every", "0.2", *FAST)
+    victim = start_worker("--checkpoint-every", "0.2", *FAST, **HELD_WORKER)
     wait_until(lambda: len(saved(redis_client, job_id)) == 3 and all(
-        len(tokens(c)) >= 20 for c in saved(redis_client, job_id).values()), 300, "a checkpoint of every sample")
+        len(tokens(c)) == HELD for c in saved(redis_client, job_id).values()), 300, "a checkpoint of every sample")
     kill(victim)
     before = saved(redis_client, job_id)  # what the victim saved, read after its death
-    assert all(0 < len(tokens(c)) < LENGTH for c in before.values())  # killed mid-sample
+    assert all(len(tokens(c)) == HELD for c in before.values())  # killed mid-sample
     assert commit_log.read_all(redis_client, "resume") == []
     start_worker("--checkpoint-every", "0.2", *FAST)
-    assert batch.wait(timeout=180).counts["finished"] == 1
+    assert batch.wait(timeout=300).counts["finished"] == 1
     rows = batch.read().to_pylist()
     assert sorted(r["rollout_id"] for r in rows) == ["greedy:0", "sampled:0", "sampled:1"]  # none lost, none twice
     slot = {"sampled": 0, "greedy": 1}
@@ -86,7 +87,7 @@ def test_a_worker_killed_mid_sample_is_resumed_by_another(
         chain = before[(slot[row["request_id"]], row["sample_index"])]
         kept = len(tokens(chain))
         assert len(row["completion_token_ids"]) == LENGTH  # the budget counts the whole completion
-        assert row["resumed_at"] == [kept]  # the resume point, recorded
+        assert row["resumed_at"] == [kept] == [HELD]  # the resume point, recorded
         assert row["completion_token_ids"][:kept] == tokens(chain).tolist()  # each token once, the dead worker's
         assert np.allclose(row["completion_logprobs"][:kept], np.concatenate([p.logprobs for p in chain]))
         assert [len(position) for position in row["completion_top_logprobs"]] == [2] * LENGTH
@@ -103,52 +104,53 @@ def test_a_worker_killed_before_its_first_checkpoint_restarts_from_the_prompt(
     client = pipeline.Client(redis_client)
     batch = client.submit(long_requests(), run="early", output=f"file://{tmp_path}", batch_size=8)
     (job_id,) = batch.job_ids
-    victim = start_worker("--checkpoint-every", "3600", *FAST)
+    victim = start_worker("--checkpoint-every", "3600", *FAST, **HELD_WORKER)
     wait_until(lambda: any(w.current_job == job_id for w in registry.live_workers(redis_client)), 300,
                "the victim to start the job")
-    kill(victim)
+    kill(victim)  # held mid-sample: the job cannot have finished
     assert not redis_client.exists(keys.checkpoint(job_id))
     start_worker("--checkpoint-every", "3600", *FAST)
-    assert batch.wait(timeout=180).counts["finished"] == 1
+    assert batch.wait(timeout=300).counts["finished"] == 1
     rows = batch.read().to_pylist()
     assert sorted(r["rollout_id"] for r in rows) == ["greedy:0", "sampled:0", "sampled:1"]
     assert all(r["resumed_at"] is None and len(r["completion_token_ids"]) == LENGTH for r in rows)
 
 
-@pytest.mark.skip(reason="flaky (about 1 run in 3 on a quiet machine): waiting for a mid-sample checkpoint of every "
-                         "sample races the tiny model's generation, and a job that commits first deletes its "
-                         "checkpoint; to be made deterministic with an engine the test can hold (issue 31 follow-up)")
 def test_a_worker_killed_after_a_partial_swap_resumes_on_the_new_weights(
     redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, v1_model_dir: Path,
     start_worker: Callable[..., subprocess.Popen],
 ) -> None:
     """The swap's checkpoint holds the v0 tokens; the continuation's on v1 follow; killed then, the
-    job resumes on another worker (which loads the pool's v1): each token checked under its version."""
+    job resumes on another worker (which loads the pool's v1): each token checked under its version.
+    The victim holds after `HELD` tokens on v0; the swap stops it there, and it holds again after
+    `HELD` tokens on v1."""
     client = pipeline.Client(redis_client)
     batch = client.submit(long_requests(), run="swap", output=f"file://{tmp_path}", batch_size=8)
     (job_id,) = batch.job_ids
-    victim = start_worker("--checkpoint-every", "0.2", *FAST)
-    wait_until(lambda: len(saved(redis_client, job_id)) == 3, 300, "a first checkpoint")
+    victim = start_worker("--checkpoint-every", "0.2", *FAST, **HELD_WORKER)
+    wait_until(lambda: len(saved(redis_client, job_id)) == 3 and all(
+        len(tokens(c)) == HELD for c in saved(redis_client, job_id).values()), 300, "a checkpoint of the held samples")
     acks = client.push_weights(str(v1_model_dir), version=1, mode="partial", timeout=60).acks
     assert [a.mode for a in acks] == ["partial"]
 
     def on_v1() -> bool:
         chains = saved(redis_client, job_id)
-        return len(chains) == 3 and all(c[-1].version == 1 and len(c[-1].token_ids) for c in chains.values())
+        return len(chains) == 3 and all(len(tokens(c)) == 2 * HELD and c[-1].version == 1 for c in chains.values())
 
     wait_until(on_v1, 300, "checkpoints of tokens generated on v1")
     kill(victim)
     before = saved(redis_client, job_id)
     start_worker("--checkpoint-every", "0.2", *FAST)
-    assert batch.wait(timeout=180).counts["finished"] == 1
+    assert batch.wait(timeout=300).counts["finished"] == 1
     rows = batch.read().to_pylist()
     assert len(rows) == 3
     slot = {"sampled": 0, "greedy": 1}
     for row in rows:
         chain = before[(slot[row["request_id"]], row["sample_index"])]
         boundary = next(p.start for p in chain if p.version == 1)
+        assert boundary == HELD  # the swap stopped the held samples there
         assert [(s["start"], s["version"]) for s in row["weight_version_segments"]] == [(0, 0), (boundary, 1)]
-        assert row["resumed_at"] == [len(tokens(chain))] and len(row["completion_token_ids"]) == LENGTH
+        assert row["resumed_at"] == [2 * HELD] and len(row["completion_token_ids"]) == LENGTH
     check_verified(redis_client, "swap", {0: tiny_model_dir, 1: v1_model_dir}, rows)
 
 
