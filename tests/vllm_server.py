@@ -47,7 +47,7 @@ SERVER_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-READY_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 1800.0  # a safety net: torch.compile at start-up takes 1.5 min on a quiet 2-core machine, >10 loaded
 
 
 @dataclass
