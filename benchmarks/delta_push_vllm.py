@@ -26,13 +26,12 @@ with min-max; bytes read per push; the extension's own split (decode, vLLM load,
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,15 +69,6 @@ class PauseClock:
         engine.continue_generation = timed_resume  # type: ignore[method-assign]
 
 
-def extension_split(url: str, plan: str) -> dict[str, Any]:
-    """The extension's own answer for one apply (its seconds per phase), called directly."""
-    body = httpx.post(f"{url}/collective_rpc", json={"method": "rollout_apply_store", "args": [plan]}, timeout=600)
-    body.raise_for_status()
-    (answer,) = body.json()["results"]
-    assert answer["ok"], answer
-    return answer
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
@@ -97,8 +87,6 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None:
-    from workers.engines.vllm.http_engine import store_plan
-
     engine = VLLMHTTPEngine([url])
     clock = PauseClock(engine)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -116,6 +104,8 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
     pause: dict[str, list[float]] = {"delta": [], "full": []}
     stored: list[int] = []
     read: list[int] = []
+    split: dict[str, list[float]] = {}  # the extension's own phases of each delta apply
+    fed: list[int] = []
     for version in range(1, args.steps + 1):
         started = time.perf_counter()
         rl_step(trainer, optimizer, batch, rng, SAMPLES)
@@ -130,6 +120,10 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
                 applied = engine.apply_store_version(WeightStore(store.url), version - 1, version)
                 assert applied.how == "delta", applied
                 read.append(applied.bytes_read)
+                (answer,) = engine.last_store_results
+                for phase, seconds in answer["seconds"].items():
+                    split.setdefault(phase, []).append(seconds)
+                fed.append(answer["tensors_fed"])
             else:  # update_weights' calls, without telling the extension (its copy stays the same bits)
                 engine._paused_swap(version, lambda path=str(checkpoint): engine._each(
                     "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}))
@@ -137,12 +131,6 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
         print(f"step {version}: f32 delta {stored[-1] / 1e6:.1f} MB; pause delta {pause['delta'][-1]:.3f} s, "
               f"full reload {pause['full'][-1]:.3f} s", flush=True)
 
-    # The extension's split, once more on the last version (the server serves it: a delta of nothing
-    # is not possible, so re-apply the last step from the version before after a reload of that one).
-    engine._paused_swap(args.steps - 1, lambda: engine._each(
-        "POST", "/collective_rpc", {"method": "rollout_forget_store"}))
-    extension_split(url, store_plan(WeightStore(store.url), None, args.steps - 1))
-    split = extension_split(url, store_plan(WeightStore(store.url), args.steps - 1, args.steps))
     engine.close()
 
     ratio = [d / f for d, f in zip(pause["delta"], pause["full"], strict=True)]
@@ -154,9 +142,9 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
     print(f"  delta through the extension: {spread(pause['delta'])}")
     print(f"  full reload_weights of the checkpoint directory: {spread(pause['full'])}")
     print(f"  ratio delta/full per step: {spread(ratio, '', 1.0)} (goal <= 0.2)")
-    phases = ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in split["seconds"].items())
-    print(f"  the extension's split of one delta apply ({split['how']}, {split['tensors_fed']} tensors fed, "
-          f"{split['checked_in_engine']} read back): {phases}")
+    print(f"  inside the delta's pause, the extension (median tensors fed to vLLM {statistics.median(fed)}):")
+    for phase, seconds in split.items():
+        print(f"    {phase}: {spread(seconds)}")
 
 
 if __name__ == "__main__":

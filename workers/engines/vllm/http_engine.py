@@ -287,6 +287,7 @@ class VLLMHTTPEngine(HTTPEngine):
                     results.append(answer)
 
         self._paused_swap(version, apply)
+        self.last_store_results = results  # each vLLM worker's answer: how, bytes, tensors fed and read back, seconds
         full = [r for r in results if r.get("how") == "full"]
         details = sorted({str(r["detail"]) for r in results if r.get("detail")})
         return Applied(version=version, how="full" if full else "delta",
