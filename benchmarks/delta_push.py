@@ -12,11 +12,21 @@ After every step the state dict is pushed into two weight stores (`pipeline.weig
   engine serves): bytes stored per push, delta against the full version (the first push), and
   how the per-tensor choice between the two encodings went (xor+zstd vs changed elements+zstd),
   with what each alone would have stored;
-- engine pause, hf, as in a partial swap (the engine stopped between interrupt and resume): the
-  delta applied in place with every tensor's checksum checked (`HFEngine.apply_store_version`)
-  against the baseline a user writes today, a full reload of the checkpoint directory the trainer
-  saved (`HFEngine.update_weights`, the road of `pipeline weights push PATH`), in the same process,
-  alternating per step. The trainer-side costs (writing the delta; `save_pretrained`) are reported too.
+- engine pause, hf, as in a partial swap (the engine stopped between interrupt and resume), float32
+  (what `HFEngine` serves) and bf16 (the same engine's model cast to bf16 in this script: HFEngine
+  loads float32, so this is the install a bf16 engine would do, not a served configuration):
+  * staged delta (what a worker does): `stage_store_version` (decode, XOR, checksums) runs before
+    the pause, timed apart; the pause is `install_store_version` (a parameter swap for a tensor
+    changed in most elements, the changed elements alone for the others);
+  * in-place delta (`PIPELINE_WEIGHT_STAGING=off`, the previous behaviour): `apply_store_version`,
+    all of it in the pause, on a second engine;
+  * baseline "full reload today": what `pipeline weights push PATH` does, transformers'
+    `from_pretrained` of the checkpoint the trainer saved, inside the pause (`HFEngine.update_weights`
+    in float32; `from_pretrained(dtype=bf16)` of a bf16 checkpoint in bf16);
+  * baseline "full reload staged", the same treatment as the delta: the checkpoint read into a state
+    dict before the pause (`safetensors.torch.load_file`), the pause only `load_state_dict` (a copy
+    of every tensor), and `load_state_dict(assign=True)` + `tie_weights()` (a swap of every tensor).
+  The trainer-side costs (writing the delta; `save_pretrained`) are reported too.
 
 Medians over the steps, with min-max. Then a paper model: seconds per push for 7 B, 32 B and
 235 B parameters in bf16 from the measured bf16 byte ratio, at a stated store bandwidth (the
@@ -35,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.weights import codec
@@ -114,12 +125,46 @@ def bits(state_dict, dtype) -> dict[str, np.ndarray]:  # type: ignore[no-untyped
     return {t.name: t.words for t in state_dict_bits(state_dict, dtype)}
 
 
+def measure_pauses(engine: HFEngine, store: WeightStore, version: int, dtype: torch.dtype, checkpoint: Path, *,
+                   reload_today: bool) -> dict[str, float]:
+    """One push to `engine` (serving version-1): the delta staged (timed, not a pause) and installed
+    (the pause), then the baselines' pauses loading `checkpoint` (the same bits)."""
+    out: dict[str, float] = {}
+    started = time.perf_counter()
+    staged = engine.stage_store_version(store, version - 1, version)
+    out["stage"] = time.perf_counter() - started
+    out["staged_bytes"] = staged.staged_bytes
+    started = time.perf_counter()
+    applied = engine.install_store_version(staged)
+    out["install"] = time.perf_counter() - started
+    assert applied.how == "delta", applied
+    started = time.perf_counter()
+    if reload_today:
+        engine.update_weights(str(checkpoint), version)  # what `pipeline weights push PATH` does
+    else:
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)  # the same load, in bf16
+    out["today"] = time.perf_counter() - started
+    state = load_file(str(checkpoint / "model.safetensors"))  # before the pause, like the staged delta
+    with torch.no_grad():
+        started = time.perf_counter()
+        engine.model.load_state_dict(state, strict=False)
+        out["copy"] = time.perf_counter() - started
+        state = load_file(str(checkpoint / "model.safetensors"))
+        started = time.perf_counter()
+        engine.model.load_state_dict(state, strict=False, assign=True)
+        engine.model.tie_weights()
+        out["assign"] = time.perf_counter() - started
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt (the group)")
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--skip-encoding-analysis", action="store_true",
+                        help="do not encode step 1 both ways to report which encoding wins (saves CPU on a busy host)")
     parser.add_argument("--store-gbps", type=float, default=10.0,
                         help="paper model: store bandwidth in GB/s (each way; e.g. NVMe-oF or 100 GbE)")
     parser.add_argument("--nccl-gbps", type=float, default=100.0,
@@ -143,12 +188,17 @@ def main() -> None:
     for kind, store in stores.items():  # v0: the full version every delta is measured against
         full_bytes[kind] = write_version(store, state_dict_bits(trainer.state_dict(), casts[kind]), 0).stored_bytes
     engine.apply_store_version(stores["f32"], None, 0)
+    in_place = HFEngine(model_dir)  # the in-place apply, side by side (it needs the engine at v-1)
+    in_place.apply_store_version(stores["f32"], None, 0)
+    engine_bf16 = HFEngine(model_dir)
+    engine_bf16.model.to(torch.bfloat16)
+    engine_bf16.apply_store_version(stores["bf16"], None, 0)
 
     delta_bytes: dict[str, list[int]] = {kind: [] for kind in stores}
     write_s: dict[str, list[float]] = {kind: [] for kind in stores}
     choice: dict[str, Counter[str]] = {kind: Counter() for kind in stores}
-    pause_delta: list[float] = []
-    pause_full: list[float] = []
+    pause: dict[str, list[float]] = {}
+    staged_bytes: dict[str, list[int]] = {kind: [] for kind in stores}
     save_s: list[float] = []
     read_delta: list[int] = []
     print(f"v0 stored in full ({full_bytes['bf16'] / 1e6:.0f} MB bf16, {full_bytes['f32'] / 1e6:.0f} MB f32); "
@@ -158,7 +208,8 @@ def main() -> None:
         rl_step(trainer, optimizer, batch, rng, args.samples)
         print(f"step {version}: RL step {time.perf_counter() - started:.1f} s", flush=True)
         for kind, store in stores.items():
-            if version == 1:  # each encoding alone, once: the choice is per tensor, this says why
+            # Each encoding alone, once: the choice is per tensor, this says why.
+            if version == 1 and not args.skip_encoding_analysis:
                 choice[kind].update(encodings_by_dtype(previous[kind], bits(trainer.state_dict(), casts[kind]), kind))
             started = time.perf_counter()
             written = write_version(store, state_dict_bits(trainer.state_dict(), casts[kind]), version,
@@ -169,18 +220,24 @@ def main() -> None:
         started = time.perf_counter()
         trainer.save_pretrained(checkpoint)
         save_s.append(time.perf_counter() - started)
-        # The engine serves v-1: the delta in place (checked), then the baseline full reload of v.
+        checkpoint_bf16 = work / f"ckpt-bf16-{version}"
+        trainer.save_pretrained(checkpoint_bf16, state_dict={k: v.to(torch.bfloat16) for k, v in
+                                                              trainer.state_dict().items()})
+        # Each engine serves v-1: the delta staged then installed; the baselines then load v.
+        for kind, target, dtype, ckpt in (("f32", engine, torch.float32, checkpoint),
+                                          ("bf16", engine_bf16, torch.bfloat16, checkpoint_bf16)):
+            timed = measure_pauses(target, stores[kind], version, dtype, ckpt, reload_today=kind == "f32")
+            staged_bytes[kind].append(timed.pop("staged_bytes"))
+            for name, seconds in timed.items():
+                pause.setdefault(f"{kind}:{name}", []).append(seconds)
         started = time.perf_counter()
-        applied = engine.apply_store_version(stores["f32"], version - 1, version)
-        pause_delta.append(time.perf_counter() - started)
+        applied = in_place.apply_store_version(stores["f32"], version - 1, version)
+        pause.setdefault("f32:in_place", []).append(time.perf_counter() - started)
         assert applied.how == "delta", applied
         read_delta.append(applied.bytes_read)
-        started = time.perf_counter()
-        engine.update_weights(str(checkpoint), version)
-        pause_full.append(time.perf_counter() - started)
         print(f"step {version}: bf16 delta {delta_bytes['bf16'][-1] / 1e6:.2f} MB, f32 delta "
-              f"{delta_bytes['f32'][-1] / 1e6:.2f} MB; pause delta {pause_delta[-1]:.3f} s, full reload "
-              f"{pause_full[-1]:.3f} s", flush=True)
+              f"{delta_bytes['f32'][-1] / 1e6:.2f} MB; pauses "
+              + ", ".join(f"{name} {values[-1]:.3f} s" for name, values in pause.items()), flush=True)
 
     print(f"\nDemo model {model_dir.name}, {args.steps} RL steps (REINFORCE + AdamW lr {args.lr:g}, "
           f"{len(batch)} rollouts of <= {args.tokens} tokens per step), torch threads {torch.get_num_threads()}")
@@ -192,15 +249,28 @@ def main() -> None:
         c = choice[kind]
         print(f"  {kind:>4}: full {full_bytes[kind] / 1e6:.1f} MB, delta {spread(delta_bytes[kind], 'MB', 1e-6)}; "
               f"ratio delta/full {spread(ratio, '', 1.0)} = 1/{1 / ratios[kind]:.1f}")
-        print(f"        step 1: changed elements {c['changed_elements'] / max(1, c['elements']):.2%}; per tensor the "
-              f"smaller won: xor {c['wins:xor']}, sparse {c['wins:sparse']}, unchanged {c['wins:same']}; "
-              f"xor alone {c['xor_only'] / 1e6:.2f} MB, sparse alone {c['sparse_only'] / 1e6:.2f} MB (step 1)")
+        if c:
+            print(f"        step 1: changed elements {c['changed_elements'] / max(1, c['elements']):.2%}; "
+                  f"per tensor the smaller won: xor {c['wins:xor']}, sparse {c['wins:sparse']}, "
+                  f"unchanged {c['wins:same']}; "
+                  f"xor alone {c['xor_only'] / 1e6:.2f} MB, sparse alone {c['sparse_only'] / 1e6:.2f} MB (step 1)")
         print(f"        trainer-side write of the delta: {spread(write_s[kind])}")
-    print("\nhf engine pause per push (float32, as in a partial swap), same process, alternating:")
-    print(f"  delta in place + checksums: {spread(pause_delta)}; reads {statistics.median(read_delta) / 1e6:.1f} MB")
-    print(f"  baseline full reload of the saved checkpoint: {spread(pause_full)}")
-    print(f"  ratio delta/full: {statistics.median(pause_delta) / statistics.median(pause_full):.3f} "
-          f"(1/{statistics.median(pause_full) / statistics.median(pause_delta):.1f})")
+    print(f"\nhf engine pause per push (as in a partial swap), same process; the delta reads "
+          f"{statistics.median(read_delta) / 1e6:.1f} MB (f32) of the store:")
+    for kind in stores:
+        print(f"  {kind}: staged delta, before the pause (not paused): {spread(pause[f'{kind}:stage'])}; staged "
+              f"memory {spread(staged_bytes[kind], 'MB', 1e-6)}")
+        rows = [("staged delta: install (the pause)", "install"), ("in-place delta (staging off)", "in_place"),
+                ("full reload today (from_pretrained in the pause)", "today"),
+                ("full reload staged: load_state_dict copy", "copy"),
+                ("full reload staged: load_state_dict assign (swap)", "assign")]
+        for label, name in rows:
+            if f"{kind}:{name}" in pause:
+                print(f"    {label}: {spread(pause[f'{kind}:{name}'])}")
+        install = statistics.median(pause[f"{kind}:install"])
+        for name in ("today", "copy", "assign"):
+            base = statistics.median(pause[f"{kind}:{name}"])
+            print(f"    install / {name}: {install / base:.4f} (1/{base / install:.0f})")
     print(f"  the baseline's trainer also writes the checkpoint first: save_pretrained {spread(save_s)}")
 
     ratio = ratios["bf16"]
