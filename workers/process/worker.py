@@ -98,8 +98,12 @@ class RolloutWorker(EngineWorker):
             )
             if not healthy:
                 return None
+            # A retry scheduled before the dequeue looked: if it is gone from the registry after an
+            # empty dequeue, the maintenance thread moved it to the queue meanwhile: look again.
+            scheduled = timeout is None and not rq_seam.stop_requested(self) and \
+                self.maintenance.next_retry_in() is not None
             result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            if result is None and timeout is None and self._await_scheduled_retry():
+            if result is None and timeout is None and (self._await_scheduled_retry() or scheduled):
                 continue  # burst mode: a retry waiting out its backoff is still this worker's to run
             if result is None or self.health.reason is None:
                 return result
