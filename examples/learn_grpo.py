@@ -63,6 +63,7 @@ class Settings:
     temperature: float = 1.0
     lr: float = 5e-5
     cap: float = 2.0  # the TIS cap on importance ratios
+    max_grad_norm: float = 1.0  # both loops clip the gradient's norm (TRL's default)
     heldout: int = 16
     heldout_samples: int = 2
     seed: int = 0
@@ -141,7 +142,7 @@ def _sorted(table: pa.Table) -> pa.Table:
 
 
 def train_step(model: Any, optimizer: Any, table: pa.Table, *, version: int,
-               cap: float) -> tuple[float, float, float, float]:
+               cap: float, max_grad_norm: float) -> tuple[float, float, float, float]:
     """One GRPO step with TIS on `table`'s rows: (older-version token share, ratio mean, std, max)."""
     import torch
 
@@ -158,6 +159,7 @@ def train_step(model: Any, optimizer: Any, table: pa.Table, *, version: int,
     weights = truncated(new_lp, old_lp, mask, cap=cap)
     loss = -(weights * advantages[:, None] * new_lp * mask).sum() / mask.sum().clamp(min=1)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad()
     ratios = token_ratios(new_lp, old_lp, mask)[mask]
@@ -178,7 +180,7 @@ def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Sett
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     renderer = ChatRenderer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)  # as TRL's trainer
     version = client.control_state().weight_version
     heldout = set(heldout_set(settings.heldout))
     draw = problems(random.Random(settings.seed), heldout)
@@ -206,7 +208,8 @@ def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Sett
         by_version: dict[int, list[float]] = defaultdict(list)
         for row_version, reward in zip(table.column("weight_version").to_pylist(), rewards, strict=True):
             by_version[row_version].append(float(reward))
-        older, r_mean, r_std, r_max = train_step(model, optimizer, table, version=version, cap=settings.cap)
+        older, r_mean, r_std, r_max = train_step(model, optimizer, table, version=version, cap=settings.cap,
+                                                   max_grad_norm=settings.max_grad_norm)
         version = push_model(client, model, store=store, mode="partial").version
         entry = StepLog(step, version - 1, float(rewards.mean()),
                         {v: statistics.fmean(rs) for v, rs in sorted(by_version.items())}, older, r_mean, r_std,
@@ -258,6 +261,7 @@ def trl_loop(client: pipeline.Client, model_dir: str | Path, settings: Settings,
         output_dir=str(Path(store) / "trl"), max_steps=settings.steps, per_device_train_batch_size=settings.groups
         * settings.samples, num_generations=settings.samples, max_completion_length=settings.max_new_tokens,
         temperature=settings.temperature, learning_rate=settings.lr, lr_scheduler_type="constant",
+        max_grad_norm=settings.max_grad_norm,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=settings.seed, bf16=False,
         beta=0.0, shuffle_dataset=False,
     )
