@@ -9,9 +9,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.weights.safetensors_io import TensorBits
 from pipeline.weights.store import WeightStore
@@ -102,3 +104,63 @@ def test_words_and_torch_tensors_round_trip(dtype: str) -> None:
     tensor = weight_extension.to_torch(words, dtype, [3, 4])
     assert tuple(tensor.shape) == (3, 4)
     assert np.array_equal(weight_extension.to_words(tensor, dtype), words)
+
+
+class FakeRunner:
+    """vLLM's model runner as the extension uses it: `get_model`, and `reload_weights` taking
+    checkpoint-named tensors (here: copied into the module's parameters by name, recorded)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.fed: list[list[str]] = []
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    def reload_weights(self, weights_iterator: Any, is_checkpoint_format: bool) -> None:
+        names = []
+        with torch.no_grad():
+            for name, tensor in weights_iterator:
+                self.model.get_parameter(name).copy_(tensor)
+                names.append(name)
+        self.fed.append(names)
+
+
+class FakeWorker(weight_extension.RolloutWeightExtension):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_runner = FakeRunner(model)
+
+
+def test_the_worker_side_feeds_changed_layers_reads_back_and_falls_back_to_full(tmp_path: Path) -> None:
+    """The extension's whole call on a worker whose model holds the tensors under their checkpoint
+    names: a full load, a delta that feeds only the changed layers, a corrupt delta answered by a
+    full rebuild (said why), and answers, never exceptions, for what it cannot do."""
+    store, versions = store_with_three_versions(tmp_path)
+    layers = torch.nn.ModuleDict({str(i): torch.nn.Module() for i in range(3)})
+    for i in range(3):
+        layers[str(i)].weight = torch.nn.Parameter(torch.zeros(4096), requires_grad=False)
+    model = torch.nn.Module()
+    model.layer = layers
+    worker = FakeWorker(model)
+
+    first = worker.rollout_apply_store(store_plan(store, None, 1))
+    assert (first["ok"], first["how"], first["tensors_fed"], first["checked_in_engine"]) == (True, "full", 3, 3)
+    delta = worker.rollout_apply_store(store_plan(store, 1, 2))
+    assert (delta["ok"], delta["how"], delta["bytes_read"]) == (True, "delta", store.manifest(2).stored_bytes)
+    assert worker.model_runner.fed[-1] == ["layer.0.weight", "layer.1.weight"]  # layer.2 did not change
+    served = worker.rollout_weight_checksums()
+    assert served["version"] == 2 and served["engine"] == served["shadow"]
+    assert all(np.array_equal(model.get_parameter(n).numpy().view(np.uint32), w) for n, w in versions[1].items())
+
+    plan = json.loads(store_plan(store, 2, 3))
+    for step in plan["deltas"]:  # a delta the store cannot give: the copy is rebuilt from the full version
+        step["tensors"] = [{**e, "length": 1} if e["encoding"] != "same" else e for e in step["tensors"]]
+    rebuilt = worker.rollout_apply_store(json.dumps(plan))
+    assert (rebuilt["ok"], rebuilt["how"]) == (True, "full") and "rebuilt from the full version" in rebuilt["detail"]
+    assert worker.rollout_weight_checksums()["shadow"] == worker.rollout_weight_checksums()["engine"]
+    assert all(np.array_equal(model.get_parameter(n).numpy().view(np.uint32), w) for n, w in versions[2].items())
+
+    broken = worker.rollout_apply_store("{not json")
+    assert broken["ok"] is False and "JSONDecodeError" in broken["error"]
+    assert worker.rollout_forget_store() == {"ok": True}
+    assert worker.rollout_weight_checksums()["version"] is None
