@@ -10,7 +10,9 @@ loop before every job): it refuses a state older than one it followed (and write
 follows back), loads pushed weights while no batch runs (a drain through the feeder's gate) or,
 in `partial` mode on an engine that can interrupt, stops the samples in flight, loads, and
 continues them on the new weights (`Feeder.partial_swap`; an engine that cannot interrupt
-drains instead, and its acknowledgement says `mode: drain`). While the pool is paused the work
+drains instead, and its acknowledgement says `mode: drain`). What of a load needs no pause (a
+store version staged and checked, or materialised: `prepare_load`) runs first, while the engine
+still generates. While the pool is paused the work
 loop waits in `wait_until_resumed`; a job dequeued meanwhile is handed back
 (`workers.process.intake`).
 """
@@ -308,10 +310,11 @@ class ControlFollower:
         # A store push applies deltas from the version of that store the engine serves, if any.
         have = self._loaded[0] if state.weight_source == "store" and self._loaded[1] == path else None
         prepared = prepare_load(self.engine, self.worker_id, path, version, state.weight_source, have)
+        partial = state.swap_mode == "partial" and feeder.can_interrupt
         if prepared.finish is None:  # failed before the engine had to stop: nothing to pause for
-            self._load_weights(state, path, prepared, "drain")
+            self._load_weights(state, path, prepared, "partial" if partial else "drain")
             return
-        if state.swap_mode == "partial" and feeder.can_interrupt:
+        if partial:
             stopped = feeder.partial_swap(lambda: self._load_weights(state, path, prepared, "partial"))
             log.info("worker %s: partial swap to v%d: %d sample(s) stopped and continued",
                      self.worker_id, version, stopped)
