@@ -188,7 +188,7 @@ class RolloutWeightExtension:
     def _rollout_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_rollout_weights")
         if state is None:
-            state = self.__dict__["_rollout_weights"] = {"version": None, "shadow": {}, "meta": {}}
+            state = self.__dict__["_rollout_weights"] = {"url": None, "version": None, "shadow": {}, "meta": {}}
         return state
 
     def _rollout_model(self) -> torch.nn.Module:
@@ -210,7 +210,7 @@ class RolloutWeightExtension:
         final = plan["final"]
         store = _Store(plan["url"])
         how, detail, changed = None, None, set()
-        if plan.get("deltas") and shadow and state["version"] == plan["have"]:
+        if plan.get("deltas") and shadow and (state["url"], state["version"]) == (plan["url"], plan["have"]):
             try:
                 changed = apply_steps(shadow, plan["deltas"], store)
                 bad = mismatched(shadow, final)
@@ -222,7 +222,7 @@ class RolloutWeightExtension:
                 detail = (f"the delta from v{plan['have']} left {len(bad)} tensor(s) not bit-identical to the "
                           f"trainer's (e.g. {bad[0]}); rebuilt from the full version")
                 log.warning("weights v%d from %s: %s", plan["version"], plan["url"], detail)
-        elif state["version"] is None or not shadow:
+        elif state["version"] is None or not shadow or state["url"] != plan["url"]:
             detail = "no version of this store loaded in the vLLM worker: rebuilt from the full version"
         else:
             detail = (f"the store has no delta chain from the vLLM worker's v{state['version']} to "
@@ -243,7 +243,7 @@ class RolloutWeightExtension:
         decoded = time.perf_counter()
         state["version"] = None  # until vLLM holds the shadow's version
         fed = self._rollout_feed(state, changed)
-        state["version"] = plan["version"]
+        state["url"], state["version"] = plan["url"], plan["version"]
         loaded = time.perf_counter()
         engine = self._rollout_engine_checksums(state)
         wrong = [e["name"] for e in final if engine.get(e["name"]) not in (None, e["xxh3"])]
@@ -287,6 +287,13 @@ class RolloutWeightExtension:
             else:
                 out[name] = None
         return out
+
+    def rollout_forget_store(self) -> dict[str, Any]:
+        """vLLM loaded weights from elsewhere (a checkpoint reload): the next store push rebuilds in full."""
+        state = self._rollout_state()
+        state.update(url=None, version=None, meta={})
+        state["shadow"].clear()
+        return {"ok": True}
 
     def rollout_weight_checksums(self) -> dict[str, Any]:
         """The version this worker serves from the store, each tensor's checksum as the extension holds it
