@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--loops", nargs="+", choices=["pipeline", "trl"], default=["pipeline", "trl"])
+    parser.add_argument("--lr", type=float, default=Settings.lr, help="learning rate of both loops")
     parser.add_argument("--plot", default=None, help="the learning curves (PNG)")
     parser.add_argument("--save", default=None, help="write every run's figures here (JSON)")
     parser.add_argument("--load", nargs="+", default=None,
@@ -81,9 +82,9 @@ def run(args: argparse.Namespace) -> list[Result]:
                 try:
                     wait_until(lambda c=client: len(c.workers()) == 1, timeout=300, what="the worker")
                     function = pipeline_loop if loop == "pipeline" else trl_loop
-                    results.append(function(client, model, Settings(steps=args.steps, seed=seed), run=pool,
-                                            output=f"file://{tmp}/shards", store=f"{tmp}/{pool}",
-                                            log=lambda line: print(line, flush=True)))
+                    settings = Settings(steps=args.steps, seed=seed, lr=args.lr)
+                    results.append(function(client, model, settings, run=pool, output=f"file://{tmp}/shards",
+                                            store=f"{tmp}/{pool}", log=lambda line: print(line, flush=True)))
                     if args.save:  # kept as it goes: a long run stopped early still leaves its figures
                         Path(args.save).write_text(json.dumps([dataclasses.asdict(r) for r in results]))
                 finally:
