@@ -390,3 +390,55 @@ def test_a_pause_that_fails_on_one_server_still_resumes_the_others(checkpoint: P
         assert not server.bodies("/collective_rpc") and engine.weight_version == 0
     finally:
         engine.close()
+
+
+def extension_server(served: Path, answers: list[dict[str, Any]]) -> FakeVLLM:
+    """A server whose workers run the project's weight extension (`/server_info` names it), each
+    `/collective_rpc` answered with the next of `answers` (what `rollout_apply_store` returns)."""
+    from workers.engines.vllm.http_engine import WEIGHT_EXTENSION
+
+    server = FakeVLLM(model_root=str(served))
+    info = fixture("server_info_json")["response"]
+    info["vllm_config"]["model_config"]["logprobs_mode"] = "processed_logprobs"
+    info["vllm_config"]["parallel_config"] = {"worker_extension_cls": WEIGHT_EXTENSION}
+    server.overrides[("GET", "/server_info")] = lambda body: httpx.Response(200, json=info)
+    server.overrides[("POST", "/collective_rpc")] = lambda body: httpx.Response(200, json={"results": [answers.pop(0)]})
+    return server
+
+
+def test_a_store_version_goes_through_the_extension_in_the_reload_pause(served: Path, tmp_path: Path) -> None:
+    import numpy as np
+
+    from pipeline.weights.safetensors_io import TensorBits
+    from pipeline.weights.store import WeightStore
+    from pipeline.weights.writer import write_version
+
+    store = WeightStore(str(tmp_path / "store"))
+    write_version(store, [TensorBits("w", "F32", (4,), np.arange(4, dtype=np.uint32))], 1)
+    plain = start(FakeVLLM(model_root=str(served)))
+    assert not hasattr(plain, "apply_store_version")  # no extension: a store push is materialised and reloaded
+    plain.close()
+    server = extension_server(served, [
+        {"ok": True, "how": "full", "detail": "no version of this store loaded", "bytes_read": 16,
+         "tensors_changed": 1},
+        {"ok": False, "error": "after a full rebuild 1 tensor(s) are not bit-identical"},
+    ])
+    engine = start(server)
+    try:
+        applied = engine.apply_store_version(store, None, 1)
+        assert (applied.how, applied.bytes_read, applied.detail) == ("full", 16, "no version of this store loaded")
+        assert [p for p in server.paths() if p.split("?")[0] in ("/pause", "/collective_rpc", "/reset_prefix_cache",
+                                                                 "/update_weight_version", "/resume")] == \
+               ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        (call,) = server.bodies("/collective_rpc")
+        plan = json.loads(call["args"][0])
+        assert call["method"] == "rollout_apply_store" and plan["deltas"] is None
+        assert [step["dir"] for step in plan["chain"]] == [f"{store.url}/v00000001"]
+        assert plan["final"] == [{"name": "w", "dtype": "F32", "shape": [4],
+                                  "xxh3": store.manifest(1).tensors[0].xxh3}]
+        assert engine.weight_version == 1 and server.weight_version == "1"
+        with pytest.raises(EngineUnavailableError, match=r"could not load v1 of .*not bit-identical"):
+            engine.apply_store_version(store, None, 1)
+        assert not server.paused and engine.weight_version == 1
+    finally:
+        engine.close()
