@@ -132,7 +132,7 @@ def _heartbeats(conn: redis.Redis, count: int = 2) -> None:
     wait_until(beaten, 60, f"{count} more heartbeats of every worker")
 
 
-def _live(conn: redis.Redis, count: int, timeout: float = 300) -> list[str]:
+def _live(conn: redis.Redis, count: int, timeout: float = 900) -> list[str]:
     wait_until(lambda: len([w for w in registry.live_workers(conn) if w.state != "starting"]) >= count, timeout,
            f"{count} live workers")
     return sorted(w.worker_id for w in registry.live_workers(conn))
