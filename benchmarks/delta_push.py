@@ -270,7 +270,8 @@ def main() -> None:
         install = statistics.median(pause[f"{kind}:install"])
         for name in ("today", "copy", "assign"):
             base = statistics.median(pause[f"{kind}:{name}"])
-            print(f"    install / {name}: {install / base:.4f} (1/{base / install:.0f})")
+            share = f"1/{base / install:.0f}" if install < base else f"{install / base:.1f}x longer"
+            print(f"    install / {name}: {install / base:.4f} ({share})")
     print(f"  the baseline's trainer also writes the checkpoint first: save_pretrained {spread(save_s)}")
 
     ratio = ratios["bf16"]
