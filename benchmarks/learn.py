@@ -103,7 +103,7 @@ def summarise(results: list[Result], plot_path: str | None) -> None:
         print(f"{loop}: held-out reward before {spread(before)}, after {spread(after)}, "
               f"rise {spread([a - b for a, b in zip(after, before, strict=True)])}; "
               f"seconds per step {spread(step_s)}")
-        if loop == "pipeline":
+        if loop.startswith("pipeline"):  # runs loaded with --load may name their settings after the loop
             older = [statistics.fmean(s.older_share for s in r.steps) for r in mine]
             ratio_std = [statistics.fmean(s.ratio_std for s in r.steps) for r in mine]
             ratio_max = [max(s.ratio_max for s in r.steps) for r in mine]

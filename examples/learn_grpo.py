@@ -300,9 +300,11 @@ def plot(results: list[Result], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
+    colours = dict(zip(sorted({r.loop for r in results}), ["tab:blue", "tab:orange", "tab:green", "tab:red"] * 4,
+                       strict=False))
     for result in results:
         axis.plot([s.step + 1 for s in result.steps], [s.reward for s in result.steps],
-                  color="tab:blue" if result.loop == "pipeline" else "tab:orange", alpha=0.8,
+                  color=colours[result.loop], alpha=0.8,
                   label=f"{result.loop} seed {result.seed} (held-out {result.before:.2f} → {result.after:.2f})")
     axis.set_xlabel("step")
     axis.set_ylabel("mean reward (numeric_match)")
