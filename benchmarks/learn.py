@@ -1,6 +1,7 @@
 """Does the policy learn? examples/learn_grpo.py's two loops on the demo model, fixed seeds.
 
     .venv/bin/python benchmarks/learn.py [--seeds 0 1 2] [--steps 20] [--loops pipeline trl] [--plot PATH]
+        [--lr 5e-5 (TRL)] [--async-lr 2e-5 (pipeline)] [--save JSON] [--load JSON ...]
 
 For each loop (the asynchronous pipeline loop with partial pushes and TIS; TRL's GRPOTrainer
 through `pipeline_rollout`) and seed: the held-out mean reward (16 single-digit additions never
@@ -43,7 +44,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--loops", nargs="+", choices=["pipeline", "trl"], default=["pipeline", "trl"])
-    parser.add_argument("--lr", type=float, default=Settings.lr, help="learning rate of both loops")
+    parser.add_argument("--lr", type=float, default=Settings.lr, help="the TRL loop's learning rate")
+    parser.add_argument("--async-lr", type=float, default=Settings.async_lr,
+                        help="the pipeline's asynchronous loop's learning rate")
     parser.add_argument("--plot", default=None, help="the learning curves (PNG)")
     parser.add_argument("--save", default=None, help="write every run's figures here (JSON)")
     parser.add_argument("--load", nargs="+", default=None,
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> list[Result]:
                 try:
                     wait_until(lambda c=client: len(c.workers()) == 1, timeout=300, what="the worker")
                     function = pipeline_loop if loop == "pipeline" else trl_loop
-                    settings = Settings(steps=args.steps, seed=seed, lr=args.lr)
+                    settings = Settings(steps=args.steps, seed=seed, lr=args.lr, async_lr=args.async_lr)
                     results.append(function(client, model, settings, run=pool, output=f"file://{tmp}/shards",
                                             store=f"{tmp}/{pool}", log=lambda line: print(line, flush=True)))
                     if args.save:  # kept as it goes: a long run stopped early still leaves its figures

@@ -61,7 +61,10 @@ class Settings:
     samples: int = 4  # completions per prompt (the GRPO group)
     max_new_tokens: int = 10  # "3 + 5 = 8" fits; rambling is cut before its number
     temperature: float = 1.0
-    lr: float = 5e-5
+    lr: float = 5e-5  # TRL's loop: synchronous, each step on rows of the version it trains
+    # The pipeline's asynchronous loop trains each step on rows one version old: at 5e-5 it became
+    # unstable (benchmarks/README.md, issue 33: one seed of three fell to reward 0), at 2e-5 it learns.
+    async_lr: float = 2e-5
     cap: float = 2.0  # the TIS cap on importance ratios
     max_grad_norm: float = 1.0  # both loops clip the gradient's norm (TRL's default)
     heldout: int = 16
@@ -180,7 +183,7 @@ def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Sett
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     renderer = ChatRenderer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)  # as TRL's trainer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.async_lr, weight_decay=0.0)  # as TRL's trainer
     version = client.control_state().weight_version
     heldout = set(heldout_set(settings.heldout))
     draw = problems(random.Random(settings.seed), heldout)

@@ -30,7 +30,8 @@ from tests.conftest import PIPELINE
 from tests.helpers import stop_all, wait_until
 from tests.pipeline.audit.test_report import Page
 
-SETTINGS = Settings(steps=2, groups=2, samples=2, max_new_tokens=4, lr=1e-3, heldout=2, heldout_samples=2)
+SETTINGS = Settings(steps=2, groups=2, samples=2, max_new_tokens=4, lr=1e-3, async_lr=1e-3, heldout=2,
+                    heldout_samples=2)
 
 
 @pytest.fixture
