@@ -19,9 +19,8 @@ from schemas.request import RolloutRequest
 from schemas.shard import rewards_path
 from tests.pipeline.audit.test_report import Page, assert_self_contained
 from tests.reward_functions import length
+from tests.workers.rewards.test_reward_worker import generate  # a burst sim worker: every queued job
 from workers.engines.base import Finish, SampleOutput
-from workers.engines.sim import SimConfig, SimEngine
-from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker, score
 from workers.rows.shard_writer import PendingShard, encode, write_shard
 from workers.rows.table import RowContext, build_table
@@ -36,15 +35,6 @@ def requests(prefix: str, tokens: list[int]) -> list[dict]:
     """One request per length, 2 samples each (a GRPO group); the sim engine samples that many tokens."""
     return [{"id": f"{prefix}{i}", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": n, "n": 2}}
             for i, n in enumerate(tokens)]
-
-
-def generate(conn: redis.Redis) -> None:
-    """Every queued job, on a sim worker at the pool's desired weights."""
-    engine = SimEngine(SimConfig(step_s=0.0, median_tokens=10_000, p99_tokens=10_001, capacity=64))
-    try:
-        RolloutWorker(conn, engine).work(burst=True, with_scheduler=False, logging_level="WARNING")
-    finally:
-        engine.close()
 
 
 def spread(values: list[float]) -> tuple[float, float]:
