@@ -40,7 +40,9 @@
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
 `schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
-reaches a caller).
+reaches a caller), and `pipeline.weights.codec_core.DecodeError` (a `ValueError`: that module
+imports only numpy, zstandard and xxhash, since the vLLM worker extension loads it by path inside
+vLLM's process; `pipeline.weights.codec` turns it into `CorruptDeltaError`).
 
 Every class here is importable from `pipeline`. The command line maps them to exit codes
 (`pipeline.cli.main.exit_code`, listed in the README).
