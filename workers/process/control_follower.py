@@ -252,14 +252,16 @@ class ControlFollower:
 
         Called by the listener thread on every wake-up and by the work loop before every job;
         a load first drains every batch in flight, so weights only ever change between batches.
+        The state is read under the lock: a read taken while the other thread applied a newer
+        generation would look older than the one followed, and be refused as a replay.
         """
-        try:
-            raw = self.conn.get(self.pool.control_state)
-            state = control_channel.parse_state(raw, self.pool.name)
-        except (redis.RedisError, control_channel.ControlAuthError) as exc:  # forged/unsigned: refused, logged
-            log.warning("control state unreadable (%s); keeping %s", exc, self.desired)
-            return self.desired
         with self._lock:
+            try:
+                raw = self.conn.get(self.pool.control_state)
+                state = control_channel.parse_state(raw, self.pool.name)
+            except (redis.RedisError, control_channel.ControlAuthError) as exc:  # forged/unsigned: refused, logged
+                log.warning("control state unreadable (%s); keeping %s", exc, self.desired)
+                return self.desired
             followed = self.heartbeat.info.control_generation
             if state.generation < followed:
                 # Older than one already followed: a replayed record (signed states can be copied),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,47 @@ def test_a_replayed_older_signed_state_is_refused(
     assert client.pause().generation == 3
     assert worker.sync_control().paused
     registry.remove(redis_client, worker.worker_id)
+
+
+class _ContendedLock:
+    """A reentrant lock that says when a thread other than its holder asks for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.holder: threading.Thread | None = None
+        self.contended = threading.Event()
+
+    def __enter__(self) -> _ContendedLock:
+        if self.holder is not None and threading.current_thread() is not self.holder:
+            self.contended.set()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_read_crossing_the_other_threads_push_is_not_refused_as_a_replay(
+    redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The listener and the work loop both follow the state. One of them waits for the control
+    # lock while the other applies a push: what it reads must be at least what was applied, not
+    # a record from before the push, refused as a replay with a warning about a Redis failover.
+    engine = FakeEngine()
+    worker = RolloutWorker(redis_client, engine, control_poll_s=0.2)
+    lock = worker.control._lock = _ContendedLock()  # type: ignore[assignment]
+    client = pipeline.Client(redis_client)
+    read: list[int] = []
+    with lock:  # this thread holds the lock, as the work loop does while it follows a push
+        lock.holder = threading.current_thread()
+        other = threading.Thread(target=lambda: read.append(worker.sync_control().generation))
+        other.start()  # the listener, woken before the push
+        assert lock.contended.wait(timeout=60)
+        client.push_weights("/ckpt/v1", version=1, timeout=5)  # no live worker: returns at once
+        assert worker.sync_control().generation == 1 and engine.updates == [("/ckpt/v1", 1)]
+    other.join(timeout=60)
+    assert read == [1] and engine.updates == [("/ckpt/v1", 1)]
+    assert "refused" not in caplog.text
 
 
 # -- real worker processes, hf engine --------------------------------------------------------------
