@@ -117,6 +117,7 @@ def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], *, stop_whe
     from workers.process.worker import RolloutWorker
 
     errors: list[BaseException] = []
+    worked = threading.Event()
 
     def run() -> None:
         try:
@@ -125,7 +126,12 @@ def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], *, stop_whe
             errors.append(exc)
         finally:
             if stop_when_done:
-                os.kill(os.getpid(), signal.SIGTERM)
+                # Once this worker's own handler is installed: before it, SIGTERM would end pytest (or
+                # reach an earlier worker's handler, which RQ leaves installed).
+                wait_until(lambda: signal.getsignal(signal.SIGTERM) == worker.request_stop or worked.is_set(),
+                           600, "the worker's SIGTERM handler")
+                if not worked.is_set():
+                    os.kill(os.getpid(), signal.SIGTERM)
 
     worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)
     thread = threading.Thread(target=run)
@@ -134,6 +140,7 @@ def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], *, stop_whe
         worker.work(burst=False, max_idle_time=None if stop_when_done else 2, with_scheduler=False,
                     logging_level="WARNING")
     finally:
+        worked.set()
         thread.join(timeout=30)
         engine.close()
     if errors:
