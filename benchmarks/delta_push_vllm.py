@@ -13,9 +13,13 @@ Then, as the `vllm-http` engine does it, the server goes to the new version twic
 which goes first per step (the other runs on the same bits, so each starts from the page cache
 the other left):
 
-- **delta**: `VLLMHTTPEngine.apply_store_version` (pause, `/collective_rpc rollout_apply_store`:
-  the extension applies the delta to its checked copy, feeds vLLM the changed layers through its
-  in-place reload, reads back what vLLM keeps readable; reset the prefix cache, tag, resume);
+- **delta**, as a worker does it (`workers.process.store_load`): `VLLMHTTPEngine.stage_store_version`
+  before the pause (`/collective_rpc rollout_stage_store`: the extension applies the delta to its
+  copy and checks every checksum on a thread of its own while vLLM keeps serving; not a pause), then
+  `install_store_version` in it (`rollout_install_store`: vLLM is fed the changed layers through its
+  in-place reload, and what it keeps readable is read back; reset the prefix cache, tag, resume).
+  `--in-place` measures `apply_store_version` instead: the decode inside the pause
+  (`PIPELINE_WEIGHT_STAGING=off`);
 - **full reload** (the baseline a user writes today): the same pause around `/collective_rpc
   reload_weights` of the checkpoint directory (`VLLMHTTPEngine.update_weights`' calls).
 
@@ -76,6 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--url", help="a running vLLM server with the extension, serving the untied demo model")
+    parser.add_argument("--in-place", action="store_true",
+                        help="decode inside the pause (apply_store_version) instead of staging before it")
     args = parser.parse_args()
     torch.manual_seed(0)
     model_dir = vllm_server.untied_copy(ensure_demo_model())
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
     stored: list[int] = []
     read: list[int] = []
     split: dict[str, list[float]] = {}  # the extension's own phases of each delta apply
+    staging: list[float] = []  # stage_store_version's wall time, before the pause
     fed: list[int] = []
     for version in range(1, args.steps + 1):
         started = time.perf_counter()
@@ -122,8 +129,14 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
         trainer.save_pretrained(checkpoint)
         order = ("delta", "full") if version % 2 else ("full", "delta")
         for how in order:
-            if how == "delta":
+            if how == "delta" and args.in_place:
                 applied = engine.apply_store_version(WeightStore(store.url), version - 1, version)
+            elif how == "delta":
+                started = time.perf_counter()
+                staged = engine.stage_store_version(WeightStore(store.url), version - 1, version)
+                staging.append(time.perf_counter() - started)
+                applied = engine.install_store_version(staged)
+            if how == "delta":
                 assert applied.how == "delta", applied
                 read.append(applied.bytes_read)
                 (answer,) = engine.last_store_results
@@ -145,10 +158,14 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
     print(f"  bytes per push: full {full.stored_bytes / 1e6:.1f} MB, delta {spread(stored, 'MB', 1e-6)}; "
           f"the extension read {spread(read, 'MB', 1e-6)}")
     print("vLLM pause per push (pause -> weights -> reset prefix cache -> tag -> resume), alternating order:")
-    print(f"  delta through the extension: {spread(pause['delta'])}")
+    how = "decoded inside the pause (--in-place)" if args.in_place else "staged before the pause"
+    print(f"  delta through the extension, {how}: {spread(pause['delta'])}")
     print(f"  full reload_weights of the checkpoint directory: {spread(pause['full'])}")
     print(f"  ratio delta/full per step: {spread(ratio, '', 1.0)} (goal <= 0.2)")
-    print(f"  inside the delta's pause, the extension (median tensors fed to vLLM {statistics.median(fed)}):")
+    if staging:
+        print(f"  staging before the pause (vLLM serving; not a pause): {spread(staging)}")
+    print(f"  the extension's phases (median tensors fed to vLLM {statistics.median(fed)}; "
+          f"{'all' if args.in_place else 'load and check'} inside the pause):")
     for phase, seconds in split.items():
         print(f"    {phase}: {spread(seconds)}")
 

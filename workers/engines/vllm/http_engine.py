@@ -34,9 +34,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -64,13 +66,28 @@ from workers.engines.vllm.mapping import (
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
 from workers.rows.contracts import check_request_supported
 
+if TYPE_CHECKING:
+    from workers.engines.inplace import Applied  # torch: imported only where a store version is applied
+
 log = logging.getLogger(__name__)
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PAUSE_MODES = ("abort", "wait", "keep")  # vllm/v1/engine/__init__.py: PauseMode
 # The worker extension the project ships (`--worker-extension-cls`): weight-store versions applied in place.
 WEIGHT_EXTENSION = "workers.engines.vllm.weight_extension.RolloutWeightExtension"
+STAGING_POLL_S = 0.05
+STAGING_TIMEOUT_S = 1800.0
 _PROBE_TOP = 5
+
+
+@dataclass(frozen=True)
+class StagedOnServers:
+    """A store version every server's weight extension has computed and checked, not yet fed to
+    vLLM; `seconds`: each vLLM worker's staging time."""
+
+    version: int
+    url: str
+    seconds: list[dict[str, float]]
 _PROBE_TOLERANCE = 1e-3
 
 
@@ -117,7 +134,7 @@ class VLLMHTTPEngine(HTTPEngine):
         if len(set(roots.values())) > 1:
             log.warning("vLLM servers serve different models: %s", roots)
         first = self.urls[0]
-        self._model_path = roots[first]
+        self.model_path = roots[first]
         paused = self._bridge.run(self._client.backends.each("GET", "/is_paused", timeout_s=30))
         self.dev_mode = {url: answered(answer) for url, answer in paused.items()}
         infos = self.server_info()
@@ -146,20 +163,22 @@ class VLLMHTTPEngine(HTTPEngine):
         extensions = {url: _config(info, "worker_extension_cls", "parallel_config") if info else None
                       for url, info in infos.items()}
         if all(self.dev_mode.values()) and all(ext == WEIGHT_EXTENSION for ext in extensions.values()):
-            # Only then: a worker looks the method up to choose in-place over a materialised full load.
+            # Only then: a worker looks these up to choose staged or in-place over a materialised full load.
             self.apply_store_version = self._apply_store_version
+            self.stage_store_version = self._stage_store_version
+            self.install_store_version = self._install_store_version
         if vocab_size is None:
-            vocab_size = model_config.vocab_size(self._model_path)
+            vocab_size = model_config.vocab_size(self.model_path)
         self._description = EngineDescription(
             name="vllm-http",
-            model=model_name or self._model_path,
+            model=model_name or self.model_path,
             capabilities=Capabilities(max_top_logprobs=max_top_logprobs, prompt_logprobs=True, routed_experts=False,
                                       vocab_size=vocab_size,
                                       **logprob_capabilities(self.logprobs_mode)),
             has_tokenizer=has_tokenizer,
         )
         log.info("vllm-http: %s serving %s (logprobs mode %s, development endpoints %s)", self.urls,
-                 self._model_path, self.logprobs_mode,
+                 self.model_path, self.logprobs_mode,
                  "on" if all(self.dev_mode.values()) else f"off ({DEV_MODE_ENV} unset)")
 
     # -- generation --------------------------------------------------------------------------
@@ -253,7 +272,7 @@ class VLLMHTTPEngine(HTTPEngine):
         """Reload the weights from `path` on every server and tag them `version`: pause (requests in
         flight finish, new ones wait), `reload_weights`, reset the prefix cache, tag, resume."""
         self._require_dev_mode("a weight reload")
-        check_weights_dir(path, served=self._model_path)
+        check_weights_dir(path, served=self.model_path)
 
         def reload() -> None:
             self._each("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
@@ -262,31 +281,59 @@ class VLLMHTTPEngine(HTTPEngine):
 
         self._paused_swap(version, reload)
 
-    def _apply_store_version(self, store: WeightStore, have: int | None, version: int) -> Any:
-        """Bring every server to `version` of the weight store through the worker extension
-        (`weight_extension.RolloutWeightExtension`, `POST /collective_rpc rollout_apply_store`) in the
-        same pause as a reload: the deltas from `have` applied in place and every checksum checked, or
-        a full rebuild from the store (said why). Bound to `apply_store_version` only when every
-        server runs the extension."""
-        from workers.engines.inplace import Applied
+    def _extension_call(self, method: str, args: list[Any], what: str) -> list[dict[str, Any]]:
+        """`POST /collective_rpc` of an extension method on every server: each vLLM worker's answer;
+        raises `EngineUnavailableError` naming the server where one is not ok."""
+        answers: list[dict[str, Any]] = []
+        for url, body in self._each_json("POST", "/collective_rpc", {"method": method, "args": args}).items():
+            results = body.get("results") if isinstance(body, dict) else None
+            if not isinstance(results, list) or not results:
+                raise EngineUnavailableError(f"{url}/collective_rpc {method} answered {str(body)[:300]}")
+            for answer in results:
+                if not (isinstance(answer, dict) and answer.get("ok") is True):
+                    error = answer.get("error") if isinstance(answer, dict) else answer
+                    raise EngineUnavailableError(f"{url}: the weight extension could not {what}: {error}")
+                answers.append(answer)
+        return answers
 
+    def _apply_store_version(self, store: WeightStore, have: int | None, version: int) -> Applied:
+        """Bring every server to `version` of the weight store through the worker extension
+        (`weight_extension.RolloutWeightExtension`, `rollout_apply_store`), all of it in the pause:
+        the deltas from `have` applied to its copy and every checksum checked, or a full rebuild from
+        the store (said why). Bound to `apply_store_version` only when every server runs the extension."""
         plan = store_plan(store, have, version)
         results: list[dict[str, Any]] = []
+        self._paused_swap(version, lambda: results.extend(
+            self._extension_call("rollout_apply_store", [plan], f"load v{version} of {store.url}")))
+        return self._applied(version, results)
 
-        def apply() -> None:
-            call = {"method": "rollout_apply_store", "args": [plan]}
-            for url, body in self._each_json("POST", "/collective_rpc", call).items():
-                answers = body.get("results") if isinstance(body, dict) else None
-                if not isinstance(answers, list) or not answers:
-                    raise EngineUnavailableError(f"{url}/collective_rpc rollout_apply_store answered {str(body)[:300]}")
-                for answer in answers:
-                    if not (isinstance(answer, dict) and answer.get("ok") is True):
-                        error = answer.get("error") if isinstance(answer, dict) else answer
-                        raise EngineUnavailableError(f"{url}: the weight extension could not load v{version} of "
-                                                     f"{store.url}: {error}")
-                    results.append(answer)
+    def _stage_store_version(self, store: WeightStore, have: int | None, version: int) -> StagedOnServers:
+        """Every server's extension computes `version` and checks it (`rollout_stage_store`, on a
+        thread of its own) while vLLM keeps generating; returns once all are done. Bound to
+        `stage_store_version` with the extension (`workers.process.store_load` calls it before the pause)."""
+        what = f"stage v{version} of {store.url}"
+        self._extension_call("rollout_stage_store", [store_plan(store, have, version)], what)
+        deadline = time.monotonic() + STAGING_TIMEOUT_S
+        while True:
+            answers = self._extension_call("rollout_staged", [], what)
+            if all(answer.get("done") for answer in answers):
+                return StagedOnServers(version, store.url, [answer.get("seconds", {}) for answer in answers])
+            if time.monotonic() > deadline:
+                raise EngineUnavailableError(f"the vLLM weight extension did not finish staging v{version} of "
+                                             f"{store.url} in {STAGING_TIMEOUT_S:.0f} s")
+            time.sleep(STAGING_POLL_S)  # each poll is a call into vLLM's engine loop: not every millisecond
 
-        self._paused_swap(version, apply)
+    def _install_store_version(self, staged: StagedOnServers) -> Applied:
+        """The staged version fed to vLLM on every server (`rollout_install_store`), in the same pause
+        as a reload."""
+        results: list[dict[str, Any]] = []
+        self._paused_swap(staged.version, lambda: results.extend(self._extension_call(
+            "rollout_install_store", [staged.version], f"install v{staged.version} of {staged.url}")))
+        return self._applied(staged.version, results)
+
+    def _applied(self, version: int, results: list[dict[str, Any]]) -> Applied:
+        from workers.engines.inplace import Applied
+
         self.last_store_results = results  # each vLLM worker's answer: how, bytes, tensors fed and read back, seconds
         full = [r for r in results if r.get("how") == "full"]
         details = sorted({str(r["detail"]) for r in results if r.get("detail")})

@@ -2,9 +2,17 @@
 
 Start the server with `--worker-extension-cls workers.engines.vllm.weight_extension.RolloutWeightExtension`
 (this checkout on its `PYTHONPATH`, or the project installed with `--no-deps` in vLLM's venv): vLLM
-mixes the class into its worker, and `POST /collective_rpc {"method": "rollout_apply_store", "args":
-[PLAN]}` runs `rollout_apply_store` in every worker. The `vllm-http` engine sends it
-(`VLLMHTTPEngine.apply_store_version`) while the server is paused.
+mixes the class into its worker, and `POST /collective_rpc {"method": ..., "args": [...]}` runs one
+of its methods in every worker. The `vllm-http` engine calls them in two steps, as the hf engine
+stages a version (`workers.engines.inplace`):
+
+- `rollout_stage_store(PLAN)` before the pause: it starts decoding and checking the version on a
+  thread of its own and answers at once, so vLLM keeps generating (a `collective_rpc` method runs in
+  vLLM's engine loop: one that decoded in the call would stop generation for as long);
+  `rollout_staged()` says when that is done (`VLLMHTTPEngine.stage_store_version` polls it);
+- `rollout_install_store(VERSION)` in the pause: vLLM is fed the changed layers.
+
+`rollout_apply_store(PLAN)` does both in one call, in the pause (`PIPELINE_WEIGHT_STAGING=off`).
 
 It runs in vLLM's own venv, so it imports only stdlib, numpy, torch, fsspec and the store's
 decoding core (`pipeline/weights/codec_core.py`, loaded by its path: numpy, zstandard, xxhash),
@@ -33,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,76 +191,158 @@ class _Layout:
         return param.narrow(getattr(param, "output_dim", 0), offset, size)
 
 
+def _claim(state: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The store and version the shadow holds, (None, None) for none; from here until the install
+    the shadow is no longer what vLLM holds (version None), so an install that never comes leaves
+    the next plan to rebuild in full."""
+    held = (state["url"], state["version"]) if state["shadow"] else (None, None)
+    state["version"] = None
+    return held
+
+
+def _decode(state: dict[str, Any], plan: dict[str, Any], held: tuple[str | None, int | None]) -> dict[str, Any]:
+    """The plan's version computed in the shadow (at `held`) and checked: by its deltas when the
+    shadow holds their base, else, or when they do not check out, rebuilt from the full version.
+    What the install needs, or an answer with an `error` (vLLM untouched)."""
+    core = codec_core()
+    started = time.perf_counter()
+    shadow: dict[str, np.ndarray] = state["shadow"]
+    final = plan["final"]
+    store = _Store(plan["url"])
+    how, detail, changed = None, None, set()
+    if plan.get("deltas") and held == (plan["url"], plan["have"]):
+        try:
+            changed = apply_steps(shadow, plan["deltas"], store)
+            bad = mismatched(shadow, final)
+        except core.DecodeError as exc:
+            bad = [str(exc)]
+        if not bad:
+            how = "delta"
+        else:
+            detail = (f"the delta from v{plan['have']} left {len(bad)} tensor(s) not bit-identical to the "
+                      f"trainer's (e.g. {bad[0]}); rebuilt from the full version")
+            log.warning("weights v%d from %s: %s", plan["version"], plan["url"], detail)
+    elif held[1] is None or held[0] != plan["url"]:
+        detail = "no version of this store loaded in the vLLM worker: rebuilt from the full version"
+    else:
+        detail = (f"the store has no delta chain from the vLLM worker's v{held[1]} to "
+                  f"v{plan['version']}: rebuilt from the full version")
+    if how is None:
+        shadow.clear()
+        apply_steps(shadow, plan["chain"], store)
+        bad = mismatched(shadow, final)
+        if bad:
+            shadow.clear()
+            return {"ok": False, "version": None, "error": (
+                f"{plan['url']} v{plan['version']}: after a full rebuild {len(bad)} tensor(s) are not "
+                f"bit-identical to the trainer's (e.g. {bad[0]}): the store is corrupt; vLLM's weights were "
+                "not touched; push the weights again as a new full version")}
+        how, changed = "full", set(shadow)
+    return {"plan": plan, "how": how, "detail": detail, "changed": changed, "bytes_read": store.bytes_read,
+            "seconds": {"decode": time.perf_counter() - started}}
+
+
 class RolloutWeightExtension:
     """Mixed into vLLM's worker class; its methods are what `/collective_rpc` may call by name."""
 
     def _rollout_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_rollout_weights")
         if state is None:
-            state = self.__dict__["_rollout_weights"] = {"url": None, "version": None, "shadow": {}, "meta": {}}
+            state = self.__dict__["_rollout_weights"] = {"url": None, "version": None, "shadow": {}, "meta": {},
+                                                         "staging": None}
         return state
 
     def _rollout_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
     def rollout_apply_store(self, plan: str) -> dict[str, Any]:
-        """Bring this worker's weights to the plan's version (a JSON string: see the module docstring)."""
+        """Bring this worker's weights to the plan's version (a JSON string: see the module docstring),
+        decode and all, in this call (the engine paused for all of it)."""
         state = self._rollout_state()
         try:
-            return self._rollout_apply(state, json.loads(plan))
+            parsed = json.loads(plan)
+            decoded = _decode(state, parsed, _claim(state))
+            return decoded if "error" in decoded else self._rollout_install(state, decoded)
         except Exception as exc:  # anything raised here would kill vLLM's engine
             log.exception("rollout_apply_store failed")
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "version": state["version"]}
 
-    def _rollout_apply(self, state: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
-        core = codec_core()
+    def rollout_stage_store(self, plan: str) -> dict[str, Any]:
+        """Start computing the plan's version in the extension's copy on a thread of its own, and
+        answer at once: vLLM keeps generating on the weights it holds (a `collective_rpc` call runs in
+        vLLM's engine loop, so a call that decoded here would stop generation for as long).
+        `rollout_staged` says when it is done; `rollout_install_store` feeds it to vLLM, in the pause."""
+        state = self._rollout_state()
+        try:
+            running = state.get("staging")
+            if running is not None and running["thread"].is_alive():
+                return {"ok": False, "error": f"v{running['version']} is still being staged; install it first"}
+            parsed = json.loads(plan)
+            staging: dict[str, Any] = {"version": parsed["version"], "result": None}
+            held = _claim(state)
+
+            def work() -> None:
+                try:
+                    staging["result"] = _decode(state, parsed, held)
+                except Exception as exc:  # reported by rollout_staged / rollout_install_store
+                    log.exception("staging v%s failed", parsed.get("version"))
+                    staging["result"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "version": None}
+
+            staging["thread"] = threading.Thread(target=work, name="rollout-stage", daemon=True)
+            state["staging"] = staging
+            staging["thread"].start()
+            return {"ok": True, "version": parsed["version"]}
+        except Exception as exc:  # anything raised here would kill vLLM's engine
+            log.exception("rollout_stage_store failed")
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "version": state["version"]}
+
+    def rollout_staged(self) -> dict[str, Any]:
+        """Whether the version `rollout_stage_store` started is computed and checked (`done`), and,
+        once done, whether it can be installed (`ok`, else `error`). Never waits: it runs in vLLM's
+        engine loop."""
+        staging = self._rollout_state().get("staging")
+        if staging is None:
+            return {"ok": False, "done": True, "error": "nothing is being staged"}
+        result = staging["result"]
+        if result is None:
+            return {"ok": True, "done": False, "version": staging["version"]}
+        if "error" in result:
+            return {**result, "done": True}
+        return {"ok": True, "done": True, "version": staging["version"], "how": result["how"],
+                "seconds": result["seconds"]}
+
+    def rollout_install_store(self, version: int) -> dict[str, Any]:
+        """Feed vLLM the staged `version` (its changed layers) and read back what it keeps readable."""
+        state = self._rollout_state()
+        try:
+            staging = state.get("staging")
+            if staging is None or staging["version"] != version or staging["result"] is None:
+                what = "nothing" if staging is None else f"v{staging['version']}"
+                done = staging is not None and staging["result"] is not None
+                return {"ok": False, "version": state["version"],
+                        "error": f"v{version} is not staged here ({what} is{'' if done else ' still being'} staged)"}
+            state["staging"] = None
+            decoded = staging["result"]
+            return decoded if "error" in decoded else self._rollout_install(state, decoded)
+        except Exception as exc:  # anything raised here would kill vLLM's engine
+            log.exception("rollout_install_store failed")
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "version": state["version"]}
+
+    def _rollout_install(self, state: dict[str, Any], decoded: dict[str, Any]) -> dict[str, Any]:
+        """Feed vLLM the shadow's changed layers and read back: the answer for the decoded version."""
         started = time.perf_counter()
-        shadow: dict[str, np.ndarray] = state["shadow"]
-        final = plan["final"]
-        store = _Store(plan["url"])
-        how, detail, changed = None, None, set()
-        if plan.get("deltas") and shadow and (state["url"], state["version"]) == (plan["url"], plan["have"]):
-            try:
-                changed = apply_steps(shadow, plan["deltas"], store)
-                bad = mismatched(shadow, final)
-            except core.DecodeError as exc:
-                bad = [str(exc)]
-            if not bad:
-                how = "delta"
-            else:
-                detail = (f"the delta from v{plan['have']} left {len(bad)} tensor(s) not bit-identical to the "
-                          f"trainer's (e.g. {bad[0]}); rebuilt from the full version")
-                log.warning("weights v%d from %s: %s", plan["version"], plan["url"], detail)
-        elif state["version"] is None or not shadow or state["url"] != plan["url"]:
-            detail = "no version of this store loaded in the vLLM worker: rebuilt from the full version"
-        else:
-            detail = (f"the store has no delta chain from the vLLM worker's v{state['version']} to "
-                      f"v{plan['version']}: rebuilt from the full version")
-        if how is None:
-            state["version"] = None
-            shadow.clear()
-            apply_steps(shadow, plan["chain"], store)
-            bad = mismatched(shadow, final)
-            if bad:
-                shadow.clear()
-                return {"ok": False, "version": None, "error": (
-                    f"{plan['url']} v{plan['version']}: after a full rebuild {len(bad)} tensor(s) are not "
-                    f"bit-identical to the trainer's (e.g. {bad[0]}): the store is corrupt; vLLM's weights were "
-                    "not touched; push the weights again as a new full version")}
-            how, changed = "full", set(shadow)
+        plan, final = decoded["plan"], decoded["plan"]["final"]
         state["meta"] = {e["name"]: (e["dtype"], e["shape"]) for e in final}
-        decoded = time.perf_counter()
-        state["version"] = None  # until vLLM holds the shadow's version
-        fed = self._rollout_feed(state, changed)
+        fed = self._rollout_feed(state, decoded["changed"])
         state["url"], state["version"] = plan["url"], plan["version"]
         loaded = time.perf_counter()
         engine = self._rollout_engine_checksums(state)
         wrong = [e["name"] for e in final if engine.get(e["name"]) not in (None, e["xxh3"])]
-        result = {"ok": not wrong, "version": plan["version"], "how": how, "detail": detail,
-                  "bytes_read": store.bytes_read, "tensors_changed": len(changed), "tensors_fed": fed,
-                  "checked_in_engine": sum(1 for v in engine.values() if v is not None),
+        result = {"ok": not wrong, "version": plan["version"], "how": decoded["how"], "detail": decoded["detail"],
+                  "bytes_read": decoded["bytes_read"], "tensors_changed": len(decoded["changed"]),
+                  "tensors_fed": fed, "checked_in_engine": sum(1 for v in engine.values() if v is not None),
                   "not_readable_in_engine": sum(1 for v in engine.values() if v is None),
-                  "seconds": {"decode": decoded - started, "load": loaded - decoded,
+                  "seconds": {**decoded["seconds"], "load": loaded - started,
                               "check": time.perf_counter() - loaded}}
         if wrong:
             state["version"] = None
@@ -291,8 +382,8 @@ class RolloutWeightExtension:
     def rollout_forget_store(self) -> dict[str, Any]:
         """vLLM loaded weights from elsewhere (a checkpoint reload): the next store push rebuilds in full."""
         state = self._rollout_state()
-        state.update(url=None, version=None, meta={})
-        state["shadow"].clear()
+        # A new dict, not a clear: a staging thread still running writes into the one it started with.
+        state.update(url=None, version=None, meta={}, shadow={}, staging=None)
         return {"ok": True}
 
     def rollout_weight_checksums(self) -> dict[str, Any]:

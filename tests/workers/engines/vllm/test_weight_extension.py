@@ -131,17 +131,22 @@ class FakeWorker(weight_extension.RolloutWeightExtension):
         self.model_runner = FakeRunner(model)
 
 
-def test_the_worker_side_feeds_changed_layers_reads_back_and_falls_back_to_full(tmp_path: Path) -> None:
-    """The extension's whole call on a worker whose model holds the tensors under their checkpoint
-    names: a full load, a delta that feeds only the changed layers, a corrupt delta answered by a
-    full rebuild (said why), and answers, never exceptions, for what it cannot do."""
-    store, versions = store_with_three_versions(tmp_path)
+def fake_worker() -> tuple[FakeWorker, torch.nn.Module]:
+    """A worker whose model holds three tensors under their checkpoint names, zeros."""
     layers = torch.nn.ModuleDict({str(i): torch.nn.Module() for i in range(3)})
     for i in range(3):
         layers[str(i)].weight = torch.nn.Parameter(torch.zeros(4096), requires_grad=False)
     model = torch.nn.Module()
     model.layer = layers
-    worker = FakeWorker(model)
+    return FakeWorker(model), model
+
+
+def test_the_worker_side_feeds_changed_layers_reads_back_and_falls_back_to_full(tmp_path: Path) -> None:
+    """The extension's whole call on a worker whose model holds the tensors under their checkpoint
+    names: a full load, a delta that feeds only the changed layers, a corrupt delta answered by a
+    full rebuild (said why), and answers, never exceptions, for what it cannot do."""
+    store, versions = store_with_three_versions(tmp_path)
+    worker, model = fake_worker()
 
     first = worker.rollout_apply_store(store_plan(store, None, 1))
     assert (first["ok"], first["how"], first["tensors_fed"], first["checked_in_engine"]) == (True, "full", 3, 3)
@@ -164,3 +169,71 @@ def test_the_worker_side_feeds_changed_layers_reads_back_and_falls_back_to_full(
     assert broken["ok"] is False and "JSONDecodeError" in broken["error"]
     assert worker.rollout_forget_store() == {"ok": True}
     assert worker.rollout_weight_checksums()["version"] is None
+
+
+def fake_worker_at_v1(store: WeightStore) -> tuple[FakeWorker, torch.nn.Module]:
+    worker, model = fake_worker()
+    assert worker.rollout_apply_store(store_plan(store, None, 1))["ok"]
+    return worker, model
+
+
+def staged(worker: FakeWorker) -> dict[str, Any]:
+    """`rollout_staged`'s answer once the staging thread has ended (joined: no polling in the test)."""
+    worker._rollout_state()["staging"]["thread"].join(timeout=60)
+    return worker.rollout_staged()
+
+
+def holds(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> bool:
+    return all(np.array_equal(model.get_parameter(n).numpy().view(np.uint32), w) for n, w in tensors.items())
+
+
+def test_a_staged_version_reaches_vllm_only_when_installed(tmp_path: Path) -> None:
+    """Staging decodes and checks on a thread and answers at once; vLLM's weights change only at
+    the install, which feeds the changed layers; the next delta starts from the installed version."""
+    store, versions = store_with_three_versions(tmp_path)
+    worker, model = fake_worker_at_v1(store)
+    assert worker.rollout_stage_store(store_plan(store, 1, 2)) == {"ok": True, "version": 2}
+    done = staged(worker)
+    assert (done["ok"], done["done"], done["how"], set(done["seconds"])) == (True, True, "delta", {"decode"})
+    assert holds(model, versions[0]) and worker.model_runner.fed == [list(versions[0])]  # vLLM untouched so far
+    installed = worker.rollout_install_store(2)
+    assert (installed["ok"], installed["how"]) == (True, "delta")
+    assert installed["bytes_read"] == store.manifest(2).stored_bytes
+    assert set(installed["seconds"]) == {"decode", "load", "check"}
+    assert worker.model_runner.fed[-1] == ["layer.0.weight", "layer.1.weight"] and holds(model, versions[1])
+    assert worker.rollout_weight_checksums()["version"] == 2
+
+    worker.rollout_stage_store(store_plan(store, 2, 3))
+    assert staged(worker)["how"] == "delta"
+    assert worker.rollout_install_store(3)["ok"] and holds(model, versions[2])
+
+
+def test_a_staging_never_installed_leaves_vllm_as_it_was_and_the_next_plan_rebuilds(tmp_path: Path) -> None:
+    """A push given up between staging and install: vLLM keeps v1, an install of another version is
+    refused with an answer, and the next plan cannot start from the half-moved copy, so it rebuilds."""
+    store, versions = store_with_three_versions(tmp_path)
+    worker, model = fake_worker_at_v1(store)
+    worker.rollout_stage_store(store_plan(store, 1, 2))
+    staged(worker)
+    refused = worker.rollout_install_store(3)
+    assert refused["ok"] is False and "v3 is not staged here (v2 is staged)" in refused["error"]
+    assert holds(model, versions[0])
+    worker.rollout_stage_store(store_plan(store, 1, 3))  # the worker still thinks it serves v1
+    done = staged(worker)
+    assert done["how"] == "full"
+    installed = worker.rollout_install_store(3)
+    assert installed["how"] == "full" and "no version of this store loaded" in installed["detail"]
+    assert holds(model, versions[2])
+    assert worker.rollout_install_store(3)["ok"] is False  # installed once: nothing is staged now
+
+
+def test_a_corrupt_store_is_refused_at_staging_with_vllm_untouched(tmp_path: Path) -> None:
+    store, versions = store_with_three_versions(tmp_path)
+    worker, model = fake_worker_at_v1(store)
+    plan = json.loads(store_plan(store, 1, 2))
+    plan["final"][0]["xxh3"] = "0" * 32  # no way to reach these bits: the store is corrupt
+    worker.rollout_stage_store(json.dumps(plan))
+    done = staged(worker)
+    assert (done["ok"], done["done"]) == (False, True) and "the store is corrupt" in done["error"]
+    assert worker.rollout_install_store(2)["ok"] is False
+    assert holds(model, versions[0]) and len(worker.model_runner.fed) == 1
