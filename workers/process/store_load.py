@@ -27,6 +27,7 @@ from pipeline import settings
 from pipeline.weights.materialise import materialise
 from pipeline.weights.store import WeightStore, version_dir
 from workers.engines.base import Engine
+from workers.engines.http.engine import HTTPEngine
 
 Load = Callable[[], dict[str, Any]]
 
@@ -42,8 +43,8 @@ def scratch_dir(worker_id: str) -> Path:
 
 def served_model_dir(engine: Engine) -> Path:
     """The directory of the model the engine serves, as this worker sees it (an HTTP engine's
-    server reports it; else the engine's model name when it is a directory)."""
-    return Path(getattr(engine, "_model_path", None) or engine.description.model)
+    `model_path`, which its server reports or its flags give; else the engine's model name)."""
+    return Path(engine.model_path if isinstance(engine, HTTPEngine) else engine.description.model)
 
 
 def prepare_store_load(engine: Engine, url: str, version: int, have: int | None, scratch: Path) -> Load:

@@ -40,7 +40,7 @@ class HTTPEngine(EngineIdentity):
     """The batching half of an HTTP engine; subclasses add the wire format and the lifecycle."""
 
     _client: GenerateClient
-    _model_path: str  # where `decode` reads the tokenizer from
+    model_path: str  # the served model's directory, as this worker sees it (the tokenizer, a materialised load)
 
     def __init__(self, *, name: str) -> None:
         self._bridge = AsyncBridge(name=name)
@@ -142,10 +142,10 @@ class HTTPEngine(EngineIdentity):
             try:
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             except Exception as exc:  # not readable from here: continued rows get no text
                 log.warning("tokenizer of %s not readable here (%s); continued samples' text is null",
-                            self._model_path, exc)
+                            self.model_path, exc)
                 self._tokenizer = False
         if self._tokenizer is False:
             return None

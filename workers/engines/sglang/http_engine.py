@@ -67,7 +67,7 @@ class SGLangHTTPEngine(HTTPEngine):
             raise
         first = infos[self.servers[0]]
         model_path = str(first.get("model_path") or "unknown")
-        self._model_path = model_path
+        self.model_path = model_path
         versions = {url: info.get("weight_version") for url, info in infos.items()}
         if len(set(map(str, versions.values()))) > 1:
             log.warning("SGLang servers report different weight versions: %s", versions)
