@@ -77,8 +77,8 @@ class WeightsPushCommand(Command):
 
         client = connect(args.redis, pool=args.pool)
         path = resolve(args.path)
-        _check_target(client.conn, client.pool, path)
         store = store_url(args.store, client.pool) if args.delta or args.store is not None else None
+        _check_target(client.conn, client.pool, path, read_here=store is not None)
         result = client.push_weights(path, version=args.version, timeout=args.timeout, force=args.force,
                                      mode=args.mode, store=store, delta=args.delta, full_every=args.full_every)
         stored = isinstance(result, StorePushResult)
@@ -98,8 +98,9 @@ def _size(count: int) -> str:
     return f"{count / 1e6:.2f} MB"
 
 
-def _check_target(conn: redis.Redis, pool: str, path: str) -> None:
-    """Before a push: refuse a local path that does not exist when every live worker of the pool runs
+def _check_target(conn: redis.Redis, pool: str, path: str, *, read_here: bool) -> None:
+    """Before a push: refuse a local path that does not exist when this command reads it (`read_here`:
+    a store push writes the checkpoint into the store) or when every live worker of the pool runs
     here and loads weights from this disk (the hf engine; HTTP engines' servers and the sim read paths
     of their own); warn when it is missing here only, and when no worker ever named the pool."""
     from pipeline.broker import registry
@@ -112,6 +113,10 @@ def _check_target(conn: redis.Redis, pool: str, path: str) -> None:
               file=sys.stderr)
     if "://" in path or os.path.exists(path):
         return
+    if read_here:
+        raise PipelineError(f"weight path {path} does not exist: a store push (--delta/--store) reads the checkpoint "
+                            "here to write it into the weight store; give the directory save_pretrained wrote. "
+                            "Nothing was pushed")
     live = registry.live_workers(conn, pool)
     if live and all(w.host == socket.gethostname() and w.engine == "hf" for w in live):
         raise PipelineError(f"weight path {path} does not exist (every live worker of pool {pool!r} loads from "

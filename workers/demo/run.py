@@ -93,7 +93,11 @@ def run_demo(args: argparse.Namespace) -> int:
     new_version = client.control_state().weight_version + 1
     new_weights = ensure_perturbed_copy(model_dir)
     ack = client.push_weights(str(new_weights), version=new_version, timeout=120)
-    print(f"pushed weights v{new_version} from {new_weights} ({len(ack.acks)} live workers acknowledged)")
+    # The demo's workers are burst workers, gone between rounds: the push is recorded as the pool's
+    # desired weights, and the next round's worker loads them before it takes a job.
+    taken = (f"{len(ack.acks)} live worker(s) acknowledged" if ack.acks else
+             "no worker runs between the demo's rounds: the next round's worker loads it before its first job")
+    print(f"pushed weights v{new_version} from {new_weights} ({taken})")
     second, elapsed_2 = _run_round(client, engine, path, f"{run}-step2", batch_size=args.batch_size,
                                    min_weight_version=new_version)
 

@@ -142,6 +142,12 @@ def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_mi
     code, _, err = _cli(capsys, redis_url, "weights", "push", str(missing), "--version", "1", "--pool", "tour")
     assert code == EXIT_USAGE and f"weight path {missing} does not exist" in err and "nothing was pushed" in err
     assert control_channel.read_state(redis_client, "tour").weight_version == 0
+    # A store push reads the checkpoint here, whoever serves the pool: missing is an error, not a warning.
+    code, _, err = _cli(capsys, redis_url, "weights", "push", str(missing), "--version", "1", "--pool", "sim",
+                        "--delta", "--store", f"file://{tmp_path}/store")
+    assert code == EXIT_USAGE and f"weight path {missing} does not exist: a store push" in err
+    assert "Nothing was pushed" in err and not (tmp_path / "store").exists()
+    assert control_channel.read_state(redis_client, "sim").weight_version == 0  # the timed-out push rolled back
 
 
 def test_demo_names_the_demo_models_directory_or_says_how_to_make_it(
