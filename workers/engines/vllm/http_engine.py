@@ -321,7 +321,7 @@ class VLLMHTTPEngine(HTTPEngine):
             if time.monotonic() > deadline:
                 raise EngineUnavailableError(f"the vLLM weight extension did not finish staging v{version} of "
                                              f"{store.url} in {STAGING_TIMEOUT_S:.0f} s")
-            time.sleep(STAGING_POLL_S)  # each poll is a call into vLLM's engine loop: not every millisecond
+            time.sleep(STAGING_POLL_S)  # each poll runs in vLLM's model-step loop: not every millisecond
 
     def _install_store_version(self, staged: StagedOnServers) -> Applied:
         """The staged version fed to vLLM on every server (`rollout_install_store`), in the same pause

@@ -8,7 +8,8 @@ stages a version (`workers.engines.inplace`):
 
 - `rollout_stage_store(PLAN)` before the pause: it starts decoding and checking the version on a
   thread of its own and answers at once, so vLLM keeps generating (a `collective_rpc` method runs in
-  vLLM's engine loop: one that decoded in the call would stop generation for as long);
+  the worker's loop that also runs the model's steps: one that decoded in the call would stop
+  generation for as long);
   `rollout_staged()` says when that is done (`VLLMHTTPEngine.stage_store_version` polls it);
 - `rollout_install_store(VERSION)` in the pause: vLLM is fed the changed layers.
 
@@ -270,7 +271,8 @@ class RolloutWeightExtension:
     def rollout_stage_store(self, plan: str) -> dict[str, Any]:
         """Start computing the plan's version in the extension's copy on a thread of its own, and
         answer at once: vLLM keeps generating on the weights it holds (a `collective_rpc` call runs in
-        vLLM's engine loop, so a call that decoded here would stop generation for as long).
+        the worker's loop that also runs the model's steps, so a call that decoded here would stop
+        generation for as long).
         `rollout_staged` says when it is done; `rollout_install_store` feeds it to vLLM, in the pause."""
         state = self._rollout_state()
         try:
@@ -298,8 +300,8 @@ class RolloutWeightExtension:
 
     def rollout_staged(self) -> dict[str, Any]:
         """Whether the version `rollout_stage_store` started is computed and checked (`done`), and,
-        once done, whether it can be installed (`ok`, else `error`). Never waits: it runs in vLLM's
-        engine loop."""
+        once done, whether it can be installed (`ok`, else `error`). Never waits: it runs in the
+        loop that runs vLLM's model steps."""
         staging = self._rollout_state().get("staging")
         if staging is None:
             return {"ok": False, "done": True, "error": "nothing is being staged"}
