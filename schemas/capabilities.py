@@ -59,10 +59,11 @@ class Needs:
 
     def __or__(self, other: Needs) -> Needs:
         """What a job of both needs: the larger of the numbers, either of the flags. Paid per request
-        at submit, so spelled out (a loop over `fields` cost ~10 µs), and `self` when nothing is added."""
-        if other is self or other == NO_NEEDS:
+        where a submit's requests ask differently, so spelled out (a loop over `fields` cost ~10 µs);
+        `self` when the other side is `self` or `NO_NEEDS` (tested by identity: `==` builds tuples)."""
+        if other is self or other is NO_NEEDS:
             return self
-        if self == NO_NEEDS:
+        if self is NO_NEEDS:
             return other
         return Needs(
             top_logprobs=max(self.top_logprobs, other.top_logprobs),
@@ -81,7 +82,9 @@ class Needs:
         return replace(self, max_token_id=max_token_id)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields that differ from their defaults, which `from_dict` reads back as they were: a
+        job's meta carries only what it needs (`{}` for a job that needs nothing special)."""
+        return {name: value for name, default in _DEFAULTS.items() if (value := getattr(self, name)) != default}
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> Needs:
@@ -98,6 +101,7 @@ class Needs:
 
 
 NO_NEEDS = Needs()
+_DEFAULTS = asdict(NO_NEEDS)
 
 
 # Needs an engine may not meet exactly (the name is both the `Needs` and the `Capabilities`

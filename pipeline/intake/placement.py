@@ -13,10 +13,12 @@ and the worker checks again (`workers.jobs.admission`). The rules are `schemas.c
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from operator import attrgetter, methodcaller
+from typing import Protocol, TypeVar
 
 from pipeline.errors import CapabilityError
-from schemas.capabilities import SAMPLING_HINTS, Asks, Needs, describe, in_vocabulary, missing, needs_of
+from schemas.capabilities import NO_NEEDS, SAMPLING_HINTS, Asks, Needs, describe, in_vocabulary, missing, needs_of
 from schemas.request import SamplingParams
 from schemas.worker_info import Capabilities, WorkerInfo
 
@@ -26,6 +28,18 @@ _HINTS = {
     "stop strings (a tokenizer)": "stop strings need an engine with a tokenizer",
     **SAMPLING_HINTS,
 }
+# What the rules read of a request (its sampling parameters object: requests of one shape share it).
+_ASKS = attrgetter("sampling_shape", "logprobs", "prompt_logprobs", "return_routed_experts")
+_MAX_TOKEN_ID = methodcaller("max_token_id")
+
+
+class Named(Asks, Protocol):
+    """A request the rules read, with its id (`RolloutRequest`, `ParsedRequest`)."""
+
+    id: str
+
+
+R = TypeVar("R", bound=Named)
 
 
 class Placement:
@@ -49,6 +63,47 @@ class Placement:
         The rules run once per request shape (`ParsedRequest`s of one `sampling_params` shape share
         its parameters object); per request only the largest token id is checked, when a worker
         knows its vocabulary."""
+        needs, key = self._shape(request)
+        if self.token_ids:
+            needs = needs.with_token_ids(request.max_token_id())
+            key = tuple(i for i in key if in_vocabulary(needs.max_token_id, self.classes[i]))
+        if self.classes and not key and len(self.problems) < MAX_PROBLEMS:
+            where = "" if row is None else f" (row {row})"
+            self.problems.append(self._explain(f"request {request_id!r}{where}", needs))
+        return needs, key
+
+    def place_block(self, requests: Sequence[R]) -> list[tuple[Hashable, Needs, list[R]]]:
+        """`place` of each request (named by its id), grouped by job key, in order within each
+        group; a group's needs are the union of its requests'.
+
+        A block whose requests all ask alike (a file's usual case: one sampling shape) is placed
+        once when every class that serves the shape knows its largest token id: per request, only
+        what it asks is read (and its largest token id, when a worker knows its vocabulary)."""
+        asks = list(map(_ASKS, requests))
+        if asks and asks.count(asks[0]) == len(asks):
+            needs, key = self._shape(requests[0])
+            if self.token_ids:
+                needs = needs.with_token_ids(max(map(_MAX_TOKEN_ID, requests)))
+                whole = all(in_vocabulary(needs.max_token_id, self.classes[i]) for i in key)
+            else:
+                whole = True
+            if whole and (key or not self.classes):
+                return [(key, needs, list(requests))]
+        groups: dict[Hashable, list[R]] = {}
+        union: dict[Hashable, Needs] = {}
+        for request in requests:
+            needs, key = self.place(request, request.id)
+            groups.setdefault(key, []).append(request)
+            union[key] = union.get(key, NO_NEEDS) | needs
+        return [(key, union[key], members) for key, members in groups.items()]
+
+    def job_needs(self, needs: Needs, requests: Iterable[Asks]) -> Needs:
+        """`needs` (of a group some of whose requests make a job) with the largest token id of the
+        job's `requests`, when a worker knows its vocabulary: exactly what the job needs."""
+        return needs.with_token_ids(max(map(_MAX_TOKEN_ID, requests))) if self.token_ids else needs
+
+    def _shape(self, request: Asks) -> tuple[Needs, Hashable]:
+        """The needs without token ids and the job key of the request's shape, worked out once."""
         params = request.sampling_shape
         shape = (id(params), request.logprobs, request.prompt_logprobs is not None, request.return_routed_experts)
         known = self._shapes.get(shape)
@@ -60,14 +115,7 @@ class Placement:
                 # Nothing known of the workers: keep apart what typically differs between them.
                 key = (needs.top_logprobs > 0, needs.routed_experts)
             known = self._shapes[shape] = (params, needs, key)
-        _, needs, key = known
-        if self.token_ids:
-            needs = needs.with_token_ids(request.max_token_id())
-            key = tuple(i for i in key if in_vocabulary(needs.max_token_id, self.classes[i]))
-        if self.classes and not key and len(self.problems) < MAX_PROBLEMS:
-            where = "" if row is None else f" (row {row})"
-            self.problems.append(self._explain(f"request {request_id!r}{where}", needs))
-        return needs, key
+        return known[1], known[2]
 
     def check(self) -> None:
         """`CapabilityError` listing the requests no live worker of the pool can serve."""

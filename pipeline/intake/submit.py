@@ -31,7 +31,7 @@ from pipeline.intake.placement import Placement
 from pipeline.intake.prompt_staging import PromptStager
 from pipeline.intake.request_file import ParsedRequest, iter_request_blocks
 from pipeline.read import rewards
-from schemas.capabilities import Needs
+from schemas.capabilities import NO_NEEDS, Needs
 from schemas.job_payload import JobHeader, JobPayload
 from schemas.request import RolloutRequest
 
@@ -252,26 +252,16 @@ def submit_blocks(
     jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
                  min_weight_version=min_weight_version, max_staleness=max_staleness, job_timeout_s=job_timeout_s,
                  retries=retries)
-    placement = Placement(workers, where.name)
     stager = PromptStager(conn)
     try:
         # Requests the same worker classes can serve share jobs (`pipeline.intake.placement`).
-        pending: dict[Hashable, _Group] = {}
+        packer = _Packer(jobs, stager, Placement(workers, where.name), batch_size)
         for block in blocks:
             if isinstance(block, RequestColumns):
-                _pack_columns(block, placement, pending, jobs, stager, batch_size)
-                continue
-            placed = [placement.place(request, request.id) for request in block]
-            placement.check()
-            for request, (needs, key) in zip(block, placed, strict=True):
-                group = pending.setdefault(key, _Group())
-                group.requests.append(request)
-                group.needs |= needs
-                if len(group.requests) >= batch_size:
-                    jobs.add(group.requests, stager, group.needs)
-                    del pending[key]
-        for group in pending.values():
-            jobs.add(group.requests, stager, group.needs)
+                packer.columns(block)
+            else:
+                packer.block(block)
+        packer.finish()
         if not jobs.job_ids:
             raise PipelineError("nothing to submit: no requests")
         if limit is not None and jobs.requests < limit:
@@ -354,38 +344,68 @@ def _first(blocks: Iterable[Sequence[Any]], limit: int) -> Iterator[Sequence[Any
         left -= len(block)
 
 
-def _pack_columns(block: RequestColumns, placement: Placement, pending: dict[Hashable, _Group], jobs: _Jobs,
-                  stager: PromptStager, batch_size: int) -> None:
-    """A columnar block (rows asking the same of a worker): placed once, with its largest token id;
-    whole jobs packed straight from its arrays; the open job's remainder and the block's tail
-    joined as single requests."""
-    row = block.largest_row()  # a token id outside a vocabulary is named by its row
-    needs, key = placement.place(block.stand_in, block.ids[row], block.first + row)
-    placement.check()
-    start = 0
-    group = pending.get(key)
-    if group is not None:
-        start = min(len(block), batch_size - len(group.requests))
-        group.requests.extend(block.requests(0, start))
-        group.needs |= needs
-        if len(group.requests) >= batch_size:
-            jobs.add(group.requests, stager, group.needs)
-            del pending[key]
-    while len(block) - start >= batch_size:
-        jobs.add_columns(block, start, start + batch_size, stager, needs)
-        start += batch_size
-    if start < len(block):
-        group = pending.setdefault(key, _Group())
-        group.requests.extend(block.requests(start, len(block)))
-        group.needs |= needs
-
-
 @dataclass
 class _Group:
     """Requests waiting to fill a job, and what they need of its worker together."""
 
     requests: list[RolloutRequest | ParsedRequest] = field(default_factory=list)
-    needs: Needs = field(default_factory=Needs)
+    needs: Needs = NO_NEEDS
+
+
+@dataclass
+class _Packer:
+    """Blocks of requests into jobs: each job key's open job (`pipeline.intake.placement`) fills to
+    `batch_size`, then is packed; `finish` packs the ones left open."""
+
+    jobs: _Jobs
+    stager: PromptStager
+    placement: Placement
+    batch_size: int
+    pending: dict[Hashable, _Group] = field(default_factory=dict)
+
+    def block(self, block: Sequence[RolloutRequest | ParsedRequest]) -> None:
+        """A block of requests, placed together (`Placement.place_block`)."""
+        placed = self.placement.place_block(block)
+        self.placement.check()
+        for key, needs, requests in placed:
+            self._add(key, needs, requests)
+
+    def columns(self, block: RequestColumns) -> None:
+        """A columnar block (rows asking the same of a worker): placed once, with its largest token id;
+        whole jobs packed straight from its arrays; the open job's remainder and the block's tail
+        joined as single requests."""
+        row = block.largest_row()  # a token id outside a vocabulary is named by its row
+        needs, key = self.placement.place(block.stand_in, block.ids[row], block.first + row)
+        self.placement.check()
+        start = 0
+        if key in self.pending:
+            start = min(len(block), self.batch_size - len(self.pending[key].requests))
+            self._add(key, needs, block.requests(0, start))
+        while len(block) - start >= self.batch_size:
+            self.jobs.add_columns(block, start, start + self.batch_size, self.stager, needs)
+            start += self.batch_size
+        if start < len(block):
+            self._add(key, needs, block.requests(start, len(block)))
+
+    def finish(self) -> None:
+        for group in self.pending.values():
+            self._pack(group)
+        self.pending.clear()
+
+    def _add(self, key: Hashable, needs: Needs, requests: Sequence[RolloutRequest | ParsedRequest]) -> None:
+        """Requests of one job key (asking `needs` together) into its open job, in slices."""
+        start = 0
+        while start < len(requests):
+            group = self.pending.setdefault(key, _Group())
+            end = start + self.batch_size - len(group.requests)
+            group.requests.extend(requests[start:end])
+            group.needs |= needs
+            if len(group.requests) >= self.batch_size:
+                self._pack(self.pending.pop(key))
+            start = end
+
+    def _pack(self, group: _Group) -> None:
+        self.jobs.add(group.requests, self.stager, self.placement.job_needs(group.needs, group.requests))
 
 
 @dataclass

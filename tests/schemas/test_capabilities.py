@@ -85,6 +85,9 @@ def test_missing_names_each_need_the_worker_lacks() -> None:
 def test_needs_travel_as_json_and_nothing_else_is_taken_for_them() -> None:
     needs = Needs(top_logprobs=2, routed_experts=True, max_token_id=7, tempered_logprobs=True)
     assert Needs.from_dict(json.loads(json.dumps(needs.as_dict()))) == needs
+    # Only what differs from the defaults travels: a job that needs nothing special carries {}.
+    assert needs.as_dict() == {"top_logprobs": 2, "routed_experts": True, "max_token_id": 7, "tempered_logprobs": True}
+    assert Needs().as_dict() == {} and Needs.from_dict({}) == Needs()
     # Needs stored by a release before the sampling rules read as needing none of them.
     assert Needs.from_dict({"top_logprobs": 2}) == Needs(top_logprobs=2)
     for bad in ({"top_logprobs": "2"}, {"routed_experts": 1}, {"anything": True}, [1]):

@@ -84,3 +84,16 @@ def test_lines_of_one_shape_are_packed_by_the_vocabularies_their_ids_fit(
     largest = {f"r{i}": max(prompt) for i, prompt in enumerate(ids)}
     for job, members in zip(jobs, packed, strict=True):
         assert Needs.from_dict(job.meta["needs"]) == Needs(max_token_id=max(largest[m] for m in members))
+
+
+def test_a_jobs_meta_carries_only_the_needs_that_differ_from_the_defaults(
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"id": "plain", "input_ids": [1, 2]},
+        {"id": "top2", "input_ids": [3], "logprobs": 2, "sampling_params": {"temperature": 0.5}},
+    )))
+    submit_file(redis_client, path, output="memory://x")
+    metas = {job.args[0]["requests"][0]["id"]: job.meta["needs"] for job in rollout_queue(redis_client).get_jobs()}
+    assert metas == {"plain": {}, "top2": {"top_logprobs": 2, "tempered_logprobs": True}}
+    assert Needs.from_dict(metas["top2"]) == Needs(top_logprobs=2, tempered_logprobs=True)
