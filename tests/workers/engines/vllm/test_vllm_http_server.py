@@ -203,7 +203,6 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     tmp_path: Path,
 ) -> None:
     from tests.vllm_server import untied_copy
-    from tests.workers.rows.test_partial_swap import run_with_push
     from workers.demo.model import ensure_perturbed_copy
 
     v1 = ensure_perturbed_copy(demo_model_dir)  # what hf checks against; the server loads its untied copy
@@ -213,14 +212,21 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
              for i, prompt in enumerate(demo_prompts[:4])]
     client = pipeline.Client(redis_client)
     before = run(redis_client, vllm(vllm_server), lines, "vllm-v0", tmp_path / "v0")
+    pushes: list[Any] = []
+
+    def push() -> None:
+        # Once this worker is idle in the registry (not the previous run's worker, whose entry may
+        # linger), the trainer pushes v1 (drain mode); the worker stops once the push has answered
+        # (an idle limit could end it during the reload: it would leave the registry and the push
+        # would count no acknowledgement).
+        wait_until(lambda: [(w.state, w.started_at >= since) for w in registry.live_workers(redis_client)]
+                   == [("idle", True)], 60, "this worker idle")
+        pushes.append(client.push_weights(str(pushed), version=1, timeout=300, mode="drain"))
+
     try:
-        # A worker runs; the trainer pushes v1 (drain mode) and submits after the push. Ready once
-        # this worker is idle in the registry (not the previous run's worker, whose entry may linger).
         since = time.time()
-        acks = run_with_push(redis_client, vllm(vllm_server), "drain", path=str(pushed),
-                             ready=lambda: [(w.state, w.started_at >= since)
-                                            for w in registry.live_workers(redis_client)] == [("idle", True)])
-        assert [(a["version"], a["ok"]) for a in acks] == [(1, True)]
+        drive_worker(redis_client, vllm(vllm_server), push, stop_when_done=True)
+        assert [(a.version, a.ok) for a in pushes[0].acks] == [(1, True)]
         assert httpx.get(f"{vllm_server.url}/weight_info", timeout=30).json() == {"weight_version": "1"}
         after = run(redis_client, vllm(vllm_server), lines, "vllm-v1", tmp_path / "v1")
     finally:
