@@ -15,9 +15,11 @@ the other left):
 
 - **delta**, as a worker does it (`workers.process.store_load`): `VLLMHTTPEngine.stage_store_version`
   before the pause (`/collective_rpc rollout_stage_store`: the extension applies the delta to its
-  copy and checks every checksum on a thread of its own while vLLM keeps serving; not a pause), then
-  `install_store_version` in it (`rollout_install_store`: vLLM is fed the changed layers through its
-  in-place reload, and what it keeps readable is read back; reset the prefix cache, tag, resume).
+  copy, checks every checksum and builds each changed linear layer's new oneDNN handle, read back
+  through the kernel, on a thread of its own while vLLM keeps serving; not a pause), then
+  `install_store_version` in it (`rollout_install_store`: the handles swapped, the tensors vLLM keeps
+  readable copied in place, anything else fed to vLLM's in-place reload, and what it keeps readable
+  read back; reset the prefix cache, tag, resume).
   `--in-place` measures `apply_store_version` instead: the decode inside the pause
   (`PIPELINE_WEIGHT_STAGING=off`);
 - **full reload** (the baseline a user writes today): the same pause around `/collective_rpc
@@ -119,6 +121,7 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
     split: dict[str, list[float]] = {}  # the extension's own phases of each delta apply
     staging: list[float] = []  # stage_store_version's wall time, before the pause
     fed: list[int] = []
+    swapped: list[int] = []
     for version in range(1, args.steps + 1):
         started = time.perf_counter()
         rl_step(trainer, optimizer, batch, rng, SAMPLES)
@@ -143,6 +146,7 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
                 for phase, seconds in answer["seconds"].items():
                     split.setdefault(phase, []).append(seconds)
                 fed.append(answer["tensors_fed"])
+                swapped.append(answer["layers_swapped"])
             else:  # update_weights' calls, without telling the extension (its copy stays the same bits)
                 engine._paused_swap(version, lambda path=str(checkpoint): engine._each(
                     "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}))
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace, url: str, model_dir: Path, work: Path) -> None
     print(f"  ratio delta/full per step: {spread(ratio, '', 1.0)} (goal <= 0.2)")
     if staging:
         print(f"  staging before the pause (vLLM serving; not a pause): {spread(staging)}")
-    print(f"  the extension's phases (median tensors fed to vLLM {statistics.median(fed)}; "
+    print(f"  the extension's phases (median layers swapped {statistics.median(swapped)}, tensors fed to vLLM's "
+          f"reload {statistics.median(fed)}; "
           f"{'all' if args.in_place else 'load and check'} inside the pause):")
     for phase, seconds in split.items():
         print(f"    {phase}: {spread(seconds)}")

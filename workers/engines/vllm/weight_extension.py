@@ -44,7 +44,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -52,6 +52,8 @@ from typing import Any
 import fsspec
 import numpy as np
 import torch
+
+from workers.engines.vllm import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -169,27 +171,57 @@ class _Layout:
     def module_of(self, name: str) -> str:
         return self.locate(name)[0].rpartition(".")[0]
 
+    def rows(self, name: str) -> tuple[str, int | None, int | None] | None:
+        """(vLLM parameter name, first row, rows) of a checkpoint-named tensor: its rows inside a fused
+        parameter, (name, None, None) for a whole one; None where vLLM's layout is not known here
+        (tensor parallel, a fused layer of another kind)."""
+        target, shard = self.locate(name)
+        if shard is None:
+            return target, None, None
+        try:
+            module = self.model.get_submodule(target.rpartition(".")[0])
+        except AttributeError:
+            return None
+        if getattr(module, "tp_size", 1) != 1:
+            return None
+        if isinstance(shard, str) and hasattr(module, "_get_shard_offset_mapping"):
+            return target, module._get_shard_offset_mapping(shard), module._get_shard_size_mapping(shard)
+        if isinstance(shard, int) and hasattr(module, "output_sizes"):
+            return target, sum(module.output_sizes[:shard]), module.output_sizes[shard]
+        return None
+
     def read(self, name: str) -> torch.Tensor | None:
         """The tensor as vLLM holds it, or None where it cannot be read (a packed CPU weight, tensor parallel)."""
-        target, shard = self.locate(name)
+        rows = self.rows(name)
+        if rows is None:
+            return None
         try:
-            param = self.model.get_parameter(target)
+            param = self.model.get_parameter(rows[0])
         except AttributeError:
             return None
         if param.is_meta or param.numel() == 0:
             return None
-        if shard is None:
+        if rows[1] is None:
             return param
-        module = self.model.get_submodule(target.rpartition(".")[0])
-        if getattr(module, "tp_size", 1) != 1:
-            return None
-        if isinstance(shard, str) and hasattr(module, "_get_shard_offset_mapping"):
-            offset, size = module._get_shard_offset_mapping(shard), module._get_shard_size_mapping(shard)
-        elif isinstance(shard, int) and hasattr(module, "output_sizes"):
-            offset, size = sum(module.output_sizes[:shard]), module.output_sizes[shard]
-        else:
-            return None
-        return param.narrow(getattr(param, "output_dim", 0), offset, size)
+        return param.narrow(getattr(param, "output_dim", 0), rows[1], rows[2])
+
+    def fused_weight(self, module_name: str, names: list[str], tensor: Callable[[str], torch.Tensor],
+                     shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
+        """The whole `weight` of a linear module ([out, in]) from its checkpoint-named tensors (q, k and v
+        stacked as vLLM fuses them); None unless they are exactly its rows."""
+        weight = torch.empty(shape, dtype=dtype)
+        covered = 0
+        for name in names:
+            rows = self.rows(name)
+            if rows is None or rows[0] != f"{module_name}.weight":
+                return None  # a bias, or a layout not known here: vLLM's reload takes the layer
+            part = tensor(name)
+            first, count = (0, shape[0]) if rows[1] is None else (rows[1], rows[2])
+            if tuple(part.shape) != (count, shape[1]):
+                return None
+            weight[first:first + count] = part
+            covered += count
+        return weight if covered == shape[0] else None
 
 
 def _claim(state: dict[str, Any]) -> tuple[str | None, int | None]:
@@ -240,6 +272,7 @@ def _decode(state: dict[str, Any], plan: dict[str, Any], held: tuple[str | None,
                 "not touched; push the weights again as a new full version")}
         how, changed = "full", set(shadow)
     return {"plan": plan, "how": how, "detail": detail, "changed": changed, "bytes_read": store.bytes_read,
+            "meta": {e["name"]: (e["dtype"], e["shape"]) for e in final}, "packed": {},
             "seconds": {"decode": time.perf_counter() - started}}
 
 
@@ -262,7 +295,7 @@ class RolloutWeightExtension:
         state = self._rollout_state()
         try:
             parsed = json.loads(plan)
-            decoded = _decode(state, parsed, _claim(state))
+            decoded = self._rollout_prepare(state, parsed, _claim(state))
             return decoded if "error" in decoded else self._rollout_install(state, decoded)
         except Exception as exc:  # anything raised here would kill vLLM's engine
             log.exception("rollout_apply_store failed")
@@ -285,7 +318,7 @@ class RolloutWeightExtension:
 
             def work() -> None:
                 try:
-                    staging["result"] = _decode(state, parsed, held)
+                    staging["result"] = self._rollout_prepare(state, parsed, held)
                 except Exception as exc:  # reported by rollout_staged / rollout_install_store
                     log.exception("staging v%s failed", parsed.get("version"))
                     staging["result"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "version": None}
@@ -330,19 +363,79 @@ class RolloutWeightExtension:
             log.exception("rollout_install_store failed")
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "version": state["version"]}
 
+    def _rollout_prepare(self, state: dict[str, Any], plan: dict[str, Any],
+                         held: tuple[str | None, int | None]) -> dict[str, Any]:
+        """Everything before the pause: the version decoded and checked in the shadow, and the new
+        kernel handles of its changed layers built and read back (`cpu_kernels`)."""
+        decoded = _decode(state, plan, held)
+        if "error" not in decoded:
+            started = time.perf_counter()
+            decoded["packed"] = self._rollout_pack(state["shadow"], decoded["meta"], decoded["changed"])
+            decoded["seconds"]["pack"] = time.perf_counter() - started
+        return decoded
+
+    def _rollout_pack(self, shadow: dict[str, np.ndarray], meta: dict[str, tuple[str, list[int]]],
+                      changed: set[str]) -> dict[str, cpu_kernels.Packed]:
+        """A new kernel handle for each changed layer vLLM computes through one (its CPU build's
+        linear layers), by module name; other layers are left to the install."""
+        model = self._rollout_model()
+        layout = _Layout(model)
+        names_of: dict[str, list[str]] = {}
+        for name in shadow:
+            names_of.setdefault(layout.module_of(name), []).append(name)
+        packed: dict[str, cpu_kernels.Packed] = {}
+        for module_name in sorted({layout.module_of(name) for name in changed}):
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:
+                continue
+            handler = cpu_kernels.onednn_handler(module)
+            if handler is None:
+                continue
+            weight = layout.fused_weight(module_name, names_of[module_name],
+                                         lambda n: to_torch(shadow[n], *meta[n]), (handler.n, handler.k),
+                                         module.weight.dtype)
+            try:
+                done = None if weight is None else cpu_kernels.pack(module, weight)
+            except Exception:  # vLLM's reload takes this layer in the pause instead
+                log.exception("packing %s's new weights failed", module_name)
+                done = None
+            if done is not None:
+                packed[module_name] = done
+        return packed
+
     def _rollout_install(self, state: dict[str, Any], decoded: dict[str, Any]) -> dict[str, Any]:
-        """Feed vLLM the shadow's changed layers and read back: the answer for the decoded version."""
+        """In the pause: the new kernel handles swapped in, the changed tensors vLLM keeps readable
+        copied into place, any other changed layer fed to vLLM's in-place reload; then read back."""
         started = time.perf_counter()
         plan, final = decoded["plan"], decoded["plan"]["final"]
-        state["meta"] = {e["name"]: (e["dtype"], e["shape"]) for e in final}
-        fed = self._rollout_feed(state, decoded["changed"])
+        state["meta"] = decoded["meta"]
+        layout = _Layout(self._rollout_model())
+        packed: dict[str, cpu_kernels.Packed] = decoded.pop("packed")
+        for module_name, kernel in list(packed.items()):
+            if cpu_kernels.onednn_handler(kernel.module) is kernel.old:
+                kernel.swap()
+            else:  # vLLM rebuilt the layer since it was packed (a reload): its reload takes the layer again
+                del packed[module_name]
+        copied, feed = 0, set()
+        with torch.no_grad():
+            for name in sorted(decoded["changed"]):
+                dtype, shape = state["meta"][name]
+                target = layout.read(name)
+                if target is not None and tuple(target.shape) == tuple(shape) and target.dtype == torch_dtype(dtype):
+                    target.copy_(to_torch(state["shadow"][name], dtype, shape).to(target.device))
+                    copied += 1
+                elif layout.module_of(name) not in packed:
+                    feed.add(name)
+        fed = self._rollout_feed(state, feed)
         state["url"], state["version"] = plan["url"], plan["version"]
         loaded = time.perf_counter()
         engine = self._rollout_engine_checksums(state)
         wrong = [e["name"] for e in final if engine.get(e["name"]) not in (None, e["xxh3"])]
         result = {"ok": not wrong, "version": plan["version"], "how": decoded["how"], "detail": decoded["detail"],
                   "bytes_read": decoded["bytes_read"], "tensors_changed": len(decoded["changed"]),
-                  "tensors_fed": fed, "checked_in_engine": sum(1 for v in engine.values() if v is not None),
+                  "layers_swapped": len(packed), "tensors_copied": copied, "tensors_fed": fed,
+                  "checked_in_engine": sum(1 for v in engine.values() if v is not None),
                   "not_readable_in_engine": sum(1 for v in engine.values() if v is None),
                   "seconds": {**decoded["seconds"], "load": loaded - started,
                               "check": time.perf_counter() - loaded}}

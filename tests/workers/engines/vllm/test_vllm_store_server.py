@@ -82,6 +82,7 @@ def test_store_pushes_land_bit_for_bit_in_vllm_and_rows_are_the_new_versions(
               "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": i}}
              for i, prompt in enumerate(demo_prompts[:4])]
     pushes: list[Any] = []
+    answers: list[dict[str, Any]] = []  # the extension's own account of each push
 
     def driver() -> None:
         wait_until(lambda: [w.state for w in client.workers()] == ["idle"], 60, "an idle worker")
@@ -89,6 +90,7 @@ def test_store_pushes_land_bit_for_bit_in_vllm_and_rows_are_the_new_versions(
             pushes.append(client.push_weights(state_dict=tensors, version=version, store=store, timeout=300,
                                               mode="partial"))
             assert_serves(vllm_server, version, tensors)
+            answers.append(engine.last_store_results[0])
         # Read before the test puts the demo weights back (that reload tags them 0 again).
         assert httpx.get(f"{vllm_server.url}/weight_info", timeout=30).json() == {"weight_version": "3"}
         client.submit(lines, run="after", output=f"file://{tmp_path}/out", min_weight_version=3).wait(timeout=120)
@@ -103,6 +105,11 @@ def test_store_pushes_land_bit_for_bit_in_vllm_and_rows_are_the_new_versions(
     assert "no version of this store loaded" in (acks[0].detail or "") and acks[1].detail is None
     assert [a.bytes_read for a in acks] == [p.stored_bytes for p in pushes]  # the model once, then each delta
     assert pushes[2].stored_bytes < pushes[1].stored_bytes / 20  # one tensor of the model changed
+    # The last push changed one k_proj: one layer (layer 2's fused qkv_proj) got a new kernel handle,
+    # built before the pause (`cpu_kernels`); nothing went through vLLM's reload.
+    assert [(a["layers_swapped"], a["tensors_fed"]) for a in answers[1:]] == [(answers[1]["layers_swapped"], 0),
+                                                                              (1, 0)]
+    assert answers[1]["layers_swapped"] >= 30 * 4  # every linear layer of the demo's 30 decoder layers
 
     rows = f"{tmp_path}/out/after"
     assert set(pipeline.read_rollouts(rows).column("weight_version").to_pylist()) == {3}

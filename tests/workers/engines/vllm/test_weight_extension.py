@@ -108,11 +108,13 @@ def test_words_and_torch_tensors_round_trip(dtype: str) -> None:
 
 class FakeRunner:
     """vLLM's model runner as the extension uses it: `get_model`, and `reload_weights` taking
-    checkpoint-named tensors (here: copied into the module's parameters by name, recorded)."""
+    checkpoint-named tensors, recorded: a readable parameter takes them in place; an emptied one
+    (as vLLM's CPU build empties a packed linear weight) keeps them in `kernel`, as its packed copy."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.fed: list[list[str]] = []
+        self.kernel: dict[str, torch.Tensor] = {}
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -121,7 +123,11 @@ class FakeRunner:
         names = []
         with torch.no_grad():
             for name, tensor in weights_iterator:
-                self.model.get_parameter(name).copy_(tensor)
+                param = self.model.get_parameter(name)
+                if param.numel():
+                    param.copy_(tensor)
+                else:
+                    self.kernel[name] = tensor.clone()
                 names.append(name)
         self.fed.append(names)
 
@@ -131,39 +137,55 @@ class FakeWorker(weight_extension.RolloutWeightExtension):
         self.model_runner = FakeRunner(model)
 
 
+PACKED = "layer.1.weight"  # emptied, as a linear weight on vLLM's CPU build: only reload_weights reaches it
+
+
 def fake_worker() -> tuple[FakeWorker, torch.nn.Module]:
-    """A worker whose model holds three tensors under their checkpoint names, zeros."""
+    """A worker whose model holds three tensors under their checkpoint names: two readable (zeros),
+    one emptied (`PACKED`)."""
     layers = torch.nn.ModuleDict({str(i): torch.nn.Module() for i in range(3)})
     for i in range(3):
-        layers[str(i)].weight = torch.nn.Parameter(torch.zeros(4096), requires_grad=False)
+        layers[str(i)].weight = torch.nn.Parameter(torch.zeros(0 if i == 1 else 4096), requires_grad=False)
     model = torch.nn.Module()
     model.layer = layers
     return FakeWorker(model), model
 
 
-def test_the_worker_side_feeds_changed_layers_reads_back_and_falls_back_to_full(tmp_path: Path) -> None:
+def holds(worker: FakeWorker, tensors: dict[str, np.ndarray]) -> bool:
+    """The fake vLLM computes with `tensors`: the readable ones in place, the packed one as last fed."""
+    runner = worker.model_runner
+    served = {name: (runner.kernel.get(name, torch.zeros(0)) if name == PACKED else runner.model.get_parameter(name))
+              for name in tensors}
+    return all(np.array_equal(served[n].numpy().view(np.uint32), w) for n, w in tensors.items())
+
+
+def test_the_worker_side_copies_or_feeds_changed_tensors_reads_back_and_falls_back_to_full(tmp_path: Path) -> None:
     """The extension's whole call on a worker whose model holds the tensors under their checkpoint
-    names: a full load, a delta that feeds only the changed layers, a corrupt delta answered by a
-    full rebuild (said why), and answers, never exceptions, for what it cannot do."""
+    names: a full load, a delta that reaches only the changed tensors (a readable one copied in
+    place, an emptied one fed to vLLM's reload), a corrupt delta answered by a full rebuild (said
+    why), and answers, never exceptions, for what it cannot do."""
     store, versions = store_with_three_versions(tmp_path)
-    worker, model = fake_worker()
+    worker, _ = fake_worker()
 
     first = worker.rollout_apply_store(store_plan(store, None, 1))
-    assert (first["ok"], first["how"], first["tensors_fed"], first["checked_in_engine"]) == (True, "full", 3, 3)
+    assert (first["ok"], first["how"], first["checked_in_engine"], first["not_readable_in_engine"]) == \
+        (True, "full", 2, 1)
+    assert (first["tensors_copied"], first["tensors_fed"], first["layers_swapped"]) == (2, 1, 0)
+    assert holds(worker, versions[0])
     delta = worker.rollout_apply_store(store_plan(store, 1, 2))
     assert (delta["ok"], delta["how"], delta["bytes_read"]) == (True, "delta", store.manifest(2).stored_bytes)
-    assert worker.model_runner.fed[-1] == ["layer.0.weight", "layer.1.weight"]  # layer.2 did not change
+    assert (delta["tensors_copied"], worker.model_runner.fed[-1]) == (1, [PACKED])  # layer.2 did not change
     served = worker.rollout_weight_checksums()
-    assert served["version"] == 2 and served["engine"] == served["shadow"]
-    assert all(np.array_equal(model.get_parameter(n).numpy().view(np.uint32), w) for n, w in versions[1].items())
+    readable = {name: value for name, value in served["engine"].items() if value is not None}
+    assert served["version"] == 2 and readable == {n: served["shadow"][n] for n in ("layer.0.weight", "layer.2.weight")}
+    assert holds(worker, versions[1])
 
     plan = json.loads(store_plan(store, 2, 3))
     for step in plan["deltas"]:  # a delta the store cannot give: the copy is rebuilt from the full version
         step["tensors"] = [{**e, "length": 1} if e["encoding"] != "same" else e for e in step["tensors"]]
     rebuilt = worker.rollout_apply_store(json.dumps(plan))
     assert (rebuilt["ok"], rebuilt["how"]) == (True, "full") and "rebuilt from the full version" in rebuilt["detail"]
-    assert worker.rollout_weight_checksums()["shadow"] == worker.rollout_weight_checksums()["engine"]
-    assert all(np.array_equal(model.get_parameter(n).numpy().view(np.uint32), w) for n, w in versions[2].items())
+    assert holds(worker, versions[2])
 
     broken = worker.rollout_apply_store("{not json")
     assert broken["ok"] is False and "JSONDecodeError" in broken["error"]
@@ -171,10 +193,10 @@ def test_the_worker_side_feeds_changed_layers_reads_back_and_falls_back_to_full(
     assert worker.rollout_weight_checksums()["version"] is None
 
 
-def fake_worker_at_v1(store: WeightStore) -> tuple[FakeWorker, torch.nn.Module]:
-    worker, model = fake_worker()
+def fake_worker_at_v1(store: WeightStore) -> FakeWorker:
+    worker, _ = fake_worker()
     assert worker.rollout_apply_store(store_plan(store, None, 1))["ok"]
-    return worker, model
+    return worker
 
 
 def staged(worker: FakeWorker) -> dict[str, Any]:
@@ -183,57 +205,53 @@ def staged(worker: FakeWorker) -> dict[str, Any]:
     return worker.rollout_staged()
 
 
-def holds(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> bool:
-    return all(np.array_equal(model.get_parameter(n).numpy().view(np.uint32), w) for n, w in tensors.items())
-
-
 def test_a_staged_version_reaches_vllm_only_when_installed(tmp_path: Path) -> None:
     """Staging decodes and checks on a thread and answers at once; vLLM's weights change only at
     the install, which feeds the changed layers; the next delta starts from the installed version."""
     store, versions = store_with_three_versions(tmp_path)
-    worker, model = fake_worker_at_v1(store)
+    worker = fake_worker_at_v1(store)
     assert worker.rollout_stage_store(store_plan(store, 1, 2)) == {"ok": True, "version": 2}
     done = staged(worker)
-    assert (done["ok"], done["done"], done["how"], set(done["seconds"])) == (True, True, "delta", {"decode"})
-    assert holds(model, versions[0]) and worker.model_runner.fed == [list(versions[0])]  # vLLM untouched so far
+    assert (done["ok"], done["done"], done["how"], set(done["seconds"])) == (True, True, "delta", {"decode", "pack"})
+    assert holds(worker, versions[0]) and worker.model_runner.fed == [[PACKED]]  # vLLM untouched so far
     installed = worker.rollout_install_store(2)
     assert (installed["ok"], installed["how"]) == (True, "delta")
     assert installed["bytes_read"] == store.manifest(2).stored_bytes
-    assert set(installed["seconds"]) == {"decode", "load", "check"}
-    assert worker.model_runner.fed[-1] == ["layer.0.weight", "layer.1.weight"] and holds(model, versions[1])
+    assert set(installed["seconds"]) == {"decode", "pack", "load", "check"}
+    assert worker.model_runner.fed[-1] == [PACKED] and holds(worker, versions[1])
     assert worker.rollout_weight_checksums()["version"] == 2
 
     worker.rollout_stage_store(store_plan(store, 2, 3))
     assert staged(worker)["how"] == "delta"
-    assert worker.rollout_install_store(3)["ok"] and holds(model, versions[2])
+    assert worker.rollout_install_store(3)["ok"] and holds(worker, versions[2])
 
 
 def test_a_staging_never_installed_leaves_vllm_as_it_was_and_the_next_plan_rebuilds(tmp_path: Path) -> None:
     """A push given up between staging and install: vLLM keeps v1, an install of another version is
     refused with an answer, and the next plan cannot start from the half-moved copy, so it rebuilds."""
     store, versions = store_with_three_versions(tmp_path)
-    worker, model = fake_worker_at_v1(store)
+    worker = fake_worker_at_v1(store)
     worker.rollout_stage_store(store_plan(store, 1, 2))
     staged(worker)
     refused = worker.rollout_install_store(3)
     assert refused["ok"] is False and "v3 is not staged here (v2 is staged)" in refused["error"]
-    assert holds(model, versions[0])
+    assert holds(worker, versions[0])
     worker.rollout_stage_store(store_plan(store, 1, 3))  # the worker still thinks it serves v1
     done = staged(worker)
     assert done["how"] == "full"
     installed = worker.rollout_install_store(3)
     assert installed["how"] == "full" and "no version of this store loaded" in installed["detail"]
-    assert holds(model, versions[2])
+    assert holds(worker, versions[2])
     assert worker.rollout_install_store(3)["ok"] is False  # installed once: nothing is staged now
 
 
 def test_a_corrupt_store_is_refused_at_staging_with_vllm_untouched(tmp_path: Path) -> None:
     store, versions = store_with_three_versions(tmp_path)
-    worker, model = fake_worker_at_v1(store)
+    worker = fake_worker_at_v1(store)
     plan = json.loads(store_plan(store, 1, 2))
     plan["final"][0]["xxh3"] = "0" * 32  # no way to reach these bits: the store is corrupt
     worker.rollout_stage_store(json.dumps(plan))
     done = staged(worker)
     assert (done["ok"], done["done"]) == (False, True) and "the store is corrupt" in done["error"]
     assert worker.rollout_install_store(2)["ok"] is False
-    assert holds(model, versions[0]) and len(worker.model_runner.fed) == 1
+    assert holds(worker, versions[0]) and len(worker.model_runner.fed) == 1
