@@ -1,9 +1,8 @@
 """What keeping request ids unique in a run costs a submit (issue 36).
 
-`submit_file` stages each job's request ids in a set of the submit's own as the job is packed (from
-the prompt-staging thread), and its enqueue transaction moves them into the run's id set
-(`keys.run_request_ids`; a RENAME into a fresh run) after, when the run has ids already, checking
-them against it (`pipeline.intake.run_ids`: a Lua script each). Measured: the same
+`submit_file` adds every request id to the run's id set (`keys.run_request_ids`) in its enqueue
+transaction and, when the run has ids already, checks the new ones against them first
+(`pipeline.intake.run_ids`: a Lua script each, the ids as one JSON array). Measured: the same
 `submit_file` of a JSONL of 512-token prompts, in this process on one Redis, with the id set
 (this tree) and with it patched out (the submit as before issue 36: the baseline), alternating
 round by round; a first submit into a fresh run, and a second submit of new ids into a run that
@@ -44,13 +43,14 @@ def make_file(path: Path, count: int, prefix: str) -> None:
 
 @contextmanager
 def without_id_set() -> Iterator[None]:
-    """The submit without the run's id set: nothing staged, no check, nothing added (as before issue 36)."""
-    stage, check, add = run_ids.stage, run_ids.refuse_taken, run_ids.add
-    run_ids.stage = run_ids.refuse_taken = run_ids.add = lambda *args: None  # type: ignore[assignment]
+    """The submit without the run's id set: no check, nothing added (as before issue 36)."""
+    encode, check, add = run_ids.encode, run_ids.refuse_taken, run_ids.add
+    run_ids.encode = lambda ids: ""  # type: ignore[assignment]
+    run_ids.refuse_taken = run_ids.add = lambda *args: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        run_ids.stage, run_ids.refuse_taken, run_ids.add = stage, check, add
+        run_ids.encode, run_ids.refuse_taken, run_ids.add = encode, check, add
 
 
 def timed(conn: redis.Redis, path: Path, run: str) -> float:
@@ -60,21 +60,16 @@ def timed(conn: redis.Redis, path: Path, run: str) -> float:
 
 
 def id_set_work(conn: redis.Redis, ids: list[str], existing: list[str]) -> float:
-    """Seconds of the id set's work in one submit: staging (one pipeline of jobs of 64 here; a submit
-    does it in the background while it parses), WATCH, the check, the move in a MULTI/EXEC."""
+    """Seconds of the id set's work in one submit: encoding, WATCH, the check, the add in a MULTI/EXEC."""
     conn.flushall()
     if existing:
         conn.sadd(keys.run_request_ids("r"), *existing)
-    staged = keys.staged_request_ids("bench")
     start = time.perf_counter()
-    with conn.pipeline(transaction=False) as pipe:
-        for at in range(0, len(ids), 64):
-            run_ids.stage(pipe, staged, ids[at : at + 64], 3600)
-        pipe.execute()
     with conn.pipeline(transaction=True) as pipe:
-        run_ids.refuse_taken(pipe, "r", staged, len(ids))
+        encoded = run_ids.encode(ids)
+        run_ids.refuse_taken(pipe, "r", encoded)
         pipe.multi()
-        run_ids.add(pipe, "r", staged)
+        run_ids.add(pipe, "r", encoded)
         pipe.execute()
     return time.perf_counter() - start
 

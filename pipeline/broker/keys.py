@@ -185,12 +185,6 @@ def run_request_ids(run: str) -> str:
     return f"{PREFIX}:run:{run}:request_ids"
 
 
-def staged_request_ids(batch_id: str) -> str:
-    """A submit's request ids, staged as its jobs are packed; its enqueue moves them into the run's
-    set, or they expire (`pipeline.intake.run_ids`)."""
-    return f"{PREFIX}:staged_request_ids:{batch_id}"
-
-
 # Runs submitted with a reward function (`--reward`): the streams reward workers read.
 REWARD_RUNS = f"{PREFIX}:rewards:runs"
 REPLICATION_PROBE = f"{PREFIX}:replication:probe"  # `pipeline.broker.replication` writes it before each WAIT

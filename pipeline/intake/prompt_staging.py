@@ -1,13 +1,12 @@
-"""A job's prompt ids (and request ids) written to Redis ahead of the job, from a background thread.
+"""Prompt ids written to Redis ahead of their jobs, from a background thread.
 
-A submit stages each job's raw prompt ids under `pipeline:prompts:<job id>`, and adds its request
-ids to the submit's staged id set (`pipeline.intake.run_ids`), in one round trip while it goes on
+A submit stages each job's raw prompt ids under `pipeline:prompts:<job id>` while it goes on
 parsing and packing the next lines, so Redis copies them (and appends them to its AOF) on
 another core instead of all at once inside the final transaction. Staged keys are invisible to
 workers until that transaction enqueues their jobs; they expire after `STAGED_TTL_S` if it never
 comes (a crashed submitter), and a failed submit deletes them. `confirm` is the transaction's
-first half: it WATCHes the staged prompt keys and checks they are all there, so the enqueue fails
-(and nothing is enqueued) if any vanished before it (`run_ids.refuse_taken` does so for the ids).
+first half: it WATCHes the staged keys and checks they are all there, so the enqueue fails
+(and nothing is enqueued) if any vanished before it.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import redis
 from redis.client import Pipeline
 
 from pipeline.errors import PipelineError
-from pipeline.intake import run_ids
 
 # Long enough for any submit to reach its transaction, short enough that a crashed submitter's
 # staged ids do not linger; the transaction sets the jobs' own TTL.
@@ -31,27 +29,22 @@ _MAX_IN_FLIGHT = 8
 
 
 class PromptStager:
-    """Writes each job's (key, raw ids, request ids) in the background; `wait` re-raises the first failure.
-    `ids_key` is the submit's staged id set."""
+    """Writes (key, raw ids) pairs in the background; `wait` re-raises the first failure."""
 
-    def __init__(self, conn: redis.Redis, ids_key: str) -> None:
+    def __init__(self, conn: redis.Redis) -> None:
         self._conn = conn
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-staging")
         self._in_flight: deque[Future[None]] = deque()
         self.keys: list[str] = []
-        self.ids_key = ids_key
 
-    def stage(self, key: str, value: bytes | memoryview, request_ids: list[str]) -> None:
+    def stage(self, key: str, value: bytes | memoryview) -> None:
         self.keys.append(key)
         while len(self._in_flight) >= _MAX_IN_FLIGHT:
             self._in_flight.popleft().result()
-        self._in_flight.append(self._pool.submit(self._write, key, value, request_ids))
+        self._in_flight.append(self._pool.submit(self._write, key, value))
 
-    def _write(self, key: str, value: bytes | memoryview, request_ids: list[str]) -> None:
-        with self._conn.pipeline(transaction=False) as pipe:
-            pipe.set(key, value, ex=STAGED_TTL_S)
-            run_ids.stage(pipe, self.ids_key, request_ids, STAGED_TTL_S)
-            pipe.execute()
+    def _write(self, key: str, value: bytes | memoryview) -> None:
+        self._conn.set(key, value, ex=STAGED_TTL_S)
 
     def wait(self) -> None:
         """Every staged write done (the first failure raised here)."""
@@ -77,9 +70,8 @@ class PromptStager:
             for future in self._in_flight:
                 future.cancel()
             self._pool.shutdown(wait=True)
-            staged = [*self.keys, self.ids_key]
-            for start in range(0, len(staged), 1000):
-                self._conn.delete(*staged[start : start + 1000])
+            for start in range(0, len(self.keys), 1000):
+                self._conn.delete(*self.keys[start : start + 1000])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -252,7 +252,7 @@ def submit_blocks(
     jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
                  min_weight_version=min_weight_version, max_staleness=max_staleness, job_timeout_s=job_timeout_s,
                  retries=retries)
-    stager = PromptStager(conn, keys.staged_request_ids(jobs.batch_id))
+    stager = PromptStager(conn)
     try:
         # Requests the same worker classes can serve share jobs (`pipeline.intake.placement`).
         packer = _Packer(jobs, stager, Placement(workers, where.name), batch_size)
@@ -271,7 +271,8 @@ def submit_blocks(
             reward_log.ensure_group(conn, run)
         with conn.pipeline(transaction=True) as pipe:
             stager.confirm(pipe)
-            run_ids.refuse_taken(pipe, run, stager.ids_key, jobs.requests)
+            request_ids = run_ids.encode(jobs.request_ids)
+            run_ids.refuse_taken(pipe, run, request_ids)
             pipe.multi()
             for key in stager.keys:
                 pipe.expire(key, PROMPTS_TTL_S)
@@ -293,7 +294,7 @@ def submit_blocks(
             if reward is not None:
                 pipe.sadd(keys.REWARD_RUNS, run)
             pipe.sadd(keys.run_batches(run), jobs.batch_id)
-            run_ids.add(pipe, run, stager.ids_key)
+            run_ids.add(pipe, run, request_ids)
             pipe.sadd(where.open_batches, jobs.batch_id)
             pipe.sadd(where.runs, run)
             pipe.sadd(keys.POOLS, where.name)
@@ -425,24 +426,27 @@ class _Jobs:
     samples: int = 0
     _seen: set[str] = field(default_factory=set)
 
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request id packed so far."""
+        return list(self._seen)
+
     def add(self, chunk: Sequence[RolloutRequest | ParsedRequest], stager: PromptStager, needs: Needs) -> None:
-        ids = [request.id for request in chunk]
-        self._unique(ids)
+        self._unique([request.id for request in chunk])
         job_id, header = self._next()
         payload, prompt_bytes = JobPayload.pack_beside(chunk, prompt_key=keys.prompts(job_id), **header)
         samples = sum(r.n if isinstance(r, ParsedRequest) else r.sampling_params.n for r in chunk)
-        self._enqueue(job_id, payload, prompt_bytes, ids, samples, stager, needs)
+        self._enqueue(job_id, payload, prompt_bytes, samples, stager, needs)
 
     def add_columns(self, block: RequestColumns, start: int, end: int, stager: PromptStager, needs: Needs) -> None:
         """Rows `start:end` of a columnar block as one job: their ids copied once from its array."""
-        ids = block.ids[start:end]
-        self._unique(ids)
+        self._unique(block.ids[start:end])
         job_id, header = self._next()
         offsets = block.offsets[start : end + 1]
         payload, prompt_bytes = JobPayload.pack_flat(
             block.job_fields[start:end], block.flat[offsets[0] : offsets[-1]], np.diff(offsets).tolist(),
             prompt_key=keys.prompts(job_id), **header)
-        self._enqueue(job_id, payload, prompt_bytes, ids, block.n * (end - start), stager, needs)
+        self._enqueue(job_id, payload, prompt_bytes, block.n * (end - start), stager, needs)
 
     def _unique(self, ids: list[str]) -> None:
         fresh = set(ids)
@@ -461,10 +465,10 @@ class _Jobs:
                                  submitted_at_ms=self.submitted_at_ms, min_weight_version=self.min_weight_version,
                                  max_staleness=self.max_staleness)
 
-    def _enqueue(self, job_id: str, payload: JobPayload, prompt_bytes: bytes, ids: list[str], samples: int,
-                 stager: PromptStager, needs: Needs) -> None:
+    def _enqueue(self, job_id: str, payload: JobPayload, prompt_bytes: bytes, samples: int, stager: PromptStager,
+                 needs: Needs) -> None:
         index = len(self.job_ids)
-        stager.stage(keys.prompts(job_id), prompt_bytes, ids)
+        stager.stage(keys.prompts(job_id), prompt_bytes)
         self.job_ids.append(job_id)
         self.requests += len(payload.requests)
         self.samples += samples

@@ -10,7 +10,6 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.broker import keys
 from pipeline.cli.main import main as cli_main
 from pipeline.intake.submit import rollout_queue
 
@@ -62,14 +61,3 @@ def test_many_taken_ids_are_counted_and_the_first_ten_named(redis_url: str) -> N
     with pytest.raises(pipeline.PipelineError, match=r"already has 25 of these request ids \('r00', 'r01', .*'r09' "
                                                      r"and 15 more\)"):
         client.submit(rows[::-1], run="many", output="memory://x")
-
-
-def test_a_runs_ids_are_kept_for_good_and_nothing_staged_is_left(redis_url: str, redis_client: redis.Redis) -> None:
-    client = pipeline.connect(redis_url)
-    client.submit([{"id": f"a{i}", "input_ids": [1]} for i in range(70)], run="kept", output="memory://x",
-                  batch_size=8)  # a fresh run: the staged set becomes the run's
-    client.submit([{"id": "b", "input_ids": [1]}], run="kept", output="memory://x")  # added to it
-    ids = keys.run_request_ids("kept")
-    assert redis_client.smembers(ids) == {f"a{i}".encode() for i in range(70)} | {b"b"}
-    assert redis_client.ttl(ids) == -1  # no expiry carried over from the staged set
-    assert redis_client.keys(keys.staged_request_ids("*")) == []
