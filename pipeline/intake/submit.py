@@ -29,7 +29,7 @@ from pipeline.intake.dataset_input import ColumnMapping, RequestColumns, dataset
 from pipeline.intake.dataset_source import open_memory, open_path
 from pipeline.intake.placement import Placement
 from pipeline.intake.prompt_staging import PromptStager
-from pipeline.intake.request_file import ParsedRequest, iter_request_blocks
+from pipeline.intake.request_file import ParsedRequest, iter_request_blocks, open_lines
 from pipeline.read import rewards
 from schemas.capabilities import NO_NEEDS, Needs
 from schemas.job_payload import JobHeader, JobPayload
@@ -149,7 +149,7 @@ def submit_file(
     listing every bad line). Jobs are packed and their prompt ids staged while the file is still
     being read, so a large file never sits in memory whole and Redis works alongside the parse."""
     def submit(run: str) -> SubmitPlan:
-        with open(path, "rb") as handle:
+        with open_lines(path) as handle:
             blocks = iter_request_blocks(handle, path=str(path), vocab_size=vocab_size, renderer=renderer)
             return submit_blocks(conn, blocks, **{**options, "run": run})
 
