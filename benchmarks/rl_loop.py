@@ -52,8 +52,9 @@ from workers.process.worker import RolloutWorker
 
 
 def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
-        seed: int) -> tuple[float, float, float, int, int]:
-    """(busy fraction, samples/s, seconds, rows with tokens of several versions, rows) of one loop."""
+        seed: int) -> tuple[float, float, float, int, int, float]:
+    """(busy fraction, samples/s, seconds, rows with tokens of several versions, rows, seconds the
+    engine stalled for prefill) of one loop."""
     steps, samples, job_size = args.steps, args.samples, args.job_size
     conn.flushall()
     client = pipeline.Client(conn)
@@ -88,7 +89,8 @@ def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
                     time.sleep(0.005)
                 client.push_weights(f"/ckpt/v{step + 1}", version=step + 1, mode=mode, timeout=push_timeout)  # type: ignore[arg-type]
             result["seconds"] = time.perf_counter() - started
-            result["busy"] = engine.stats().utilisation
+            stats = engine.stats()
+            result["busy"], result["prefill_s"] = stats.utilisation, stats.prefill_s
         except BaseException as exc:
             errors.append(exc)
 
@@ -105,7 +107,8 @@ def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
     table = read_rollouts(output, run_name, columns=["weight_version_segments"])
     # Every row of the run: the last step's requests (submitted one step ahead) are generated too.
     mixed = table.num_rows - table.column("weight_version_segments").null_count
-    return result["busy"], steps * samples / result["seconds"], result["seconds"], mixed, table.num_rows
+    return (result["busy"], steps * samples / result["seconds"], result["seconds"], mixed, table.num_rows,
+            result["prefill_s"])
 
 
 def main() -> None:
@@ -124,7 +127,7 @@ def main() -> None:
     parser.add_argument("--max-jobs-in-flight", type=int, default=256,
                         help="the worker's limit (a job waiting for its long sample keeps its place)")
     args = parser.parse_args()
-    figures: dict[str, list[tuple[float, float, float, int, int]]] = {"partial": [], "drain": []}
+    figures: dict[str, list[tuple[float, float, float, int, int, float]]] = {"partial": [], "drain": []}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
         conn = redis.Redis.from_url(server.url)
         output = f"file://{tmp}/shards"
@@ -143,7 +146,8 @@ def main() -> None:
         busy = [f[0] for f in figures[mode]]
         print(f"  {mode:7s}: {median(mode, 0):.1%} busy (min {min(busy):.1%}, max {max(busy):.1%}), "
               f"{median(mode, 1):.0f} samples/s, {median(mode, 2):.1f} s, {median(mode, 3):.0f} of "
-              f"{median(mode, 4):.0f} rows with tokens of two or more versions")
+              f"{median(mode, 4):.0f} rows with tokens of two or more versions, {median(mode, 5):.1f} s stalled "
+              "for prefill")
     print(f"ratio partial/drain: busy {median('partial', 0) / median('drain', 0):.1f}x, "
           f"samples/s {median('partial', 1) / median('drain', 1):.1f}x")
 
