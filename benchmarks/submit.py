@@ -21,6 +21,9 @@ int32 array under a key of its own, SET in the same pipeline (RQ zlib-compresses
 is most of the first baseline's time with the ids inside). `--naive` adds the issue-9 baseline: one RQ
 `Queue.enqueue` per request with the line as its JSON argument, unvalidated.
 
+Beside the rates, the CPU seconds each tree's submit took (its process, every thread, by
+`getrusage`; Redis's by `INFO cpu`), which other load on the machine disturbs less than the rate.
+
     .venv/bin/python benchmarks/submit.py [--requests 20000] [--repeats 5] [--naive]
 """
 
@@ -52,22 +55,32 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB_FUNCTION = "workers.jobs.batch_job.run_rollout_batch"
 BATCH = 64
 
-# Run in a process per tree: one `submit_file` per path read from stdin, its rate and Redis's
-# used_memory printed as a JSON line. Imports what both releases have.
+# Run in a process per tree: one `submit_file` per path read from stdin, its rate, Redis's
+# used_memory, and the CPU seconds the submit took in its process (all threads) and in Redis
+# (less sensitive to other load than the rate) printed as a JSON line. Imports what both releases have.
 TIMER = """
-import json, sys, time
+import json, resource, sys, time
 import redis
 try:
     from pipeline.intake.submit import submit_file
 except ImportError:  # releases before the package split
     from pipeline.submit import submit_file
 conn = redis.Redis.from_url(sys.argv[1])
+
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    server = conn.info("cpu")
+    return usage.ru_utime + usage.ru_stime, server["used_cpu_user"] + server["used_cpu_sys"]
+
 for line in sys.stdin:
     conn.flushall()
+    before = cpu()
     start = time.perf_counter()
     plan = submit_file(conn, line.strip(), run="bench", output="memory://bench", batch_size=64)
     rate = plan.requests / (time.perf_counter() - start)
-    print(json.dumps({"rate": rate, "used_memory": conn.info("memory")["used_memory"]}), flush=True)
+    after = cpu()
+    print(json.dumps({"rate": rate, "used_memory": conn.info("memory")["used_memory"], "cpu_s": after[0] - before[0],
+                      "redis_cpu_s": after[1] - before[1]}), flush=True)
 """
 
 
@@ -210,12 +223,16 @@ def main() -> None:
         for timer in timers:
             timer.submit(path)  # warm-up: imports, first-use caches
         ours, previous, validated, beside, naive, used = [], [], [], [], [], []
+        cpus: dict[str, list[tuple[float, float]]] = {"ours": [], "previous": []}
         for _ in range(args.repeats):
             result = ours_timer.submit(path)
             ours.append(result["rate"])
             used.append(result["used_memory"])
+            cpus["ours"].append((result["cpu_s"], result["redis_cpu_s"]))
             if previous_timer:
-                previous.append(previous_timer.submit(path)["rate"])
+                result = previous_timer.submit(path)
+                previous.append(result["rate"])
+                cpus["previous"].append((result["cpu_s"], result["redis_cpu_s"]))
             validated.append(bench_validated_batches(conn, path, ids_beside=False))
             beside.append(bench_validated_batches(conn, path, ids_beside=True))
             if args.naive:
@@ -241,6 +258,12 @@ def main() -> None:
     print(f"previous release {args.previous}: {spread(previous)} requests/s")
     print(f"this tree / {args.previous}: {ratio:.3f} (median of {len(paired)} paired rounds; min {min(paired):.3f}, "
           f"max {max(paired):.3f})")
+    for name, index in (("submitting process", 0), ("Redis", 1)):
+        mine, theirs = ([c[index] for c in cpus[side]] for side in ("ours", "previous"))
+        cpu_paired = [m / t for m, t in zip(mine, theirs, strict=True)]
+        print(f"CPU seconds a submit, {name}: this tree {statistics.median(mine):.3f} (min {min(mine):.3f}, max "
+              f"{max(mine):.3f}), {args.previous} {statistics.median(theirs):.3f} (min {min(theirs):.3f}, max "
+              f"{max(theirs):.3f}); paired ratio median {statistics.median(cpu_paired):.3f}")
     if ratio < args.min_ratio:
         print(f"REGRESSION: submit is at {ratio:.3f} of {args.previous}'s speed (--min-ratio {args.min_ratio})")
         sys.exit(1)
