@@ -12,11 +12,13 @@ pointers (`swap`): the compiled model reads the pointer from the same tensor
 computes with the new weights at its next step, and the old handle is released with the object
 that now holds it.
 
-Before anything is swapped, each new handle is read back through the kernel itself: the identity
-matrix times the packed weight gives the weight (each output is one product by 1 plus exact
-zeros), compared bit for bit with what was packed. A layer computed any other way (the AMX
-kernel for bf16, zentorch, a plain `F.linear`) is not handled here; the extension feeds it to
-vLLM's reload in the pause. Runs inside vLLM's worker: imports torch, and vLLM only when called.
+Before anything is swapped, each new handle is read back through the kernel itself: a row of the
+identity matrix times the packed weight gives a column of the weight (one product by 1 plus exact
+zeros), compared bit for bit with what was packed, for `READ_BACK_ROWS` rows spread over the
+input (all of them would cost a matmul the size of the layer per layer: seconds per push here).
+A layer computed any other way (the AMX kernel for bf16, zentorch, a plain `F.linear`) is not
+handled here; the extension feeds it to vLLM's reload in the pause. Runs inside vLLM's worker:
+imports torch, and vLLM only when called.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from typing import Any
 import torch
 
 HANDLER_CLASS = "CPUDNNLGEMMHandler"  # vllm/_custom_ops.py
+# Input rows read back through each new handle, evenly spaced, first and last included: each gives a
+# whole column of the weight, so a layout mistake (the fused order, a transpose) shows in every one.
+READ_BACK_ROWS = 32
 
 
 def onednn_handler(module: torch.nn.Module) -> Any | None:
@@ -67,8 +72,9 @@ def pack(module: torch.nn.Module, weight: torch.Tensor) -> Packed | None:
 
     weight = weight.contiguous()
     new = ops.create_onednn_mm(weight.t(), 32)  # as dispatch_cpu_unquantized_gemm builds it
-    identity = torch.eye(weight.shape[1], dtype=weight.dtype)
-    if not torch.equal(ops.onednn_mm(new, identity, None), weight.t()):
+    rows = torch.unique(torch.linspace(0, weight.shape[1] - 1, READ_BACK_ROWS).long())
+    unit = torch.eye(weight.shape[1], dtype=weight.dtype)[rows]
+    if not torch.equal(ops.onednn_mm(new, unit, None), weight.t()[rows]):
         raise ValueError(f"the oneDNN handle built for a {list(weight.shape)} {weight.dtype} weight does not compute "
                          "with that weight")
     return Packed(module, old, new)

@@ -6,12 +6,12 @@ mixes the class into its worker, and `POST /collective_rpc {"method": ..., "args
 of its methods in every worker. The `vllm-http` engine calls them in two steps, as the hf engine
 stages a version (`workers.engines.inplace`):
 
-- `rollout_stage_store(PLAN)` before the pause: it starts decoding and checking the version on a
-  thread of its own and answers at once, so vLLM keeps generating (a `collective_rpc` method runs in
-  the worker's loop that also runs the model's steps: one that decoded in the call would stop
-  generation for as long);
-  `rollout_staged()` says when that is done (`VLLMHTTPEngine.stage_store_version` polls it);
-- `rollout_install_store(VERSION)` in the pause: vLLM is fed the changed layers.
+- `rollout_stage_store(PLAN)` before the pause: it starts preparing the version on a thread of its
+  own and answers at once, so vLLM keeps generating (a `collective_rpc` method runs in the worker's
+  loop that also runs the model's steps: one that did the work in the call would stop generation
+  for as long); `rollout_staged()` says when that is done (`VLLMHTTPEngine.stage_store_version`
+  polls it);
+- `rollout_install_store(VERSION)` in the pause: vLLM takes the changed layers.
 
 `rollout_apply_store(PLAN)` does both in one call, in the pause (`PIPELINE_WEIGHT_STAGING=off`).
 
@@ -24,14 +24,17 @@ of every tensor at the new version.
 vLLM's CPU kernels keep linear weights only in a packed form (the parameter itself is emptied
 after loading, `dispatch_cpu_unquantized_gemm`), so the weights cannot be read back and changed
 in place there. The extension keeps the checkpoint-named tensors of the version it serves (the
-*shadow*, host memory of one model copy), applies a delta to the shadow in place, checks every
-tensor's checksum there, and only then feeds vLLM the tensors of every layer that changed through
-its own in-place reload (`reload_weights(weights_iterator=...)`: the name mapping to fused
-`qkv_proj`/`gate_up_proj`, the repacking); a layer whose tensors did not change is not touched.
-A delta that does not decode or leaves a checksum different falls back to a full rebuild of the
-shadow from the store (reported); a full rebuild that still differs is refused before vLLM sees a
-byte. Afterwards every tensor vLLM still holds as a readable parameter (embeddings, norms,
-`lm_head`; on a GPU all of them) is read back and compared with the checksum.
+*shadow*, host memory of one model copy). Preparing a version: the delta applied to the shadow in
+place and every tensor's checksum checked there, then, for each changed layer that vLLM computes
+through a oneDNN handle, a new handle built from the shadow and read back through the kernel
+(`cpu_kernels`). Installing it: the handles swapped (a pointer each), the changed tensors vLLM
+keeps readable (embeddings, norms, `lm_head`; on a GPU all of them) copied into place, and any
+changed layer left (another kernel, a layout not known here) fed to vLLM's own in-place reload
+(`reload_weights(weights_iterator=...)`: the name mapping to fused `qkv_proj`/`gate_up_proj`, the
+repacking); a layer whose tensors did not change is not touched. A delta that does not decode or
+leaves a checksum different falls back to a full rebuild of the shadow from the store (reported);
+a full rebuild that still differs is refused before vLLM sees a byte. Afterwards every tensor vLLM
+holds readable is read back and compared with the checksum.
 
 Nothing here raises into vLLM: an exception in a `collective_rpc` method kills vLLM's engine, so
 each call answers `{"ok": false, "error": ...}` instead.
