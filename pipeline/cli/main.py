@@ -14,9 +14,11 @@ either lists every pool). Option abbreviations are off everywhere (`--engin` is 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+from typing import NoReturn
 
 import redis
 
@@ -37,6 +39,7 @@ from pipeline.errors import (
     WaitTimeoutError,
     WeightPushError,
 )
+from pipeline.suggest import did_you_mean
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TIMEOUT", "EXIT_UNREACHABLE", "EXIT_USAGE", "build_parser",
            "commands", "exit_code", "main"]
@@ -62,10 +65,21 @@ def commands() -> list[Command]:
     return [entry.load()() for entry in entry_points(group=ENTRY_POINT_GROUP)]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, adding "did you mean" to an unknown command or choice (subcommands'
+    parsers are of the same class: `add_subparsers` makes its parsers with the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        invalid = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if invalid:
+            message += did_you_mean(invalid.group(1), re.findall(r"'([^']*)'", invalid.group(2)))
+        super().error(message)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command; with `only`, just the command so named gets its arguments
     (the others are listed by name and help, their modules' heavy imports left unloaded)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pipeline", description="Token-exact LLM rollouts over Redis/RQ into Parquet.", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True)

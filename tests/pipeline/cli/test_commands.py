@@ -91,6 +91,18 @@ def test_option_abbreviations_are_off_on_every_command_and_subcommand(capsys: py
     assert usage.value.code == EXIT_USAGE
 
 
+@pytest.mark.parametrize(("argv", "typo", "suggested"), [(["submitt", "x.jsonl"], "submitt", "submit"),
+                                                         (["weights", "pusj"], "pusj", "push"),
+                                                         (["worker", "--engine", "vlm-http"], "vlm-http", "vllm-http")])
+def test_a_mistyped_command_or_choice_is_a_usage_error_that_suggests_the_closest(
+        argv: list[str], typo: str, suggested: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as usage:
+        cli.main(argv)
+    assert usage.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"invalid choice: '{typo}'" in err and err.rstrip().endswith(f"; did you mean {suggested!r}?")
+
+
 def test_the_worker_usage_error_from_the_command_line(tmp_path: Path) -> None:
     env = {**os.environ, "PIPELINE_HOME": str(tmp_path), "PIPELINE_REDIS_URL": "redis://127.0.0.1:9"}
     done = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "worker", "--engin", "sim", "--burst"],
