@@ -18,7 +18,6 @@ Until flushed, a turn's rows are read from the log (`pipeline.read.trajectories`
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc, rows_to_ipc
 from workers.errors import WorkerError
+from workers.process.periodic import Periodic
 from workers.rows.shard_writer import PendingShard
 
 log = logging.getLogger(__name__)
@@ -173,20 +173,17 @@ class TurnFlusher:
     def __init__(self, connect: Callable[[], redis.Redis], *, interval_s: float = 0.5,
                  turns: int = DEFAULT_SHARD_TURNS, max_age_s: float = DEFAULT_SHARD_AGE_S) -> None:
         self._connect = connect
-        self.interval_s = interval_s
         self.turns = turns
         self.max_age_s = max_age_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # A Redis or storage fault: the entries stay logged; the next tick tries again.
+        self._thread = Periodic("turn-flusher", interval_s, self.flush_all, on_error=lambda exc: log.exception(
+            "flushing agent turns failed; retrying in %.1f s", interval_s))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="turn-flusher", daemon=True)
         self._thread.start()
 
     def stop(self, flush: bool = False) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._thread.stop(timeout_s=10)
         if flush:
             try:
                 self.flush_all(force=True)
@@ -202,10 +199,3 @@ class TurnFlusher:
             while flush_turns(conn, name, turns=self.turns, max_age_s=self.max_age_s, force=force):
                 written += 1
         return written
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.flush_all()
-            except Exception:  # a Redis or storage fault: the entries stay logged; try again later
-                log.exception("flushing agent turns failed; retrying in %.1f s", self.interval_s)

@@ -10,11 +10,11 @@ that was killed runs again elsewhere even when no server is waiting for it.
 from __future__ import annotations
 
 import logging
-import threading
 
 import redis
 
 from pipeline.broker import keys, lanes
+from workers.process.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -27,29 +27,18 @@ class LaneKeeper:
         self.conn = conn
         self.pool = pool
         self.worker_id = worker_id
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = Periodic("lane-keeper", interval_s, self.tend,
+                                on_error=lambda exc: log.debug("lane upkeep failed: %s", exc))  # next round
 
     def start(self) -> None:
         self.tend()
-        self._thread = threading.Thread(target=self._loop, name="lane-keeper", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.stop()
 
     def tend(self) -> None:
         lanes.register(self.conn, self.pool, self.worker_id)
         moved = lanes.rehome_orphans(self.conn, self.pool)
         if moved:
             log.warning("moved %d lane job(s) of dead worker(s) of pool %r to the shared lane", moved, self.pool.name)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.tend()
-            except Exception as exc:  # Redis away for a moment: try again next round
-                log.debug("lane upkeep failed: %s", exc)
