@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 import redis
+from pydantic import ValidationError
 
 import pipeline
 from pipeline.cli.main import main as cli_main
 from pipeline.errors import RequestFileError
 from pipeline.intake.render import ChatRenderer
+from schemas.request import RolloutRequest
 from workers.engines.hf.engine import HFEngine
 from workers.process.worker import RolloutWorker
 
@@ -115,3 +117,15 @@ def test_two_turns_keep_sampled_ids(chat_model_dir: Path, redis_url: str, redis_
     assert row2["prompt_text"] == renderer.render_line(
         {"id": "x", "messages": second})["prompt_text"]  # the text is the whole conversation's rendering
     assert tok.decode(ids2[kept:], skip_special_tokens=False).endswith("<|user|>And tomorrow?<|end|>\n<|assistant|>")
+
+
+def test_a_chat_line_keeps_its_routing_key_and_a_bad_one_is_named(chat_model_dir: Path) -> None:
+    """A chat line can pin its sessions to one server behind a gateway, as a token-id line can
+    (`routing_key`, docs/engines.md); the key goes through rendering as it was, checked as the request's."""
+    renderer = ChatRenderer(chat_model_dir)
+    line = {"id": "s1", "messages": [{"role": "user", "content": "hi"}], "routing_key": "session-7"}
+    rendered = renderer.render_line(line)
+    assert isinstance(rendered, dict) and rendered["routing_key"] == "session-7" and rendered["input_ids"]
+    assert RolloutRequest.model_validate(rendered).routing_key == "session-7"
+    with pytest.raises(ValidationError, match="routing_key"):
+        renderer.render_line({**line, "routing_key": "has space"})
