@@ -34,7 +34,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import free_port, percentile  # noqa: E402
 from pipeline.broker import keys, registry  # noqa: E402
 from pipeline.broker.redis_server import RedisServer  # noqa: E402
 
@@ -66,15 +66,6 @@ SIM = ["--sim-step-ms", "2", "--sim-median-tokens", "40", "--sim-p99-tokens", "2
 CACHE_TOKENS = 524_288
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Fleet:
@@ -98,7 +89,7 @@ class Fleet:
 
     def server(self, name: str, *args: str) -> str:
         if name not in self.servers:
-            port = _free_port()
+            port = free_port()
             log = open(f"{self.tmp}/serve-{name}.log", "w")  # noqa: SIM115
             process = subprocess.Popen([*PIPELINE, "serve", "--port", str(port), "--turn-timeout", "300", *args],
                                        env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -250,7 +241,7 @@ def main() -> None:
                     seconds, latencies = asyncio.run(_agents(urls[name], run, mix, repeat + 1))
                     moves = _moves(conn) - before
                     figures = _figures(_rows(conn, run))
-                    figures.update(seconds=seconds, p50=_pct(latencies, 0.5), p99=_pct(latencies, 0.99))
+                    figures.update(seconds=seconds, p50=percentile(latencies, 0.5), p99=percentile(latencies, 0.99))
                     results[name].append(figures)
                     print(f"  {run}: {figures['turns']} turns in {seconds:.1f} s, prefill {figures['prefill']:,} of "
                           f"{figures['prompt']:,} prompt tokens, home {figures['home']:.1%}, max/mean worker turns "
@@ -315,7 +306,7 @@ def _killed(conn: redis.Redis, fleet: Fleet, url: str, mix: list[int], args: arg
     figures = _figures(_rows(conn, run))
     print(f"a worker SIGKILLed a third of the way through {total} turns: {figures['turns']} turns answered "
           f"({total - figures['turns']} lost), {figures['duplicated']} duplicated, "
-          f"{_moves(conn)['gone'] - moved_before} turns moved off it, turn p99 {_pct(latencies, 0.99):.1f} s, "
+          f"{_moves(conn)['gone'] - moved_before} turns moved off it, turn p99 {percentile(latencies, 0.99):.1f} s, "
           f"max {max(latencies):.1f} s", flush=True)
     fleet.workers.remove(victim)
     fleet.start_worker()
@@ -340,10 +331,11 @@ def _batch_figure(conn: redis.Redis, url: str, args: argparse.Namespace) -> None
         time.sleep(0.2)  # every worker is generating the batch
     _, busy = asyncio.run(_agents(url, "lane-busy", mix, 11))
     during = batch.status()
+    p99_busy, p99_idle = percentile(busy, 0.99), percentile(idle, 0.99)
     print(f"turn latency with a {args.batch}-request batch run in the pool (its jobs when the sessions ended: "
-          f"{dict(during.counts)}): p99 {_pct(busy, 0.99) * 1000:.0f} ms against {_pct(idle, 0.99) * 1000:.0f} ms "
-          f"idle: {_pct(busy, 0.99) / _pct(idle, 0.99):.2f}x (goal <= 2x); p50 {_pct(busy, 0.5) * 1000:.0f} ms "
-          f"against {_pct(idle, 0.5) * 1000:.0f} ms", flush=True)
+          f"{dict(during.counts)}): p99 {p99_busy * 1000:.0f} ms against {p99_idle * 1000:.0f} ms "
+          f"idle: {p99_busy / p99_idle:.2f}x (goal <= 2x); p50 {percentile(busy, 0.5) * 1000:.0f} ms "
+          f"against {percentile(idle, 0.5) * 1000:.0f} ms", flush=True)
     try:
         batch.cancel()
     except redis.RedisError as exc:  # an overloaded machine: the run is left to finish

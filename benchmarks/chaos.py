@@ -38,7 +38,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -57,6 +56,7 @@ from rq.job import Job  # noqa: E402
 from rq.registry import StartedJobRegistry  # noqa: E402
 from rq.serializers import JSONSerializer  # noqa: E402
 
+from benchmarks.common import free_port  # noqa: E402
 from pipeline.audit.status import collect  # noqa: E402
 from pipeline.broker import commit_log, control_channel, keys, registry  # noqa: E402
 from pipeline.broker.connection import connect_redis  # noqa: E402
@@ -141,11 +141,6 @@ class Outcome:
                 f"{self.seconds:.1f} s)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def make_requests(count: int, seed: int) -> list[RolloutRequest]:
     rng = random.Random(seed)
@@ -167,7 +162,7 @@ def run(
     work = Path(directory or tempfile.mkdtemp(prefix="chaos-"))
     group = SentinelGroup(work / "sentinel", replicas=2, password="chaos", down_after_ms=1000,
                                                   appendfsync="always") if kill_master else None
-    server = RedisServer(work / "redis", port=_free_port(), appendfsync="always")
+    server = RedisServer(work / "redis", port=free_port(), appendfsync="always")
     url = group.start() if group else server.ensure_started()
     context = mp.get_context("fork")
     processes: list[mp.process.BaseProcess] = []

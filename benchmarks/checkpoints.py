@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing as mp
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
+from benchmarks.common import free_port  # noqa: E402
 from pipeline.broker import keys  # noqa: E402
 from pipeline.broker.connection import connect_redis  # noqa: E402
 from pipeline.broker.redis_server import RedisServer  # noqa: E402
@@ -110,12 +110,6 @@ def make_requests(count: int, max_new_tokens: int) -> list[RolloutRequest]:
             for i in range(count)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def jobs_held(conn: redis.Redis) -> Counter[str]:
     """Jobs in flight per live worker (its registry entry's current job is one; the started registry all)."""
     from rq.job import Job
@@ -130,7 +124,7 @@ def jobs_held(conn: redis.Redis) -> Counter[str]:
 def one_round(setup: Setup, checkpoint_every: float, work: Path, seed: int) -> dict[str, float]:
     """One chaos round; its figures."""
     rng = random.Random(seed)
-    with RedisServer(work / "redis", port=_free_port()) as server:
+    with RedisServer(work / "redis", port=free_port()) as server:
         url = server.url
         conn = connect_redis(url)
         context = mp.get_context("fork")
@@ -190,7 +184,7 @@ def one_round(setup: Setup, checkpoint_every: float, work: Path, seed: int) -> d
 
 def redis_memory_per_token(work: Path, tokens: int = 4000, every: int = 200, top: int = 0) -> float:
     """Redis memory (`MEMORY USAGE`) per token of one sample's checkpoint, saved `every` tokens at a time."""
-    with RedisServer(work / "memory", port=_free_port()) as server:
+    with RedisServer(work / "memory", port=free_port()) as server:
         conn = connect_redis(server.url)
         store = CheckpointStore(conn)
         rng = np.random.default_rng(0)

@@ -30,7 +30,6 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,17 +44,13 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import free_port, percentile  # noqa: E402
 from pipeline.broker import commit_log, keys  # noqa: E402
 from pipeline.broker.redis_server import RedisServer  # noqa: E402
 
 TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizers" / "tiny-tools"
 REPLY_TOKENS = 8
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine() -> Any:
@@ -145,10 +140,6 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -164,7 +155,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as redis_server:
         conn = redis.Redis.from_url(redis_server.url)
-        port = _free_port()
+        port = free_port()
         output = f"file://{tmp}/shards"
         run = "bench"
         procs = [ctx.Process(target=_worker, args=(redis_server.url,), daemon=True) for _ in range(args.workers)]
@@ -192,8 +183,9 @@ def main() -> None:
             direct = _direct_latency(len(alone))
             added = [a - d for a, d in zip(sorted(alone), sorted(direct), strict=True)]
             print(f"added latency per turn ({args.mode}), one session alone ({len(alone)} turns): p50 "
-                  f"{_pct(added, 0.5) * 1000:.2f} ms, p99 {_pct(added, 0.99) * 1000:.2f} ms (turn p50 "
-                  f"{_pct(alone, 0.5) * 1000:.2f} ms; the engine called directly p50 {_pct(direct, 0.5) * 1e6:.0f} µs)")
+                  f"{percentile(added, 0.5) * 1000:.2f} ms, p99 {percentile(added, 0.99) * 1000:.2f} ms (turn p50 "
+                  f"{percentile(alone, 0.5) * 1000:.2f} ms; the engine called directly p50 "
+                  f"{percentile(direct, 0.5) * 1e6:.0f} µs)")
 
             rates, p50s, p99s = [], [], []
             redis_pid = int((redis_server.directory / "redis.pid").read_text())
@@ -206,8 +198,8 @@ def main() -> None:
                 seconds, latencies = asyncio.run(_load(url, args.sessions, args.turns, args.sessions, args.mode))
                 turns_done += len(latencies)
                 rates.append(len(latencies) / seconds)
-                p50s.append(_pct(latencies, 0.5))
-                p99s.append(_pct(latencies, 0.99))
+                p50s.append(percentile(latencies, 0.5))
+                p99s.append(percentile(latencies, 0.99))
             cpu = {name: (sum(_cpu_s(p) for p in (ids if isinstance(ids, list) else [ids])) - cpu_before[name])
                    / turns_done * 1000 for name, ids in pids.items()}
             print(f"throughput ({args.mode}), {args.sessions} concurrent sessions x {args.turns} turns, "
