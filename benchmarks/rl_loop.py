@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import redis
 
@@ -51,10 +52,19 @@ from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 
 
-def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
-        seed: int) -> tuple[float, float, float, int, int, float]:
-    """(busy fraction, samples/s, seconds, rows with tokens of several versions, rows, seconds the
-    engine stalled for prefill) of one loop."""
+class Loop(NamedTuple):
+    """One loop's figures (the sim engine's)."""
+
+    busy: float  # the engine's busy fraction
+    samples_per_s: float
+    seconds: float
+    mixed_rows: int  # rows with tokens of several versions
+    rows: int
+    prefill_s: float  # seconds the engine stalled for prefill
+
+
+def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace, seed: int) -> Loop:
+    """One loop's figures."""
     steps, samples, job_size = args.steps, args.samples, args.job_size
     conn.flushall()
     client = pipeline.Client(conn)
@@ -107,8 +117,8 @@ def run(conn: redis.Redis, output: str, mode: str, args: argparse.Namespace,
     table = read_rollouts(output, run_name, columns=["weight_version_segments"])
     # Every row of the run: the last step's requests (submitted one step ahead) are generated too.
     mixed = table.num_rows - table.column("weight_version_segments").null_count
-    return (result["busy"], steps * samples / result["seconds"], result["seconds"], mixed, table.num_rows,
-            result["prefill_s"])
+    return Loop(result["busy"], steps * samples / result["seconds"], result["seconds"], mixed, table.num_rows,
+                result["prefill_s"])
 
 
 def main() -> None:
@@ -127,7 +137,7 @@ def main() -> None:
     parser.add_argument("--max-jobs-in-flight", type=int, default=256,
                         help="the worker's limit (a job waiting for its long sample keeps its place)")
     args = parser.parse_args()
-    figures: dict[str, list[tuple[float, float, float, int, int, float]]] = {"partial": [], "drain": []}
+    figures: dict[str, list[Loop]] = {"partial": [], "drain": []}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
         conn = redis.Redis.from_url(server.url)
         output = f"file://{tmp}/shards"
@@ -135,21 +145,21 @@ def main() -> None:
             for mode in ("partial", "drain"):
                 figures[mode].append(run(conn, output, mode, args, args.seed + repeat))
 
-    def median(mode: str, at: int) -> float:
-        return statistics.median(f[at] for f in figures[mode])
+    def median(mode: str, field: str) -> float:
+        return statistics.median(getattr(f, field) for f in figures[mode])
 
     setup = (f"{args.steps} steps x {args.samples} samples (n=1, jobs of {args.job_size}), 256 slots, lognormal median "
              f"300 p99 4000 capped at {args.max_new_tokens}, {args.step_ms:g} ms steps, 50 ms loads, prefill "
              f"{args.prefill_tokens_per_s:,.0f} tokens/s, median of {args.repeats}")
     print(f"rl loop ({setup}; figures of the sim engine)")
     for mode in ("partial", "drain"):
-        busy = [f[0] for f in figures[mode]]
-        print(f"  {mode:7s}: {median(mode, 0):.1%} busy (min {min(busy):.1%}, max {max(busy):.1%}), "
-              f"{median(mode, 1):.0f} samples/s, {median(mode, 2):.1f} s, {median(mode, 3):.0f} of "
-              f"{median(mode, 4):.0f} rows with tokens of two or more versions, {median(mode, 5):.1f} s stalled "
-              "for prefill")
-    print(f"ratio partial/drain: busy {median('partial', 0) / median('drain', 0):.1f}x, "
-          f"samples/s {median('partial', 1) / median('drain', 1):.1f}x")
+        busy = [f.busy for f in figures[mode]]
+        print(f"  {mode:7s}: {median(mode, 'busy'):.1%} busy (min {min(busy):.1%}, max {max(busy):.1%}), "
+              f"{median(mode, 'samples_per_s'):.0f} samples/s, {median(mode, 'seconds'):.1f} s, "
+              f"{median(mode, 'mixed_rows'):.0f} of {median(mode, 'rows'):.0f} rows with tokens of two or more "
+              f"versions, {median(mode, 'prefill_s'):.1f} s stalled for prefill")
+    print(f"ratio partial/drain: busy {median('partial', 'busy') / median('drain', 'busy'):.1f}x, "
+          f"samples/s {median('partial', 'samples_per_s') / median('drain', 'samples_per_s'):.1f}x")
 
 
 if __name__ == "__main__":

@@ -78,17 +78,15 @@ WEIGHT_EXTENSION = "workers.engines.vllm.weight_extension.RolloutWeightExtension
 STAGING_POLL_S = 0.05
 STAGING_TIMEOUT_S = 1800.0
 _PROBE_TOP = 5
+_PROBE_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
 class StagedOnServers:
-    """A store version every server's weight extension has computed and checked, not yet fed to
-    vLLM; `seconds`: each vLLM worker's staging time."""
+    """A store version every server's weight extension has computed and checked, not yet fed to vLLM."""
 
     version: int
     url: str
-    seconds: list[dict[str, float]]
-_PROBE_TOLERANCE = 1e-3
 
 
 def vllm_wire(backends: Backends) -> Wire:
@@ -301,11 +299,8 @@ class VLLMHTTPEngine(HTTPEngine):
         (`weight_extension.RolloutWeightExtension`, `rollout_apply_store`), all of it in the pause:
         the deltas from `have` applied to its copy and every checksum checked, or a full rebuild from
         the store (said why). Bound to `apply_store_version` only when every server runs the extension."""
-        plan = store_plan(store, have, version)
-        results: list[dict[str, Any]] = []
-        self._paused_swap(version, lambda: results.extend(
-            self._extension_call("rollout_apply_store", [plan], f"load v{version} of {store.url}")))
-        return self._applied(version, results)
+        return self._paused_extension_call(version, "rollout_apply_store", [store_plan(store, have, version)],
+                                           f"load v{version} of {store.url}")
 
     def _stage_store_version(self, store: WeightStore, have: int | None, version: int) -> StagedOnServers:
         """Every server's extension computes `version` and checks it (`rollout_stage_store`, on a
@@ -317,7 +312,7 @@ class VLLMHTTPEngine(HTTPEngine):
         while True:
             answers = self._extension_call("rollout_staged", [], what)
             if all(answer.get("done") for answer in answers):
-                return StagedOnServers(version, store.url, [answer.get("seconds", {}) for answer in answers])
+                return StagedOnServers(version, store.url)
             if time.monotonic() > deadline:
                 raise EngineUnavailableError(f"the vLLM weight extension did not finish staging v{version} of "
                                              f"{store.url} in {STAGING_TIMEOUT_S:.0f} s")
@@ -326,14 +321,16 @@ class VLLMHTTPEngine(HTTPEngine):
     def _install_store_version(self, staged: StagedOnServers) -> Applied:
         """The staged version fed to vLLM on every server (`rollout_install_store`), in the same pause
         as a reload."""
-        results: list[dict[str, Any]] = []
-        self._paused_swap(staged.version, lambda: results.extend(self._extension_call(
-            "rollout_install_store", [staged.version], f"install v{staged.version} of {staged.url}")))
-        return self._applied(staged.version, results)
+        return self._paused_extension_call(staged.version, "rollout_install_store", [staged.version],
+                                           f"install v{staged.version} of {staged.url}")
 
-    def _applied(self, version: int, results: list[dict[str, Any]]) -> Applied:
+    def _paused_extension_call(self, version: int, method: str, args: list[Any], what: str) -> Applied:
+        """An extension method that changes vLLM's weights, called in a reload's pause (`_paused_swap`);
+        what the vLLM workers did, as the worker's ack reports it."""
         from workers.engines.inplace import Applied
 
+        results: list[dict[str, Any]] = []
+        self._paused_swap(version, lambda: results.extend(self._extension_call(method, args, what)))
         self.last_store_results = results  # each vLLM worker's answer: how, bytes, tensors fed and read back, seconds
         full = [r for r in results if r.get("how") == "full"]
         details = sorted({str(r["detail"]) for r in results if r.get("detail")})

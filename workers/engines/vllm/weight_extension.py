@@ -275,7 +275,7 @@ def _decode(state: dict[str, Any], plan: dict[str, Any], held: tuple[str | None,
                 "not touched; push the weights again as a new full version")}
         how, changed = "full", set(shadow)
     return {"plan": plan, "how": how, "detail": detail, "changed": changed, "bytes_read": store.bytes_read,
-            "meta": {e["name"]: (e["dtype"], e["shape"]) for e in final}, "packed": {},
+            "meta": {e["name"]: (e["dtype"], e["shape"]) for e in final},
             "seconds": {"decode": time.perf_counter() - started}}
 
 
