@@ -51,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import free_port, percentile  # noqa: E402
-from pipeline.broker import keys, registry  # noqa: E402
-from pipeline.broker.redis_server import RedisServer  # noqa: E402
+from pipeline.core.broker import keys, registry  # noqa: E402
+from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 
 PIPELINE = [sys.executable, "-m", "pipeline.cli.main"]
 SYSTEM = list(range(1000, 1200))  # the system prompt every session shares

@@ -27,8 +27,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker import keys
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker import keys
+from pipeline.core.broker.redis_server import RedisServer
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 

@@ -58,13 +58,13 @@ from rq.serializers import JSONSerializer  # noqa: E402
 
 from benchmarks.common import free_port  # noqa: E402
 from pipeline.audit.status import collect  # noqa: E402
-from pipeline.broker import commit_log, control_channel, keys, registry  # noqa: E402
-from pipeline.broker.connection import connect_redis  # noqa: E402
-from pipeline.broker.redis_server import RedisServer  # noqa: E402
-from pipeline.errors import EmbeddedRedisError, PipelineError  # noqa: E402
-from pipeline.intake.submit import submit_requests  # noqa: E402
-from pipeline.read.batch import Batch  # noqa: E402
+from pipeline.core.broker import commit_log, control_channel, keys, registry  # noqa: E402
+from pipeline.core.broker.connection import connect_redis  # noqa: E402
+from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
+from pipeline.core.errors import EmbeddedRedisError, PipelineError  # noqa: E402
 from pipeline.read.follow import Follower  # noqa: E402
+from pipeline.runs.batch import Batch  # noqa: E402
+from pipeline.submit.enqueue import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 from tests.sentinel_group import SentinelGroup  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402

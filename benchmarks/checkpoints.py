@@ -45,11 +45,11 @@ import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
 from benchmarks.common import free_port  # noqa: E402
-from pipeline.broker import keys  # noqa: E402
-from pipeline.broker.connection import connect_redis  # noqa: E402
-from pipeline.broker.redis_server import RedisServer  # noqa: E402
-from pipeline.intake.submit import submit_requests  # noqa: E402
-from pipeline.read.batch import Batch  # noqa: E402
+from pipeline.core.broker import keys  # noqa: E402
+from pipeline.core.broker.connection import connect_redis  # noqa: E402
+from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
+from pipeline.runs.batch import Batch  # noqa: E402
+from pipeline.submit.enqueue import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 from workers.jobs.checkpoint import CheckpointStore  # noqa: E402
 from workers.rows.continuation import Piece  # noqa: E402

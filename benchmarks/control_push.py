@@ -22,8 +22,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline.broker import control_channel, registry
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker import control_channel, registry
+from pipeline.core.broker.redis_server import RedisServer
 from workers.engines.fake import FakeEngine
 
 PING_CHANNEL = "bench:ping"

@@ -48,9 +48,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.weights import codec
-from pipeline.weights.store import WeightStore
-from pipeline.weights.torch_bits import state_dict_bits
+from pipeline.core.weights import codec
+from pipeline.core.weights.store import WeightStore
+from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
 from schemas.request import RolloutRequest
 from workers.demo.model import ensure_demo_model

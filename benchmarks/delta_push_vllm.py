@@ -47,8 +47,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.delta_push import rl_step, rollouts, spread
-from pipeline.weights.store import WeightStore
-from pipeline.weights.torch_bits import state_dict_bits
+from pipeline.core.weights.store import WeightStore
+from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
 from tests import vllm_server
 from tests.vllm_env import ensure_vllm_env

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipeline
 from examples.learn_grpo import Result, Settings, StepLog, pipeline_loop, plot, start_worker, trl_loop
-from pipeline.broker.connection import connect_redis
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker.connection import connect_redis
+from pipeline.core.broker.redis_server import RedisServer
 from tests.helpers import wait_until
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import redis
 
 import pipeline
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker.redis_server import RedisServer
 from schemas.request import RolloutRequest
 from workers.engines.sim import SimConfig, SimEngine, SimStats
 from workers.process.worker import RolloutWorker

@@ -34,9 +34,9 @@ from typing import Any
 import redis
 
 import pipeline
-from pipeline.broker import registry
-from pipeline.broker.redis_server import RedisServer
-from pipeline.errors import JobsFailedError
+from pipeline.core.broker import registry
+from pipeline.core.broker.redis_server import RedisServer
+from pipeline.core.errors import JobsFailedError
 from schemas.capabilities import job_needs, missing
 from schemas.request import RolloutRequest
 from workers.engines.sim import SimConfig, SimEngine

@@ -40,10 +40,10 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from pipeline.broker import control_channel, registry  # noqa: E402
-from pipeline.broker.redis_server import RedisServer  # noqa: E402
-from pipeline.intake.submit import submit_requests  # noqa: E402
-from pipeline.read.batch import Batch  # noqa: E402
+from pipeline.core.broker import control_channel, registry  # noqa: E402
+from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
+from pipeline.runs.batch import Batch  # noqa: E402
+from pipeline.submit.enqueue import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
 
 VOCAB = 151_936
@@ -53,7 +53,7 @@ def run_worker(url: str, worker_id: str) -> None:
     """One worker process with the default intervals (the target of `multiprocessing`)."""
     from dataclasses import replace
 
-    from pipeline.broker.connection import connect_redis
+    from pipeline.core.broker.connection import connect_redis
     from schemas.worker_info import Capabilities
     from workers.engines.fake import FakeEngine
     from workers.process.worker import RolloutWorker

@@ -32,8 +32,8 @@ from pathlib import Path
 import redis
 
 import pipeline
-from pipeline.broker import reward_log
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker import reward_log
+from pipeline.core.broker.redis_server import RedisServer
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker

@@ -45,9 +45,9 @@ from typing import NamedTuple
 import redis
 
 import pipeline
-from pipeline.broker import commit_log
-from pipeline.broker.redis_server import RedisServer
-from pipeline.read.reader import read_rollouts
+from pipeline.core.broker import commit_log
+from pipeline.core.broker.redis_server import RedisServer
+from pipeline.core.shards import read_rollouts
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 

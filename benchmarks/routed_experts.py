@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import pipeline
-from pipeline.read.routed_experts import ROUTED_EXPERTS_COLUMNS
+from pipeline.core.routed_experts import ROUTED_EXPERTS_COLUMNS
 from schemas.request import RolloutRequest
 from workers.engines.base import Finish, SampleOutput
 from workers.rows.shard_writer import COMPRESSION, encode, write_shard

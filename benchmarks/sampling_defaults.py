@@ -1,7 +1,7 @@
 """Sampling defaults for a JSONL file (`pipeline submit FILE.jsonl --temperature T --n N`): their parse cost.
 
 - ours: the lines without sampling parameters, validated with the defaults hook
-  (`pipeline.intake.request_file.with_sampling_defaults`, what `submit_file(sampling=...)` uses);
+  (`pipeline.submit.request_file.with_sampling_defaults`, what `submit_file(sampling=...)` uses);
 - baseline (what a user did before the flags took JSONL): rewrite every line with `json` to add
   the same `sampling_params`, then validate the rewritten lines (the parser's fast path);
 - reference, not a baseline: validating lines that already carry the parameters (the file
@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from pipeline.intake.request_file import parse_request_lines, with_sampling_defaults
+from pipeline.submit.request_file import parse_request_lines, with_sampling_defaults
 
 DEFAULTS = {"temperature": 0.7, "n": 4, "max_new_tokens": 256}
 

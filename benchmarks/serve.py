@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import free_port, percentile  # noqa: E402
-from pipeline.broker import commit_log, keys  # noqa: E402
-from pipeline.broker.redis_server import RedisServer  # noqa: E402
+from pipeline.core.broker import commit_log, keys  # noqa: E402
+from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 
 TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizers" / "tiny-tools"
 REPLY_TOKENS = 8

@@ -1,7 +1,7 @@
 """Submit throughput: requests/s from a JSONL of 512-token prompts into Redis, validated, with a
 same-run regression check against a previous release.
 
-Ours: `pipeline.intake.submit.submit_file`, what `pipeline submit` runs: lines parsed by simdjson in
+Ours: `pipeline.submit.enqueue.submit_file`, what `pipeline submit` runs: lines parsed by simdjson in
 blocks (prompt ids straight into arrays; the other fields checked as the strict model would,
 each distinct sampling_params shape validated once by pydantic; anything unusual through the
 full pydantic parse), each job packed as soon as it fills and its prompt ids (raw bytes beside
@@ -48,7 +48,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker.redis_server import RedisServer
 from schemas.request import RolloutRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ TIMER = """
 import json, resource, sys, time
 import redis
 try:
-    from pipeline.intake.submit import submit_file
+    from pipeline.submit.enqueue import submit_file
 except ImportError:  # releases before the package split
     from pipeline.submit import submit_file
 conn = redis.Redis.from_url(sys.argv[1])

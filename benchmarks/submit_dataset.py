@@ -1,11 +1,11 @@
 """Dataset submit throughput: requests/s from a Parquet file of 512-token prompts into Redis, validated.
 
-Ours: `pipeline.intake.submit.submit_dataset`, what `pipeline submit prompts.parquet` runs: record
+Ours: `pipeline.submit.enqueue.submit_dataset`, what `pipeline submit prompts.parquet` runs: record
 batches of 8 192 rows read within the file's row groups, prompt ids range-checked per row on
 the Arrow list column's values buffer, the other columns (id, seed, metadata) checked per row as
 the strict model would, each job's ids copied once from the values buffer into its staged Redis
 value. Baseline (same process, same Redis, same prompts and fields): the JSONL path,
-`pipeline.intake.submit.submit_file`, on the same requests written as lines. Prints medians over
+`pipeline.submit.enqueue.submit_file`, on the same requests written as lines. Prints medians over
 repeats and the ratio; then, in a fresh process, the submitter's peak RSS growth during a
 dataset submit against the decoded size of the file's prompt ids.
 
@@ -28,10 +28,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 
-from pipeline.broker.redis_server import RedisServer
-from pipeline.intake.dataset_input import ColumnMapping, dataset_blocks
-from pipeline.intake.dataset_source import open_path
-from pipeline.intake.submit import submit_dataset, submit_file
+from pipeline.core.broker.redis_server import RedisServer
+from pipeline.submit.dataset_input import ColumnMapping, dataset_blocks
+from pipeline.submit.dataset_source import open_path
+from pipeline.submit.enqueue import submit_dataset, submit_file
 
 MAPPING = ColumnMapping({"input_ids": "prompt_ids", "seed": "seed"}, {"group": "group"},
                         {"max_new_tokens": 512, "temperature": 1.0, "n": 4})

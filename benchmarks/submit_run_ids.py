@@ -2,7 +2,7 @@
 
 `submit_file` adds every request id to the run's id set (`keys.run_request_ids`) in its enqueue
 transaction and, when the run has ids already, checks the new ones against them first
-(`pipeline.intake.run_ids`: a Lua script each, the ids as one JSON array). Measured: the same
+(`pipeline.submit.run_ids`: a Lua script each, the ids as one JSON array). Measured: the same
 `submit_file` of a JSONL of 512-token prompts, in this process on one Redis, with the id set
 (this tree) and with it patched out (the submit as before issue 36: the baseline), alternating
 round by round; a first submit into a fresh run, and a second submit of new ids into a run that
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import redis
 
-import pipeline.intake.submit as submit
-from pipeline.broker import keys
-from pipeline.broker.redis_server import RedisServer
-from pipeline.intake import run_ids
+import pipeline.submit.enqueue as submit
+from pipeline.core.broker import keys
+from pipeline.core.broker.redis_server import RedisServer
+from pipeline.submit import run_ids
 
 
 def make_file(path: Path, count: int, prefix: str) -> None:

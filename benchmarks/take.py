@@ -36,7 +36,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker.redis_server import RedisServer
 from pipeline.read.take import rewards_differ
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker

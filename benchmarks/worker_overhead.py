@@ -44,7 +44,7 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker.redis_server import RedisServer
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import SampleOutput

@@ -44,8 +44,8 @@ import numpy as np
 import pyarrow as pa
 
 import pipeline
+from pipeline.core.rewards import numeric_match
 from pipeline.integrations.push import push_model
-from pipeline.read.rewards import numeric_match
 
 QUESTION = "What is {a} + {b}? Answer with the number only."
 COLUMNS = ["request_id", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
@@ -177,7 +177,7 @@ def pipeline_loop(client: pipeline.Client, model_dir: str | Path, settings: Sett
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.intake.render import ChatRenderer
+    from pipeline.submit.render import ChatRenderer
 
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -238,8 +238,8 @@ def trl_loop(client: pipeline.Client, model_dir: str | Path, settings: Settings,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipeline.intake.render import ChatRenderer
     from pipeline.integrations.trl import pipeline_rollout
+    from pipeline.submit.render import ChatRenderer
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         from workers.demo.model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
-    from pipeline.broker.connection import connect_redis, resolve_url
+    from pipeline.core.broker.connection import connect_redis, resolve_url
 
     url = resolve_url(args.redis)
     conn = connect_redis(url)

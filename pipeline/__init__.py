@@ -13,9 +13,8 @@ releases (`pipeline.torch_data`, `pipeline.take`, ...) still import (`pipeline.m
 from pipeline import moved
 from pipeline.audit.report import report
 from pipeline.audit.verify import verify
-from pipeline.audit.verify_stats import VerifyReport
 from pipeline.client import Client, connect
-from pipeline.errors import (
+from pipeline.core.errors import (
     APIError,
     CapabilityError,
     ColumnMappingError,
@@ -47,16 +46,17 @@ from pipeline.errors import (
     WeightVersionError,
     WriteLostError,
 )
-from pipeline.read.batch import Batch
-from pipeline.read.reader import (
+from pipeline.core.routed_experts import routed_experts, routed_experts_positions
+from pipeline.core.shards import (
     finish_reason_in,
     read_rollouts,
     request_id_in,
     rollouts_dataset,
     weight_version_between,
 )
-from pipeline.read.routed_experts import routed_experts, routed_experts_positions
+from pipeline.core.verify_stats import VerifyReport
 from pipeline.read.trajectories import read_trajectories
+from pipeline.runs.batch import Batch
 
 moved.install()
 

@@ -11,16 +11,16 @@ from typing import Any, Unpack
 import redis
 from pydantic import ValidationError
 
-from pipeline.broker import control_channel, keys, registry
-from pipeline.broker.connection import connect_redis
-from pipeline.errors import REQUESTS, LineError, PipelineError, RequestFileError
-from pipeline.intake.dataset_input import ColumnMapping
-from pipeline.intake.dataset_source import is_dataset_path
-from pipeline.intake.request_file import ParsedRequest, validation_errors, with_sampling_defaults
-from pipeline.intake.submit import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
-from pipeline.read.batch import Batch
-from pipeline.read.cancel import CancelResult, cancel
+from pipeline.core.broker import control_channel, keys, registry
+from pipeline.core.broker.connection import connect_redis
+from pipeline.core.errors import REQUESTS, LineError, PipelineError, RequestFileError
 from pipeline.read.follow import DEFAULT_BLOCK_MS, Follower
+from pipeline.runs.batch import Batch
+from pipeline.runs.cancel import CancelResult, cancel
+from pipeline.submit.dataset_input import ColumnMapping
+from pipeline.submit.dataset_source import is_dataset_path
+from pipeline.submit.enqueue import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
+from pipeline.submit.request_file import ParsedRequest, validation_errors, with_sampling_defaults
 from schemas.control import DesiredState, SwapMode
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
@@ -29,7 +29,7 @@ from schemas.worker_info import WorkerInfo
 def _as_requests(
     requests: Sequence[RolloutRequest | ParsedRequest | Mapping[str, Any]],
 ) -> list[RolloutRequest | ParsedRequest]:
-    """Models and lines already validated by `pipeline.intake.request_file` pass; dicts are validated here."""
+    """Models and lines already validated by `pipeline.submit.request_file` pass; dicts are validated here."""
     parsed: list[RolloutRequest | ParsedRequest] = []
     errors: list[LineError] = []
     for index, item in enumerate(requests):
@@ -49,7 +49,7 @@ def _renderer(tokenizer: Any) -> Any:
     """`ChatRenderer.render_line` of a tokenizer (a path, a transformers tokenizer or a renderer); None without."""
     if tokenizer is None:
         return None
-    from pipeline.intake.render import ChatRenderer
+    from pipeline.submit.render import ChatRenderer
 
     return (tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)).render_line
 
@@ -86,19 +86,19 @@ class Client:
         """Validate and enqueue requests (dicts or models), or every row of a `pyarrow.Table`,
         `pandas.DataFrame` or `datasets.Dataset`; all or nothing.
 
-        `reward`: a registered reward function (`pipeline.read.rewards`) that reward workers run on every
+        `reward`: a registered reward function (`pipeline.core.rewards`) that reward workers run on every
         shard of the batch (README "Rewards"). `groups=N` (with `oversample=F`) submits only the first
         N (ceil(N x F)) requests, for `batch.take()` (README "Group filters and over-sampling").
 
         `max_staleness=K`: no committed sample holds a token from a weight version more than K
         behind the version its worker serves at commit (README "Staleness bound").
 
-        With `tokenizer` (a path, a transformers tokenizer or a `pipeline.intake.render.ChatRenderer`), dicts
+        With `tokenizer` (a path, a transformers tokenizer or a `pipeline.submit.render.ChatRenderer`), dicts
         carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
 
         For a table: `columns` maps request fields to columns (`{"input_ids": "prompt_ids"}`, dotted
         paths into structs), `metadata` metadata keys to columns, `sampling` gives every row's default
-        sampling parameters (`pipeline.intake.dataset_input.ColumnMapping`); rows failing validation raise
+        sampling parameters (`pipeline.submit.dataset_input.ColumnMapping`); rows failing validation raise
         `DatasetError` naming their 0-based index and column.
         """
         options: SubmitOptions = {"run": run, "output": output, "batch_size": batch_size,
@@ -114,7 +114,7 @@ class Client:
             raise PipelineError("columns=, metadata= and sampling= map the columns of a table; "
                                 "a list of request dicts carries its fields itself")
         if tokenizer is not None:
-            from pipeline.intake.render import render_requests
+            from pipeline.submit.render import render_requests
 
             requests = render_requests(requests, tokenizer)
         plan = submit_requests(self.conn, _as_requests(requests), **options)
@@ -126,11 +126,11 @@ class Client:
         sampling: Mapping[str, Any] | None = None, **options: Unpack[SubmitOptions]
     ) -> Batch:
         """Validate every line of a JSONL file (chat lines rendered with `tokenizer`) and enqueue all
-        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.intake.submit.submit_file`.
+        of it, or nothing (`RequestFileError` listing every bad line); see `pipeline.submit.enqueue.submit_file`.
 
         A dataset path (Parquet, Arrow/Feather, a directory of Parquet or of `datasets.save_to_disk`;
-        `pipeline.intake.dataset_source.is_dataset_path`) is read by column instead, mapped by `columns`,
-        `metadata` and `sampling` as in `submit` (`pipeline.intake.submit.submit_dataset`). For a JSONL
+        `pipeline.submit.dataset_source.is_dataset_path`) is read by column instead, mapped by `columns`,
+        `metadata` and `sampling` as in `submit` (`pipeline.submit.enqueue.submit_dataset`). For a JSONL
         file, `sampling` gives every line the sampling parameters its `sampling_params` does not set."""
         renderer = _renderer(tokenizer)
         options["pool"] = self._pool(options.get("pool"))
@@ -208,13 +208,13 @@ class Client:
         from pipeline.weights.writer import DEFAULT_FULL_EVERY
 
         if state_dict is not None:
-            from pipeline.weights.torch_bits import state_dict_bits
+            from pipeline.core.weights.torch_bits import state_dict_bits
 
             tensors = state_dict_bits(state_dict, dtype)
         else:
             if dtype is not None:
                 raise PipelineError("dtype= casts a state_dict; a checkpoint is stored with its own dtypes")
-            from pipeline.weights.safetensors_io import read_checkpoint
+            from pipeline.core.weights.safetensors_io import read_checkpoint
 
             tensors = read_checkpoint(str(path))
         return push_via_store(self.conn, tensors, version, store=store, delta=delta,

@@ -19,11 +19,11 @@ import warnings
 from types import ModuleType
 
 MOVED = {
-    **{f"pipeline.{name}": f"pipeline.intake.{new}" for name, new in {
+    **{f"pipeline.{name}": f"pipeline.submit.{new}" for name, new in {
         "submit": "submit", "request_file": "request_file", "dataset_input": "dataset_input",
         "dataset_source": "dataset_source", "chat": "render", "prompt_staging": "prompt_staging",
         "capabilities": "placement"}.items()},
-    **{f"pipeline.{name}": f"pipeline.broker.{new}" for name, new in {
+    **{f"pipeline.{name}": f"pipeline.core.broker.{new}" for name, new in {
         "connection": "connection", "keys": "keys", "replication": "replication", "sentinel_url": "sentinel_url",
         "commit_log": "commit_log", "reward_log": "reward_log", "registry": "registry", "security": "security",
         "redis_server": "redis_server", "control": "control_channel"}.items()},

@@ -1,5 +1,5 @@
 """Whether a worker can serve a request: the one set of rules, used by submit
-(`pipeline.intake.placement`, against each live worker of the pool) and by the worker
+(`pipeline.submit.placement`, against each live worker of the pool) and by the worker
 (`workers.rows.contracts`, `workers.jobs.admission`, against its own capabilities).
 
 A request's `Needs` are what it asks of a worker: top-k logprobs, prompt logprobs, routed

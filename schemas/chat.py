@@ -1,6 +1,6 @@
 """A chat request line: OpenAI-shaped `messages` (or `prompt` text) instead of `input_ids`.
 
-Rendered into token ids at submit time (`pipeline.intake.render`), so the queue only ever carries
+Rendered into token ids at submit time (`pipeline.submit.render`), so the queue only ever carries
 ids. The shape and the rejections follow SGLang's `ChatCompletionRequest`
 (`srt/entrypoints/openai/protocol.py`) for the text-only Jinja-template path:
 

@@ -28,7 +28,7 @@ SwapMode = Literal["drain", "partial"]
 SWAP_MODES: tuple[SwapMode, ...] = ("drain", "partial")
 
 # Where pushed weights are: a checkpoint directory (`weight_path`), or a versioned weight store
-# (`pipeline.weights.store`) whose URL is `weight_path`, read as deltas where the worker can.
+# (`pipeline.core.weights.store`) whose URL is `weight_path`, read as deltas where the worker can.
 WeightSource = Literal["checkpoint", "store"]
 # How a worker reached a pushed version: reloaded a checkpoint, applied deltas in place, or
 # rebuilt it from the store's full version (and deltas after it).

@@ -4,7 +4,7 @@ Jobs are JSON (RQ's JSON serializer, never pickle). Prompt token ids are packed 
 base64 string of little-endian int32 (about 5.3 bytes a token, before RQ's zlib) instead of
 a JSON list of decimal numbers; or, on the fast submit path, kept out of the job as raw
 little-endian bytes (uint16 when every id fits, else int32) under a side Redis key named by
-`prompt_key`, written in the same transaction as the job (see `pipeline.intake.submit`).
+`prompt_key`, written in the same transaction as the job (see `pipeline.submit.enqueue`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def unpack_token_ids(packed: str, lengths: Sequence[int]) -> list[np.ndarray]:
 
 
 class PromptRequest(Protocol):
-    """A validated request whose prompt ids are an array (`pipeline.intake.request_file.ParsedRequest`)."""
+    """A validated request whose prompt ids are an array (`pipeline.submit.request_file.ParsedRequest`)."""
 
     prompt_ids: np.ndarray
     job_fields: dict[str, Any]
@@ -133,7 +133,7 @@ class JobPayload(BaseModel):
 
         uint16 when every id fits (2 bytes a token), else int32; nothing for RQ to compress.
         `requests` are models or already validated lines carrying their ids as an array
-        (`pipeline.intake.request_file.ParsedRequest`), packed without a Python list per prompt.
+        (`pipeline.submit.request_file.ParsedRequest`), packed without a Python list per prompt.
         """
         arrays = [_prompt_array(r) for r in requests]
         return cls.pack_flat([_job_fields(r) for r in requests], _concatenate(arrays), [a.size for a in arrays],

@@ -6,11 +6,11 @@ input side lives here: `stop` is a string, a list of strings, or a list of token
 
 Size limits (each overridable by the environment variable named in its error): the prompt
 length, the number and length of stops, the metadata's JSON size, and `MAX_LINE_BYTES` for a
-whole JSONL line (checked by `pipeline.intake.request_file`). `max_new_tokens`, `n` and `logprobs`
+whole JSONL line (checked by `pipeline.submit.request_file`). `max_new_tokens`, `n` and `logprobs`
 have fixed bounds in the schema.
 
-The one home of these rules: the file path (`pipeline.intake.request_file`) and the dataset path
-(`pipeline.intake.dataset_input`) check their fast cases against the constants here and word
+The one home of these rules: the file path (`pipeline.submit.request_file`) and the dataset path
+(`pipeline.submit.dataset_input`) check their fast cases against the constants here and word
 their errors with the functions here (`prompt_too_long`, `outside_vocabulary`); the chat line's
 fields are `schemas.chat`'s.
 """
@@ -45,7 +45,7 @@ MAX_PROMPT_LOGPROBS = 0
 
 
 # The size limits: environment variable -> (default, meaning). Read here, once, at import, the
-# only variables not read by `pipeline.settings` (which lists these from here): `schemas`
+# only variables not read by `pipeline.core.settings` (which lists these from here): `schemas`
 # imports nothing from `pipeline`.
 LIMITS: dict[str, tuple[int, str]] = {
     "PIPELINE_MAX_LINE_BYTES": (8 * 1024 * 1024, "longest request line accepted at submit (bytes)"),
@@ -212,7 +212,7 @@ class RolloutRequest(_Strict):
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] | None = None
     return_routed_experts: StrictBool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
-    # Set by the chat renderer (`pipeline.intake.render`): the text the ids were rendered from, kept in the row.
+    # Set by the chat renderer (`pipeline.submit.render`): the text the ids were rendered from, kept in the row.
     prompt_text: StrictStr | None = None
     routing_key: Annotated[StrictStr, Field(
         min_length=1, max_length=MAX_ROUTING_KEY_CHARS, pattern=r"^[!-~]+$",

@@ -2,10 +2,10 @@
 
 The reference is transformers' `apply_chat_template` fed by a line-by-line port of SGLang's
 message preparation (0.5.x `srt/entrypoints/openai/serving_chat.py` and `protocol.py`, the
-plain Jinja path), written here independently of `pipeline.intake.render`: nothing of `pipeline` is
+plain Jinja path), written here independently of `pipeline.submit.render`: nothing of `pipeline` is
 imported, and the content-format detection is SGLang's own, loaded from its wheel by
-`tests.sglang_wheel`. The parity test (tests/pipeline/intake/test_chat_parity.py) checks
-`pipeline.intake.render` against these files, and re-records them to check they are reproducible. Each case records the
+`tests.sglang_wheel`. The parity test (tests/pipeline/submit/test_chat_parity.py) checks
+`pipeline.submit.render` against these files, and re-records them to check they are reproducible. Each case records the
 request line, the prompt text, the token ids with their count and sha256, or SGLang's reason
 for rejecting the request. A case where the pipeline knowingly differs carries `known_gap`.
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 from hypothesis import settings
 
-from pipeline.broker.redis_server import RedisServer
+from pipeline.core.broker.redis_server import RedisServer
 from tests.helpers import free_port
 from tests.models import build_random_model, build_random_moe_model, build_scripted_model
 from workers.demo.model import ensure_demo_model

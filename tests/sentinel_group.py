@@ -19,8 +19,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline.broker.redis_server import RedisServer, _write_private, find_redis_server
-from pipeline.errors import EmbeddedRedisError
+from pipeline.core.broker.redis_server import RedisServer, _write_private, find_redis_server
+from pipeline.core.errors import EmbeddedRedisError
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0

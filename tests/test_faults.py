@@ -21,10 +21,10 @@ from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline.audit.status import collect
-from pipeline.broker import commit_log, registry
-from pipeline.errors import JobsFailedError
-from pipeline.intake.submit import submit_requests
-from pipeline.read.batch import Batch
+from pipeline.core.broker import commit_log, registry
+from pipeline.core.errors import JobsFailedError
+from pipeline.runs.batch import Batch
+from pipeline.submit.enqueue import submit_requests
 from schemas.request import RolloutRequest
 from tests.helpers import FlakyStore, wait_until
 from workers.engines.base import SampleOutput
@@ -100,7 +100,7 @@ def _hold_shutdown(conn: redis.Redis) -> None:
 
 
 def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False, hold: bool = False) -> None:
-    from pipeline.broker.connection import connect_redis
+    from pipeline.core.broker.connection import connect_redis
 
     if hold:
         _hold_shutdown(connect_redis(url))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from pipeline.broker import commit_log
+from pipeline.core.broker import commit_log
 from tests.conftest import PIPELINE
 from tests.helpers import free_port
 from tests.invariants import assert_row_invariants

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.weights.manifest import Manifest, TensorEntry
-from pipeline.weights.store import version_dir
+from pipeline.core.weights.manifest import Manifest, TensorEntry
+from pipeline.core.weights.store import version_dir
 
 
 class Trainer:

@@ -1,8 +1,8 @@
-"""The `workers` package's errors: a branch of the one tree drawn in `pipeline.errors`."""
+"""The `workers` package's errors: a branch of the one tree drawn in `pipeline.core.errors`."""
 
 from __future__ import annotations
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 
 class WorkerError(PipelineError):
@@ -26,7 +26,7 @@ class NotAllowedJobError(WorkerError):
 
 
 class JobCanceledError(WorkerError):
-    """The job was canceled (`pipeline.read.cancel`): it writes no shard and commits nothing."""
+    """The job was canceled (`pipeline.runs.cancel`): it writes no shard and commits nothing."""
 
 
 class ShardWriteError(WorkerError):

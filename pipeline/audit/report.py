@@ -39,10 +39,10 @@ import redis
 
 from pipeline.audit.report_html import html_section, html_table, new_figure, png
 from pipeline.audit.report_rewards import RewardFigures, rewards_section, with_rewards, written_rewards
-from pipeline.audit.verify_stats import VerifyReport
-from pipeline.broker import keys
-from pipeline.errors import PipelineError
-from pipeline.read.reader import is_location, rollouts_dataset
+from pipeline.core.broker import keys
+from pipeline.core.errors import PipelineError
+from pipeline.core.shards import is_location, rollouts_dataset
+from pipeline.core.verify_stats import VerifyReport
 
 COLUMNS = ["rollout_id", "job_id", "worker_id", "engine", "weight_version", "completion_tokens",
            "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "submitted_at",

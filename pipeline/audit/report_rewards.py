@@ -1,7 +1,7 @@
 """The rewards section of `pipeline report`: mean reward per step and per weight version.
 
 Rewards come from the rewards shards reward workers write beside the rollout shards (a batch
-submitted with `--reward NAME`; `pipeline.read.rewards`). Read by run (with a Redis connection),
+submitted with `--reward NAME`; `pipeline.core.rewards`). Read by run (with a Redis connection),
 only the jobs whose rewards the run's reward log records as written count, as `read_rollouts(...,
 rewards=True)` reads them; read by URL, every rewards shard found beside a rollout shard.
 
@@ -33,8 +33,8 @@ import pyarrow.fs as pafs
 import redis
 
 from pipeline.audit.report_html import html_section, html_table, new_figure, png
-from pipeline.broker import reward_log
-from pipeline.read.reader import join_rewards
+from pipeline.core.broker import reward_log
+from pipeline.core.shards import join_rewards
 from schemas.shard import REWARDS_SCHEMA, rewards_path
 
 _JOB_OF_BATCH = re.compile(r"(?P<batch>.+)-\d{5,}")

@@ -15,10 +15,10 @@ from rq.queue import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline.broker import commit_log, control_channel, keys, registry, reward_log
-from pipeline.errors import UnknownRunError
-from pipeline.intake.submit import rollout_queue
-from pipeline.suggest import did_you_mean, listing
+from pipeline.core.broker import commit_log, control_channel, keys, registry, reward_log
+from pipeline.core.errors import UnknownRunError
+from pipeline.core.suggest import did_you_mean, listing
+from pipeline.submit.enqueue import rollout_queue
 from schemas.capabilities import describe
 from schemas.control import DesiredState
 
@@ -79,7 +79,7 @@ def open_sessions(conn: redis.Redis, pool: str, limit: int = SESSIONS_READ) -> d
 
 
 def affinity(conn: redis.Redis, pool: str) -> dict[str, Any] | None:
-    """Where the pool's agent turns ran (`pipeline.serve.affinity`), None before its first turn: turns
+    """Where the pool's agent turns ran (`pipeline.core.affinity`), None before its first turn: turns
     per second over the last minute; of the turns of sessions with a home, the share served there;
     prompt tokens, and the share the engines found in their prefix caches (the prefill saved);
     moves of session homes by reason."""
@@ -202,7 +202,7 @@ def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
     status = {"pool": name, "desired": {k: desired[k] for k in ("weight_version", "weight_path", "swap_mode",
                                                                "generation", "weight_source")}, "workers": workers}
     if desired["weight_source"] == "store" and desired["weight_path"]:
-        from pipeline.weights.store import describe
+        from pipeline.core.weights.store import describe
 
         status["store"] = describe(desired["weight_path"])
     return status

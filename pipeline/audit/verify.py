@@ -10,8 +10,8 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any
 
-from pipeline.audit.verify_stats import VerifyReport
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
+from pipeline.core.verify_stats import VerifyReport
 
 
 def verify(source: str, model: Any, **options: Any) -> VerifyReport:

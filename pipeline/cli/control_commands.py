@@ -10,9 +10,9 @@ import sys
 
 import redis
 
-from pipeline import settings
-from pipeline.cli.command import EXIT_FAILED, Command, CommandGroup
-from pipeline.errors import PipelineError
+from pipeline.core import settings
+from pipeline.core.command import EXIT_FAILED, Command, CommandGroup
+from pipeline.core.errors import PipelineError
 from schemas.control import SWAP_MODES
 
 
@@ -72,7 +72,7 @@ class WeightsPushCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.client import connect
-        from pipeline.demo_model import resolve
+        from pipeline.core.demo_model import resolve
         from pipeline.weights.push import StorePushResult, store_url
 
         client = connect(args.redis, pool=args.pool)
@@ -103,8 +103,8 @@ def _check_target(conn: redis.Redis, pool: str, path: str, *, read_here: bool) -
     a store push writes the checkpoint into the store) or when every live worker of the pool runs
     here and loads weights from this disk (the hf engine; HTTP engines' servers and the sim read paths
     of their own); warn when it is missing here only, and when no worker ever named the pool."""
-    from pipeline.broker import registry
-    from pipeline.suggest import did_you_mean, listing
+    from pipeline.core.broker import registry
+    from pipeline.core.suggest import did_you_mean, listing
 
     known = registry.pools(conn)
     if pool not in known:
@@ -135,7 +135,7 @@ class WeightsStatusCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.status import format_weights, weights
-        from pipeline.broker.connection import connect_redis
+        from pipeline.core.broker.connection import connect_redis
 
         status = weights(connect_redis(args.redis), pool=args.pool or settings.pool())
         print(json.dumps(status, indent=2) if args.json else format_weights(status))

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from pipeline import settings
-from pipeline.cli.command import EXIT_FAILED, Command
+from pipeline.core import settings
+from pipeline.core.command import EXIT_FAILED, Command
 
 
 class StatusCommand(Command):
@@ -21,7 +21,7 @@ class StatusCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.status import collect, format_status
-        from pipeline.broker.connection import connect_redis
+        from pipeline.core.broker.connection import connect_redis
 
         status = collect(connect_redis(args.redis), run=args.run, pool=args.pool or settings.pool())
         print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
@@ -42,8 +42,8 @@ class ShowCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.display import format_rows, rows_as_json
-        from pipeline.broker.connection import connect_redis
-        from pipeline.read.reader import is_location, read_rollouts
+        from pipeline.core.broker.connection import connect_redis
+        from pipeline.core.shards import is_location, read_rollouts
 
         if is_location(args.source):
             table = read_rollouts(args.source)
@@ -77,9 +77,9 @@ class ReportCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.report import report
-        from pipeline.broker.connection import connect_redis
-        from pipeline.demo_model import resolve_versioned
-        from pipeline.read.reader import is_location
+        from pipeline.core.broker.connection import connect_redis
+        from pipeline.core.demo_model import resolve_versioned
+        from pipeline.core.shards import is_location
 
         models = [resolve_versioned(model) for model in args.verify_model] if args.verify_model else None
         page = report(args.source, conn=None if is_location(args.source) else connect_redis(args.redis),

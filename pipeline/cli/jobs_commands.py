@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeline.cli.command import Command
-from pipeline.errors import PipelineError
+from pipeline.core.command import Command
+from pipeline.core.errors import PipelineError
 
 _DEFAULT = "default for every line or row that does not set it"
 # Sampling flags of `pipeline submit`: defaults for every row of a dataset or line of a JSONL file (a row's
@@ -66,15 +66,15 @@ class SubmitCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.client import connect
-        from pipeline.demo_model import resolve
+        from pipeline.core.demo_model import resolve
 
         client = connect(args.redis, pool=args.pool)
         mapping: dict[str, Any] = {}
         sampling = {name: value for name, value in vars(args).items()
                     if name in _SAMPLING_FLAGS and value is not None}
         if args.column or args.metadata or sampling:
-            from pipeline.intake.dataset_input import ColumnMapping
-            from pipeline.intake.dataset_source import is_dataset_path
+            from pipeline.submit.dataset_input import ColumnMapping
+            from pipeline.submit.dataset_source import is_dataset_path
 
             if not is_dataset_path(args.file):
                 if args.column or args.metadata:
@@ -118,10 +118,10 @@ class CancelCommand(Command):
         parser.add_argument("job_ids", nargs="*", metavar="JOB_ID", help="jobs to cancel (`Batch.job_ids`)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from pipeline.broker import registry
         from pipeline.client import connect
-        from pipeline.errors import UnknownRunError
-        from pipeline.suggest import did_you_mean, listing
+        from pipeline.core.broker import registry
+        from pipeline.core.errors import UnknownRunError
+        from pipeline.core.suggest import did_you_mean, listing
 
         client = connect(args.redis, pool=args.pool)
         known = registry.runs(client.conn)

@@ -1,6 +1,6 @@
 """The `pipeline` command line: parse, dispatch to the chosen command, map its errors to exit codes.
 
-Every subcommand is a `pipeline.cli.command.Command`, found through the `pipeline.commands`
+Every subcommand is a `pipeline.core.command.Command`, found through the `pipeline.commands`
 entry point group (pyproject.toml): `pipeline`'s own (jobs_commands, control_commands,
 inspect_commands, redis_command) and those the `workers` package contributes (worker,
 reward-worker, verify, demo), so `pipeline` never imports `workers`. Only the command being
@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import redis
 
-from pipeline.cli.command import (
+from pipeline.core.command import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
@@ -31,7 +31,7 @@ from pipeline.cli.command import (
     Command,
     add_command,
 )
-from pipeline.errors import (
+from pipeline.core.errors import (
     JobsFailedError,
     NoShardsError,
     PipelineError,
@@ -39,7 +39,7 @@ from pipeline.errors import (
     WaitTimeoutError,
     WeightPushError,
 )
-from pipeline.suggest import did_you_mean
+from pipeline.core.suggest import did_you_mean
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TIMEOUT", "EXIT_UNREACHABLE", "EXIT_USAGE", "build_parser",
            "commands", "exit_code", "main"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.command import Command
+from pipeline.core.command import Command
 
 
 class RedisCommand(Command):
@@ -15,7 +15,7 @@ class RedisCommand(Command):
         parser.add_argument("action", choices=["start", "stop", "url"])
 
     def run(self, args: argparse.Namespace) -> int:
-        from pipeline.broker.redis_server import embedded_server
+        from pipeline.core.broker.redis_server import embedded_server
 
         server = embedded_server()
         if args.action == "start":

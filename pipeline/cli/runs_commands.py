@@ -9,9 +9,9 @@ from typing import ClassVar
 
 import redis
 
-from pipeline import settings
-from pipeline.cli.command import Command
-from pipeline.errors import PipelineError
+from pipeline.core import settings
+from pipeline.core.command import Command
+from pipeline.core.errors import PipelineError
 
 
 class _ListOrDelete(Command):
@@ -26,7 +26,7 @@ class _ListOrDelete(Command):
         parser.add_argument("names", nargs="*", metavar="NAME", help=f"delete: the {self.noun}s to delete")
 
     def run(self, args: argparse.Namespace) -> int:
-        from pipeline.broker.connection import connect_redis
+        from pipeline.core.broker.connection import connect_redis
 
         conn = connect_redis(args.redis)
         if args.action == "list":
@@ -67,7 +67,7 @@ class RunsCommand(_ListOrDelete):
         return json.dumps([dataclasses.asdict(r) for r in runs], indent=2) if args.json else format_runs(runs)
 
     def delete(self, conn: redis.Redis, name: str, args: argparse.Namespace) -> str:
-        from pipeline.broker.forget import delete_run
+        from pipeline.core.broker.forget import delete_run
 
         deleted = delete_run(conn, name, shards=args.shards)
         where = ", ".join(deleted.outputs) or "no output recorded"
@@ -81,8 +81,8 @@ class PoolsCommand(_ListOrDelete):
     noun = "pool"
 
     def listing(self, conn: redis.Redis, args: argparse.Namespace) -> str:
-        from pipeline.broker import registry
-        from pipeline.broker.control_channel import read_state
+        from pipeline.core.broker import registry
+        from pipeline.core.broker.control_channel import read_state
 
         lines = []
         for name in registry.pools(conn):
@@ -93,7 +93,7 @@ class PoolsCommand(_ListOrDelete):
         return "\n".join(lines)
 
     def delete(self, conn: redis.Redis, name: str, args: argparse.Namespace) -> str:
-        from pipeline.broker.forget import delete_pool
+        from pipeline.core.broker.forget import delete_pool
 
         deleted = delete_pool(conn, name)
         return (f"deleted pool {deleted.pool}: desired weights v{deleted.weight_version}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.command import Command
+from pipeline.core.command import Command
 
 
 class ServeCommand(Command):
@@ -47,7 +47,7 @@ class ServeCommand(Command):
                                  "times the mean (default 1.25); else the turn moves to the least-loaded worker")
 
     def run(self, args: argparse.Namespace) -> int:
-        from pipeline.demo_model import resolve
+        from pipeline.core.demo_model import resolve
         from pipeline.serve.server import ServeConfig, Server
 
         options = {"host": args.host, "port": args.port, "redis_url": args.redis, "pool": args.pool,

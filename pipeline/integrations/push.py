@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.broker.control_channel import DEFAULT_PUSH_TIMEOUT_S, PushResult
 from pipeline.client import Client
+from pipeline.core.broker.control_channel import DEFAULT_PUSH_TIMEOUT_S, PushResult
 from schemas.control import SwapMode
 
 

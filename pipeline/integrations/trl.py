@@ -5,7 +5,7 @@
     trainer = GRPOTrainer(..., rollout_func=rollout_func, callbacks=[weight_sync])
 
 The rollout function submits the trainer's prompts as one batch of run `run`: chat prompts
-(message lists) and plain text rendered by the pipeline's renderer (`pipeline.intake.render`) with
+(message lists) and plain text rendered by the pipeline's renderer (`pipeline.submit.render`) with
 the trainer's tokenizer, one request per GRPO group with `n = num_generations` and the trainer's
 sampling settings (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length;
 seeds derived from `args.seed`, the step and the group), at least the last weight version
@@ -109,7 +109,7 @@ def token_versions(weight_version: int, segments: Sequence[dict[str, int]] | Non
 
 @functools.cache
 def _renderer(tokenizer: Any) -> Any:
-    from pipeline.intake.render import ChatRenderer
+    from pipeline.submit.render import ChatRenderer
 
     return ChatRenderer(tokenizer)
 

@@ -29,12 +29,12 @@ import redis
 from rq.job import Job
 
 from pipeline.audit.status import stalled_hint
-from pipeline.broker import keys, registry
-from pipeline.broker.commit_log import Commit
-from pipeline.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
-from pipeline.read.reader import read_rollouts
+from pipeline.core.broker import keys, registry
+from pipeline.core.broker.commit_log import Commit
+from pipeline.core.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
+from pipeline.core.shards import read_rollouts
+from pipeline.core.suggest import did_you_mean, listing
 from pipeline.read.take import split_groups
-from pipeline.suggest import did_you_mean, listing
 
 START = "0-0"
 FAILED_STATES = frozenset({"failed", "stopped"})
@@ -91,10 +91,10 @@ class Follower:
         self.block_ms = block_ms
         self.timeout = timeout
         self.raise_on_failure = raise_on_failure
-        self.rewards = rewards  # hold each shard until its rewards are recorded (`pipeline.broker.reward_log`)
+        self.rewards = rewards  # hold each shard until its rewards are recorded (`pipeline.core.broker.reward_log`)
         self.cursor = cursor or START
         self.failed: dict[str, str] = {}
-        self.canceled: set[str] = set()  # jobs that ended canceled (`pipeline.read.cancel`), not failures
+        self.canceled: set[str] = set()  # jobs that ended canceled (`pipeline.runs.cancel`), not failures
         self._stream = keys.commit_log(run)
         self._seen: set[str] = set()
         if not _ENTRY_ID.match(self.cursor):

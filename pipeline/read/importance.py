@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 Level = Literal["token", "sequence", "geometric"]
 

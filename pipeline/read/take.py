@@ -4,7 +4,7 @@ A group is all n samples of one request (they are always in the same shard: a jo
 requests). `take` reads each job of the batch as soon as it is ready (its shard committed, and,
 when the run has a reward function, its rewards recorded), hands each group to `keep` (a plain
 Python callable on a `pyarrow.Table` of the group's rows, rewards joined), keeps the groups it
-accepts until N are kept, then cancels what remains of the batch (`pipeline.read.cancel`). Built-in
+accepts until N are kept, then cancels what remains of the batch (`pipeline.runs.cancel`). Built-in
 filter: `rewards_differ`, DAPO's dynamic sampling (drop a group whose rewards are all equal: its
 group-normalised advantages are all zero, so it teaches nothing).
 
@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from pipeline.broker import commit_log, keys, reward_log
-from pipeline.errors import PipelineError, WaitTimeoutError
-from pipeline.intake.submit import SubmitPlan
-from pipeline.read.cancel import CancelResult
-from pipeline.read.reader import read_rollouts
+from pipeline.core.broker import commit_log, keys, reward_log
+from pipeline.core.errors import PipelineError, WaitTimeoutError
+from pipeline.core.shards import read_rollouts
+from pipeline.runs.cancel import CancelResult
+from pipeline.submit.enqueue import SubmitPlan
 
 GroupFilter = Callable[[pa.Table], bool]
 
@@ -72,7 +72,7 @@ class TakeResult:
 
 
 class Takeable(Protocol):
-    """What `take` reads of a batch and does to it (`pipeline.read.batch.Batch` is one)."""
+    """What `take` reads of a batch and does to it (`pipeline.runs.batch.Batch` is one)."""
 
     conn: redis.Redis
     plan: SubmitPlan

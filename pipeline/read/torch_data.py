@@ -57,9 +57,9 @@ import redis
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from pipeline.errors import PipelineError
-from pipeline.read.reader import join_rewards, rollouts_dataset
-from pipeline.read.routed_experts import ROUTED_EXPERTS_COLUMNS
+from pipeline.core.errors import PipelineError
+from pipeline.core.routed_experts import ROUTED_EXPERTS_COLUMNS
+from pipeline.core.shards import join_rewards, rollouts_dataset
 from schemas.shard import REWARDS_SCHEMA, rewards_path
 
 Layout = Literal["padded", "packed"]

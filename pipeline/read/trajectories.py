@@ -37,8 +37,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from pipeline.broker import keys
-from pipeline.read.reader import is_location, read_rollouts
+from pipeline.core.broker import keys
+from pipeline.core.shards import is_location, read_rollouts
 from schemas.shard import rows_from_ipc
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
@@ -80,7 +80,7 @@ def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
         tables = [table] if "session_id" in table.column_names else []
     else:
         if conn is None:
-            from pipeline.broker.connection import connect_redis
+            from pipeline.core.broker.connection import connect_redis
 
             conn = connect_redis()
         # The log first, then the shards: a flush between the two reads moves turns from the log to
@@ -184,7 +184,7 @@ def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None
         sessions[row["session_id"]].append(row)
     if rewards is None and sessions and (conn is not None or not (isinstance(source, str) and is_location(source))):
         if conn is None and isinstance(source, str):
-            from pipeline.broker.connection import connect_redis
+            from pipeline.core.broker.connection import connect_redis
 
             conn = connect_redis()
         if conn is not None:

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.errors import APIError, PipelineError
+from pipeline.core.errors import APIError, PipelineError
 from pipeline.serve.answers import chat_chunks, text_chunks
 from pipeline.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from pipeline.serve.metrics import render as render_metrics

@@ -6,8 +6,8 @@ the project's job function like any batch (same allow-list, admission, retries, 
 engine road); its payload carries one `TurnTag` per request, so the worker logs each turn's
 rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard of one row.
 
-Each turn goes to a worker chosen by `pipeline.serve.affinity` (its session's home while that
-is alive, able and not overloaded) through that worker's own lane (`pipeline.broker.lanes`); with
+Each turn goes to a worker chosen by `pipeline.core.affinity` (its session's home while that
+is alive, able and not overloaded) through that worker's own lane (`pipeline.core.broker.lanes`); with
 no such worker it waits in the pool's shared lane for any. A worker's load is the number of
 active sessions homed there (`keys.PoolKeys.lane_load`: a session counts while it had a turn in
 the last `ACTIVE_S`, and leaves its old home's count when it moves), read at most every
@@ -52,12 +52,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pipeline.audit.status import failure_reason
-from pipeline.broker import control_channel, keys, lanes, registry
-from pipeline.broker.connection import asyncio_twin
-from pipeline.errors import APIError, CapabilityError, PipelineError
-from pipeline.intake.placement import Placement
-from pipeline.intake.submit import job_data
-from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, Route, choose
+from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route, choose
+from pipeline.core.broker import control_channel, keys, lanes, registry
+from pipeline.core.broker.connection import asyncio_twin
+from pipeline.core.errors import APIError, CapabilityError, PipelineError
+from pipeline.submit.enqueue import job_data
+from pipeline.submit.placement import Placement
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
@@ -406,7 +406,7 @@ class Lane:
         url = self.conn.get(keys.turn_shard(turn_id))
         if url is None:
             return None
-        from pipeline.read.reader import read_rollouts
+        from pipeline.core.shards import read_rollouts
 
         session_id, turn, _ = turn_id.rsplit("-", 2)  # `pipeline.serve.turns`: session-turn-nonce
         rows = read_rollouts(url.decode(), filter=(pc.field("session_id") == session_id)

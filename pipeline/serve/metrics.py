@@ -11,7 +11,7 @@ from __future__ import annotations
 import redis
 
 from pipeline.audit.status import affinity
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -18,17 +18,17 @@ from typing import Any
 import redis
 import uvicorn
 
-from pipeline.broker import keys
-from pipeline.broker.connection import connect_redis
-from pipeline.errors import PipelineError
-from pipeline.intake.render import ChatRenderer
-from pipeline.intake.submit import default_output, new_run_name
-from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR
+from pipeline.core.affinity import DEFAULT_LOAD_FACTOR
+from pipeline.core.broker import keys
+from pipeline.core.broker.connection import connect_redis
+from pipeline.core.errors import PipelineError
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS
 from pipeline.serve.turns import Turns, TurnSettings
+from pipeline.submit.enqueue import default_output, new_run_name
+from pipeline.submit.render import ChatRenderer
 
 LOOPBACK_NAMES = {"localhost"}
 MAX_SANE_CONTEXT = 10_000_000  # tokenizers without a limit report 1e30

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import redis
 
-from pipeline.broker import keys
-from pipeline.errors import APIError
+from pipeline.core.broker import keys
+from pipeline.core.errors import APIError
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires a week after its last turn
@@ -177,7 +177,7 @@ class Session:
     min_version: int | None = None
     max_version: int | None = None
     ephemeral: bool = False
-    home: str | None = None  # the worker that served its last turn (`pipeline.serve.affinity`)
+    home: str | None = None  # the worker that served its last turn (`pipeline.core.affinity`)
 
     def public(self) -> dict[str, Any]:
         """The session as `GET /sessions/<id>` shows it."""

@@ -28,13 +28,13 @@ import anyio
 import pyarrow as pa
 import redis
 
-from pipeline.errors import APIError, RenderError
-from pipeline.intake.render import ChatRenderer
-from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, Route
+from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
+from pipeline.core.errors import APIError, RenderError
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
 from pipeline.serve.lane import Lane
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import Choice, Pending, Placed, Session, SessionStore, TurnRecord, digest
+from pipeline.submit.render import ChatRenderer
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
 from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
@@ -53,7 +53,7 @@ class TurnSettings:
     context_length: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     turn_timeout_s: float = 600.0
-    affinity: bool = True  # a session's turns go to its home worker (`pipeline.serve.affinity`)
+    affinity: bool = True  # a session's turns go to its home worker (`pipeline.core.affinity`)
     load_factor: float = DEFAULT_LOAD_FACTOR
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import redis
 
-from pipeline.broker import control_channel, keys, registry
-from pipeline.broker.security import check_weight_path
-from pipeline.errors import WeightPushError, WeightVersionError
-from pipeline.weights.safetensors_io import TensorBits
-from pipeline.weights.store import StoreError, WeightStore, default_url
+from pipeline.core.broker import control_channel, keys, registry
+from pipeline.core.broker.security import check_weight_path
+from pipeline.core.errors import WeightPushError, WeightVersionError
+from pipeline.core.weights.safetensors_io import TensorBits
+from pipeline.core.weights.store import StoreError, WeightStore, default_url
 from pipeline.weights.writer import DEFAULT_FULL_EVERY, write_version
 from schemas.control import SwapMode
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pipeline.weights import codec
-from pipeline.weights.manifest import Manifest
-from pipeline.weights.safetensors_io import TensorBits
-from pipeline.weights.store import DEFAULT_BUCKET_BYTES, StoreError, VersionWriter, WeightStore, checksum
+from pipeline.core.weights import codec
+from pipeline.core.weights.manifest import Manifest
+from pipeline.core.weights.safetensors_io import TensorBits
+from pipeline.core.weights.store import DEFAULT_BUCKET_BYTES, StoreError, VersionWriter, WeightStore, checksum
 
 DEFAULT_FULL_EVERY = 10
 

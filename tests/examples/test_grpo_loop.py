@@ -9,8 +9,8 @@ from pathlib import Path
 import redis
 
 from examples.grpo_loop import grpo, parse
-from pipeline.broker import control_channel, registry
-from pipeline.read.reader import read_rollouts
+from pipeline.core.broker import control_channel, registry
+from pipeline.core.shards import read_rollouts
 
 
 def test_two_steps_submit_score_train_and_push_and_the_second_step_samples_the_pushed_weights(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.intake.request_file import ParsedRequest, read_request_lines
+from pipeline.submit.request_file import ParsedRequest, read_request_lines
 from schemas.capabilities import SAMPLING_RULES, Needs, describe, job_needs, missing, needs_of
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities

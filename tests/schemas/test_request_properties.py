@@ -7,8 +7,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import RequestFileError
-from pipeline.intake.request_file import parse_lines
+from pipeline.core.errors import RequestFileError
+from pipeline.submit.request_file import parse_lines
 from schemas.job_payload import JobPayload
 from schemas.request import MAX_TOKEN_ID
 

@@ -35,10 +35,10 @@ import numpy as np
 import pyarrow as pa
 import redis
 
-from pipeline.audit.verify_stats import ExpertStats, GroupStats, VerifyReport, build_report
-from pipeline.errors import PipelineError
-from pipeline.read.reader import is_location, rollouts_dataset
-from pipeline.read.routed_experts import ROUTED_EXPERTS_COLUMNS, routed_experts
+from pipeline.core.errors import PipelineError
+from pipeline.core.routed_experts import ROUTED_EXPERTS_COLUMNS, routed_experts
+from pipeline.core.shards import is_location, rollouts_dataset
+from pipeline.core.verify_stats import ExpertStats, GroupStats, VerifyReport, build_report
 from schemas.request import RolloutRequest, SamplingParams
 
 REQUIRED_COLUMNS = ["rollout_id", "engine", "prompt_token_ids", "completion_token_ids", "completion_logprobs",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.command import Command
+from pipeline.core.command import Command
 
 
 class DemoCommand(Command):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.command import Command
+from pipeline.core.command import Command
 
 
 class RewardWorkerCommand(Command):
@@ -33,7 +33,7 @@ class RewardWorkerCommand(Command):
         import logging
         import signal
 
-        from pipeline.broker.connection import connect_redis
+        from pipeline.core.broker.connection import connect_redis
         from workers.rewards.reward_worker import RewardWorker
 
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli.command import EXIT_FAILED, EXIT_USAGE, Command
+from pipeline.core.command import EXIT_FAILED, EXIT_USAGE, Command
 
 EXIT_EXCEEDED = EXIT_FAILED
 
@@ -39,9 +39,9 @@ class VerifyCommand(Command):
         parser.add_argument("--json", action="store_true", help="the report as JSON")
 
     def run(self, args: argparse.Namespace) -> int:
-        from pipeline.broker.connection import connect_redis
-        from pipeline.demo_model import resolve_versioned
-        from pipeline.read.reader import is_location
+        from pipeline.core.broker.connection import connect_redis
+        from pipeline.core.demo_model import resolve_versioned
+        from pipeline.core.shards import is_location
         from workers.audit.recompute import exceeded, verify
 
         report = verify(

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pipeline.cli.command import EXIT_USAGE, Command
+from pipeline.core.command import EXIT_USAGE, Command
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class WorkerCommand(Command):
         add_observability_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from pipeline.broker.connection import connect_redis
+        from pipeline.core.broker.connection import connect_redis
         from workers.commands.worker_options import engine_options
         from workers.engines.factory import build_engine
         from workers.errors import WorkerError

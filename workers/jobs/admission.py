@@ -28,8 +28,8 @@ from rq import Queue
 from rq.job import Job
 from rq.worker import BaseWorker
 
-from pipeline import settings
-from pipeline.broker import keys, registry
+from pipeline.core import settings
+from pipeline.core.broker import keys, registry
 from schemas.capabilities import Needs, missing
 from schemas.worker_info import Capabilities
 

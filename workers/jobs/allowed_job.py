@@ -1,7 +1,7 @@
 """The RQ job class workers use: an allow-list of job functions and output URLs.
 
 It refuses any function that is not one of the project's own, and any output URL outside the
-deployment's allowed schemes and prefixes (`pipeline.broker.security`). Jobs queued by older
+deployment's allowed schemes and prefixes (`pipeline.core.broker.security`). Jobs queued by older
 releases name the job function where it lived then (`workers.job`, then `workers.batch_job`); those
 legacy names still run the same function.
 """
@@ -13,8 +13,8 @@ from typing import Any
 from rq.job import Job
 from rq.utils import import_attribute
 
-from pipeline.broker.security import check_output_url
-from pipeline.errors import PolicyError
+from pipeline.core.broker.security import check_output_url
+from pipeline.core.errors import PolicyError
 from workers.errors import NotAllowedJobError
 
 JOB_FUNCTION = "workers.jobs.batch_job.run_rollout_batch"

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from pipeline.broker import commit_log, keys
+from pipeline.core.broker import commit_log, keys
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import Engine, SampleOutput
@@ -67,7 +67,7 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
 
 
 def check_not_canceled(conn: redis.Redis | None, job: JobPayload) -> None:
-    """`JobCanceledError` if the job was canceled (`pipeline.read.cancel`)."""
+    """`JobCanceledError` if the job was canceled (`pipeline.runs.cancel`)."""
     if conn is not None and conn.sismember(keys.canceled(job.run), job.job_id):
         raise JobCanceledError(f"job {job.job_id} of run {job.run} was canceled; nothing was written")
 

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 import redis
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from workers.engines.base import Finish
 from workers.errors import CheckpointError
 from workers.rows.continuation import Piece

@@ -50,7 +50,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
-from pipeline.read.cancel import canceled_jobs
+from pipeline.runs.cancel import canceled_jobs
 from workers.engines.base import ConcurrentEngine, is_checkpointable, is_interruptible
 from workers.errors import JobCanceledError
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
@@ -253,7 +253,7 @@ class Feeder:
                 entry.future.cancel()
 
     def abort_canceled(self) -> int:
-        """Abort the jobs in flight that were canceled (`pipeline.read.cancel`) at the engine's next step;
+        """Abort the jobs in flight that were canceled (`pipeline.runs.cancel`) at the engine's next step;
         each then ends with `JobCanceledError` (no shard, no commit). Returns how many."""
         entries = [e for e in list(self._entries.values()) if e.batch is not None and not e.canceled]
         by_run: dict[str, list[InFlight]] = {}

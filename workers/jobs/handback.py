@@ -22,7 +22,7 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
-from pipeline import settings
+from pipeline.core import settings
 from workers.jobs import rq_seam
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ orphaned the same way: its rows would be missing. And a retry still scheduled fo
 ended (RQ took it for abandoned, its started-registry entry having outlived a lost end, while its
 worker ran it to the end) is dropped rather than run again.
 
-Each sweep looks at the jobs of the pool's open batches (`pipeline.broker.keys.PoolKeys.open_batches`:
+Each sweep looks at the jobs of the pool's open batches (`pipeline.core.broker.keys.PoolKeys.open_batches`:
 every submit adds its batch; a sweep drops a batch once all its jobs have ended, committed, over
 two sweeps) and reads, in one transaction, every queue of the pool (the batch queue and the agent
 lanes: a job may move between them), its intermediate queue and its registries. A job found
@@ -47,7 +47,7 @@ import redis
 from rq.job import Job
 from rq.queue import Queue
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 
 log = logging.getLogger(__name__)
 

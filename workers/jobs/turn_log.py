@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from pipeline.broker import commit_log, keys
+from pipeline.core.broker import commit_log, keys
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc, rows_to_ipc

@@ -29,11 +29,11 @@ from typing import Any
 
 import redis
 
-from pipeline.broker import control_channel, keys, registry
-from pipeline.broker.control_channel import encode_ack
-from pipeline.broker.replication import Proof, replicated, write_until_kept
-from pipeline.broker.security import check_weight_path
-from pipeline.errors import PolicyError, WriteLostError
+from pipeline.core.broker import control_channel, keys, registry
+from pipeline.core.broker.control_channel import encode_ack
+from pipeline.core.broker.replication import Proof, replicated, write_until_kept
+from pipeline.core.broker.security import check_weight_path
+from pipeline.core.errors import PolicyError, WriteLostError
 from schemas.control import DesiredState, SwapMode, WeightAck, WeightSource
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine

@@ -37,7 +37,7 @@ from rq.executions import Execution
 from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from schemas.control import DesiredState
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine, is_concurrent

@@ -2,7 +2,7 @@
 
 RQ's `SimpleWorker` never refreshes a job's heartbeat while the job runs, so a long batch would
 be declared abandoned and run twice. One thread here refreshes, every interval: the worker's
-entry in the pool's registry (`pipeline.broker.registry`, TTL three intervals, so `pipeline
+entry in the pool's registry (`pipeline.core.broker.registry`, TTL three intervals, so `pipeline
 status` always shows a live worker), RQ's heartbeat of every job in flight, and each such job's
 entry in its queue's started registry should a Redis failover have lost it
 (`rq_seam.reassert_started`), so that a job a live worker holds is never taken for orphaned
@@ -23,7 +23,7 @@ import redis
 from rq.executions import Execution
 from rq.job import Job
 
-from pipeline.broker import registry
+from pipeline.core.broker import registry
 from schemas.worker_info import WorkerInfo
 from workers.engines.base import Engine
 from workers.jobs import rq_seam

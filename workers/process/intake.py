@@ -25,7 +25,7 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from schemas.control import DesiredState
 from schemas.worker_info import Capabilities
 from workers.engines.base import Engine

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from pipeline import settings
+from pipeline.core import settings
 
 ENV_LOG_FORMAT = settings.LOG_FORMAT.name
 FORMATS = ("text", "json")

@@ -34,7 +34,7 @@ from typing import Any, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
-from pipeline import settings
+from pipeline.core import settings
 from schemas.worker_info import WorkerState
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A worker's load of a version from a weight store (`pipeline.weights.store`), as its ack reports it.
+"""A worker's load of a version from a weight store (`pipeline.core.weights.store`), as its ack reports it.
 
 `prepare_store_load(engine, url, version, have, scratch)` does everything that does not need the
 engine stopped, while it keeps generating, and returns the part that does (`load()`, run in the
@@ -11,7 +11,7 @@ pause: between batches, or with the samples in flight interrupted in a partial s
   `apply_store_version` (the vLLM worker extension): the whole apply, checks included, in `load()`;
 - any other engine (sglang-http, sim, vllm-http without the extension): the version is
   materialised from the store into a checkpoint directory under `scratch`, with the non-weight
-  files of the model the engine serves (`pipeline.weights.materialise`), and `load()` is the
+  files of the model the engine serves (`pipeline.core.weights.materialise`), and `load()` is the
   engine's own `update_weights` of it. The ack says `full` and why.
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline import settings
-from pipeline.weights.materialise import materialise
-from pipeline.weights.store import WeightStore, version_dir
+from pipeline.core import settings
+from pipeline.core.weights.materialise import materialise
+from pipeline.core.weights.store import WeightStore, version_dir
 from workers.engines.base import Engine
 from workers.engines.http.engine import HTTPEngine
 

@@ -31,7 +31,7 @@ from rq.job import Job, JobStatus
 from rq.utils import now
 from setproctitle import setproctitle
 
-from pipeline.intake.submit import RESULT_TTL_S as CANCELED_TTL_S
+from pipeline.submit.enqueue import RESULT_TTL_S as CANCELED_TTL_S
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine
 from workers.errors import JobCanceledError, NotAllowedJobError, UnsupportedRequestError

@@ -1,11 +1,11 @@
 """`pipeline reward-worker`: CPU workers scoring committed rollout shards with the run's reward function.
 
 Every run submitted with `--reward NAME` gets a consumer group on its commit log
-(`pipeline.broker.keys.REWARD_GROUP`); reward workers read it with `XREADGROUP`, so each commit goes to
+(`pipeline.core.broker.keys.REWARD_GROUP`); reward workers read it with `XREADGROUP`, so each commit goes to
 one worker and any number of them share the work. For each commit of a batch with a reward
 function the worker reads the shard's rows, calls the function on them `batch_rows` at a time,
 writes `<job id>.rewards.parquet` beside the shard (atomically, as shards are written), appends
-to the run's rewards stream (`pipeline.broker.reward_log`, once per job) and acknowledges the entry.
+to the run's rewards stream (`pipeline.core.broker.reward_log`, once per job) and acknowledges the entry.
 
 Exactly once per row: a worker that dies before acknowledging leaves the entry pending; another
 worker claims it after `claim_after_s` (`XAUTOCLAIM`), scores the shard again (the same rows, the
@@ -32,10 +32,10 @@ from typing import Any
 import pyarrow as pa
 import redis
 
-from pipeline.broker import keys, reward_log
-from pipeline.broker.commit_log import Commit
-from pipeline.read import rewards
-from pipeline.read.reader import read_rollouts
+from pipeline.core import rewards
+from pipeline.core.broker import keys, reward_log
+from pipeline.core.broker.commit_log import Commit
+from pipeline.core.shards import read_rollouts
 from schemas.shard import REWARDS_SCHEMA, rewards_path
 from workers.errors import ShardWriteError
 from workers.process.metrics import RewardMetrics

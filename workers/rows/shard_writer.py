@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import settings
-from pipeline.read.storage import is_local, join, url_to_fs
+from pipeline.core import settings
+from pipeline.core.storage import is_local, join, url_to_fs
 from workers.errors import ShardWriteError
 from workers.process.backoff import backoff_s
 

@@ -20,7 +20,7 @@ import redis
 from matplotlib import image
 
 import pipeline
-from pipeline.broker import commit_log, keys
+from pipeline.core.broker import commit_log, keys
 from pipeline.serve.sessions import Pending, Placed, SessionStore, TurnRecord
 from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest

@@ -14,7 +14,7 @@ import redis
 
 import pipeline
 from pipeline.audit.report_rewards import TITLE
-from pipeline.broker import control_channel
+from pipeline.core.broker import control_channel
 from schemas.request import RolloutRequest
 from schemas.shard import rewards_path
 from tests.pipeline.audit.test_report import Page, assert_self_contained

@@ -11,11 +11,11 @@ import redis
 
 import pipeline
 from pipeline.audit.status import collect, format_sessions, format_status, open_sessions
-from pipeline.broker import commit_log, keys, registry
 from pipeline.cli.main import main
-from pipeline.errors import UnknownRunError
-from pipeline.intake.submit import JOB_FUNCTION, rollout_queue
+from pipeline.core.broker import commit_log, keys, registry
+from pipeline.core.errors import UnknownRunError
 from pipeline.serve.sessions import Pending, Placed, Session, SessionStore, TurnRecord
+from pipeline.submit.enqueue import JOB_FUNCTION, rollout_queue
 from schemas.worker_info import WorkerInfo
 
 
@@ -32,7 +32,7 @@ def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(red
 
 
 def test_rewards_say_how_many_shards_were_scored_and_how_many_failed(redis_client: redis.Redis) -> None:
-    from pipeline.broker import reward_log
+    from pipeline.core.broker import reward_log
 
     redis_client.sadd(keys.pool(None).runs, "rw")
     redis_client.sadd(keys.REWARD_RUNS, "rw")

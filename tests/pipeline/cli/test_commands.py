@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main as cli
-from pipeline.cli.command import EXIT_TIMEOUT, EXIT_USAGE, Command, CommandGroup
-from pipeline.errors import PipelineError
+from pipeline.core.command import EXIT_TIMEOUT, EXIT_USAGE, Command, CommandGroup
+from pipeline.core.errors import PipelineError
 
 ROOT = Path(__file__).resolve().parents[3]
 

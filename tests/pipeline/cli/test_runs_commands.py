@@ -13,9 +13,9 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.broker import control_channel, keys, registry
-from pipeline.cli.command import EXIT_FAILED, EXIT_TIMEOUT, EXIT_USAGE
 from pipeline.cli.main import main
+from pipeline.core.broker import control_channel, keys, registry
+from pipeline.core.command import EXIT_FAILED, EXIT_TIMEOUT, EXIT_USAGE
 from schemas.worker_info import WorkerInfo
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
@@ -153,8 +153,8 @@ def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_mi
 def test_demo_names_the_demo_models_directory_or_says_how_to_make_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_url: str, redis_client: redis.Redis,
         demo_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.demo_model import resolve, resolve_versioned
-    from pipeline.errors import PipelineError
+    from pipeline.core.demo_model import resolve, resolve_versioned
+    from pipeline.core.errors import PipelineError
 
     assert resolve("demo") == str(demo_model_dir)
     assert resolve("demo-perturbed") == f"{demo_model_dir}-perturbed"

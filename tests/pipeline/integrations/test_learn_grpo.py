@@ -25,7 +25,7 @@ from examples.learn_grpo import (
     write_report,
 )
 from pipeline.audit.report_rewards import TITLE
-from pipeline.read.reader import read_rollouts
+from pipeline.core.shards import read_rollouts
 from tests.conftest import PIPELINE
 from tests.helpers import stop_all, wait_until
 from tests.pipeline.audit.test_report import Page

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import pipeline
+from pipeline.core.shards import read_rollouts
 from pipeline.integrations.trl import _groups, pipeline_rollout, token_versions
-from pipeline.read.reader import read_rollouts
 from tests.helpers import wait_until
 
 trl = pytest.importorskip("trl")

@@ -14,10 +14,10 @@ import pytest
 import redis
 from rq.job import Job
 
-from pipeline.broker import keys
-from pipeline.broker.commit_log import Commit, append
 from pipeline.client import Client
-from pipeline.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
+from pipeline.core.broker import keys
+from pipeline.core.broker.commit_log import Commit, append
+from pipeline.core.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
 from pipeline.read.follow import Shard
 from schemas.request import RolloutRequest
 from workers.engines.base import Finish, SampleOutput
@@ -29,7 +29,7 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def register_batch(conn: redis.Redis, batch_id: str, jobs: int, run: str = RUN) -> list[str]:
-    """What `pipeline.intake.submit` records for a batch: its job ids and the run's batch set."""
+    """What `pipeline.submit.enqueue` records for a batch: its job ids and the run's batch set."""
     job_ids = [f"{batch_id}-{i:05d}" for i in range(jobs)]
     conn.hset(keys.batch(batch_id), mapping={"run": run, "job_ids": ",".join(job_ids)})
     conn.sadd(keys.run_batches(run), batch_id)

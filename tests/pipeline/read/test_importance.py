@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.read.importance import kl_estimates, masked, sequence_ratios, token_ratios, truncated
 
 LN2 = math.log(2.0)

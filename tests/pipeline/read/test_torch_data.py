@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.errors import NoShardsError, PipelineError
-from pipeline.read.reader import finish_reason_in
+from pipeline.core.errors import NoShardsError, PipelineError
+from pipeline.core.shards import finish_reason_in
 from pipeline.read.torch_data import RolloutBatches, collate_rollouts, grpo_advantages, pack_groups
 from schemas.shard import REWARDS_SCHEMA, REWARDS_SUFFIX, SHARD_SCHEMA
 from workers.rows.shard_writer import write_shard
@@ -348,7 +348,7 @@ def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:
         "assert 'pipeline.cli.main' in names and 'pipeline.read.torch_data' in names, names\n"
         "for name in names:\n"
         "    if name not in ('pipeline.read.torch_data', 'pipeline.read.trajectory_batches', "
-        "'pipeline.read.importance', 'pipeline.weights.torch_bits'):\n"
+        "'pipeline.read.importance', 'pipeline.core.weights.torch_bits'):\n"
         "        importlib.import_module(name)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'sglang'))\n"
         "assert not heavy, heavy[:5]\n"

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.serve.affinity import Route, bound, choose
+from pipeline.core.affinity import Route, bound, choose
 from schemas.worker_info import WorkerInfo
 
 

@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 import redis
 
 import pipeline
-from pipeline.broker import commit_log, keys
-from pipeline.read.reader import read_rollouts
+from pipeline.core.broker import commit_log, keys
+from pipeline.core.shards import read_rollouts
 from pipeline.read.trajectories import turn_rows
 from tests.pipeline.serve.conftest import Script, run_agent
 

@@ -9,8 +9,8 @@ import openai
 import pytest
 import redis
 
-from pipeline.broker import control_channel
-from pipeline.errors import PipelineError
+from pipeline.core.broker import control_channel
+from pipeline.core.errors import PipelineError
 from pipeline.serve.server import ServeConfig, check_config
 from tests.pipeline.serve.conftest import Script, run_agent
 

@@ -19,7 +19,7 @@ import redis
 from rq.job import Job
 
 from pipeline.audit import status
-from pipeline.broker import keys, registry
+from pipeline.core.broker import keys, registry
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers import stop_all, wait_until

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import openai
 
-from pipeline.broker import keys
-from pipeline.broker.connection import connect_redis
+from pipeline.core.broker import keys
+from pipeline.core.broker.connection import connect_redis
 from pipeline.read.trajectories import turn_rows
 from pipeline.serve.server import ServeConfig, Server
 from tests.conftest import PIPELINE

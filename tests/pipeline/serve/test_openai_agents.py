@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from tests.pipeline.serve.conftest import Script, exact_trajectory, run_agent
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from tests.pipeline.serve.conftest import Script, exact_trajectory, run_agent
 
 HERE = Path(__file__).resolve().parent

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline.broker import control_channel, keys, registry
-from pipeline.read.reader import read_rollouts
+from pipeline.core.broker import control_channel, keys, registry
+from pipeline.core.shards import read_rollouts
 from tests.conftest import PIPELINE
 
 COLUMNS = ["rollout_id", "completion_token_ids", "weight_version"]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.errors import WeightsMismatchError
-from pipeline.weights.store import WeightStore
-from pipeline.weights.torch_bits import state_dict_bits
+from pipeline.core.errors import WeightsMismatchError
+from pipeline.core.weights.store import WeightStore
+from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
 from tests.weights_trainer import Trainer, corrupt_a_delta, same_bits
 from workers.engines.hf.engine import HFEngine

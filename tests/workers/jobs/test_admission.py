@@ -17,7 +17,7 @@ from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline.audit.status import collect, format_status
-from pipeline.broker import keys, registry
+from pipeline.core.broker import keys, registry
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities, WorkerInfo
 from workers.engines.base import SampleOutput

@@ -11,7 +11,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker import commit_log, keys
+from pipeline.core.broker import commit_log, keys
 from tests.helpers import drive_worker, wait_until
 from workers.engines.sim import SimConfig, SimEngine
 

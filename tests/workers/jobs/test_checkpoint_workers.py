@@ -19,7 +19,7 @@ import numpy as np
 import redis
 
 import pipeline
-from pipeline.broker import commit_log, keys, registry
+from pipeline.core.broker import commit_log, keys, registry
 from tests.helpers import wait_until
 from tests.workers.jobs.held_hf_worker import HOLD_VARIABLE
 from workers.jobs.checkpoint import CheckpointStore

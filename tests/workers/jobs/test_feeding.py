@@ -19,7 +19,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from schemas.request import RolloutRequest
 from tests.helpers import drive_worker, wait_until
 from workers.engines.fake import FakeEngine

@@ -11,10 +11,10 @@ from pathlib import Path
 import redis
 from rq.job import Job
 
-from pipeline.broker import commit_log, keys
-from pipeline.broker.commit_log import Commit
-from pipeline.intake.submit import rollout_queue, submit_requests
-from pipeline.read.batch import Batch
+from pipeline.core.broker import commit_log, keys
+from pipeline.core.broker.commit_log import Commit
+from pipeline.runs.batch import Batch
+from pipeline.submit.enqueue import rollout_queue, submit_requests
 from schemas.request import RolloutRequest
 from workers.jobs.maintenance import RegistryMaintenance
 from workers.jobs.reconcile import Reconciler

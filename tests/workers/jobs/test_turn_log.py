@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.broker import keys
+from pipeline.core.broker import keys
 from pipeline.serve.lane import Lane
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest

@@ -15,9 +15,9 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pipeline.broker import keys
-from pipeline.intake.submit import submit_requests
-from pipeline.read.batch import Batch
+from pipeline.core.broker import keys
+from pipeline.runs.batch import Batch
+from pipeline.submit.enqueue import submit_requests
 from schemas.request import RolloutRequest
 from workers.engines.fake import FakeEngine
 from workers.process.engine_worker import EngineWorker

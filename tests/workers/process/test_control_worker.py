@@ -17,7 +17,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker import control_channel, keys, registry
+from pipeline.core.broker import control_channel, keys, registry
 from tests.conftest import PIPELINE
 from tests.helpers import wait_until
 from workers.engines.fake import FakeEngine

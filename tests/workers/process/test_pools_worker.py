@@ -14,8 +14,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 import pipeline
-from pipeline.broker import control_channel, registry
-from pipeline.intake.submit import JOB_FUNCTION
+from pipeline.core.broker import control_channel, registry
+from pipeline.submit.enqueue import JOB_FUNCTION
 from schemas.control import DesiredState
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest

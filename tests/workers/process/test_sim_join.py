@@ -10,7 +10,7 @@ from pathlib import Path
 import redis
 
 import pipeline
-from pipeline.broker import registry
+from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
 from tests.helpers import terminate, wait_until
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.weights.store import WeightStore
-from pipeline.weights.torch_bits import state_dict_bits
+from pipeline.core.weights.store import WeightStore
+from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
 from tests.weights_trainer import Trainer, same_bits
 from workers.engines.hf.engine import HFEngine

@@ -15,8 +15,8 @@ import redis
 import torch
 
 import pipeline
-from pipeline.broker import control_channel, registry
-from pipeline.weights.store import WeightStore
+from pipeline.core.broker import control_channel, registry
+from pipeline.core.weights.store import WeightStore
 from tests.conftest import PIPELINE
 from tests.helpers import drive_worker, wait_until
 from tests.weights_trainer import Trainer, corrupt_a_delta, same_bits
@@ -68,7 +68,7 @@ def test_delta_pushes_from_a_state_dict_land_bit_for_bit_and_rows_match_the_new_
 
 
 def test_a_delta_over_drifted_weights_falls_back_to_a_full_rebuild(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from pipeline.weights.torch_bits import state_dict_bits
+    from pipeline.core.weights.torch_bits import state_dict_bits
     from pipeline.weights.writer import write_version
 
     trainer = Trainer(tiny_model_dir)
@@ -88,7 +88,7 @@ def test_a_delta_over_drifted_weights_falls_back_to_a_full_rebuild(tiny_model_di
 def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_version_exactly(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from pipeline.weights.torch_bits import state_dict_bits
+    from pipeline.core.weights.torch_bits import state_dict_bits
     from pipeline.weights.writer import write_version
     from workers.engines.inplace import WeightsMismatchError
 
@@ -159,7 +159,7 @@ def test_an_engine_that_loads_only_from_disk_and_has_no_model_directory_refuses_
     redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "state"))
-    from pipeline.errors import WeightPushError
+    from pipeline.core.errors import WeightPushError
     from workers.engines.fake import FakeEngine
 
     client = pipeline.Client(redis_client)

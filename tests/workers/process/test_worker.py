@@ -19,7 +19,7 @@ from rq.utils import import_attribute
 from rq.worker import WorkerStatus
 
 import pipeline
-from pipeline.broker import keys, registry
+from pipeline.core.broker import keys, registry
 from workers.engines.base import Engine
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
@@ -73,7 +73,7 @@ def test_only_project_job_functions_run(redis_client: redis.Redis, tmp_path: Pat
 
 
 def test_submit_and_worker_name_the_same_job_function() -> None:
-    from pipeline.intake.submit import JOB_FUNCTION  # pipeline cannot import workers: the name is written twice
+    from pipeline.submit.enqueue import JOB_FUNCTION  # pipeline cannot import workers: the name is written twice
 
     assert JOB_FUNCTION == allowed_job.JOB_FUNCTION
     assert import_attribute(JOB_FUNCTION) is batch_job.run_rollout_batch

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.broker import registry
+from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
 from tests.helpers import terminate, wait_until
 from workers.engines.fake import FakeEngine

@@ -15,7 +15,7 @@ import redis
 
 import pipeline
 from pipeline.audit.status import collect, format_status
-from pipeline.broker import keys, reward_log
+from pipeline.core.broker import keys, reward_log
 from tests.helpers import terminate, wait_until
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.errors import RequestFileError
-from pipeline.intake.request_file import parse_lines
+from pipeline.core.errors import RequestFileError
+from pipeline.submit.request_file import parse_lines
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from tests.invariants import assert_row_invariants

@@ -19,7 +19,7 @@ import numpy as np
 import redis
 
 import pipeline
-from pipeline.broker import control_channel
+from pipeline.core.broker import control_channel
 from schemas.request import RolloutRequest
 from tests.helpers import wait_until
 from tests.models import token_id
@@ -298,7 +298,7 @@ class LoadsForever(SimEngine):
 
 
 def _serve(url: str, step_s: float, hold_swap: bool = False) -> None:
-    from pipeline.broker.connection import connect_redis
+    from pipeline.core.broker.connection import connect_redis
 
     conn = connect_redis(url)
     config = SimConfig(capacity=16, step_s=step_s, median_tokens=10_000, p99_tokens=10_001)
@@ -318,7 +318,7 @@ def test_worker_killed_mid_partial_swap_loses_and_duplicates_nothing(
     import os
     import signal
 
-    from pipeline.broker import commit_log, keys, registry
+    from pipeline.core.broker import commit_log, keys, registry
 
     client = pipeline.Client(redis_client)
     batch = client.submit(lines("k", [400, 400, 400, 400], n=2), run="killed", output=f"file://{tmp_path}",
@@ -480,7 +480,7 @@ def test_cli_partial_push_to_a_worker_process_reports_each_workers_mode(
 ) -> None:
     import subprocess
 
-    from pipeline.broker import registry
+    from pipeline.core.broker import registry
     from tests.conftest import PIPELINE
 
     start_worker()

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.read.reader import read_rollouts
+from pipeline.core.shards import read_rollouts
 from schemas.request import RolloutRequest
 from schemas.shard import SCHEMA_VERSION
 from tests.helpers import FlakyStore

@@ -4,7 +4,7 @@
   among equals). Requests with the same `routing_key` (the agent lane sets the session id) go to
   the same URL, so a session's turns find its prefix in that server's KV cache: rendezvous
   hashing of key and URL over the URLs that are up, with bounded load (a URL holding more than
-  `pipeline.serve.affinity.bound` of the mean, and more than `DEFAULT_SLACK` above the least
+  `pipeline.core.affinity.bound` of the mean, and more than `DEFAULT_SLACK` above the least
   loaded, is passed over, as the lane does between workers). Behind one gateway URL the gateway
   chooses the server: the `Wire` names the header that carries the key to it.
 - A URL that fails to connect is avoided for a short cool-down.
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from pipeline.serve.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound, rank
+from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound, rank
 from schemas.request import RolloutRequest
 from workers.engines.sglang.backends import Answer, Backends, error_message
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError

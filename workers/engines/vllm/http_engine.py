@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from pipeline.weights.manifest import Manifest
-from pipeline.weights.store import WeightStore, version_dir
+from pipeline.core.weights.manifest import Manifest
+from pipeline.core.weights.store import WeightStore, version_dir
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines import model_config

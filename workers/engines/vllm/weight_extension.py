@@ -16,7 +16,7 @@ stages a version (`workers.engines.inplace`):
 `rollout_apply_store(PLAN)` does both in one call, in the pause (`PIPELINE_WEIGHT_STAGING=off`).
 
 It runs in vLLM's own venv, so it imports only stdlib, numpy, torch, fsspec and the store's
-decoding core (`pipeline/weights/codec_core.py`, loaded by its path: numpy, zstandard, xxhash),
+decoding core (`pipeline/core/weights/codec_core.py`, loaded by its path: numpy, zstandard, xxhash),
 never the `pipeline` package (redis, pyarrow). The plan is JSON the adapter built from the
 store's validated manifests: the blobs' paths and spans, each tensor's encoding and the checksum
 of every tensor at the new version.
@@ -65,7 +65,7 @@ _core: ModuleType | None = None
 
 
 def codec_core() -> ModuleType:
-    """`pipeline/weights/codec_core.py`, loaded by its path (finding `pipeline` does not import it)."""
+    """`pipeline/core/weights/codec_core.py`, loaded by its path (finding `pipeline` does not import it)."""
     global _core
     if _core is None:
         spec = importlib.util.find_spec("pipeline")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pipeline
-from pipeline.broker import registry
+from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
 from tests.helpers import free_port, wait_until
 from tests.workers.engines.conftest import launch, stop, wait_ready

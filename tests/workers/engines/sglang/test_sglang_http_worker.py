@@ -11,7 +11,7 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.errors import JobsFailedError
+from pipeline.core.errors import JobsFailedError
 from tests.helpers import drive_worker, wait_until
 from tests.models import token_id
 from tests.workers.engines.conftest import Standin
@@ -133,5 +133,5 @@ def test_a_canceled_job_in_flight_is_aborted_on_the_server_by_rid(
     assert len(aborted) == 2 and all(set(a) == {"rid"} for a in aborted)  # one abort per request, by rid
     assert after["answered_aborted"] - before["answered_aborted"] == 2
     assert shard_files(tmp_path) == []
-    with pytest.raises(pipeline.errors.NoShardsError):
+    with pytest.raises(pipeline.core.errors.NoShardsError):
         pipeline.read_rollouts(f"file://{tmp_path}", "cancel-http")

@@ -409,8 +409,8 @@ def extension_server(served: Path, answers: list[dict[str, Any]]) -> FakeVLLM:
 def test_a_store_version_goes_through_the_extension_in_the_reload_pause(served: Path, tmp_path: Path) -> None:
     import numpy as np
 
-    from pipeline.weights.safetensors_io import TensorBits
-    from pipeline.weights.store import WeightStore
+    from pipeline.core.weights.safetensors_io import TensorBits
+    from pipeline.core.weights.store import WeightStore
     from pipeline.weights.writer import write_version
 
     store = WeightStore(str(tmp_path / "store"))

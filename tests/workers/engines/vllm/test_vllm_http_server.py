@@ -25,7 +25,7 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.broker import registry
+from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
 from tests.helpers import drive_worker, wait_until
 from tests.vllm_server import VLLMServer

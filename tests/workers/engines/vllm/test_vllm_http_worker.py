@@ -12,7 +12,7 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.broker import registry
+from pipeline.core.broker import registry
 from tests.workers.engines.fake_vllm import URL, FakeVLLM, fixture
 from workers.engines.vllm.http_engine import VLLMHTTPEngine
 from workers.process.worker import RolloutWorker

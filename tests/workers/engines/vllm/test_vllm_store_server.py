@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import pipeline
-from pipeline.weights.store import WeightStore, checksum
-from pipeline.weights.torch_bits import state_dict_bits, words_view
+from pipeline.core.weights.store import WeightStore, checksum
+from pipeline.core.weights.torch_bits import state_dict_bits, words_view
 from pipeline.weights.writer import write_version
 from tests.helpers import drive_worker, wait_until
 from tests.vllm_server import VLLMServer, untied_copy

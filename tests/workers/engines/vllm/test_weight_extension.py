@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.weights.safetensors_io import TensorBits
-from pipeline.weights.store import WeightStore
+from pipeline.core.weights.safetensors_io import TensorBits
+from pipeline.core.weights.store import WeightStore
 from pipeline.weights.writer import write_version
 from workers.engines.vllm import weight_extension
 from workers.engines.vllm.http_engine import store_plan

@@ -1,0 +1,210 @@
+"""Which Redis to talk to, and how: `--redis URL`, else `$PIPELINE_REDIS_URL`, else the embedded server.
+
+URLs may carry a password (`redis://:secret@host:6379/0`, `unix:///path.sock?password=secret`)
+and TLS (`rediss://host:6380/0`). A Sentinel URL,
+`redis+sentinel://[:password@]host:port[,host:port…]/MASTER_NAME[/DB]` (`rediss+sentinel://` for
+TLS; parsed by `pipeline.core.broker.sentinel_url`), asks the sentinels for the current master on every new
+connection, so a client follows a failover: its commands retry (as below) until the promoted
+replica answers. Outside the URL:
+
+- `PIPELINE_REDIS_PASSWORD`: the password when the URL has none;
+- `PIPELINE_REDIS_TLS_CA`, `PIPELINE_REDIS_TLS_CERT`, `PIPELINE_REDIS_TLS_KEY`: CA bundle and
+  client certificate for `rediss://`; `PIPELINE_REDIS_TLS_VERIFY=none` skips verification
+  (testing only);
+- `PIPELINE_REDIS_SENTINEL_PASSWORD`: the sentinels' own password, for sentinels started with
+  `requirepass` (the URL's password is the master's and replicas');
+- `PIPELINE_REDIS_RECONNECT_S` (default 60): how long a command keeps retrying, with
+  exponential backoff and jitter, while Redis is down or restarting, before it raises.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.connection import SSLConnection
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+from pipeline.core import settings
+from pipeline.core.broker.redis_server import embedded_server
+from pipeline.core.broker.sentinel_url import SENTINEL_SCHEMES, SentinelURL, is_sentinel_url, parse_sentinel_url
+from pipeline.core.errors import RedisURLError
+
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The Redis URL to use, starting the embedded server when none is configured."""
+    chosen = url or settings.redis_url()
+    if chosen:
+        return chosen
+    return embedded_server().ensure_started()
+
+
+def redacted(url: str) -> str:
+    """The URL with any password replaced by `***`, for logs and error messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparseable (e.g. an unclosed IPv6 bracket): keep only what precedes the credentials
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else url
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{user}:***@{host}"
+    query = "&".join(
+        f"{key}=***" if key == "password" else f"{key}={value}"
+        for key, values in parse_qs(parts.query, keep_blank_values=True).items()
+        for value in values
+    )
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+class ReconnectRetry(Retry):
+    """redis-py's `Retry`, except that a refused password or permission is raised at once."""
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, AuthenticationError | AuthorizationError):
+                return False
+            return is_retryable(error) if is_retryable is not None else True
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def retry_policy(reconnect_for_s: float | None = None) -> Retry:
+    """Retries with exponential backoff (with jitter) that together last about `reconnect_for_s`."""
+    total = settings.redis_reconnect_s() if reconnect_for_s is None else reconnect_for_s
+    # The ramp from BACKOFF_BASE_S to the cap takes about 2 * cap; then one retry per cap on average (jitter halves).
+    retries = max(1, math.ceil(max(0.0, total - 2 * BACKOFF_CAP_S) / BACKOFF_CAP_S) + 6)
+    return ReconnectRetry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries)
+
+
+def client_kwargs(url: str, *, reconnect_for_s: float | None = None) -> dict[str, Any]:
+    """Keyword arguments for the data connections to `url`: reconnects, password, TLS.
+
+    For plain URLs these go to `redis.Redis.from_url(url, **kwargs)`; for Sentinel URLs they are
+    the master connections' (the URL's own parts are added by `connect_redis`).
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise RedisURLError(
+            f"Redis URL {redacted(url)!r} has scheme {scheme!r}; use redis://, rediss:// (TLS), unix://, "
+            "redis+sentinel:// or rediss+sentinel://"
+        )
+    sentinel = parse_sentinel_url(url) if scheme in SENTINEL_SCHEMES else None
+    kwargs: dict[str, Any] = {
+        "health_check_interval": 30,
+        "retry": retry_policy(reconnect_for_s),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
+    }
+    if scheme != "unix":  # TCP only
+        kwargs.update(socket_keepalive=True, socket_connect_timeout=10)
+    if sentinel is not None:
+        query: dict[str, list[str]] = {}
+        has_password = sentinel.password is not None
+    else:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        has_password = parts.password is not None or "password" in query
+    password = settings.redis_password()
+    if not has_password and password:
+        kwargs["password"] = password
+    if scheme in ("rediss", "rediss+sentinel"):
+        kwargs.update(_tls_kwargs(query))
+    return kwargs
+
+
+def _tls_kwargs(query: dict[str, list[str]]) -> dict[str, Any]:
+    """Certificates from the environment (unless the URL's query names them) and the verification switch."""
+    kwargs: dict[str, Any] = {key: path for key, path in settings.redis_tls_files().items() if key not in query}
+    if not settings.redis_tls_verify():
+        kwargs["ssl_cert_reqs"] = "none"
+        kwargs["ssl_check_hostname"] = False
+    return kwargs
+
+
+class FailoverConnection(SentinelManagedConnection):
+    """A master connection that asks the sentinels again on every reconnect.
+
+    redis-py's own reconnects inside a command's retries go straight back to the last address,
+    the dead master's, so a command never reaches the promoted replica; this one rediscovers.
+    """
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock or not retry_socket_connect:  # `connect_to` (after discovery) comes back here
+            return super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        return self.connect()
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """A write refused inside a Lua script because the master was demoted (`-READONLY` wrapped in
+        a script error, which redis-py does not recognise) is a failover too: reconnect and retry."""
+        try:
+            return super().read_response(*args, **kwargs)
+        except ResponseError as error:
+            if self.connection_pool.is_master and "READONLY" in str(error) and "script" in str(error):
+                self.disconnect()
+                raise redis.ConnectionError("the previous master is now a replica (a script's write was refused)") \
+                    from error
+            raise
+
+
+class FailoverSSLConnection(FailoverConnection, SSLConnection):
+    """`FailoverConnection` over TLS."""
+
+
+def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.Redis:
+    """A client of the master the sentinels name now; every new connection asks them again."""
+    data = dict(data_kwargs, db=parsed.db)
+    if parsed.password is not None:
+        data["password"] = parsed.password
+    if parsed.username is not None:
+        data["username"] = parsed.username
+    data["connection_class"] = FailoverSSLConnection if parsed.tls else FailoverConnection
+    probe: dict[str, Any] = {key: value for key, value in data.items() if key.startswith(("socket_", "ssl_"))}
+    probe.update(ssl=parsed.tls, retry=Retry(NoBackoff(), 0))  # a sentinel that fails passes the turn to the next
+    sentinel_password = settings.redis_sentinel_password()
+    if sentinel_password:
+        probe["password"] = sentinel_password
+    manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=probe)
+    return manager.master_for(parsed.master, **data)
+
+
+def connect_redis(url: str | None = None, *, reconnect_for_s: float | None = None,
+                  max_connections: int | None = None) -> redis.Redis:
+    """A client that rides out Redis restarts and Sentinel failovers: commands retry with backoff for a while.
+
+    `max_connections` raises redis-py's limit of 100 connections per client (a server whose
+    threads each block on a reply needs more)."""
+    chosen = resolve_url(url)
+    kwargs = client_kwargs(chosen, reconnect_for_s=reconnect_for_s)
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
+    if is_sentinel_url(chosen):
+        return sentinel_client(parse_sentinel_url(chosen), kwargs)
+    return redis.Redis.from_url(chosen, **kwargs)
+
+
+def asyncio_twin(conn: redis.Redis, *, max_connections: int | None = None) -> Any:
+    """An asyncio client to the same Redis as `conn` (TCP or unix socket, same db and credentials),
+    for code that waits on many keys without a thread each; None where `conn` reaches Redis another
+    way (Sentinel, TLS): callers then wait in threads."""
+    import redis.asyncio  # only servers that wait on the event loop load it
+
+    pool = conn.connection_pool
+    kwargs = pool.connection_kwargs
+    common = {"db": kwargs.get("db", 0), "username": kwargs.get("username"), "password": kwargs.get("password"),
+              "max_connections": max_connections}
+    if pool.connection_class is redis.UnixDomainSocketConnection:
+        return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
+    if pool.connection_class is redis.Connection:
+        return redis.asyncio.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379), **common)
+    return None

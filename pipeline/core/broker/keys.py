@@ -1,0 +1,263 @@
+"""Names of the Redis keys and RQ queues the pipeline uses, in one place.
+
+Pools: a pool is a name (`[A-Za-z0-9][A-Za-z0-9_-]*`, at most 64 characters; default
+`default`, or `$PIPELINE_POOL`) that owns a queue, a desired control state, a wake-up channel,
+weight acknowledgements, a worker registry and a set of runs. `pool(name)` gives its keys.
+
+The `default` pool keeps the names of the single-pool releases (`rollouts`,
+`pipeline:control:state`, `pipeline:workers`, ...), so data written before pools existed is the
+default pool's as it stands: no migration, and workers of the previous release keep serving it
+during a rolling upgrade. Every other pool lives under `pipeline:pool:<name>:` and its queue is
+`rollouts.<name>`; pool names hold neither ':' nor '.', so no two pools' keys can be the same
+and none can be a default-pool key. Runs, batches, commit logs and staged prompt ids are keyed
+by run name or by unique batch/job ids and stay global: a run name is the user's namespace
+already (it is also the shard directory under the output URL).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipeline.core import settings
+from pipeline.core.errors import PoolNameError
+from schemas.worker_info import DEFAULT_POOL
+
+PREFIX = "pipeline"
+LANE_RATE_BUCKET_S = 10  # agent turns are counted per bucket of this many seconds (`PoolKeys.lane_turns_in`)
+QUEUE_NAME = "rollouts"
+ENV_POOL = settings.POOL.name
+# Every pool ever named by a submit, a worker or a control change (status lists them).
+POOLS = f"{PREFIX}:pools"
+_POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class PoolKeys:
+    """The Redis keys of one pool."""
+
+    name: str
+
+    @property
+    def _base(self) -> str:
+        return PREFIX if self.name == DEFAULT_POOL else f"{PREFIX}:pool:{self.name}"
+
+    @property
+    def queue_name(self) -> str:
+        """The pool's RQ queue."""
+        return QUEUE_NAME if self.name == DEFAULT_POOL else f"{QUEUE_NAME}.{self.name}"
+
+    @property
+    def lane_queue_name(self) -> str:
+        """The pool's interactive lane: an RQ queue of agent turns (`pipeline serve`) that the pool's
+        workers take before its batch queue, so a turn never waits behind a long batch run."""
+        return f"lane.{self.queue_name}"
+
+    @property
+    def open_sessions(self) -> str:
+        """The set of the pool's open agent sessions (`pipeline serve`)."""
+        return f"{self._base}:sessions:open"
+
+    def worker_lane_queue_name(self, worker_id: str) -> str:
+        """One worker's own lane: the turns routed to it (session affinity, `pipeline.core.affinity`),
+        which it takes before the pool's shared lane."""
+        return f"{self.lane_queue_name}.w.{worker_id}"
+
+    @property
+    def lane_workers(self) -> str:
+        """The set of workers with a lane of their own: a dead one's turns are moved to the shared lane."""
+        return f"{self._base}:lane:workers"
+
+    def lane_load(self, worker_id: str) -> str:
+        """A sorted set of the turns routed to a worker and not yet answered (score: when to forget one)."""
+        return f"{self._base}:lane:load:{worker_id}"
+
+    @property
+    def lane_stats(self) -> str:
+        """A hash of the pool's turn counts: turns, home_turns, cached and prompt tokens, moves by reason."""
+        return f"{self._base}:lane:stats"
+
+    def lane_turns_in(self, bucket: int) -> str:
+        """A counter of the pool's turns committed in one bucket of `LANE_RATE_BUCKET_S` seconds (the
+        bucket: epoch seconds // that), for turns per second in `pipeline status`."""
+        return f"{self._base}:lane:turns:{bucket}"
+
+    @property
+    def control_state(self) -> str:
+        """The pool's desired state (`schemas.control.DesiredState`, signed when a secret is set)."""
+        return f"{self._base}:control:state"
+
+    @property
+    def control_channel(self) -> str:
+        """The pub/sub channel that wakes the pool's workers (a message carries no state)."""
+        return f"{self._base}:control:wake"
+
+    def weight_acks(self, version: int) -> str:
+        """A hash of worker id → acknowledgement (JSON) of a push of weight `version`."""
+        return f"{self._base}:control:acks:{version}"
+
+    @property
+    def workers(self) -> str:
+        """The set of worker ids registered in the pool (entries expire; ids are pruned on read)."""
+        return f"{self._base}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's registry entry (a JSON string with a TTL refreshed by its heartbeat)."""
+        return f"{self._base}:worker:{worker_id}"
+
+    @property
+    def runs(self) -> str:
+        """The set of runs submitted to the pool."""
+        return f"{self._base}:runs"
+
+    @property
+    def open_batches(self) -> str:
+        """The set of the pool's batch ids that may still have jobs to run (every submit adds its
+        batch; `workers.jobs.reconcile` drops it once every job has ended)."""
+        return f"{self._base}:batches:open"
+
+    @property
+    def unservable(self) -> str:
+        """A hash of job id → why no live worker of the pool can serve it, and since when (JSON)."""
+        return f"{self._base}:unservable"
+
+
+def pool_name(name: str | None = None) -> str:
+    """`name`, else `$PIPELINE_POOL`, else `default`; `PoolNameError` if it is not a valid name."""
+    chosen = name or settings.pool() or DEFAULT_POOL
+    if not _POOL_NAME.match(chosen):
+        where = "" if name else f" (from ${ENV_POOL})"
+        raise PoolNameError(
+            f"pool name {chosen!r}{where} must be 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return chosen
+
+
+def pool(name: str | None = None) -> PoolKeys:
+    """The keys of pool `name` (see `pool_name` for the default)."""
+    return PoolKeys(pool_name(name))
+
+
+def commit_log(run: str) -> str:
+    """The per-run Redis stream of committed shards."""
+    return f"{PREFIX}:commits:{run}"
+
+
+def run_jobs(run: str) -> str:
+    """A hash of job id → `rows tokens weight_version` of the job's latest commit."""
+    return f"{PREFIX}:run:{run}:jobs"
+
+
+def run_totals(run: str) -> str:
+    """A hash of a run's committed totals: shards, rows, tokens, and shards per weight version
+    (`shards_v<N>`), kept by `pipeline.core.broker.commit_log.append`."""
+    return f"{PREFIX}:run:{run}:totals"
+
+
+def batch(batch_id: str) -> str:
+    """A hash describing one submitted batch (run, output, pool, job ids)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def run_batches(run: str) -> str:
+    """The set of batch ids submitted to a run."""
+    return f"{PREFIX}:run:{run}:batches"
+
+
+def prompts(job_id: str) -> str:
+    """A job's prompt token ids as raw little-endian bytes (the fast submit path)."""
+    return f"{PREFIX}:prompts:{job_id}"
+
+
+def checkpoint(job_id: str) -> str:
+    """A list of binary pieces: a job's samples in flight, saved by its worker (`workers.jobs.checkpoint`)."""
+    return f"{PREFIX}:checkpoint:{job_id}"
+
+
+def canceled(run: str) -> str:
+    """The set of a run's canceled job ids: workers abort them and never commit them (`pipeline.runs.cancel`)."""
+    return f"{PREFIX}:run:{run}:canceled"
+
+
+def run_request_ids(run: str) -> str:
+    """The set of every request id submitted into a run: ids are unique in a run, so `rollout_id`s are
+    (`pipeline.submit.enqueue`)."""
+    return f"{PREFIX}:run:{run}:request_ids"
+
+
+# Runs submitted with a reward function (`--reward`): the streams reward workers read.
+REWARD_RUNS = f"{PREFIX}:rewards:runs"
+REPLICATION_PROBE = f"{PREFIX}:replication:probe"  # `pipeline.core.broker.replication` writes it before each WAIT
+# The consumer group reward workers share on each such run's commit log.
+REWARD_GROUP = "rewards"
+
+
+def reward_log(run: str) -> str:
+    """The per-run stream of committed rewards shards (one entry per job: its rewards or their error)."""
+    return f"{PREFIX}:rewards:{run}"
+
+
+def reward_jobs(run: str) -> str:
+    """A hash of job id → `ok` or `failed` once its rewards are committed (each job's rewards once)."""
+    return f"{PREFIX}:rewards:{run}:jobs"
+
+
+def reward_totals(run: str) -> str:
+    """A hash of a run's reward totals: jobs, failed, rows, sum (kept by `pipeline.core.broker.reward_log.append`)."""
+    return f"{PREFIX}:rewards:{run}:totals"
+
+
+# Agent sessions (`pipeline serve`): state lives here, so servers are stateless and interchangeable.
+def session(session_id: str) -> str:
+    """A hash describing one agent session: run, pool, output, metadata, state, reward, versions."""
+    return f"{PREFIX}:session:{session_id}"
+
+
+def session_turns(session_id: str) -> str:
+    """A list of a session's turns, one JSON record each in turn order (`pipeline.serve.sessions`)."""
+    return f"{PREFIX}:session:{session_id}:turns"
+
+
+def turn_reply(turn_id: str) -> str:
+    """A list a worker pushes a finished turn's rows to (Arrow IPC); the server waits on it."""
+    return f"{PREFIX}:turn:{turn_id}:reply"
+
+
+def turn_job(turn_id: str) -> str:
+    """The id of the lane job that holds a turn (the server's turns travel in jobs of several)."""
+    return f"{PREFIX}:turn:{turn_id}:job"
+
+
+# Runs with agent turns: the turn logs flushers write to shards.
+TURN_RUNS = f"{PREFIX}:turns:runs"
+
+
+def turn_log(run: str) -> str:
+    """A run's stream of agent-turn rows not yet written to a shard (one entry per turn, Arrow IPC)."""
+    return f"{PREFIX}:turns:{run}"
+
+
+def turn_shard(turn_id: str) -> str:
+    """The URL of the shard a flushed turn's rows went to (kept a while after the flush: a waiter
+    that lost the reply reads them there, and a second run of the turn's job does not log it again)."""
+    return f"{PREFIX}:turn:{turn_id}:shard"
+
+
+def turn_log_jobs(run: str) -> str:
+    """A hash of turn id → its turn-log entry id: each turn's rows are logged once."""
+    return f"{PREFIX}:turns:{run}:jobs"
+
+
+def turn_log_output(run: str) -> str:
+    """The output URL a run's turn shards are written under (set by the server that opened the run)."""
+    return f"{PREFIX}:turns:{run}:output"
+
+
+def turn_flush_lock(run: str) -> str:
+    """Held by the one flusher writing a run's next turn shard."""
+    return f"{PREFIX}:turns:{run}:flush-lock"
+
+
+def run_turn_stats(run: str) -> str:
+    """A hash of a run's agent-turn counts: turns, prefix_breaks (`pipeline status`, the report)."""
+    return f"{PREFIX}:run:{run}:turn-stats"

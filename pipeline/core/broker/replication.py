@@ -1,0 +1,133 @@
+"""Acknowledged means replicated: after a write the pipeline reports as done, wait for replicas.
+
+Redis replicates asynchronously, so a master that dies (or that the sentinels demote while it
+still answers) can take its last writes with it. Where the pipeline tells someone "done" (a
+submit's enqueue, a commit-log append, a control state change, a weight acknowledgement) it
+calls `replicated(conn, what, proof)`, which waits with `WAIT` until enough replicas have
+everything written so far, and proves, in the same round trip, that the write is still on the
+server it waits on:
+
+- `PIPELINE_REDIS_WAIT_REPLICAS`: `auto` (default) waits for every replica the master has online
+  (in sync; counted at most every `CHECK_EVERY_S` per client, and again after a slice that timed
+  out), so that whichever the sentinels promote has the write, and not at all when it has none;
+  a number waits for that many; `0` turns the wait off.
+- `PIPELINE_REDIS_WAIT_TIMEOUT_MS` (default 10000): how long to wait in all, in slices of at most
+  `SLICE_MS`. Each slice asks the master the sentinels name *now*, so a failover during the wait
+  is noticed: when the write is not on the new master, `WriteLostError` is raised and the caller
+  writes again (`write_until_kept`: a commit, a control change, an ack) or says so (a submit,
+  `pipeline.submit.enqueue`).
+- A wait that runs out while the write is still on a live master is reported, not raised: a
+  warning names the write and how many replicas confirmed it; only that master's death in that
+  window could still lose it (then a job re-runs; `workers.jobs.reconcile` finds what it orphaned).
+
+`WAIT` counts the writes of the connection it runs on, and the write being acknowledged may have
+gone out on another connection of the pool, or to a master that has died since; so each slice
+reads the proof (`Proof`: one read command and a test of its reply), makes one tiny write of its
+own (`INCR` of a probe key) and waits for that, all in one pipeline on one connection (replication
+is ordered: a replica that has the probe has everything the master held before it, the proof's
+write included). A pipeline that fails over is re-run whole on the new master by the client's
+retries, so the proof is always read where the wait happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+
+from pipeline.core import settings
+from pipeline.core.broker import keys
+from pipeline.core.errors import WriteLostError
+
+SLICE_MS = 500
+LOST_WRITE_ATTEMPTS = 3  # writes lost in failovers in a row before `WriteLostError` reaches the caller
+CHECK_EVERY_S = 5.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_replicas_seen: weakref.WeakKeyDictionary[Any, tuple[float, int]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Proof:
+    """How to tell that a write is on a server: one read command (`args`, e.g. `("EXISTS", key)`)
+    and a test of its reply (`holds`)."""
+
+    args: tuple[Any, ...]
+    holds: Callable[[Any], bool] = bool
+
+
+def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
+    """How many replicas a write must reach before it counts as acknowledged (0: no wait)."""
+    setting = settings.redis_wait_replicas()
+    if setting is not None:
+        return setting
+    pool = conn.connection_pool
+    now = time.monotonic()
+    seen = _replicas_seen.get(pool)
+    if fresh or seen is None or now - seen[0] > CHECK_EVERY_S:
+        try:
+            info = conn.info("replication")
+        except redis.ResponseError:  # a server without INFO (fakeredis): no replicas to wait for
+            info = {}
+        # Replicas in sync (a replica still loading a full copy acknowledges nothing until it is done).
+        connected = sum(1 for key, value in info.items()
+                        if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+        seen = (now, connected)
+        _replicas_seen[pool] = seen
+    return seen[1]
+
+
+def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
+    """Wait until the configured number of replicas has the write `proof` checks; the number that
+    confirmed (None when no wait is configured). `WriteLostError` when the master the sentinels
+    name now does not have the write (it was lost with the master that took it). `what` names
+    the write in errors and in the warning on a timeout."""
+    want = wanted_replicas(conn)
+    if want == 0:
+        return None
+    limit = settings.redis_wait_timeout_ms()
+    deadline = time.monotonic() + limit / 1000
+    while True:
+        slice_ms = max(1, min(SLICE_MS, int((deadline - time.monotonic()) * 1000)))
+        with conn.pipeline(transaction=False) as pipe:  # one connection: proof, probe write, WAIT for it
+            pipe.execute_command(*proof.args)
+            pipe.incr(keys.REPLICATION_PROBE)
+            pipe.execute_command("WAIT", want, slice_ms)
+            reply, _, confirmed = pipe.execute()
+        if not proof.holds(reply):
+            raise WriteLostError(what)
+        if int(confirmed) >= want:
+            return int(confirmed)
+        if time.monotonic() >= deadline:
+            break
+        want = wanted_replicas(conn, fresh=True)  # the replica may have gone (auto: nothing to wait for)
+        if want == 0:
+            return None
+    log.warning("%s: written on the Redis master but %d of %d replica(s) confirmed it within %d ms "
+                "(%s); a failover now could lose it", what, int(confirmed), want, limit,
+                settings.REDIS_WAIT_TIMEOUT_MS.name)
+    return int(confirmed)
+
+
+def write_until_kept(write: Callable[[], T], confirm: Callable[[T], object], what: str) -> T:
+    """`write()`, then `confirm(result)` (a `replicated` wait); when a failover lost the write
+    (`WriteLostError`), write again on the new master, `LOST_WRITE_ATTEMPTS` times in all. The
+    write must be safe to repeat. Returns what the kept write returned."""
+    attempt = 1
+    while True:
+        result = write()
+        try:
+            confirm(result)
+            return result
+        except WriteLostError:
+            if attempt >= LOST_WRITE_ATTEMPTS:
+                raise
+            log.warning("%s was lost in a Redis failover; writing it again (%d/%d)", what, attempt,
+                        LOST_WRITE_ATTEMPTS)
+            attempt += 1

@@ -1,0 +1,51 @@
+"""The embedded default: a real redis-server on a unix socket under the state directory."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import redis
+
+from pipeline.core.broker.redis_server import RedisServer
+from tests.conftest import PIPELINE
+
+
+def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "PIPELINE_HOME": str(tmp_path / "home")}
+    env.pop("PIPELINE_REDIS_URL", None)
+    started = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
+    url = started.stdout.strip()
+    assert started.stderr.count("started the embedded Redis server") == 1  # said once, on stderr
+    directory = tmp_path / "home" / "redis"
+    password = (directory / "password").read_text().strip()
+    assert url == f"unix://{directory / 'redis.sock'}?password={password}"
+    # The password is private to its owner, and the server refuses anyone without it.
+    assert (directory / "password").stat().st_mode & 0o777 == 0o600
+    assert (directory / "redis.conf").stat().st_mode & 0o777 == 0o600
+    assert directory.stat().st_mode & 0o777 == 0o700
+    try:
+        redis.Redis(unix_socket_path=str(directory / "redis.sock")).ping()
+        raise AssertionError("the embedded server answered without a password")
+    except redis.AuthenticationError:
+        pass
+    try:
+        client = redis.Redis.from_url(url)
+        client.set("marker", "1")
+        # A second command reuses the same server instead of starting another.
+        again = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
+        assert again.stdout.strip() == url and "embedded Redis" not in again.stderr
+        assert client.get("marker") == b"1"
+        status = subprocess.run([*PIPELINE, "status"], env=env, capture_output=True, text=True, check=True)
+        assert "workers: 0 live" in status.stdout and status.stderr == ""
+        assert "desired: running, weights v0 (generation 0)" in status.stdout
+        # Unix socket only: no TCP port is open.
+        assert client.config_get("port")["port"] == "0"
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        assert client.config_get("appendfsync")["appendfsync"] == "always"
+    finally:
+        stopped = subprocess.run([*PIPELINE, "redis", "stop"], env=env, capture_output=True, text=True, check=True)
+    assert stopped.stdout.strip() == "stopped"
+    assert not RedisServer(directory, password=password).is_running()
