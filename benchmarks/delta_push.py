@@ -53,7 +53,7 @@ from pipeline.core.weights.store import WeightStore
 from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
 from schemas.request import RolloutRequest
-from workers.demo.model import ensure_demo_model
+from workers.engines.hf.demo_model import ensure_demo_model
 from workers.engines.hf.engine import HFEngine
 
 QUESTIONS = ["What is 17 + 25?", "Name a prime number above 50.", "Spell 'cat' backwards.",

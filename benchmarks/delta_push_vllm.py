@@ -52,7 +52,7 @@ from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
 from tests import vllm_server
 from tests.vllm_env import ensure_vllm_env
-from workers.demo.model import ensure_demo_model
+from workers.engines.hf.demo_model import ensure_demo_model
 from workers.engines.vllm.http_engine import VLLMHTTPEngine
 
 SAMPLES, TOKENS = 2, 24  # per prompt (the group), and the length cap: delta_push.py's defaults

@@ -70,7 +70,7 @@ def load(paths: list[str]) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
-    from workers.demo.model import ensure_demo_model
+    from workers.engines.hf.demo_model import ensure_demo_model
 
     model = str(ensure_demo_model())
     results: list[Result] = []

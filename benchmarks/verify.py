@@ -33,7 +33,7 @@ import torch
 from schemas.request import RolloutRequest
 from workers.audit import recompute
 from workers.audit.recompute import DEFAULT_MEMORY_MB, _groups_by_memory, _rows_of, exceeded, verify
-from workers.demo.model import ensure_demo_model, ensure_perturbed_copy
+from workers.engines.hf.demo_model import ensure_demo_model, ensure_perturbed_copy
 from workers.engines.hf.engine import HFEngine
 from workers.rows.table import RowContext, build_table
 

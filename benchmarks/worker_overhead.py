@@ -49,8 +49,8 @@ from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import SampleOutput
 from workers.engines.sim import SimConfig, SimEngine
+from workers.jobs import context
 from workers.jobs.batch_job import PreparedBatch, commit_batch
-from workers.process import context
 from workers.process.worker import RolloutWorker
 
 REQUESTS_PER_JOB = 64

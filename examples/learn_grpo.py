@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "--loop both, the loop's name before the suffix)")
     args = parser.parse_args(argv)
     if args.model is None:
-        from workers.demo.model import ensure_demo_model
+        from workers.engines.hf.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
     from pipeline.core.broker.connection import connect_redis, resolve_url

@@ -10,7 +10,7 @@ started (version, flags, model). Regenerate only on purpose (after a vLLM upgrad
 
 A server you start yourself needs the flags of `tests.vllm_server` (`VLLM_SERVER_DEV_MODE=1`,
 `--logprobs-mode processed_logprobs`) and the demo model's untied copy
-(`tests.vllm_server.untied_copy(workers.demo.model.ensure_demo_model())`: vLLM 0.32 cannot
+(`tests.vllm_server.untied_copy(workers.engines.hf.demo_model.ensure_demo_model())`: vLLM 0.32 cannot
 reload a tied output projection in place). The weight-reload cases load the (untied) perturbed
 copy and then the original again, so the server ends where it started.
 """
@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--url", help="a running server (started with tests.vllm_server's flags)")
     args = parser.parse_args()
     from tests.vllm_server import untied_copy
-    from workers.demo.model import ensure_demo_model, ensure_perturbed_copy
+    from workers.engines.hf.demo_model import ensure_demo_model, ensure_perturbed_copy
 
     model_dir = untied_copy(ensure_demo_model())
     perturbed = untied_copy(ensure_perturbed_copy(ensure_demo_model()))
@@ -153,7 +153,7 @@ def main() -> None:
             server.stop()
     OUT.mkdir(parents=True, exist_ok=True)
     version = recorded["version"]["response"]["version"]
-    meta = {"vllm": version, "model": "SmolLM2-135M-Instruct (workers.demo.model)", "model_path": str(model_dir),
+    meta = {"vllm": version, "model": "SmolLM2-135M-Instruct (the demo model)", "model_path": str(model_dir),
             "env": SERVER_ENV, "flags": [*BASE_FLAGS, *SERVER_FLAGS]}
     for name, case in recorded.items():
         (OUT / f"{name}.json").write_text(json.dumps({"server": meta, **case}, indent=1) + "\n")

@@ -16,7 +16,7 @@ from hypothesis import settings
 from pipeline.core.broker.redis_server import RedisServer
 from tests.helpers import free_port
 from tests.models import build_random_model, build_random_moe_model, build_scripted_model
-from workers.demo.model import ensure_demo_model
+from workers.engines.hf.demo_model import ensure_demo_model
 
 # Property tests judge values, not speed: no per-example wall-clock deadline (a loaded machine
 # would fail them by chance).

@@ -23,6 +23,7 @@ import pipeline
 from pipeline.audit.status import collect
 from pipeline.core.broker import commit_log, registry
 from pipeline.core.errors import JobsFailedError
+from pipeline.core.jobs import rq_seam
 from pipeline.runs.batch import Batch
 from pipeline.submit.enqueue import submit_requests
 from schemas.request import RolloutRequest
@@ -31,7 +32,6 @@ from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
-from workers.jobs import rq_seam
 from workers.process.lane_keeper import LaneKeeper
 from workers.process.worker import RolloutWorker
 

@@ -10,32 +10,21 @@ from collections import Counter
 from typing import Any
 
 import redis
-from rq.job import Job
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import commit_log, control_channel, keys, registry, reward_log
 from pipeline.core.errors import UnknownRunError
+from pipeline.core.jobs.queue import rollout_queue
+from pipeline.core.jobs.status import failure_reason
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.submit.enqueue import rollout_queue
 from schemas.capabilities import describe
 from schemas.control import DesiredState
 
 FAILURES_SHOWN = 20
 RATE_BUCKETS = 6  # agent turns per second are over the last this many whole buckets (a minute)
 SESSIONS_READ = 10_000  # open sessions whose versions status reads (one pipeline of HMGETs), at most
-
-
-def failure_reason(conn: redis.Redis, job_id: str) -> str:
-    """The last line of a failed job's error (abandoned jobs say `AbandonedJobError`)."""
-    try:
-        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-        result = job.latest_result()
-    except Exception:  # an expired or unreadable record
-        return "job record is gone from Redis"
-    text = (result.exc_string if result is not None and result.exc_string else "") or ""
-    return text.strip().splitlines()[-1] if text.strip() else f"{job.get_status() or 'failed'} (no error recorded)"
 
 
 def _desired(conn: redis.Redis, pool: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 command line takes a model or tokenizer path (`--tokenizer`, `verify --model`, `weights push`).
 
 Only where they are is known here (`settings.model_cache()`); converting the model is
-`workers.demo.model`'s job, so the trainer side loads nothing to resolve a name.
+`workers.engines.hf.demo_model`'s job, so the trainer side loads nothing to resolve a name.
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ def metrics_port() -> int | None:
 
 
 def log_format() -> str:
-    """The log format as set, lower-cased (`text` when unset or blank; `workers.process.logs` checks it)."""
+    """The log format as set, lower-cased (`text` when unset or blank; `workers.runtime.logs` checks it)."""
     return (LOG_FORMAT.raw() or "text").strip().lower() or "text"
 
 

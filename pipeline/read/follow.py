@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.dataset as pads
 import redis
-from rq.job import Job
 
 from pipeline.audit.status import stalled_hint
 from pipeline.core.broker import keys, registry
 from pipeline.core.broker.commit_log import Commit
 from pipeline.core.errors import JobsFailedError, PipelineError, UnknownRunError, WaitTimeoutError
+from pipeline.core.jobs.status import read_status
 from pipeline.core.shards import read_rollouts
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.read.take import split_groups
+from pipeline.runs.take import split_groups
 
 START = "0-0"
 FAILED_STATES = frozenset({"failed", "stopped"})
@@ -136,7 +136,7 @@ class Follower:
         ordered = sorted(pending)
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in ordered:
-                pipe.hget(Job.key_for(job_id), "status")
+                read_status(pipe, job_id)
             raw = pipe.execute()
         return {j: _decode(s) for j, s in zip(ordered, raw, strict=True) if s and _decode(s) in ENDED_STATES}
 
@@ -185,7 +185,7 @@ class Follower:
 
     def groups(self, keep: Callable[[pa.Table], bool] | None = None) -> Iterator[pa.Table]:
         """Complete groups (all samples of a request, rewards joined with `rewards=True`) as their
-        shards commit, those `keep` accepts (e.g. `pipeline.read.take.rewards_differ`); the cursor moves
+        shards commit, those `keep` accepts (e.g. `pipeline.runs.take.rewards_differ`); the cursor moves
         shard by shard."""
         for shard in self:
             for _, group in split_groups(shard.read(rewards=self.rewards)):

@@ -38,8 +38,8 @@ import pyarrow.compute as pc
 import redis
 
 from pipeline.core.broker import keys
+from pipeline.core.jobs import turn_log
 from pipeline.core.shards import is_location, read_rollouts
-from schemas.shard import rows_from_ipc
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
             "weight_version", "weight_version_segments", "prefix_break", "finished_at", "worker_id",
@@ -69,10 +69,6 @@ def session_rewards(conn: redis.Redis, session_ids: list[str]) -> dict[str, dict
     return {s: (json.loads(v) if v else None) for s, v in zip(session_ids, values, strict=True)}
 
 
-def _unflushed(conn: redis.Redis, run: str) -> list[pa.Table]:
-    return [rows_from_ipc(fields[b"rows"]) for _, fields in conn.xrange(keys.turn_log(run))]
-
-
 def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
     """The rows of agent turns under a URL, or of a run (shards through its commit log, plus its turn log)."""
     if is_location(source):
@@ -85,7 +81,7 @@ def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
             conn = connect_redis()
         # The log first, then the shards: a flush between the two reads moves turns from the log to
         # a shard, and this order sees them (twice, deduplicated below) rather than not at all.
-        logged = _unflushed(conn, source)
+        logged = turn_log.unflushed(conn, source)
         tables = [read_rollouts([], run=source, conn=conn, missing_ok=True), *logged]
         tables = [t for t in tables if "session_id" in t.column_names]
     if not tables:

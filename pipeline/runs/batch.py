@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import redis
-from rq.job import Job
 from rq.results import Result
 
-from pipeline.audit.status import failure_reason, stalled_hint
+from pipeline.audit.status import stalled_hint
 from pipeline.core.broker import commit_log, keys
 from pipeline.core.errors import IncompleteBatchError, JobsFailedError, SubmitLostError, WaitTimeoutError
+from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.core.shards import read_rollouts
-from pipeline.read.take import GroupFilter, TakeResult, take
 from pipeline.runs.cancel import CancelResult, cancel
 from pipeline.runs.progress import Progress
+from pipeline.runs.take import GroupFilter, TakeResult, take
 from pipeline.submit.enqueue import SubmitPlan
 
 TERMINAL = {"finished", "failed", "stopped", "canceled"}
@@ -88,7 +88,7 @@ class Batch:
         job_ids = self.job_ids if job_ids is None else job_ids
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hget(Job.key_for(job_id), "status")
+                read_status(pipe, job_id)
             raw = pipe.execute()
         return {j: (s.decode() if s else "missing") for j, s in zip(job_ids, raw, strict=True)}
 
@@ -183,7 +183,7 @@ class Batch:
              timeout: float | None = None, cancel_rest: bool = True) -> TakeResult:
         """`groups` complete groups (all n samples of a request, rewards joined when the batch has a
         reward function) that `keep` accepts, as jobs finish; then cancel the rest
-        (`pipeline.read.take`; `keep=pipeline.read.take.rewards_differ` is DAPO's filter)."""
+        (`pipeline.runs.take`; `keep=pipeline.runs.take.rewards_differ` is DAPO's filter)."""
         self.last_take = take(self, groups, keep, timeout=timeout, cancel_rest=cancel_rest)
         return self.last_take
 

@@ -17,11 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import redis
-from rq.job import Job
 
 from pipeline.core.broker import keys
 from pipeline.core.errors import PipelineError
-from pipeline.submit.enqueue import RESULT_TTL_S, rollout_queue
+from pipeline.core.jobs.queue import RESULT_TTL_S, rollout_queue
+from pipeline.core.jobs.status import job_key
 
 # KEYS: the pool's queue, its retry schedule, the run's canceled set, the run's committed jobs.
 # ARGV: the RQ job key prefix, the prompt key prefix, the canceled records' TTL, then the job ids.
@@ -170,18 +170,10 @@ def cancel(
         queue = rollout_queue(conn, pool_name)
         counts = script(keys=[queue.key, queue.scheduled_job_registry.key, keys.canceled(run_name),
                               keys.run_jobs(run_name)],
-                        args=[Job.key_for(""), prompt_prefix, RESULT_TTL_S, *ids])
+                        args=[job_key(""), prompt_prefix, RESULT_TTL_S, *ids])
         result.add([int(c) for c in counts])
         result.job_ids.extend(ids)
     for pool_name in sorted({p for _, p in targets}):
         # Workers holding one of the jobs abort it at once (they also re-check every poll interval).
         conn.publish(keys.pool(pool_name).control_channel, "cancel")
     return result
-
-
-def canceled_jobs(conn: redis.Redis, run: str, job_ids: list[str]) -> set[str]:
-    """Which of `job_ids` (all of run `run`) are canceled."""
-    if not job_ids:
-        return set()
-    flags = conn.smismember(keys.canceled(run), job_ids)
-    return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}

@@ -48,15 +48,15 @@ import pyarrow.compute as pc
 import redis
 import redis.asyncio
 from rq import Queue
-from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pipeline.audit.status import failure_reason
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route, choose
 from pipeline.core.broker import control_channel, keys, lanes, registry
 from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.errors import APIError, CapabilityError, PipelineError
-from pipeline.submit.enqueue import job_data
+from pipeline.core.jobs import turn_log
+from pipeline.core.jobs.queue import job_data
+from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.submit.placement import Placement
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
@@ -354,7 +354,7 @@ class Lane:
             return answered
         self._rehome()
         job_id = self.job_of(turn_id)
-        status = None if job_id is None else self.conn.hget(Job.key_for(job_id), "status")
+        status = None if job_id is None else read_status(self.conn, job_id)
         if status == b"finished":  # answered, but the reply went to a waiter that is gone
             logged = self._logged(run, turn_id)
             if logged is not None:
@@ -399,10 +399,9 @@ class Lane:
     def _logged(self, run: str, turn_id: str) -> pa.Table | None:
         """A turn's rows from the run's turn log, or from the shard it was flushed to (the reply was
         lost: a waiter gone, or a read that timed out as the reply came)."""
-        entry_id = self.conn.hget(keys.turn_log_jobs(run), turn_id)
-        entries = self.conn.xrange(keys.turn_log(run), entry_id, entry_id) if entry_id else []
-        if entries:
-            return rows_from_ipc(entries[0][1][b"rows"])
+        logged = turn_log.logged_turn(self.conn, run, turn_id)
+        if logged is not None:
+            return logged
         url = self.conn.get(keys.turn_shard(turn_id))
         if url is None:
             return None
@@ -415,7 +414,7 @@ class Lane:
 
     def _late(self, turn_id: str) -> APIError:
         job_id = self.job_of(turn_id)
-        status = "" if job_id is None else (self.conn.hget(Job.key_for(job_id), "status") or b"").decode()
+        status = "" if job_id is None else (read_status(self.conn, job_id) or b"").decode()
         try:
             paused = control_channel.read_state(self.conn, self.keys.name).paused
         except PipelineError:

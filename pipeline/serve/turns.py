@@ -30,6 +30,7 @@ import redis
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.errors import APIError, RenderError
+from pipeline.core.jobs.status import read_status
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
 from pipeline.serve.lane import Lane
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
@@ -308,7 +309,7 @@ class Turns:
 
     def _active(self, turn_id: str) -> bool:
         job_id = self.lane.job_of(turn_id)
-        status = None if job_id is None else self.conn.hget(f"rq:job:{job_id}", "status")
+        status = None if job_id is None else read_status(self.conn, job_id)
         return status in (b"queued", b"started", b"scheduled", b"deferred")
 
     def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,

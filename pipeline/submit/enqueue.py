@@ -15,8 +15,6 @@ from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import redis
-from rq import Queue, Retry
-from rq.serializers import JSONSerializer
 
 from pipeline.core import rewards, settings
 from pipeline.core.broker import keys, registry, reward_log
@@ -24,6 +22,7 @@ from pipeline.core.broker.redis_server import state_dir
 from pipeline.core.broker.replication import Proof, replicated
 from pipeline.core.broker.security import check_output_url
 from pipeline.core.errors import PipelineError, SubmitLostError, WriteLostError
+from pipeline.core.jobs.queue import PROMPTS_TTL_S, job_data, rollout_queue
 from pipeline.submit import run_ids
 from pipeline.submit.dataset_input import ColumnMapping, RequestColumns, dataset_blocks
 from pipeline.submit.dataset_source import open_memory, open_path
@@ -34,29 +33,12 @@ from schemas.capabilities import NO_NEEDS, Needs
 from schemas.job_payload import JobHeader, JobPayload
 from schemas.request import RolloutRequest
 
-# The one job function workers run; referenced by name so `pipeline` never imports `workers`.
-JOB_FUNCTION = "workers.jobs.batch_job.run_rollout_batch"
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_JOB_TIMEOUT_S = 6 * 3600
 DEFAULT_RETRIES = 2
-# A failed job's retries wait 1, 2, 4 ... s (at most a minute): a fault that outlasted the
-# worker's own retries (a shard write is retried for a minute first) gets time to clear before
-# the engine runs the batch again. Workers enqueue due retries (`workers.jobs.maintenance`).
-RETRY_BACKOFF_S = 1
-RETRY_BACKOFF_CAP_S = 60
-
-RESULT_TTL_S = 7 * 24 * 3600
-# Prompt ids stored beside their job (`pipeline:prompts:<job id>`) outlive any job that is still
-# queued or retried in this time; a worker that finds them gone fails the job saying so.
-PROMPTS_TTL_S = 30 * 24 * 3600
 LOST_SUBMIT_ATTEMPTS = 3  # submits lost in failovers in a row before `SubmitLostError` reaches the caller
 log = logging.getLogger(__name__)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def retry_intervals(retries: int) -> list[int]:
-    """Seconds before each retry, first to last (RQ takes the list's tail when retries are left)."""
-    return [min(RETRY_BACKOFF_CAP_S, RETRY_BACKOFF_S * 2**i) for i in range(retries)]
 
 
 def default_output() -> str:
@@ -80,29 +62,6 @@ class SubmitPlan:
     pool: str = keys.DEFAULT_POOL
     reward: str | None = None
     groups: int | None = None  # the groups `Batch.take` keeps by default (`submit(groups=N)`)
-
-
-def job_data(payload: JobPayload, *, timeout_s: int, retries: int, needs: Needs, description: str,
-             meta: dict[str, Any] | None = None) -> Any:
-    """RQ's data for one job of the project's job function (`Queue.enqueue_many` takes a list of them)."""
-    return Queue.prepare_data(
-        JOB_FUNCTION,
-        # The request dicts are plain JSON already (validated lines): not walked again.
-        args=({**payload.model_dump(mode="json", exclude={"requests"}), "requests": payload.requests},),
-        job_id=payload.job_id,
-        timeout=timeout_s,
-        result_ttl=RESULT_TTL_S,
-        failure_ttl=RESULT_TTL_S,
-        description=description,
-        retry=Retry(max=retries, interval=retry_intervals(retries)) if retries else None,
-        # What the job needs of its worker, read before it runs (`workers.jobs.admission`).
-        meta={**(meta or {}), "run": payload.run, "needs": needs.as_dict()},
-    )
-
-
-def rollout_queue(conn: redis.Redis, pool: str | None = None) -> Queue:
-    """The pool's RQ queue (`pipeline.core.broker.keys.pool`)."""
-    return Queue(keys.pool(pool).queue_name, connection=conn, serializer=JSONSerializer)
 
 
 class SubmitOptions(TypedDict, total=False):

@@ -45,9 +45,9 @@ class WorkerCommand(Command):
         from workers.commands.worker_options import engine_options
         from workers.engines.factory import build_engine
         from workers.errors import WorkerError
-        from workers.process import logs
         from workers.process.engine_worker import new_worker_id
         from workers.process.worker import RolloutWorker
+        from workers.runtime import logs
 
         if args.checkpoint_every < 0:
             print(f"error: --checkpoint-every must be >= 0 seconds (0: off), got {args.checkpoint_every:g}",

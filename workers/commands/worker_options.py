@@ -102,8 +102,8 @@ def _metrics_port() -> int | None:
 
 def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
     """Prometheus metrics endpoint and log format."""
-    from workers.process.logs import ENV_LOG_FORMAT, FORMATS, default_format
     from workers.process.metrics import DEFAULT_METRICS_HOST, ENV_METRICS_PORT
+    from workers.runtime.logs import ENV_LOG_FORMAT, FORMATS, default_format
 
     parser.add_argument(
         "--metrics-port", type=int, default=_metrics_port(), metavar="PORT",

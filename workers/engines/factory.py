@@ -61,7 +61,7 @@ def _vocab_size(options: EngineOptions) -> int | None:
 
 def build_engine(options: EngineOptions) -> Engine:
     if options.engine == "hf":
-        from workers.demo.model import DEMO_MODEL_NAME, ensure_demo_model
+        from workers.engines.hf.demo_model import DEMO_MODEL_NAME, ensure_demo_model
         from workers.engines.hf.engine import HFEngine
 
         path = options.model or ensure_demo_model()

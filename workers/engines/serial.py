@@ -5,7 +5,7 @@ a worker feeds such an engine like a continuous-batching one (`workers.jobs.feed
 job waits inside the engine instead of in Redis. `stop` is an event set when the batch's future
 is cancelled (a job timeout or a cancel: the result is dropped); an engine whose decode loop
 checks it at every step stops early. Each batch runs in the context (`contextvars`) it was
-submitted from, so its log lines name the job (`workers.process.logs`).
+submitted from, so its log lines name the job (`workers.runtime.logs`).
 
 `SerialFeed` adds the interruptible interface (the hf engine): `interrupt()` (a partial weight
 swap) ends the running batch at its next step, every unfinished sample with

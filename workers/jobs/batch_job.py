@@ -18,10 +18,10 @@ from pipeline.core.broker import commit_log, keys
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import Engine, SampleOutput
+from workers.engines.request_support import check_request_supported
 from workers.errors import JobCanceledError, WorkerError
+from workers.jobs import context
 from workers.jobs.turn_log import commit_turns
-from workers.process import context
-from workers.rows.contracts import check_request_supported
 from workers.rows.shard_writer import PendingShard, remove_shard
 from workers.rows.table import RowContext, build_table, utc_from_ms
 

@@ -11,7 +11,7 @@ failure handling (retries included) exactly as `perform_job` would. An engine wi
 `workers.engines.serial.SerialEngine`, one job at a time (`max_jobs_in_flight=1`).
 
 The feeder owns its state: the jobs in flight and the `Gate`. It talks to its worker through
-`JobBookkeeping` (RQ's side of each job: `workers.jobs.rq_seam.WorkerBookkeeping`) and one
+`JobBookkeeping` (RQ's side of each job: `pipeline.core.jobs.rq_seam.WorkerBookkeeping`) and one
 callback, `jobs_changed`, called whenever a job enters or leaves the jobs in flight.
 
 The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
@@ -50,13 +50,13 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
-from pipeline.runs.cancel import canceled_jobs
+from pipeline.core.jobs.status import canceled_jobs
 from workers.engines.base import ConcurrentEngine, is_checkpointable, is_interruptible
 from workers.errors import JobCanceledError
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S, CheckpointStore, writer_id
-from workers.process import logs
 from workers.rows.continuation import Progress, Submission
+from workers.runtime import logs
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType 
 
 
 class JobBookkeeping(Protocol):
-    """RQ's side of each job a `Feeder` runs, done by its worker (`workers.jobs.rq_seam.WorkerBookkeeping`)."""
+    """RQ's side of each job a `Feeder` runs, done by its worker (`pipeline.core.jobs.rq_seam.WorkerBookkeeping`)."""
 
     def open(self, job: Job) -> Execution:
         """This worker's execution of `job` (RQ's `prepare_execution`)."""

@@ -23,7 +23,7 @@ from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
 from pipeline.core import settings
-from workers.jobs import rq_seam
+from pipeline.core.jobs import rq_seam
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from rq.queue import Queue
 from rq.registry import clean_registries
 from rq.utils import now
 
-from workers.jobs import rq_seam
+from pipeline.core.jobs import rq_seam
 from workers.jobs.reconcile import ENDED, Reconciler
 
 log = logging.getLogger(__name__)

@@ -44,10 +44,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
-from rq.job import Job
 from rq.queue import Queue
 
 from pipeline.core.broker import keys
+from pipeline.core.jobs.status import job_key, read_origin, read_status
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Reconciler:
         with self.conn.pipeline(transaction=False) as pipe:
             for run, job_ids in batches.values():
                 for job_id in job_ids:
-                    pipe.hget(Job.key_for(job_id), "status")
+                    read_status(pipe, job_id)
                 pipe.hmget(keys.run_jobs(run), job_ids)
             replies = iter(pipe.execute())
         statuses: dict[str, tuple[str | None, bool]] = {}
@@ -245,15 +245,15 @@ class Reconciler:
     def _drop_retry(self, job_id: str, status: str, registry: str) -> None:
         """A retry scheduled for a job that has ended since: a failover's lost writes made RQ take the
         job for abandoned while its worker still ran it to the end. Dropped, not run again."""
-        if self._drop_ended_retry(keys=[Job.key_for(job_id), registry], args=[job_id, status]):
+        if self._drop_ended_retry(keys=[job_key(job_id), registry], args=[job_id, status]):
             log.warning("job %s is %s, but a retry of it was scheduled (a Redis failover made it look "
                         "abandoned?); the retry is dropped", job_id, status)
 
     def _requeue(self, job_id: str, run: str, status: str) -> bool:
-        origin = self.conn.hget(Job.key_for(job_id), "origin")
+        origin = read_origin(self.conn, job_id)
         home = next((q for q in self.queues if origin is not None and q.name == origin.decode()), self.queues[-1])
         places = [key for queue in self.queues for key in self._places(queue)]
-        done = self._script(keys=[Job.key_for(job_id), keys.run_jobs(run), home.key, *places], args=[job_id, status])
+        done = self._script(keys=[job_key(job_id), keys.run_jobs(run), home.key, *places], args=[job_id, status])
         if done:
             what = "finished but its commit is missing" if status == "finished" else f"{status} but held nowhere"
             log.warning("job %s of run %s was %s (state lost in a Redis failover?); requeued it", job_id, run, what)

@@ -28,12 +28,13 @@ import pyarrow.compute as pc
 import redis
 
 from pipeline.core.broker import commit_log, keys
+from pipeline.core.jobs import turn_log as turn_log_format
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
-from schemas.shard import rows_from_ipc, rows_to_ipc
+from schemas.shard import rows_to_ipc
 from workers.errors import WorkerError
-from workers.process.periodic import Periodic
 from workers.rows.shard_writer import PendingShard
+from workers.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -42,34 +43,6 @@ TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`k
 DEFAULT_SHARD_TURNS = 256
 DEFAULT_SHARD_AGE_S = 10.0
 LOCK_TTL_MS = 120_000
-
-# KEYS: turn log, turn index, reply list, TURN_RUNS, the turn's shard key. ARGV: turn id, rows
-# (IPC), run, reply ttl. Logs the rows once per turn id; answers with the rows logged first (a
-# duplicate run of the job answers what the log holds; nothing once that entry was flushed: its
-# waiter reads the shard).
-_COMMIT = """
-if redis.call('EXISTS', KEYS[5]) == 1 then return {0, 'flushed'} end
-local logged = redis.call('HGET', KEYS[2], ARGV[1])
-if not logged then
-  local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[1], 'rows', ARGV[2])
-  redis.call('HSET', KEYS[2], ARGV[1], id)
-  redis.call('SADD', KEYS[4], ARGV[3])
-  redis.call('RPUSH', KEYS[3], ARGV[2])
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
-  return {1, id}
-end
-local entry = redis.call('XRANGE', KEYS[1], logged, logged)
-if #entry == 1 then
-  local fields = entry[1][2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'rows' then
-      redis.call('RPUSH', KEYS[3], fields[i + 1])
-      redis.call('EXPIRE', KEYS[3], ARGV[4])
-    end
-  end
-end
-return {0, logged}
-"""
 
 # KEYS: turn log, TURN_RUNS. ARGV: run. A run whose log is empty leaves the set (atomically, so a
 # turn logged meanwhile keeps it there).
@@ -95,7 +68,7 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
     The table holds the job's rows in request order, `n` rows per request; each turn's slice is
     logged and answered by the one script, all turns in one round trip."""
     assert job.turns is not None
-    script = conn.register_script(_COMMIT)
+    script = conn.register_script(turn_log_format.COMMIT_SCRIPT)
     with conn.pipeline(transaction=False) as pipe:
         start = 0
         for request, turn in zip(requests, job.turns, strict=True):
@@ -145,7 +118,7 @@ def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS
         output = conn.get(keys.turn_log_output(run))
         if output is None:
             raise RuntimeError(f"run {run!r} has agent turns but no output URL ({keys.turn_log_output(run)})")
-        table = _unify([rows_from_ipc(fields[b"rows"]) for _, fields in entries])
+        table = _unify([turn_log_format.entry_rows(fields) for _, fields in entries])
         shard_id = f"turns-{first_id}"
         url = PendingShard.encode(table, output.decode(), run, shard_id).store()
         rows = table.num_rows
@@ -157,9 +130,10 @@ def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS
         commit_log.append(conn, run, commit)
         with conn.pipeline(transaction=True) as pipe:
             pipe.xdel(keys.turn_log(run), *[entry_id for entry_id, _ in entries])
-            pipe.hdel(keys.turn_log_jobs(run), *{fields[b"turn"] for _, fields in entries})
-            for turn in {fields[b"turn"] for _, fields in entries}:
-                pipe.set(keys.turn_shard(turn.decode()), url, ex=TURN_SHARD_TTL_S)
+            turn_ids = {turn_log_format.entry_turn(fields) for _, fields in entries}
+            pipe.hdel(keys.turn_log_jobs(run), *turn_ids)
+            for turn in turn_ids:
+                pipe.set(keys.turn_shard(turn), url, ex=TURN_SHARD_TTL_S)
             pipe.execute()
         log.info("run %s: %d turns (%d rows) written to %s", run, len(entries), rows, url)
         return url

@@ -38,16 +38,16 @@ from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import keys
+from pipeline.core.jobs import rq_seam
 from schemas.control import DesiredState
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine, is_concurrent
 from workers.engines.serial import SerialEngine
-from workers.jobs import admission, rq_seam
+from workers.jobs import admission, context
 from workers.jobs.allowed_job import RolloutJob
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S
 from workers.jobs.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder
 from workers.jobs.turn_log import TurnFlusher
-from workers.process import context
 from workers.process.control_follower import POLL_S, ControlFollower
 from workers.process.heartbeat import HEARTBEAT_INTERVAL_S, Heartbeat, worker_info
 from workers.process.intake import JobIntake

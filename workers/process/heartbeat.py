@@ -24,9 +24,9 @@ from rq.executions import Execution
 from rq.job import Job
 
 from pipeline.core.broker import registry
+from pipeline.core.jobs import rq_seam
 from schemas.worker_info import WorkerInfo
 from workers.engines.base import Engine
-from workers.jobs import rq_seam
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import logging
 import redis
 
 from pipeline.core.broker import keys, lanes
-from workers.process.periodic import Periodic
+from workers.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,12 @@ from rq.job import Job, JobStatus
 from rq.utils import now
 from setproctitle import setproctitle
 
-from pipeline.submit.enqueue import RESULT_TTL_S as CANCELED_TTL_S
+from pipeline.core.jobs import rq_seam
+from pipeline.core.jobs.queue import RESULT_TTL_S as CANCELED_TTL_S
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine
 from workers.errors import JobCanceledError, NotAllowedJobError, UnsupportedRequestError
-from workers.jobs import admission, rq_seam
+from workers.jobs import admission
 from workers.jobs.handback import hand_back_dequeued, hand_back_started
 from workers.jobs.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STUCK_AFTER_S, RegistryMaintenance
 from workers.jobs.reconcile import Reconciler

@@ -17,11 +17,9 @@ from itertools import pairwise
 
 import numpy as np
 
-from schemas.capabilities import SAMPLING_HINTS, missing, needs_of
 from schemas.request import RolloutRequest
-from schemas.worker_info import Capabilities
 from workers.engines.base import Finish, SampleOutput
-from workers.errors import ContractViolation, UnsupportedRequestError
+from workers.errors import ContractViolation
 
 
 @dataclass(frozen=True)
@@ -68,19 +66,6 @@ def trim_stop_text(text: str | None, stop_text: str | None, no_stop_trim: bool) 
     if cut < 0:
         return text
     return text[: cut + len(stop_text)] if no_stop_trim else text[:cut]
-
-
-def check_request_supported(request: RolloutRequest, capabilities: Capabilities) -> None:
-    """Refuse what the worker cannot serve (the rules: `schemas.capabilities`), instead of silently
-    dropping a field."""
-    lacks = missing(needs_of(request), capabilities)
-    if lacks:
-        hints = [SAMPLING_HINTS[lack] for lack in lacks if lack in SAMPLING_HINTS]
-        if request.logprobs and f"top-{request.logprobs} logprobs" in lacks:
-            hints.insert(0, f"this worker allows at most {capabilities.max_top_logprobs}; start it with "
-                            f"--max-top-logprobs {request.logprobs}")
-        hint = f" ({'; '.join(hints)})" if hints else ""
-        raise UnsupportedRequestError(f"request {request.id!r}: this worker cannot serve {', '.join(lacks)}{hint}")
 
 
 def check_sample(request: RolloutRequest, sample: SampleOutput) -> None:

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from pipeline.core import settings
 from pipeline.core.storage import is_local, join, url_to_fs
 from workers.errors import ShardWriteError
-from workers.process.backoff import backoff_s
+from workers.runtime.backoff import backoff_s
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import keys, registry
 from pipeline.core.errors import PipelineError, UnknownRunError
+from pipeline.core.jobs.status import read_status
 from pipeline.core.suggest import did_you_mean, listing
 
 # RQ states of a job that may still run (a run holding one is not deleted).
@@ -71,7 +72,7 @@ def _refuse_busy(conn: redis.Redis, run: str, job_ids: list[str]) -> None:
     """`PipelineError` when a job of the run is queued or running."""
     with conn.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.hget(Job.key_for(job_id), "status")
+            read_status(pipe, job_id)
         states = pipe.execute() if job_ids else []
     busy = sum(1 for state in states if state in _IN_FLIGHT)
     if busy:

@@ -22,6 +22,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import keys, registry
+from pipeline.core.jobs.status import job_key, read_origin
 
 # KEYS: the worker's queue, its intermediate queue, started registry, scheduled registry; the
 # shared lane queue; the pool's lane-workers set; the worker's load set.
@@ -97,11 +98,11 @@ def rehome_orphans(conn: redis.Redis, pool: keys.PoolKeys, live: set[str] | None
 def rescue_popped(conn: redis.Redis, pool: keys.PoolKeys, job_id: str, live: set[str]) -> bool:
     """Requeue on the shared lane a job still `queued` in the lane of a dead worker but in no list:
     the worker popped it and died before starting it. True if it did."""
-    origin = conn.hget(Job.key_for(job_id), "origin")
+    origin = read_origin(conn, job_id)
     prefix = pool.worker_lane_queue_name("")
     if origin is None or not origin.decode().startswith(prefix) or origin.decode()[len(prefix):] in live:
         return False
     shared = Queue(pool.lane_queue_name, connection=conn, serializer=JSONSerializer)
     dead = Queue(origin.decode(), connection=conn, serializer=JSONSerializer)
-    return bool(conn.eval(_RESCUE, 3, Job.key_for(job_id), dead.key, shared.key, job_id, shared.name,
+    return bool(conn.eval(_RESCUE, 3, job_key(job_id), dead.key, shared.key, job_id, shared.name,
                           origin.decode()))

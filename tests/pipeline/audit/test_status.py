@@ -14,8 +14,8 @@ from pipeline.audit.status import collect, format_sessions, format_status, open_
 from pipeline.cli.main import main
 from pipeline.core.broker import commit_log, keys, registry
 from pipeline.core.errors import UnknownRunError
+from pipeline.core.jobs.queue import JOB_FUNCTION, rollout_queue
 from pipeline.serve.sessions import Pending, Placed, Session, SessionStore, TurnRecord
-from pipeline.submit.enqueue import JOB_FUNCTION, rollout_queue
 from schemas.worker_info import WorkerInfo
 
 

@@ -19,7 +19,7 @@ from schemas.control import WeightAck
 from tests.conftest import PIPELINE
 from workers import errors as worker_errors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _classes(module: object) -> dict[str, type]:

@@ -11,7 +11,7 @@ import redis
 import pipeline
 from pipeline.core import rewards
 from pipeline.core.broker import keys
-from pipeline.submit.enqueue import rollout_queue
+from pipeline.core.jobs.queue import rollout_queue
 
 
 def row(text: str | None, answer: object = None) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.core import settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("pipeline", "workers", "schemas")
 READERS = {"pipeline/core/settings.py", "schemas/request.py"}
 _OS_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}

@@ -13,7 +13,7 @@ from rq.job import Job
 import pipeline
 from pipeline.audit.status import collect
 from pipeline.core.broker import commit_log, keys
-from pipeline.submit.enqueue import rollout_queue
+from pipeline.core.jobs.queue import rollout_queue
 
 
 def requests(prefix: str, count: int) -> list[dict]:

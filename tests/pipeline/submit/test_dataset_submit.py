@@ -24,7 +24,7 @@ import pipeline
 from pipeline.cli.main import main as cli_main
 from pipeline.core.broker import keys
 from pipeline.core.errors import ColumnMappingError, DatasetError
-from pipeline.submit.enqueue import rollout_queue
+from pipeline.core.jobs.queue import rollout_queue
 from pipeline.submit.render import ChatRenderer
 from schemas.chat import ChatRequest
 from schemas.job_payload import JobPayload

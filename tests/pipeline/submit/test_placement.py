@@ -15,7 +15,8 @@ import redis
 import pipeline
 from pipeline.cli.main import main as cli_main
 from pipeline.core.broker import keys, registry
-from pipeline.submit.enqueue import rollout_queue, submit_file
+from pipeline.core.jobs.queue import rollout_queue
+from pipeline.submit.enqueue import submit_file
 from schemas.capabilities import Needs
 from schemas.worker_info import Capabilities, WorkerInfo
 

@@ -11,7 +11,7 @@ import redis
 
 import pipeline
 from pipeline.cli.main import main as cli_main
-from pipeline.submit.enqueue import rollout_queue
+from pipeline.core.jobs.queue import rollout_queue
 
 
 def _lines(ids: list[str]) -> str:

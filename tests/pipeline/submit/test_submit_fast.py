@@ -17,7 +17,8 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker import keys
 from pipeline.core.errors import PipelineError, RequestFileError
-from pipeline.submit.enqueue import PROMPTS_TTL_S, submit_blocks, submit_file, submit_requests
+from pipeline.core.jobs.queue import PROMPTS_TTL_S
+from pipeline.submit.enqueue import submit_blocks, submit_file, submit_requests
 from pipeline.submit.prompt_staging import STAGED_TTL_S
 from pipeline.submit.request_file import (
     _fast_parse,

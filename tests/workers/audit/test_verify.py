@@ -219,7 +219,7 @@ def test_demo_model_same_weights_agree_and_its_v1_does_not(
 ) -> None:
     """The issue's figure on the demo model (SmolLM2-135M): rows of v0 checked against v0 within
     1e-3 with k3 ~ 0; rows of the demo's perturbed v1 against v0 clearly off."""
-    from workers.demo.model import ensure_perturbed_copy
+    from workers.engines.hf.demo_model import ensure_perturbed_copy
 
     requests = [{"id": f"d{i}", "input_ids": [1, 504, 3458, 314, 260 + i], "sampling_params": {
         "max_new_tokens": 12, "temperature": [1.0, 0.0][i % 2], "seed": i, "ignore_eos": True}} for i in range(2)]

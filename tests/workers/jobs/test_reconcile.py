@@ -13,8 +13,9 @@ from rq.job import Job
 
 from pipeline.core.broker import commit_log, keys
 from pipeline.core.broker.commit_log import Commit
+from pipeline.core.jobs.queue import rollout_queue
 from pipeline.runs.batch import Batch
-from pipeline.submit.enqueue import rollout_queue, submit_requests
+from pipeline.submit.enqueue import submit_requests
 from schemas.request import RolloutRequest
 from workers.jobs.maintenance import RegistryMaintenance
 from workers.jobs.reconcile import Reconciler

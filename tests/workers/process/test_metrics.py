@@ -27,8 +27,8 @@ from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
-from workers.process import logs
 from workers.process.worker import RolloutWorker
+from workers.runtime import logs
 
 JOBS = 4
 PER_JOB = 2

@@ -15,7 +15,7 @@ from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline.core.broker import control_channel, registry
-from pipeline.submit.enqueue import JOB_FUNCTION
+from pipeline.core.jobs.queue import JOB_FUNCTION
 from schemas.control import DesiredState
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest

@@ -73,7 +73,7 @@ def test_only_project_job_functions_run(redis_client: redis.Redis, tmp_path: Pat
 
 
 def test_submit_and_worker_name_the_same_job_function() -> None:
-    from pipeline.submit.enqueue import JOB_FUNCTION  # pipeline cannot import workers: the name is written twice
+    from pipeline.core.jobs.queue import JOB_FUNCTION  # pipeline cannot import workers: the name is written twice
 
     assert JOB_FUNCTION == allowed_job.JOB_FUNCTION
     assert import_attribute(JOB_FUNCTION) is batch_job.run_rollout_batch

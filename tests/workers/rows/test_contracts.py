@@ -22,8 +22,9 @@ from tests.invariants import assert_row_invariants
 from tests.models import token_id
 from workers.engines.base import Finish
 from workers.engines.hf.engine import HFEngine
+from workers.engines.request_support import check_request_supported
 from workers.errors import ContractViolation, UnsupportedRequestError
-from workers.rows.contracts import check_request_supported, resolve_finish
+from workers.rows.contracts import resolve_finish
 from workers.rows.table import RowContext, build_table
 
 

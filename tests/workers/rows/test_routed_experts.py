@@ -24,11 +24,11 @@ from schemas.request import RolloutRequest
 from tests.models import CHARS, build_random_moe_model, token_id
 from workers.engines.base import Finish, SampleOutput
 from workers.engines.hf.engine import HFEngine
+from workers.engines.request_support import check_request_supported
 from workers.engines.sglang.expert_ids import ExpertsLayout
 from workers.engines.sglang.mapping import parse_result
 from workers.errors import ContractViolation, UnsupportedRequestError
 from workers.process.worker import RolloutWorker
-from workers.rows.contracts import check_request_supported
 from workers.rows.shard_writer import write_shard
 from workers.rows.table import RowContext, build_table, canonical_routed_experts
 

@@ -35,8 +35,8 @@ from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound, ra
 from schemas.request import RolloutRequest
 from workers.engines.sglang.backends import Answer, Backends, error_message
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
-from workers.process import logs
-from workers.process.backoff import backoff_s
+from workers.runtime import logs
+from workers.runtime.backoff import backoff_s
 
 log = logging.getLogger(__name__)
 # httpx logs every request at INFO (thousands a second on a busy worker): DEBUG here.

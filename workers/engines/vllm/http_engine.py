@@ -50,6 +50,7 @@ from workers.engines import model_config
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http.client import Aborts, GenerateClient, RetryPolicy, Wire
 from workers.engines.http.engine import HTTPEngine
+from workers.engines.request_support import check_request_supported
 from workers.engines.sglang.backends import Answer, Backends, answered, error_message
 from workers.engines.sglang.mapping import parse_weight_version
 from workers.engines.vllm.mapping import (
@@ -64,7 +65,6 @@ from workers.engines.vllm.mapping import (
     token_of,
 )
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
-from workers.rows.contracts import check_request_supported
 
 if TYPE_CHECKING:
     from workers.engines.inplace import Applied  # torch: imported only where a store version is applied

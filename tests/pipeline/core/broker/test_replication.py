@@ -19,7 +19,8 @@ from pipeline.core.broker.connection import connect_redis
 from pipeline.core.broker.redis_server import RedisServer
 from pipeline.core.broker.replication import Proof, replicated, wanted_replicas
 from pipeline.core.errors import WriteLostError
-from pipeline.submit.enqueue import SubmitPlan, rollout_queue, submit_requests
+from pipeline.core.jobs.queue import rollout_queue
+from pipeline.submit.enqueue import SubmitPlan, submit_requests
 from schemas.control import WeightAck
 from schemas.request import RolloutRequest
 from tests.helpers import free_port, wait_until

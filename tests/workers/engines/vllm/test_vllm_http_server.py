@@ -203,7 +203,7 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     tmp_path: Path,
 ) -> None:
     from tests.vllm_server import untied_copy
-    from workers.demo.model import ensure_perturbed_copy
+    from workers.engines.hf.demo_model import ensure_perturbed_copy
 
     v1 = ensure_perturbed_copy(demo_model_dir)  # what hf checks against; the server loads its untied copy
     pushed = untied_copy(v1)
@@ -257,7 +257,7 @@ def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
     stored logprob is that version's (`pipeline.verify` with a model per version)."""
     from tests.vllm_server import untied_copy
     from tests.workers.rows.test_partial_swap import run_with_push
-    from workers.demo.model import ensure_perturbed_copy
+    from workers.engines.hf.demo_model import ensure_perturbed_copy
 
     v1 = ensure_perturbed_copy(demo_model_dir)
     lines = [{"id": f"p{i}", "input_ids": prompt, "logprobs": 0,

@@ -27,7 +27,7 @@ from pipeline.weights.writer import write_version
 from tests.helpers import drive_worker, wait_until
 from tests.vllm_server import VLLMServer, untied_copy
 from tests.workers.engines.vllm.test_vllm_http_server import LOGPROB_TOLERANCE, put_back_the_demo_weights
-from workers.demo.model import ensure_perturbed_copy
+from workers.engines.hf.demo_model import ensure_perturbed_copy
 from workers.engines.vllm.http_engine import VLLMHTTPEngine
 
 pytestmark = pytest.mark.vllm

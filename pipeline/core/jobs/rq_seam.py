@@ -3,7 +3,7 @@
 The worker builds on RQ's `SimpleWorker` and the pinned RQ minor (`RQ_MINOR`, pinned in
 pyproject.toml). Outside this module the worker code only overrides the RQ methods listed in
 `OVERRIDDEN` and calls the undocumented ones listed in `CALLED`; the private methods and
-attributes it needs are reached through the functions below. `tests/workers/jobs/test_rq_seam.py`
+attributes it needs are reached through the functions below. `tests/pipeline/core/jobs/test_rq_seam.py`
 fails when the installed RQ lacks any of them or their parameters changed, and when a worker
 class overrides an RQ method that is not listed here.
 

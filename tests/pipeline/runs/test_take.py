@@ -11,9 +11,9 @@ import redis
 
 import pipeline
 from pipeline.audit.status import collect
-from pipeline.read.take import RewardsFailedWarning, rewards_differ
+from pipeline.core.jobs.queue import rollout_queue
 from pipeline.runs.batch import Batch
-from pipeline.submit.enqueue import rollout_queue
+from pipeline.runs.take import RewardsFailedWarning, rewards_differ
 from workers.engines.sim import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker

@@ -2,7 +2,7 @@
 
 An RQ upgrade that renames, removes or re-signs one of them fails here, naming it, instead of
 as a hang or a lost job at run time. The worker code reaches RQ's private API only through
-`workers.jobs.rq_seam`.
+`pipeline.core.jobs.rq_seam`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import fakeredis
 import pytest
 from rq import SimpleWorker
 
-from workers.jobs import rq_seam
+import workers
+from pipeline.core.jobs import rq_seam
 from workers.process.engine_worker import EngineWorker
 from workers.process.worker import RolloutWorker
 
-WORKERS = Path(rq_seam.__file__).resolve().parents[1]
+WORKERS = Path(workers.__file__).resolve().parent
 
 
 def _parameters(function: object) -> tuple[str, ...]:
@@ -30,7 +31,7 @@ def _parameters(function: object) -> tuple[str, ...]:
 
 def test_installed_rq_is_the_pinned_minor() -> None:
     assert version("rq").startswith(rq_seam.RQ_MINOR + "."), (
-        f"rq {version('rq')} is installed; workers.jobs.rq_seam was checked against {rq_seam.RQ_MINOR}.x"
+        f"rq {version('rq')} is installed; pipeline.core.jobs.rq_seam was checked against {rq_seam.RQ_MINOR}.x"
     )
     pyproject = (WORKERS.parent / "pyproject.toml").read_text()
     assert f'"rq=={rq_seam.RQ_MINOR}.*"' in pyproject

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from tests.helpers import wait_until
-from workers.process.periodic import Periodic
+from workers.runtime.periodic import Periodic
 
 
 def test_ticks_go_on_after_a_failing_one_and_stop_ends_the_thread() -> None:
