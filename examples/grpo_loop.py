@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pipeline
-from pipeline.core.broker.forget import reset_control
 from pipeline.core.demo_model import resolve
+from pipeline.core.jobs.forget import reset_control
 from pipeline.integrations.push import push_model
 
 QUESTION = "What is {a} + {b}? Answer with the number only."

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import redis
 
 from pipeline.core.broker import commit_log, keys, registry
-from pipeline.core.broker.forget import run_batches
+from pipeline.core.jobs.forget import run_batches
 
 
 @dataclass(frozen=True)

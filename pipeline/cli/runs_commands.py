@@ -67,7 +67,7 @@ class RunsCommand(_ListOrDelete):
         return json.dumps([dataclasses.asdict(r) for r in runs], indent=2) if args.json else format_runs(runs)
 
     def delete(self, conn: redis.Redis, name: str, args: argparse.Namespace) -> str:
-        from pipeline.core.broker.forget import delete_run
+        from pipeline.core.jobs.forget import delete_run
 
         deleted = delete_run(conn, name, shards=args.shards)
         where = ", ".join(deleted.outputs) or "no output recorded"
@@ -93,7 +93,7 @@ class PoolsCommand(_ListOrDelete):
         return "\n".join(lines)
 
     def delete(self, conn: redis.Redis, name: str, args: argparse.Namespace) -> str:
-        from pipeline.core.broker.forget import delete_pool
+        from pipeline.core.jobs.forget import delete_pool
 
         deleted = delete_pool(conn, name)
         return (f"deleted pool {deleted.pool}: desired weights v{deleted.weight_version}"

@@ -7,7 +7,7 @@ engine road); its payload carries one `TurnTag` per request, so the worker logs 
 rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard of one row.
 
 Each turn goes to a worker chosen by `pipeline.core.affinity` (its session's home while that
-is alive, able and not overloaded) through that worker's own lane (`pipeline.core.broker.lanes`); with
+is alive, able and not overloaded) through that worker's own lane (`pipeline.core.jobs.lanes`); with
 no such worker it waits in the pool's shared lane for any. A worker's load is the number of
 active sessions homed there (`keys.PoolKeys.lane_load`: a session counts while it had a turn in
 the last `ACTIVE_S`, and leaves its old home's count when it moves), read at most every

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from schemas.chat import ChatMessage, NamedToolChoice, Tool
-from schemas.request import SamplingParams, TokenId
+from schemas.request import MAX_SEED, SamplingParams, TokenId
 
 Number = StrictFloat | StrictInt
 # Sent by agent clients (the openai SDK, the Agents SDK, LangChain, verifiers) and meaningless
@@ -49,7 +49,7 @@ class _Body(BaseModel):
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
     # SGLang's extras, in the body as its OpenAI server takes them.

@@ -70,7 +70,7 @@ def _run_round(client: Any, engine: Any, path: Path, run: str, *, batch_size: in
 
 def run_demo(args: argparse.Namespace) -> int:
     from pipeline.client import connect
-    from pipeline.core.broker.forget import reset_control
+    from pipeline.core.jobs.forget import reset_control
     from workers.engines.hf.demo_model import DEMO_MODEL_NAME, ensure_demo_model, ensure_perturbed_copy
     from workers.engines.hf.engine import HFEngine
 

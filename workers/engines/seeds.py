@@ -14,15 +14,15 @@ import os
 import uuid
 from typing import NamedTuple
 
-from schemas.request import RolloutRequest
+from schemas.request import MAX_SEED, RolloutRequest
 from workers.engines.base import ContinuedRequest
 
 
 def sample_seed(seed: int | None, sample_index: int) -> int:
     """The seed of one sample; a fresh random one when the request has no seed."""
     if seed is None:
-        return int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
-    return (seed * 1_000_003 + sample_index) % (2**63 - 1)
+        return int.from_bytes(os.urandom(8), "little") & MAX_SEED
+    return (seed * 1_000_003 + sample_index) % MAX_SEED
 
 
 def continuation_seed(seed: int | None, sample_index: int, generated: int) -> int:

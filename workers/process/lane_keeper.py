@@ -1,7 +1,7 @@
 """A worker's part in session affinity: its own lane registered, dead neighbours' turns moved.
 
 `pipeline serve` routes a session's turns to the worker that served its last one, through that
-worker's own lane queue (`pipeline.core.broker.lanes`). Every `interval_s`, this thread re-registers
+worker's own lane queue (`pipeline.core.jobs.lanes`). Every `interval_s`, this thread re-registers
 the worker's lane (so a lane dropped while the worker looked dead, in a partition, comes back)
 and moves the turns of the pool's dead workers to the shared lane, so a turn routed to a worker
 that was killed runs again elsewhere even when no server is waiting for it.
@@ -13,7 +13,8 @@ import logging
 
 import redis
 
-from pipeline.core.broker import keys, lanes
+from pipeline.core.broker import keys
+from pipeline.core.jobs import lanes
 from workers.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)

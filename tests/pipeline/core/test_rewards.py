@@ -9,7 +9,7 @@ import pytest
 import redis
 
 import pipeline
-from pipeline.core import rewards
+from pipeline.core import errors, rewards
 from pipeline.core.broker import keys
 from pipeline.core.jobs.queue import rollout_queue
 
@@ -48,13 +48,13 @@ def test_numeric_match_reads_a_dash_between_digits_as_a_range_not_a_minus() -> N
 def test_only_registered_names_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(rewards.ENV_REWARDS, raising=False)
     assert {"exact_match", "numeric_match"} <= set(rewards.registered())
-    with pytest.raises(pipeline.RewardNameError, match=r"'tests\.reward_functions:length' is not registered"):
+    with pytest.raises(errors.RewardNameError, match=r"'tests\.reward_functions:length' is not registered"):
         rewards.resolve("tests.reward_functions:length")  # an import path is never a name
     monkeypatch.setenv(rewards.ENV_REWARDS, "length=tests.reward_functions:length, other=tests.reward_functions:broken")
     assert rewards.resolve("length")([row("ab")]) == [(2.0, {"request": "r"})]
     assert "other" in rewards.registered()
     monkeypatch.setenv(rewards.ENV_REWARDS, "length")
-    with pytest.raises(pipeline.RewardNameError, match="'length' is not name=module:function"):
+    with pytest.raises(errors.RewardNameError, match="'length' is not name=module:function"):
         rewards.registered()
 
 
@@ -70,7 +70,7 @@ def test_a_return_value_of_the_wrong_shape_is_named() -> None:
 
 def test_a_submit_naming_an_unregistered_reward_is_refused(redis_client: redis.Redis, tmp_path: Path) -> None:
     client = pipeline.Client(redis_client)
-    with pytest.raises(pipeline.RewardNameError, match="reward function 'os:system' is not registered"):
+    with pytest.raises(errors.RewardNameError, match="reward function 'os:system' is not registered"):
         client.submit([{"id": "a", "input_ids": [1]}], run="r", output=f"file://{tmp_path}", reward="os:system")
     assert rollout_queue(redis_client).count == 0
     assert redis_client.smembers(keys.run_batches("r")) == set()

@@ -10,7 +10,8 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pipeline.core.broker import keys, lanes, registry
+from pipeline.core.broker import keys, registry
+from pipeline.core.jobs import lanes
 from schemas.worker_info import WorkerInfo
 
 POOL = keys.pool(None)
