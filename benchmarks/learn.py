@@ -32,7 +32,7 @@ import pipeline
 from examples.learn_grpo import Result, Settings, StepLog, pipeline_loop, plot, start_worker, trl_loop
 from pipeline.core.broker.connection import connect_redis
 from pipeline.core.broker.redis_server import RedisServer
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 
 
 def spread(values: list[float]) -> str:

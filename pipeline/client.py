@@ -87,11 +87,11 @@ class Client:
         `pandas.DataFrame` or `datasets.Dataset`; all or nothing.
 
         `reward`: a registered reward function (`pipeline.core.rewards`) that reward workers run on every
-        shard of the batch (README "Rewards"). `groups=N` (with `oversample=F`) submits only the first
-        N (ceil(N x F)) requests, for `batch.take()` (README "Group filters and over-sampling").
+        shard of the batch (docs/reading.md "Rewards"). `groups=N` (with `oversample=F`) submits only the first
+        N (ceil(N x F)) requests, for `batch.take()` (docs/reading.md "Group filters and over-sampling").
 
         `max_staleness=K`: no committed sample holds a token from a weight version more than K
-        behind the version its worker serves at commit (README "Staleness bound").
+        behind the version its worker serves at commit (docs/control.md "Staleness bound").
 
         With `tokenizer` (a path, a transformers tokenizer or a `pipeline.submit.render.ChatRenderer`), dicts
         carrying `messages` or `prompt` are rendered into token ids first, as SGLang's chat endpoint would.
@@ -191,7 +191,7 @@ class Client:
         push) says what was stored; each ack says how its worker loaded and the bytes it read.
 
         `mode="drain"` (default) swaps between batches; `mode="partial"` stops the samples in
-        flight, loads, and continues them on the new weights (README "Swapping weights").
+        flight, loads, and continues them on the new weights (docs/control.md "Swapping weights: drain or partial").
 
         Raises `WeightVersionError` for a version not newer than the current one (unless
         `force`) and `WeightPushError` naming the workers that failed or timed out.
@@ -227,7 +227,7 @@ class Client:
         """Cancel every job of `run` (and/or the jobs `job_ids`), in every pool they were submitted
         to or only in `pool`: queued jobs are removed with their prompt ids, jobs in flight are
         aborted at their engine's next step and commit nothing; committed shards stay
-        (README "Cancel")."""
+        (docs/reading.md "Cancel")."""
         return cancel(self.conn, run=run, job_ids=list(job_ids) if job_ids else None, pool=pool)
 
     def follow(

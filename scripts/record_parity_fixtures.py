@@ -4,7 +4,7 @@ The reference is transformers' `apply_chat_template` fed by a line-by-line port 
 message preparation (0.5.x `srt/entrypoints/openai/serving_chat.py` and `protocol.py`, the
 plain Jinja path), written here independently of `pipeline.submit.render`: nothing of `pipeline` is
 imported, and the content-format detection is SGLang's own, loaded from its wheel by
-`tests.sglang_wheel`. The parity test (tests/pipeline/submit/test_chat_parity.py) checks
+`tests.helpers.sglang_wheel`. The parity test (tests/pipeline/submit/test_chat_parity.py) checks
 `pipeline.submit.render` against these files, and re-records them to check they are reproducible. Each case records the
 request line, the prompt text, the token ids with their count and sha256, or SGLang's reason
 for rejecting the request. A case where the pipeline knowingly differs carries `known_gap`.
@@ -185,7 +185,7 @@ def _normalize_tool_content(role: str, content: Any) -> Any:
 
 def reference_render(tokenizer: Any, request: dict[str, Any]) -> tuple[str, list[int]]:
     """(prompt text, ids) as SGLang's chat endpoint computes them, or `Rejected`."""
-    from tests.sglang_wheel import jinja_content_format  # SGLang's own code, from its wheel
+    from tests.helpers.sglang_wheel import jinja_content_format  # SGLang's own code, from its wheel
 
     request = copy.deepcopy(request)
     if request.get("tool_choice") is None:

@@ -8,9 +8,9 @@ started (version, flags, model). Regenerate only on purpose (after a vLLM upgrad
     .venv/bin/python scripts/record_vllm_fixtures.py               # builds the venv, starts a server
     .venv/bin/python scripts/record_vllm_fixtures.py --url http://127.0.0.1:8000   # a server already up
 
-A server you start yourself needs the flags of `tests.vllm_server` (`VLLM_SERVER_DEV_MODE=1`,
+A server you start yourself needs the flags of `tests.helpers.vllm_server` (`VLLM_SERVER_DEV_MODE=1`,
 `--logprobs-mode processed_logprobs`) and the demo model's untied copy
-(`tests.vllm_server.untied_copy(workers.engines.hf.demo_model.ensure_demo_model())`: vLLM 0.32 cannot
+(`tests.helpers.vllm_server.untied_copy(workers.engines.hf.demo_model.ensure_demo_model())`: vLLM 0.32 cannot
 reload a tied output projection in place). The weight-reload cases load the (untied) perturbed
 copy and then the original again, so the server ends where it started.
 """
@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm_server import BASE_FLAGS, SERVER_ENV, SERVER_FLAGS  # noqa: E402
+from tests.helpers.vllm_server import BASE_FLAGS, SERVER_ENV, SERVER_FLAGS  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "vllm"
 # "What is the capital of France?" with the demo's chat template (tests/fixtures/parity/smollm2.json).
@@ -127,9 +127,9 @@ def record(url: str, model_dir: Path, perturbed: Path) -> dict[str, dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running server (started with tests.vllm_server's flags)")
+    parser.add_argument("--url", help="a running server (started with tests.helpers.vllm_server's flags)")
     args = parser.parse_args()
-    from tests.vllm_server import untied_copy
+    from tests.helpers.vllm_server import untied_copy
     from workers.engines.hf.demo_model import ensure_demo_model, ensure_perturbed_copy
 
     model_dir = untied_copy(ensure_demo_model())
@@ -138,8 +138,8 @@ def main() -> None:
     if args.url:
         url = args.url
     else:
-        from tests.vllm_env import ensure_vllm_env
-        from tests.vllm_server import launch
+        from tests.helpers.vllm_env import ensure_vllm_env
+        from tests.helpers.vllm_server import launch
 
         log = Path(tempfile.mkdtemp(prefix="vllm-record-")) / "server.log"
         server = launch(ensure_vllm_env(), model_dir, log)

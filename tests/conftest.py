@@ -14,8 +14,8 @@ import redis
 from hypothesis import settings
 
 from pipeline.core.broker.redis_server import RedisServer
-from tests.helpers import free_port
-from tests.models import build_random_model, build_random_moe_model, build_scripted_model
+from tests.helpers.models import build_random_model, build_random_moe_model, build_scripted_model
+from tests.helpers.processes import free_port
 from workers.engines.hf.demo_model import ensure_demo_model
 
 # Property tests judge values, not speed: no per-example wall-clock deadline (a loaded machine
@@ -63,7 +63,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama that follows `SCRIPT` (see tests/models.py)."""
+    """A Llama that follows `SCRIPT` (see tests/helpers/models.py)."""
     return build_scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPT)
 
 
@@ -139,3 +139,11 @@ def start_worker(pipeline_env: dict[str, str], tiny_model_dir: Path) -> Iterator
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture
+def dense_run(redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> str:
+    """A run of the verify tests' requests on the tiny dense model, by a real worker: its shards' URL."""
+    from tests.workers.audit.test_verify import make_run
+
+    return make_run(redis_client, tiny_model_dir, tmp_path, "dense")

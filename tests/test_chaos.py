@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -79,8 +79,8 @@ def test_the_gateway_is_smg_in_front_of_both_servers_which_workers_behind_it_rea
 
 def test_the_vllm_profile_serves_the_contract_and_its_worker_reaches_it() -> None:
     """The flags the vllm-http engine needs: dev endpoints (pause, reload, aborts) and the contract's
-    logprobs (tests/vllm_server.py starts the test server the same way)."""
-    from tests.vllm_server import SERVER_FLAGS
+    logprobs (tests/helpers/vllm_server.py starts the test server the same way)."""
+    from tests.helpers.vllm_server import SERVER_FLAGS
 
     server = SERVICES["vllm-0"]
     assert server["profiles"] == SERVICES["worker-vllm"]["profiles"] == ["vllm"]

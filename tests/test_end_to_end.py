@@ -15,7 +15,7 @@ import pytest
 
 import pipeline
 from tests.conftest import PIPELINE
-from tests.invariants import assert_row_invariants
+from tests.helpers.invariants import assert_row_invariants
 
 
 def make_requests(count: int = 50) -> list[dict]:

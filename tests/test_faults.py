@@ -27,7 +27,7 @@ from pipeline.core.jobs import rq_seam
 from pipeline.runs.batch import Batch
 from pipeline.submit.enqueue import submit_requests
 from schemas.request import RolloutRequest
-from tests.helpers import FlakyStore, wait_until
+from tests.helpers.processes import FlakyStore, wait_until
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine

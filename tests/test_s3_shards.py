@@ -20,8 +20,8 @@ import pytest
 import pipeline
 from pipeline.core.broker import commit_log
 from tests.conftest import PIPELINE
-from tests.helpers import free_port
-from tests.invariants import assert_row_invariants
+from tests.helpers.invariants import assert_row_invariants
+from tests.helpers.processes import free_port
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The vLLM environment builder (`tests.vllm_env`): pinned, CPU torch only, atomic, one build at a time."""
+"""The vLLM environment builder (`tests.helpers.vllm_env`): pinned, CPU torch only, atomic, one build at a time."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import vllm_env
-from tests.helpers import wait_until
+from tests.helpers import vllm_env
+from tests.helpers.processes import wait_until
 
 
 def test_the_lock_pins_every_package_and_the_cpu_torch() -> None:

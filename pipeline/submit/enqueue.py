@@ -179,10 +179,10 @@ def submit_blocks(
     (`pipeline.submit.placement.Placement`); each job carries what it needs in its RQ meta.
 
     `reward` names a registered reward function (`pipeline.core.rewards`): reward workers score every
-    shard the batch commits (README "Rewards").
+    shard the batch commits (docs/reading.md "Rewards").
 
     `groups=N` enqueues only the first N requests (`oversample=F`: the first ceil(N x F)) and records
-    N on the batch for `Batch.take` (README "Group filters and over-sampling").
+    N on the batch for `Batch.take` (docs/reading.md "Group filters and over-sampling").
 
     Returns once a replica has the batch (`pipeline.core.broker.replication`). `SubmitLostError` when the master
     that took it failed over before any replica had it and the new master has none of it (the

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, TypeGuard
 
 import numpy as np
 
@@ -193,6 +193,39 @@ class CheckpointableEngine(InterruptibleEngine, Protocol):
         waiting for a slot) and `Finish("abort", message=INTERRUPTED)`. A snapshot: the batch runs on.
         None when the engine no longer holds the batch (it resolved)."""
         ...
+
+
+class StoreApplyingEngine(Engine, Protocol):
+    """An engine that takes a version of a weight store (`pipeline.core.weights.store`) in place: the
+    changed tensors applied to the loaded ones and checked bit for bit, instead of a full reload from a
+    directory (`workers.process.store_load`). Engines without it load a materialised copy in full."""
+
+    def apply_store_version(self, store: Any, have: int | None, version: int) -> Any:
+        """Take the loaded tensors from version `have` (None: none of the store's) to `version`; the
+        result's `how`, `bytes_read` and `detail` go into the acknowledgement."""
+        ...
+
+
+class StoreStagingEngine(StoreApplyingEngine, Protocol):
+    """A store-applying engine that computes and checks the next version beside the loaded one while
+    it keeps generating, so the pause only installs it."""
+
+    def stage_store_version(self, store: Any, have: int | None, version: int) -> Any:
+        """`version` computed and checked, not yet served; `install_store_version` puts it in."""
+        ...
+
+    def install_store_version(self, staged: Any) -> Any:
+        """Serve a staged version (the engine paused); returns what `apply_store_version` returns."""
+        ...
+
+
+def applies_store_versions(engine: object) -> TypeGuard[StoreApplyingEngine]:
+    return callable(getattr(engine, "apply_store_version", None))
+
+
+def stages_store_versions(engine: object) -> TypeGuard[StoreStagingEngine]:
+    return applies_store_versions(engine) and all(
+        callable(getattr(engine, name, None)) for name in ("stage_store_version", "install_store_version"))
 
 
 def is_checkpointable(engine: object) -> bool:

@@ -1,4 +1,4 @@
-"""The control channel, worker side (DESIGN.md "Control channel"): wake-ups, the desired state
+"""The control channel, worker side (docs/design.md "Control channel"): wake-ups, the desired state
 followed, weight loads with acknowledgements.
 
 `ControlListener` subscribes to the wake-up channel first and only then asks the worker to

@@ -3,7 +3,7 @@
 Every dequeued job passes three checks before anything runs, and a job that fails one goes back
 to its queue untouched (`workers.jobs.handback.hand_back_dequeued`: no retry spent):
 
-- the pool is paused (read again after the dequeue, DESIGN.md "Control channel": RQ's own
+- the pool is paused (read again after the dequeue, docs/design.md "Control channel": RQ's own
   suspend lets a worker blocked in its dequeue take one more job): back to the front;
 - the worker cannot serve what the job needs (`workers.jobs.admission`): back to the end for
   another worker, or failed when no live worker can serve it for too long. A worker that has

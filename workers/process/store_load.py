@@ -26,7 +26,7 @@ from typing import Any
 from pipeline.core import settings
 from pipeline.core.weights.materialise import materialise
 from pipeline.core.weights.store import WeightStore, version_dir
-from workers.engines.base import Engine
+from workers.engines.base import Engine, applies_store_versions, stages_store_versions
 from workers.engines.http.engine import HTTPEngine
 
 Load = Callable[[], dict[str, Any]]
@@ -51,13 +51,11 @@ def prepare_store_load(engine: Engine, url: str, version: int, have: int | None,
     """Bring `engine` to `version` of the store at `url`, all but the pause; `load()` does the rest
     and returns the ack's `applied`, `bytes_read`, `detail`."""
     store = WeightStore(url)
-    stage = getattr(engine, "stage_store_version", None)
-    if stage is not None and settings.weight_staging():
-        staged = stage(store, have, version)
-        return lambda: _how(engine.install_store_version(staged))  # type: ignore[attr-defined]
-    apply = getattr(engine, "apply_store_version", None)
-    if apply is not None:
-        return lambda: _how(apply(store, have, version))
+    if stages_store_versions(engine) and settings.weight_staging():
+        staged = engine.stage_store_version(store, have, version)
+        return lambda: _how(engine.install_store_version(staged))
+    if applies_store_versions(engine):
+        return lambda: _how(engine.apply_store_version(store, have, version))
     directory = scratch / version_dir(version)
     read = materialise(store, version, directory, served_model_dir(engine))
     detail = (f"the {engine.description.name} engine cannot apply a delta in place: v{version} was rebuilt from the "

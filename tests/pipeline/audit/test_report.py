@@ -26,7 +26,7 @@ from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import SHARD_SCHEMA, rows_to_ipc
 from tests.conftest import PIPELINE
-from tests.workers.audit.test_verify import make_run, make_swap_run
+from tests.workers.audit.test_verify import make_swap_run
 from workers.engines.base import Finish, SampleOutput
 from workers.rows.shard_writer import write_shard
 from workers.rows.table import RowContext, build_table
@@ -87,11 +87,6 @@ def assert_self_contained(page: Page) -> None:
         assert src.startswith("data:image/png;base64,")
         pixels = image.imread(io.BytesIO(base64.b64decode(src.split(",", 1)[1])), format="png")
         assert pixels.shape[0] > 50 and pixels.shape[1] > 50 and pixels.std() > 0  # a drawn plot, not a blank
-
-
-@pytest.fixture
-def dense_run(redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> str:
-    return make_run(redis_client, tiny_model_dir, tmp_path, "dense")
 
 
 def test_report_of_a_run_shows_its_numbers(dense_run: str, tiny_model_dir: Path, tmp_path: Path,

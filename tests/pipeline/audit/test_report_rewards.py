@@ -17,8 +17,8 @@ from pipeline.audit.report_rewards import TITLE
 from pipeline.core.broker import control_channel
 from schemas.request import RolloutRequest
 from schemas.shard import rewards_path
+from tests.helpers.reward_functions import length
 from tests.pipeline.audit.test_report import Page, assert_self_contained
-from tests.reward_functions import length
 from tests.workers.rewards.test_reward_worker import generate  # a burst sim worker: every queued job
 from workers.engines.base import Finish, SampleOutput
 from workers.rewards.reward_worker import RewardWorker, score
@@ -28,7 +28,7 @@ from workers.rows.table import RowContext, build_table
 
 @pytest.fixture(autouse=True)
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PIPELINE_REWARDS", "length=tests.reward_functions:length")
+    monkeypatch.setenv("PIPELINE_REWARDS", "length=tests.helpers.reward_functions:length")
 
 
 def requests(prefix: str, tokens: list[int]) -> list[dict]:

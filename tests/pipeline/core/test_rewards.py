@@ -48,9 +48,10 @@ def test_numeric_match_reads_a_dash_between_digits_as_a_range_not_a_minus() -> N
 def test_only_registered_names_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(rewards.ENV_REWARDS, raising=False)
     assert {"exact_match", "numeric_match"} <= set(rewards.registered())
-    with pytest.raises(errors.RewardNameError, match=r"'tests\.reward_functions:length' is not registered"):
-        rewards.resolve("tests.reward_functions:length")  # an import path is never a name
-    monkeypatch.setenv(rewards.ENV_REWARDS, "length=tests.reward_functions:length, other=tests.reward_functions:broken")
+    with pytest.raises(errors.RewardNameError, match=r"'tests\.helpers\.reward_functions:length' is not registered"):
+        rewards.resolve("tests.helpers.reward_functions:length")  # an import path is never a name
+    monkeypatch.setenv(rewards.ENV_REWARDS, "length=tests.helpers.reward_functions:length, "
+                                            "other=tests.helpers.reward_functions:broken")
     assert rewards.resolve("length")([row("ab")]) == [(2.0, {"request": "r"})]
     assert "other" in rewards.registered()
     monkeypatch.setenv(rewards.ENV_REWARDS, "length")

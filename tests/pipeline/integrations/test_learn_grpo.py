@@ -27,7 +27,7 @@ from examples.learn_grpo import (
 from pipeline.audit.report_rewards import TITLE
 from pipeline.core.shards import read_rollouts
 from tests.conftest import PIPELINE
-from tests.helpers import stop_all, wait_until
+from tests.helpers.processes import stop_all, wait_until
 from tests.pipeline.audit.test_report import Page
 
 SETTINGS = Settings(steps=2, groups=2, samples=2, max_new_tokens=4, lr=1e-3, async_lr=1e-3, heldout=2,

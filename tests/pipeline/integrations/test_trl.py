@@ -13,7 +13,7 @@ import pytest
 import pipeline
 from pipeline.core.shards import read_rollouts
 from pipeline.integrations.trl import _groups, pipeline_rollout, token_versions
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 
 trl = pytest.importorskip("trl")
 

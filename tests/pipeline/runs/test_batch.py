@@ -19,7 +19,7 @@ from pipeline.core.broker import keys
 from pipeline.runs.batch import Batch
 from pipeline.submit.enqueue import submit_requests
 from schemas.request import RolloutRequest
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
 

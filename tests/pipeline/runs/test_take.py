@@ -37,9 +37,9 @@ def generate(conn: redis.Redis, jobs: int) -> None:
 
 def scored(conn: redis.Redis, output: Path, monkeypatch: pytest.MonkeyPatch, reward: str, run: str, count: int,
            jobs: int, **options: Any) -> Batch:
-    """`count` requests submitted one a job with reward function `reward` (of tests.reward_functions),
+    """`count` requests submitted one a job with reward function `reward` (of tests.helpers.reward_functions),
     the first `jobs` of them generated and scored."""
-    monkeypatch.setenv("PIPELINE_REWARDS", f"{reward}=tests.reward_functions:{reward}")
+    monkeypatch.setenv("PIPELINE_REWARDS", f"{reward}=tests.helpers.reward_functions:{reward}")
     batch = pipeline.Client(conn).submit(requests(count), run=run, output=f"file://{output}", batch_size=1,
                                          reward=reward, **options)
     generate(conn, jobs=jobs)

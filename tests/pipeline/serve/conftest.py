@@ -1,6 +1,6 @@
 """Fixtures for `pipeline serve`: a real Redis, a real uvicorn server on a free port, a worker.
 
-The worker runs in the test's main thread (`tests.helpers.drive_worker`: RQ installs signal
+The worker runs in the test's main thread (`tests.helpers.processes.drive_worker`: RQ installs signal
 handlers) until idle; the agent under test runs in another thread against the server's URL.
 A scripted model (`FakeEngine(replies=...)`) answers fixed token ids per turn, so tool-calling
 episodes are exact; the tiny-tools fixture tokenizer renders and parses them.
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from pipeline.serve.server import ServeConfig, Server
 from schemas.request import RolloutRequest
-from tests.helpers import drive_worker
+from tests.helpers.processes import drive_worker
 from workers.engines.fake import FakeEngine
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers" / "tiny-tools"

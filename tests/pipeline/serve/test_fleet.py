@@ -22,7 +22,7 @@ from pipeline.audit import status
 from pipeline.core.broker import keys, registry
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
-from tests.helpers import stop_all, wait_until
+from tests.helpers.processes import stop_all, wait_until
 
 HEARTBEAT_S = 0.5  # registry entries expire int(3 x 0.5) + 1 = 2 s after a worker's last heartbeat
 TOOL_RESULT = list(range(300, 340))  # what the agent's tool "returned" between turns
@@ -186,7 +186,7 @@ def test_a_server_killed_mid_turn_costs_the_agent_a_retry_not_a_second_generatio
     on the same address, as behind a load balancer) finds the turn in flight and waits for it."""
     import openai
 
-    from tests.helpers import free_port, wait_healthy
+    from tests.helpers.processes import free_port, wait_healthy
 
     sim_workers("--sim-step-ms", "10", "--sim-median-tokens", "300", "--sim-p99-tokens", "301")
     _live(redis_client, 1)

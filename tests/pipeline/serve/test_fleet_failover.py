@@ -17,8 +17,8 @@ from pipeline.core.broker.connection import connect_redis
 from pipeline.read.trajectories import turn_rows
 from pipeline.serve.server import ServeConfig, Server
 from tests.conftest import PIPELINE
-from tests.helpers import stop_all, wait_until
-from tests.sentinel_group import SentinelGroup
+from tests.helpers.processes import stop_all, wait_until
+from tests.helpers.sentinel_group import SentinelGroup
 
 SESSIONS, TURNS = 4, 6
 

@@ -5,7 +5,7 @@ text: its `ReasoningParser` (from `srt/parser/reasoning_parser.py`), then its ow
 `_tool_call_parsing_active`, `_effective_tools`, `_process_tool_calls` (over `FunctionCallParser`,
 `srt/function_call/`) and `_get_reasoning_from_request`, compiled from `serving_chat.py`'s source
 (importing that module needs the whole server) and run on a stand-in `self` that holds only the
-server settings they read. Besides what `tests/sglang_wheel.py` needs, loading these takes
+server settings they read. Besides what `tests/helpers/sglang_wheel.py` needs, loading these takes
 openai, orjson, partial-json-parser and xgrammar (with apache-tvm-ffi; xgrammar's other
 dependencies are not needed).
 """
@@ -39,7 +39,7 @@ from pipeline.serve.parsers import (
     parse_reasoning,
     parse_tool_calls,
 )
-from tests import sglang_wheel
+from tests.helpers import sglang_wheel
 
 SERVING_CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
 SERVING_METHODS = ("_effective_tools", "_tool_call_parsing_active", "_process_tool_calls", "_process_tool_call_id",

@@ -3,7 +3,6 @@ model), real text from a real model through the `openai` SDK, the trajectory rea
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -16,12 +15,7 @@ import redis
 import pipeline
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.processes import free_port
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, workers: int, timeout: float = 120) -> None:
@@ -50,7 +44,7 @@ def test_an_agent_talks_to_the_demo_model_through_pipeline_serve(
     pipeline_env: dict[str, str], redis_client: redis.Redis, demo_model_dir: Path, tmp_path: Path,
     start_worker: Callable[..., subprocess.Popen],
 ) -> None:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [*PIPELINE, "serve", "--port", str(port), "--tokenizer", str(demo_model_dir), "--run", "chat",
          "--output", f"file://{tmp_path}/shards"],

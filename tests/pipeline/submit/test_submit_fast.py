@@ -28,7 +28,7 @@ from pipeline.submit.request_file import (
     validation_errors,
 )
 from schemas.request import RolloutRequest
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
 

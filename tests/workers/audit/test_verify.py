@@ -19,7 +19,7 @@ import redis
 
 import pipeline
 from tests.conftest import PIPELINE
-from tests.models import build_random_moe_model, token_id
+from tests.helpers.models import build_random_moe_model, token_id
 from tests.workers.rows.test_partial_swap import CountingHF, run_with_push
 from workers.audit.recompute import parse_models
 from workers.engines.hf.engine import HFEngine
@@ -45,11 +45,6 @@ def make_run(conn: redis.Redis, model_dir: Path, out: Path, run: str, requests: 
     RolloutWorker(conn, HFEngine(model_dir)).work(burst=True, with_scheduler=False, logging_level="WARNING")
     assert batch.wait(timeout=30).counts["finished"] == len(batch.job_ids)
     return f"{out}/{run}"
-
-
-@pytest.fixture
-def dense_run(redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> str:
-    return make_run(redis_client, tiny_model_dir, tmp_path, "dense")
 
 
 def test_same_weights_agree_and_other_weights_do_not(dense_run: str, tiny_model_dir: Path,

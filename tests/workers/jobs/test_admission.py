@@ -20,6 +20,7 @@ from pipeline.audit.status import collect, format_status
 from pipeline.core.broker import keys, registry
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities, WorkerInfo
+from tests.helpers.processes import run_burst
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
@@ -33,13 +34,6 @@ def _worker(conn: redis.Redis, engine: object, worker_id: str) -> RolloutWorker:
     worker = RolloutWorker(conn, engine, worker_id=worker_id, control_poll_s=0.1)  # type: ignore[arg-type]
     worker.set_registry_state("idle")  # live in the registry before its loop starts, as a started worker is
     return worker
-
-
-def _burst(worker: RolloutWorker) -> None:
-    try:
-        worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-    finally:
-        worker.engine.close()
 
 
 def _sim(**config: object) -> SimEngine:
@@ -59,14 +53,14 @@ def test_a_job_the_worker_cannot_serve_is_handed_back_untouched_for_one_that_can
     able = _worker(redis_client, _sim(max_top_logprobs=5), "able")
     plain = _worker(redis_client, plain_engine, "plain")
     with caplog.at_level(logging.INFO, logger="workers.process.intake"):
-        _burst(plain)  # dequeues it, hands it back, goes round the queue, stops
+        run_burst(plain, close=True)  # dequeues it, hands it back, goes round the queue, stops
     assert f"job {batch.job_ids[0]} handed back: worker plain lacks top-3 logprobs; 1 other live worker(s) can " \
            "serve it" in caplog.text
     assert plain_engine.calls == []
     job = _job(redis_client, batch.job_ids[0])
     assert job.get_status() == "queued" and job.retries_left == 2 and "handed_back" not in job.meta
     assert collect(redis_client)["pools"]["default"]["unservable"] == {}  # someone can serve it
-    _burst(able)
+    run_burst(able, close=True)
     assert batch.wait(timeout=10).counts["finished"] == 1
     assert batch.read().column("worker_id").to_pylist() == ["able"]
 
@@ -78,14 +72,14 @@ def test_a_job_no_live_worker_can_serve_waits_then_fails_with_the_reason(
     client = pipeline.Client(redis_client)
     batch = client.submit([TOP3], run="nobody", output=f"file://{tmp_path}")
     engine = FakeEngine(max_top_logprobs=0)
-    _burst(_worker(redis_client, engine, "plain"))  # within the wait: handed back, listed as waiting
+    run_burst(_worker(redis_client, engine, "plain"), close=True)  # within the wait: handed back, listed as waiting
     status = collect(redis_client)["pools"]["default"]
     [(job_id, waiting)] = status["unservable"].items()
     assert job_id == batch.job_ids[0] and "it needs top-3 logprobs" in waiting["reason"]
     assert "waiting for a capability no live worker has: 1 job(s)" in format_status(collect(redis_client))
     assert batch.status().counts["queued"] == 1
     monkeypatch.setenv("PIPELINE_UNSERVABLE_WAIT_S", "0")  # the wait is over
-    _burst(_worker(redis_client, engine, "plain"))
+    run_burst(_worker(redis_client, engine, "plain"), close=True)
     failures = batch.failures()
     assert "UnservableJobError: job" in failures[job_id]
     assert "no live worker of pool 'default' can serve it" in failures[job_id]
@@ -102,7 +96,7 @@ def test_a_token_id_beyond_the_vocabulary_submitted_with_no_worker_live_is_never
     client = pipeline.Client(redis_client)  # no worker live: submit cannot check the ids
     batch = client.submit([{"id": "big", "input_ids": [1, 5000]}], run="vocab", output=f"file://{tmp_path}")
     engine = FakeEngine()  # vocabulary of 1000
-    _burst(_worker(redis_client, engine, "small"))
+    run_burst(_worker(redis_client, engine, "small"), close=True)
     [job_id] = batch.job_ids
     assert engine.calls == []  # refused before it ran, not run and failed
     assert "token id 5000 in its vocabulary" in batch.failures()[job_id]
@@ -126,17 +120,17 @@ def test_a_deterministic_refusal_is_never_retried_on_the_same_worker(
     served = client.submit([plain], run="refused", output=f"file://{tmp_path}")
     refusing = Refusing()
     other = _worker(redis_client, FakeEngine(), "other")
-    _burst(_worker(redis_client, refusing, "short"))
+    run_burst(_worker(redis_client, refusing, "short"), close=True)
     assert refusing.calls == [["p"]]  # ran once; passed over after its refusal, no retry spent on it
     job = _job(redis_client, served.job_ids[0])
     assert job.get_status() == "queued" and job.retries_left == 2 and job.meta["refused_by"] == ["short"]
-    _burst(other)
+    run_burst(other, close=True)
     assert served.wait(timeout=5).counts["finished"] == 1
     assert served.read().column("worker_id").to_pylist() == ["other"]
 
     # Nobody else: it fails, naming the refusal, after one run.
     alone = client.submit([{**plain, "id": "q"}], run="refused-alone", output=f"file://{tmp_path}")
-    _burst(_worker(redis_client, refusing, "short"))
+    run_burst(_worker(redis_client, refusing, "short"), close=True)
     assert refusing.calls == [["p"], ["q"]]
     reason = alone.failures()[alone.job_ids[0]]
     assert "refused by short" in reason and "longer than this server's context" in reason
@@ -181,8 +175,8 @@ def test_a_mixed_pool_serves_a_mixed_file_with_no_failure_and_no_wasted_run(
     batch = pipeline.Client(redis_client).submit(requests, run="mixed", output=f"file://{tmp_path}", batch_size=2)
     # Packed by who can serve them: top-k with top-k, routed with routed, the plain ones together.
     assert len(batch.job_ids) == 6
-    _burst(moe)  # takes the jobs it serves, passes over the top-k ones
-    _burst(dense)
+    run_burst(moe, close=True)  # takes the jobs it serves, passes over the top-k ones
+    run_burst(dense, close=True)
     assert batch.wait(timeout=10).counts == {"finished": 6}
     admitted = [job_id for w in (moe, dense) for _, job_id in w.feeder.admitted]  # type: ignore[union-attr]
     assert sorted(admitted) == sorted(batch.job_ids)  # every job ran once, on a worker that served it

@@ -12,7 +12,7 @@ from rq.serializers import JSONSerializer
 
 import pipeline
 from pipeline.core.broker import commit_log, keys
-from tests.helpers import drive_worker, wait_until
+from tests.helpers.processes import drive_worker, wait_until
 from workers.engines.sim import SimConfig, SimEngine
 
 

@@ -20,7 +20,7 @@ import redis
 
 import pipeline
 from pipeline.core.broker import commit_log, keys, registry
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 from tests.workers.jobs.held_hf_worker import HOLD_VARIABLE
 from workers.jobs.checkpoint import CheckpointStore
 from workers.rows.continuation import Piece

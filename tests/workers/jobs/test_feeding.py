@@ -21,7 +21,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker import keys
 from schemas.request import RolloutRequest
-from tests.helpers import drive_worker, wait_until
+from tests.helpers.processes import burst_worker, drive_worker, wait_until
 from workers.engines.fake import FakeEngine
 from workers.engines.serial import SerialEngine
 from workers.engines.sim import SimConfig, SimEngine
@@ -89,12 +89,6 @@ def job(prefix: str, tokens: Sequence[int]) -> list[dict]:
 
 
 
-def _burst(conn: redis.Redis, engine: SimEngine, **kwargs: object) -> RolloutWorker:
-    worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)  # type: ignore[arg-type]
-    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-    return worker
-
-
 def test_next_job_reaches_the_engine_before_the_last_sequence_ends(redis_client: redis.Redis, tmp_path: Path) -> None:
     client = pipeline.Client(redis_client)
     long = client.submit(job("a", [3, 3, 3, 150]), run="feed", output=f"file://{tmp_path}", batch_size=4)
@@ -103,7 +97,7 @@ def test_next_job_reaches_the_engine_before_the_last_sequence_ends(redis_client:
     # would leave b unsubmitted until the hold gives up, and the order below would fail.
     engine = HeldUntil("a0", "b0", capacity=16)
     try:
-        worker = _burst(redis_client, engine)
+        worker = burst_worker(redis_client, engine)
     finally:
         engine.close()
     assert engine.at("submit", "b0") < engine.at("done", "a0")
@@ -124,7 +118,7 @@ def test_without_feeding_each_job_waits_for_the_last(redis_client: redis.Redis, 
     client.submit(job("b", [3, 3]), run="barrier", output=f"file://{tmp_path}", batch_size=2)
     engine = Recorded(capacity=16)
     try:
-        _burst(redis_client, engine, feed=False)
+        burst_worker(redis_client, engine, feed=False)
     finally:
         engine.close()
     assert engine.at("submit", "b0") > engine.at("done", "a0")
@@ -136,7 +130,7 @@ def test_a_generate_only_engine_takes_the_same_road_one_job_at_a_time(
     client = pipeline.Client(redis_client)
     batch = client.submit(job("f", [2, 2, 2]), run="fake", output=f"file://{tmp_path}", batch_size=1)
     engine = FakeEngine()
-    worker = _burst(redis_client, engine)  # type: ignore[arg-type]
+    worker = burst_worker(redis_client, engine)  # type: ignore[arg-type]
     assert isinstance(worker.feeder.engine, SerialEngine) and worker.feeder.engine.engine is engine
     assert worker.feeder.max_jobs_in_flight == 1 and not worker.feeder.can_interrupt
     assert [job_id for _, job_id in worker.feeder.admitted] == batch.job_ids  # every job, through the feeder
@@ -151,7 +145,7 @@ def test_a_failing_job_fails_alone(redis_client: redis.Redis, tmp_path: Path, mo
     good = client.submit(job("g", [5, 5]), run="mixed", output=f"file://{tmp_path}")
     engine = Recorded(capacity=8)
     try:
-        _burst(redis_client, engine)
+        burst_worker(redis_client, engine)
     finally:
         engine.close()
     assert good.wait(timeout=5).counts["finished"] == 1

@@ -14,7 +14,7 @@ import pipeline
 from pipeline.core.broker import control_channel, registry
 from pipeline.core.broker.connection import connect_redis
 from pipeline.core.broker.redis_server import RedisServer
-from tests.helpers import free_port, wait_until
+from tests.helpers.processes import free_port, wait_until
 
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 160, "ignore_eos": True, "seed": 1}}
 

@@ -19,17 +19,13 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker import control_channel, keys, registry
 from tests.conftest import PIPELINE
-from tests.helpers import wait_until
+from tests.helpers.processes import burst_worker, wait_until
 from workers.engines.fake import FakeEngine
 from workers.errors import WeightsRefusedError
 from workers.process.worker import RolloutWorker
 
 REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
 FAST_BEATS = ("--heartbeat-interval", "0.5")  # the negative checks wait for two of them
-
-
-def _burst(conn: redis.Redis, engine: FakeEngine) -> None:
-    RolloutWorker(conn, engine, control_poll_s=0.2).work(burst=True, with_scheduler=False, logging_level="WARNING")
 
 
 def _queued(conn: redis.Redis) -> list[str]:
@@ -46,10 +42,10 @@ def test_paused_burst_worker_takes_nothing(redis_client: redis.Redis, tmp_path: 
     client.pause()
     batch = client.submit([REQUEST], run="held", output=f"file://{tmp_path}")
     engine = FakeEngine()
-    _burst(redis_client, engine)
+    burst_worker(redis_client, engine, control_poll_s=0.2)
     assert engine.calls == [] and _queued(redis_client) == batch.job_ids
     client.resume()
-    _burst(redis_client, engine)
+    burst_worker(redis_client, engine, control_poll_s=0.2)
     assert batch.wait(timeout=5).counts["finished"] == 1
 
 
@@ -57,10 +53,10 @@ def test_min_weight_version_waits_for_the_push_then_runs_on_it(redis_client: red
     client = pipeline.Client(redis_client)
     batch = client.submit([REQUEST], run="mwv", output=f"file://{tmp_path}", min_weight_version=1)
     engine = FakeEngine()
-    _burst(redis_client, engine)  # v1 not pushed yet: handed back, untouched
+    burst_worker(redis_client, engine, control_poll_s=0.2)  # v1 not pushed yet: handed back, untouched
     assert engine.calls == [] and _queued(redis_client) == batch.job_ids
     client.push_weights("/ckpt/v1", version=1, timeout=5)  # no live worker: returns at once
-    _burst(redis_client, engine)  # loads v1 before its first job
+    burst_worker(redis_client, engine, control_poll_s=0.2)  # loads v1 before its first job
     assert engine.updates == [("/ckpt/v1", 1)]
     assert batch.wait(timeout=5).counts["finished"] == 1
     assert batch.read().column("weight_version").to_pylist() == [1]

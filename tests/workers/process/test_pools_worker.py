@@ -20,17 +20,10 @@ from schemas.control import DesiredState
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from tests.conftest import PIPELINE
-from tests.helpers import wait_until
+from tests.helpers.processes import burst_worker, wait_until
 from workers.engines.fake import FakeEngine
-from workers.process.worker import RolloutWorker
 
 REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
-
-
-def _burst(conn: redis.Redis, engine: FakeEngine, pool: str | None) -> RolloutWorker:
-    worker = RolloutWorker(conn, engine, control_poll_s=0.2, pool=pool)
-    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-    return worker
 
 
 def test_a_push_and_a_pause_in_one_pool_leave_the_other_serving(redis_client: redis.Redis, tmp_path: Path) -> None:
@@ -41,17 +34,17 @@ def test_a_push_and_a_pause_in_one_pool_leave_the_other_serving(redis_client: re
     held = actor.submit([REQUEST], run="a", output=f"file://{tmp_path}")
     served = ref.submit([REQUEST], run="r", output=f"file://{tmp_path}")
     actor_engine, ref_engine = FakeEngine(), FakeEngine()
-    ref_worker = _burst(redis_client, ref_engine, "ref")
+    ref_worker = burst_worker(redis_client, ref_engine, pool="ref", control_poll_s=0.2)
     assert ref_engine.updates == [] and ref_engine.calls == [["a"]]
     assert served.wait(timeout=5).counts["finished"] == 1 and served.read().column("weight_version").to_pylist() == [0]
     assert ref_worker.info.pool == "ref"
-    _burst(redis_client, actor_engine, "actor")  # paused: loads v1, takes nothing
+    burst_worker(redis_client, actor_engine, pool="actor", control_poll_s=0.2)  # paused: loads v1, takes nothing
     assert actor_engine.updates == [("/ckpt/v1", 1)] and actor_engine.calls == []
     assert held.status().counts["queued"] == 1
     [ack] = control_channel.read_acks(redis_client, 1, "actor").values()
     assert ack.ok and control_channel.read_acks(redis_client, 1, "ref") == {}
     actor.resume()
-    _burst(redis_client, actor_engine, "actor")
+    burst_worker(redis_client, actor_engine, pool="actor", control_poll_s=0.2)
     assert held.wait(timeout=5).counts["finished"] == 1 and held.read().column("weight_version").to_pylist() == [1]
     assert ref_engine.calls == [["a"]]  # nothing of actor's reached ref's worker
 
@@ -109,7 +102,7 @@ def test_a_job_and_state_left_by_a_single_pool_release_are_served_by_the_default
     Queue("rollouts", connection=redis_client, serializer=JSONSerializer).enqueue_call(
         JOB_FUNCTION, args=(payload.model_dump(mode="json"),), job_id="old-00000", meta={"run": "old"})
     engine = FakeEngine()
-    worker = _burst(redis_client, engine, None)
+    worker = burst_worker(redis_client, engine, pool=None, control_poll_s=0.2)
     assert worker.pool.name == "default" and engine.updates == [("/ckpt/v2", 2)] and engine.calls == [["a"]]
     assert Job.fetch("old-00000", connection=redis_client, serializer=JSONSerializer).get_status() == "finished"
     assert (tmp_path / "old" / "old-00000.parquet").exists()

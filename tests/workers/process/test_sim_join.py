@@ -12,7 +12,7 @@ import redis
 import pipeline
 from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
-from tests.helpers import terminate, wait_until
+from tests.helpers.processes import terminate, wait_until
 
 
 def _sim_worker(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ import pytest
 from pipeline.core.weights.store import WeightStore
 from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
-from tests.weights_trainer import Trainer, same_bits
+from tests.helpers.weights_trainer import Trainer, same_bits
 from workers.engines.hf.engine import HFEngine
 from workers.process.store_load import prepare_store_load
 

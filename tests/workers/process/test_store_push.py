@@ -18,8 +18,8 @@ import pipeline
 from pipeline.core.broker import control_channel, registry
 from pipeline.core.weights.store import WeightStore
 from tests.conftest import PIPELINE
-from tests.helpers import drive_worker, wait_until
-from tests.weights_trainer import Trainer, corrupt_a_delta, same_bits
+from tests.helpers.processes import drive_worker, wait_until
+from tests.helpers.weights_trainer import Trainer, corrupt_a_delta, same_bits
 from workers.engines.hf.engine import HFEngine
 
 REQUESTS = [{"id": f"r{i}", "input_ids": [3 + i, 7, 9], "sampling_params": {"max_new_tokens": 12, "seed": i}}

@@ -12,7 +12,7 @@ import redis
 
 from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
-from tests.helpers import terminate, wait_until
+from tests.helpers.processes import terminate, wait_until
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
 

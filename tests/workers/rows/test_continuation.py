@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from schemas.request import RolloutRequest
-from tests.models import CHARS, token_id
+from tests.helpers.models import CHARS, token_id
 from workers.engines.base import INTERRUPTED, ContinuedRequest, Finish, SampleOutput
 from workers.engines.seeds import continuation_seed, request_sample_seed, sample_seed
 from workers.engines.sim import SimConfig, SimEngine

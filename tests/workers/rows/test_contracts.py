@@ -18,8 +18,8 @@ from pipeline.core.errors import RequestFileError
 from pipeline.submit.request_file import parse_lines
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from tests.invariants import assert_row_invariants
-from tests.models import token_id
+from tests.helpers.invariants import assert_row_invariants
+from tests.helpers.models import token_id
 from workers.engines.base import Finish
 from workers.engines.hf.engine import HFEngine
 from workers.engines.request_support import check_request_supported
@@ -86,7 +86,7 @@ def run_rows(engine: HFEngine, requests: list[RolloutRequest]) -> list[dict[str,
 
 
 def chars(ids: list[int]) -> str:
-    from tests.models import CHARS
+    from tests.helpers.models import CHARS
 
     return "".join("<" if i == EOS else CHARS[i - 1] for i in ids)
 

@@ -21,8 +21,8 @@ import redis
 import pipeline
 from pipeline.core.broker import control_channel
 from schemas.request import RolloutRequest
-from tests.helpers import wait_until
-from tests.models import token_id
+from tests.helpers.models import token_id
+from tests.helpers.processes import wait_until
 from workers.engines.base import Engine
 from workers.engines.hf.engine import HFEngine
 from workers.engines.sim import SimConfig, SimEngine, simulate_sample
@@ -244,7 +244,7 @@ def test_hf_partial_swap_routed_experts_are_the_last_segments_for_every_position
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.models import build_random_moe_model
+    from tests.helpers.models import build_random_moe_model
 
     v1_dir = build_random_moe_model(tmp_path / "moe-v1", seed=1)
     client = pipeline.Client(redis_client)
@@ -444,7 +444,7 @@ def test_sglang_http_partial_swap_aborts_in_flight_and_continues_on_the_new_weig
     """Over SGLang's native protocol (a stand-in server): the interrupt is `/abort_request` with
     the rid of each request in flight, whose answers come back as interrupted samples; the continuation (its own rid,
     `{id}+{tokens before}-...`) runs after the load and the row is of the new version."""
-    from tests.models import CHARS
+    from tests.helpers.models import CHARS
     from tests.workers.engines.conftest import launch, stop, wait_ready
     from workers.engines.sglang.http_engine import SGLangHTTPEngine
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 import pipeline
 from schemas.request import RolloutRequest
-from tests.models import CHARS, build_random_moe_model, token_id
+from tests.helpers.models import CHARS, build_random_moe_model, token_id
 from workers.engines.base import Finish, SampleOutput
 from workers.engines.hf.engine import HFEngine
 from workers.engines.request_support import check_request_supported

@@ -1,6 +1,6 @@
 """The hf engine's sampling against an independent reference of SGLang's rules.
 
-Every token the engine produced is checked against `tests.sampling_reference`, fed with
+Every token the engine produced is checked against `tests.helpers.sampling_reference`, fed with
 logits from a separate teacher-forced forward pass (no KV cache, one sequence, float64 maths):
 a greedy token is the reference's argmax after penalties, a sampled token lies in the set that
 top-k, top-p and min-p leave, and each stored logprob is the reference's. On the demo model
@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from schemas.request import RolloutRequest, SamplingParams
-from tests import sampling_reference as ref
+from tests.helpers import sampling_reference as ref
 from workers.engines.base import SampleOutput
 from workers.engines.hf.engine import HFEngine
 

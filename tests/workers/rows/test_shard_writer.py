@@ -13,7 +13,7 @@ import pytest
 from pipeline.core.shards import read_rollouts
 from schemas.request import RolloutRequest
 from schemas.shard import SCHEMA_VERSION
-from tests.helpers import FlakyStore
+from tests.helpers.processes import FlakyStore
 from workers.engines.base import Finish, SampleOutput
 from workers.errors import ShardWriteError
 from workers.rows.shard_writer import WriteRetry, write_shard

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 from workers.runtime.periodic import Periodic
 
 

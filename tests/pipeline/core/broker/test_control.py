@@ -12,7 +12,7 @@ import pipeline
 from pipeline.core.broker import control_channel, keys, registry
 from schemas.control import DesiredState, WeightAck
 from schemas.worker_info import WorkerInfo
-from tests.helpers import wait_until
+from tests.helpers.processes import wait_until
 
 
 def _fake_entry(conn: redis.Redis, worker_id: str) -> None:

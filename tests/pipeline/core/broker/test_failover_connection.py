@@ -15,7 +15,7 @@ from redis.retry import Retry
 
 from pipeline.core.broker.connection import FailoverConnection
 from pipeline.core.broker.redis_server import RedisServer
-from tests.helpers import free_port
+from tests.helpers.processes import free_port
 
 WRITE = "return redis.call('SET', KEYS[1], ARGV[1])"
 

@@ -23,8 +23,8 @@ from pipeline.core.jobs.queue import rollout_queue
 from pipeline.submit.enqueue import SubmitPlan, submit_requests
 from schemas.control import WeightAck
 from schemas.request import RolloutRequest
-from tests.helpers import free_port, wait_until
-from tests.sentinel_group import SentinelGroup
+from tests.helpers.processes import free_port, wait_until
+from tests.helpers.sentinel_group import SentinelGroup
 from workers.process.control_follower import write_ack
 
 

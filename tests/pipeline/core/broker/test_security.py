@@ -18,7 +18,7 @@ from pipeline.core.errors import PolicyError, RequestFileError
 from pipeline.submit.request_file import parse_lines
 from schemas import request as request_schema
 from schemas.control import DesiredState, WeightAck, encode
-from tests.helpers import free_port
+from tests.helpers.processes import free_port
 from workers.engines.fake import FakeEngine
 from workers.process import control_follower as worker_control
 from workers.process.worker import RolloutWorker

@@ -17,7 +17,7 @@ from pipeline.core.weights.materialise import INDEX, materialise
 from pipeline.core.weights.store import WeightStore
 from pipeline.core.weights.torch_bits import state_dict_bits
 from pipeline.weights.writer import write_version
-from tests.weights_trainer import Trainer, same_bits
+from tests.helpers.weights_trainer import Trainer, same_bits
 
 
 @pytest.mark.parametrize("bucket_bytes", [64 * 1024, 1 << 30], ids=["sharded", "one-file"])

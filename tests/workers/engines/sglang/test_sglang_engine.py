@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import pytest
 
 from schemas.request import RolloutRequest
-from tests.sglang_wheel import engine_method_parameters, judge_generate
+from tests.helpers.sglang_wheel import engine_method_parameters, judge_generate
 from workers.engines.factory import EngineOptions, build_engine
 from workers.engines.seeds import sample_seed
 from workers.engines.sglang.engine import SGLangEngine

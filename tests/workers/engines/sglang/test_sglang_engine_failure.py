@@ -11,7 +11,7 @@ from pathlib import Path
 import pipeline
 from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
-from tests.helpers import free_port, wait_until
+from tests.helpers.processes import free_port, wait_until
 from tests.workers.engines.conftest import launch, stop, wait_ready
 
 

@@ -18,8 +18,8 @@ import pytest
 import pipeline
 from schemas.request import RolloutRequest
 from tests.conftest import PIPELINE
-from tests.helpers import free_port, terminate, wait_until
-from tests.models import token_id
+from tests.helpers.models import token_id
+from tests.helpers.processes import free_port, terminate, wait_until
 from tests.workers.engines.conftest import Standin, launch, stop, wait_ready
 from workers.engines.sglang.expert_ids import ExpertsLayout
 from workers.engines.sglang.http_engine import SGLangHTTPEngine

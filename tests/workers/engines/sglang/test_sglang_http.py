@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from schemas.request import RolloutRequest
-from tests import sampling_reference as ref
-from tests.helpers import free_port, wait_until
-from tests.models import token_id
+from tests.helpers import sampling_reference as ref
+from tests.helpers.models import token_id
+from tests.helpers.processes import free_port, wait_until
 from tests.workers.engines.conftest import Standin
 from workers.engines.base import SampleOutput
 from workers.engines.hf.engine import HFEngine

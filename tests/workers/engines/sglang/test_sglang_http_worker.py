@@ -12,8 +12,8 @@ import redis
 
 import pipeline
 from pipeline.core.errors import JobsFailedError
-from tests.helpers import drive_worker, wait_until
-from tests.models import token_id
+from tests.helpers.models import token_id
+from tests.helpers.processes import drive_worker, wait_until
 from tests.workers.engines.conftest import Standin
 from workers.engines.async_bridge import AsyncBridge
 from workers.engines.sglang.http_engine import SGLangHTTPEngine

@@ -27,8 +27,8 @@ import redis
 import pipeline
 from pipeline.core.broker import registry
 from tests.conftest import PIPELINE
-from tests.helpers import drive_worker, wait_until
-from tests.vllm_server import VLLMServer
+from tests.helpers.processes import drive_worker, wait_until
+from tests.helpers.vllm_server import VLLMServer
 from workers.engines.hf.engine import HFEngine
 from workers.engines.vllm.http_engine import VLLMHTTPEngine
 from workers.process.worker import RolloutWorker
@@ -202,7 +202,7 @@ def test_a_weight_push_reloads_the_server_and_rows_carry_the_new_version(
     vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    from tests.vllm_server import untied_copy
+    from tests.helpers.vllm_server import untied_copy
     from workers.engines.hf.demo_model import ensure_perturbed_copy
 
     v1 = ensure_perturbed_copy(demo_model_dir)  # what hf checks against; the server loads its untied copy
@@ -255,7 +255,7 @@ def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
     """A partial push lands while vLLM generates: the worker aborts its requests by id, the server
     reloads, the samples continue on v1; each token keeps the version that generated it, and each
     stored logprob is that version's (`pipeline.verify` with a model per version)."""
-    from tests.vllm_server import untied_copy
+    from tests.helpers.vllm_server import untied_copy
     from tests.workers.rows.test_partial_swap import run_with_push
     from workers.engines.hf.demo_model import ensure_perturbed_copy
 

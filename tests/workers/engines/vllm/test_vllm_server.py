@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm_server import VLLMServer
+from tests.helpers.vllm_server import VLLMServer
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "vllm"
 # Replayed: answers that depend only on the request (not on the server's weights or a race).

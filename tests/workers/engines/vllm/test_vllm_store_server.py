@@ -24,8 +24,8 @@ import pipeline
 from pipeline.core.weights.store import WeightStore, checksum
 from pipeline.core.weights.torch_bits import state_dict_bits, words_view
 from pipeline.weights.writer import write_version
-from tests.helpers import drive_worker, wait_until
-from tests.vllm_server import VLLMServer, untied_copy
+from tests.helpers.processes import drive_worker, wait_until
+from tests.helpers.vllm_server import VLLMServer, untied_copy
 from tests.workers.engines.vllm.test_vllm_http_server import LOGPROB_TOLERANCE, put_back_the_demo_weights
 from workers.engines.hf.demo_model import ensure_perturbed_copy
 from workers.engines.vllm.http_engine import VLLMHTTPEngine

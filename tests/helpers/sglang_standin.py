@@ -1,12 +1,12 @@
 """A stand-in SGLang server for tests: real HTTP, SGLang 0.5.x shapes, its own generator.
 
 Nothing of the code under test answers: requests are judged by SGLang's own classes loaded from
-its wheel (`tests.sglang_wheel`: FastAPI's `GenerateReqInput` parse, the `api_types` contract
+its wheel (`tests.helpers.sglang_wheel`: FastAPI's `GenerateReqInput` parse, the `api_types` contract
 gate, `normalize_batch_and_arguments`, `SamplingParams.normalize/verify`), and tokens come from
-`tests.standin_generator` (plain transformers forward passes and SGLang's sampling rules), not
+`tests.helpers.standin_generator` (plain transformers forward passes and SGLang's sampling rules), not
 from the project's engines.
 
-Run: `python -m tests.sglang_standin --model DIR --port P [--weight-version V]
+Run: `python -m tests.helpers.sglang_standin --model DIR --port P [--weight-version V]
 [--routed-experts LAYERS,TOP_K,NUM_EXPERTS] [--only-get-info]`.
 
 Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
@@ -62,9 +62,9 @@ from typing import Any
 
 import numpy as np
 
-from tests.sglang_wheel import judge_generate, request_adapter
-from tests.sglang_wheel import load as load_sglang
-from tests.standin_generator import Generator, Sample
+from tests.helpers.sglang_wheel import judge_generate, request_adapter
+from tests.helpers.sglang_wheel import load as load_sglang
+from tests.helpers.standin_generator import Generator, Sample
 
 LIFECYCLE_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
                    "/abort_request")
@@ -149,7 +149,7 @@ class Standin:
     # -- /generate ---------------------------------------------------------------------------
 
     def to_call(self, body: Any) -> Call:
-        """SGLang's own verdict on the body (`tests.sglang_wheel`), then what the stand-in does
+        """SGLang's own verdict on the body (`tests.helpers.sglang_wheel`), then what the stand-in does
         not serve."""
         verdict = judge_generate(body, self.generator.vocab_size, self.generator.tokenizer)
         if verdict.status != 200:

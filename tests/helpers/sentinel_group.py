@@ -21,17 +21,10 @@ import redis
 
 from pipeline.core.broker.redis_server import RedisServer, _write_private, find_redis_server
 from pipeline.core.errors import EmbeddedRedisError
+from tests.helpers.processes import free_port
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _running(pid: int) -> bool:
@@ -56,14 +49,14 @@ class SentinelGroup:
         self.password = password
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
-        first = _free_port()
+        first = free_port()
         self.servers = {first: RedisServer(self.directory / "server-0", port=first, password=password,
                                            appendfsync=appendfsync)}
         for index in range(1, replicas + 1):
-            port = _free_port()
+            port = free_port()
             self.servers[port] = RedisServer(self.directory / f"server-{index}", port=port, password=password,
                                              appendfsync=appendfsync, replica_of=first)
-        self.sentinel_ports = [_free_port() for _ in range(sentinels)]
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.quorum = sentinels // 2 + 1
 
     @property

@@ -35,7 +35,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SGLANG_VERSION = "0.5.23"
 # Top-level fields the smg gateway adds when it forwards a /generate body (SGLang ignores them).
 GATEWAY_FIELDS = frozenset({"model"})

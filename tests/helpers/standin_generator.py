@@ -2,12 +2,12 @@
 
 Independent of the project's engines (nothing from `workers` is imported): a full forward pass
 per token (no KV cache, no batching, no padding), the sampling rules of
-`tests.sampling_reference` (SGLang's penalizers, top-k/top-p/min-p, logprobs), a numpy
+`tests.helpers.sampling_reference` (SGLang's penalizers, top-k/top-p/min-p, logprobs), a numpy
 generator per sample seeded from `sampling_seed` (a fresh random seed without one, so
 unseeded samples differ), and SGLang's finish order from `schedule_batch.update_finish_state`:
 stop string (over the decoded text), then stop token or EOS (unless `ignore_eos`), then length.
 `min_new_tokens` holds back EOS and stop tokens by their -inf penalty only, as in SGLang.
-Its input is SGLang's own normalised `SamplingParams` object (see `tests.sglang_wheel`).
+Its input is SGLang's own normalised `SamplingParams` object (see `tests.helpers.sglang_wheel`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tests import sampling_reference as ref
+from tests.helpers import sampling_reference as ref
 
 
 @dataclass
