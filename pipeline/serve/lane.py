@@ -51,10 +51,10 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route, choose
-from pipeline.core.broker import control_channel, keys, lanes, registry
+from pipeline.core.broker import control_channel, keys, registry
 from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.errors import APIError, CapabilityError, PipelineError
-from pipeline.core.jobs import turn_log
+from pipeline.core.jobs import lanes, turn_log
 from pipeline.core.jobs.queue import job_data
 from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.submit.placement import Placement
