@@ -37,9 +37,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from pipeline.core.broker import keys
+from pipeline.core.broker import keys, registry
+from pipeline.core.errors import UnknownRunError
 from pipeline.core.jobs import turn_log
 from pipeline.core.shards import is_location, read_rollouts
+from pipeline.core.suggest import did_you_mean, listing
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
             "weight_version", "weight_version_segments", "prefix_break", "finished_at", "worker_id",
@@ -69,6 +71,16 @@ def session_rewards(conn: redis.Redis, session_ids: list[str]) -> dict[str, dict
     return {s: (json.loads(v) if v else None) for s, v in zip(session_ids, values, strict=True)}
 
 
+def _check_run(conn: redis.Redis, run: str) -> None:
+    """Refuse a run this Redis never had (a typo, another Redis) instead of reading it as empty."""
+    if conn.exists(keys.run_batches(run), keys.commit_log(run), keys.turn_log(run), keys.turn_log_output(run)):
+        return
+    known = registry.runs(conn)
+    if run not in known:
+        raise UnknownRunError(f"run {run!r} has no agent turns or jobs in this Redis; runs here: {listing(known)}"
+                              f"{did_you_mean(run, known)}; check the run name and the Redis URL")
+
+
 def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
     """The rows of agent turns under a URL, or of a run (shards through its commit log, plus its turn log)."""
     if is_location(source):
@@ -79,6 +91,7 @@ def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
             from pipeline.core.broker.connection import connect_redis
 
             conn = connect_redis()
+        _check_run(conn, source)
         # The log first, then the shards: a flush between the two reads moves turns from the log to
         # a shard, and this order sees them (twice, deduplicated below) rather than not at all.
         logged = turn_log.unflushed(conn, source)
