@@ -63,7 +63,7 @@ class Settings:
     temperature: float = 1.0
     lr: float = 5e-5  # TRL's loop: synchronous, each step on rows of the version it trains
     # The pipeline's asynchronous loop trains each step on rows one version old: at 5e-5 it became
-    # unstable (benchmarks/README.md, issue 33: one seed of three fell to reward 0), at 2e-5 it learns.
+    # unstable (docs/changelog.md, "Benchmark history": one seed of three fell to reward 0), at 2e-5 it learns.
     async_lr: float = 2e-5
     cap: float = 2.0  # the TIS cap on importance ratios
     max_grad_norm: float = 1.0  # both loops clip the gradient's norm (TRL's default)

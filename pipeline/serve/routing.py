@@ -1,0 +1,141 @@
+"""Where an agent turn goes: the pool's live workers and desired version (cached per server), each
+worker's load in active sessions, the bounded-load choice (`pipeline.core.affinity.choose`), and
+moving the turns of dead workers back to the shared lane.
+
+A worker's load is the number of active sessions homed there (`keys.PoolKeys.lane_load`: a session
+counts while it had a turn in the last `ACTIVE_S`, and leaves its old home's count when it moves),
+read at most every `LOADS_TTL_S` and counted locally in between. Sessions, not turns in flight,
+because a session keeps coming back: counting turns in flight, which come and go with each answer,
+moved sessions for nothing whenever one worker's answers happened to lag (measured: 18 % of turns
+moved).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Hashable
+
+import redis
+
+from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route, choose
+from pipeline.core.broker import control_channel, keys, registry
+from pipeline.core.errors import PipelineError
+from pipeline.core.jobs import lanes
+from pipeline.submit.placement import Placement
+from schemas.worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
+LOADS_TTL_S = 0.05  # workers' loads are read at most this often per server (counted locally between)
+REHOME_S = 1.0  # dead workers' lanes are looked for at most this often per server
+ACTIVE_S = 120.0  # a session without a turn for this long no longer counts in its home's load
+
+
+class Router:
+    """One pool's routing state, as one server sees it."""
+
+    def __init__(self, conn: redis.Redis, pool_keys: keys.PoolKeys, *, affinity: bool = True,
+                 load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
+        self.conn = conn
+        self.keys = pool_keys
+        self.affinity = affinity  # False: every turn to the shared lane, whichever worker is free (the baseline)
+        self.load_factor = load_factor
+        self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self._desired: tuple[float, int | None] = (0.0, None)
+        self._loads: tuple[float, dict[str, int]] = (0.0, {})
+        # Sessions this server placed (+1) or moved away (-1) whose load entries are not yet written.
+        self._unwritten: Counter[str] = Counter()
+        self._rehomed_at = 0.0
+        self._lock = threading.Lock()
+
+    def live_workers(self) -> list[WorkerInfo]:
+        with self._lock:
+            read_at, workers = self._workers
+            if time.monotonic() - read_at > WORKERS_TTL_S:
+                workers = registry.live_workers(self.conn, self.keys.name)
+                self._workers = (time.monotonic(), workers)
+            return workers
+
+    def desired_version(self) -> int | None:
+        with self._lock:
+            read_at, version = self._desired
+            if time.monotonic() - read_at > WORKERS_TTL_S:
+                try:
+                    version = control_channel.read_state(self.conn, self.keys.name).weight_version
+                except PipelineError:
+                    version = None
+                self._desired = (time.monotonic(), version)
+            return version
+
+    def loads(self, workers: list[WorkerInfo]) -> dict[str, int]:
+        """Active sessions homed at each live worker (read at most every `LOADS_TTL_S`; the sessions
+        this server places or moves in between are counted as it does)."""
+        with self._lock:
+            read_at, loads = self._loads
+            if time.monotonic() - read_at <= LOADS_TTL_S and set(loads) == {w.worker_id for w in workers}:
+                return loads
+        now = time.time()
+        with self.conn.pipeline(transaction=False) as pipe:
+            for worker in workers:
+                pipe.zcount(self.keys.lane_load(worker.worker_id), now, "+inf")
+            counts = pipe.execute()
+        with self._lock:
+            loads = {w.worker_id: int(c) + self._unwritten[w.worker_id] for w, c in zip(workers, counts, strict=True)}
+            self._loads = (time.monotonic(), loads)
+        return loads
+
+    def route(self, session_id: str, home: str | None, workers: list[WorkerInfo], placement: Placement,
+              group: Hashable) -> Route:
+        """The worker for a session's turn (`affinity.choose`), counted in its load at once."""
+        if not self.affinity:
+            return Route(None)
+
+        def can_serve(worker: WorkerInfo) -> bool:
+            if not placement.classes:
+                return True
+            index = placement.classes.index(worker.capabilities)
+            return not isinstance(group, tuple) or index in group
+
+        loads = self.loads(workers)
+        route = choose(session_id, home, workers, loads, can_serve=can_serve, desired_version=self.desired_version(),
+                       load_factor=self.load_factor)
+        if route.worker is not None and route.worker != home:
+            with self._lock:
+                loads[route.worker] = loads.get(route.worker, 0) + 1
+                self._unwritten[route.worker] += 1
+                if home is not None:
+                    loads[home] = max(0, loads.get(home, 0) - 1)
+                    self._unwritten[home] -= 1
+        return route
+
+    def written(self, worker: str | None, home: str | None) -> None:
+        """A moved session's load entries are written (or never will be): no longer counted apart."""
+        if worker is not None and home != worker:
+            with self._lock:
+                self._unwritten[worker] -= 1
+                if home is not None:
+                    self._unwritten[home] += 1
+
+    def rehome(self) -> None:
+        """Move dead workers' turns to the shared lane (at most every `REHOME_S` per server)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._rehomed_at < REHOME_S:
+                return
+            self._rehomed_at = now
+        with self._lock:
+            self._workers = (0.0, self._workers[1])  # read the registry afresh
+        live = {w.worker_id for w in self.live_workers()}
+        moved = lanes.rehome_orphans(self.conn, self.keys, live)
+        if moved:
+            log.warning("moved %d lane job(s) of dead worker(s) of pool %r to the shared lane", moved, self.keys.name)
+
+    def rescue(self, job_id: str) -> None:
+        """Requeue a job that a dead worker popped and never started (`lanes.rescue_popped`)."""
+        live = {w.worker_id for w in self.live_workers()}
+        if lanes.rescue_popped(self.conn, self.keys, job_id, live):
+            log.warning("lane job %s was popped by a worker that died before starting it: requeued", job_id)

@@ -1,0 +1,158 @@
+"""Turns that reach a server together travel together: a flusher thread enqueues the turns waiting
+when it comes round as one lane job (per run, output, worker class and target worker).
+
+While the server's lane jobs in flight already keep the pool's live workers busy (two jobs each),
+new turns wait for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost
+is paid once for many turns; a turn reaching an idle pool is enqueued at once. A job goes to its
+chosen worker's own lane (`pipeline.core.jobs.lanes`), or to the pool's shared lane for any worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import redis
+from rq import Queue
+
+from pipeline.core.broker import keys
+from pipeline.core.jobs import lanes
+from pipeline.core.jobs.queue import job_data
+from pipeline.serve.routing import ACTIVE_S, Router
+from schemas.capabilities import Needs
+from schemas.job_payload import JobPayload, TurnTag
+from schemas.request import RolloutRequest
+
+TURN_JOB_TIMEOUT_S = 3600
+TURN_RETRIES = 1
+MAX_TURNS_PER_JOB = 64
+HOLD_S = 0.05  # the longest a turn waits for others to share its job while the workers are busy
+OUTSTANDING_S = 2.0  # a lane job this server enqueued counts as in flight for at most this long
+
+
+@dataclass
+class WaitingTurn:
+    """A turn handed to the flusher, and what became of it."""
+
+    request: RolloutRequest
+    turn: TurnTag
+    run: str
+    output: str
+    needs: Needs
+    group: Hashable
+    worker: str | None
+    home: str | None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class TurnBatcher:
+    """Enqueues one server's turns of one pool as lane jobs, several turns a job under load."""
+
+    def __init__(self, conn: redis.Redis, router: Router, shared_lane: Queue, *,
+                 max_turns_per_job: int = MAX_TURNS_PER_JOB) -> None:
+        self.conn = conn
+        self.router = router
+        self.keys = router.keys
+        self.shared_lane = shared_lane
+        self.max_turns_per_job = max_turns_per_job
+        self._waiting: list[WaitingTurn] = []
+        self._ready = threading.Condition()
+        self._flusher: threading.Thread | None = None
+        self._jobs: dict[str, tuple[int, float]] = {}  # this server's lane jobs: turns unanswered, enqueued at
+        self._job_of_turn: dict[str, str] = {}
+
+    def enqueue(self, waiting: WaitingTurn) -> None:
+        """Hand the turn to the flusher and return once its job is enqueued; raise what the enqueue raised."""
+        with self._ready:
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, name="lane-flusher", daemon=True)
+                self._flusher.start()
+            self._waiting.append(waiting)
+            self._ready.notify()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._waiting:
+                    self._ready.wait()
+                # Flow control: while this server's earlier lane jobs keep the pool's workers busy, turns
+                # wait here (at most HOLD_S) and go on together; an idle pool gets each turn at once.
+                held_until = time.monotonic() + HOLD_S
+                while (len(self._waiting) < self.max_turns_per_job and self._busy()
+                       and (left := held_until - time.monotonic()) > 0):
+                    self._ready.wait(left)
+                batch, self._waiting = self._waiting, []
+            groups: dict[Hashable, list[WaitingTurn]] = {}
+            for waiting in batch:
+                groups.setdefault(waiting.group, []).append(waiting)
+            for group in groups.values():
+                for start in range(0, len(group), self.max_turns_per_job):
+                    self._enqueue_job(group[start:start + self.max_turns_per_job])
+
+    def _busy(self) -> bool:
+        """Whether this server's lane jobs in flight are enough to keep the pool's live workers busy
+        (two per worker: one running, one taken next); jobs older than `OUTSTANDING_S` no longer count."""
+        now = time.monotonic()
+        recent = sum(1 for _, enqueued in self._jobs.values() if now - enqueued < OUTSTANDING_S)
+        return recent >= 2 * max(1, len(self.router.live_workers()))
+
+    def answered(self, turn_id: str) -> None:
+        """A turn this server enqueued is answered (or given up): its job counts down."""
+        with self._ready:
+            job_id = self._job_of_turn.pop(turn_id, None)
+            if job_id is None or job_id not in self._jobs:
+                return
+            left, enqueued = self._jobs[job_id]
+            if left <= 1:
+                del self._jobs[job_id]
+                self._ready.notify()
+            else:
+                self._jobs[job_id] = (left - 1, enqueued)
+
+    def _enqueue_job(self, turns: list[WaitingTurn]) -> None:
+        try:
+            first = turns[0]
+            job_id = f"lane-{uuid.uuid4().hex[:16]}"
+            payload = JobPayload.pack([t.request for t in turns], run=first.run, job_id=job_id, batch_id=job_id,
+                                      output=first.output, submitted_at_ms=int(time.time() * 1000),
+                                      turns=[t.turn for t in turns])
+            needs = first.needs
+            for other in turns[1:]:
+                needs |= other.needs
+            data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
+                            description=f"{len(turns)} agent turn(s) of run {first.run}")
+            worker = first.worker
+            queue = self.shared_lane if worker is None else lanes.worker_queue(self.conn, self.keys, worker)
+            with self.conn.pipeline(transaction=True) as pipe:
+                for waiting in turns:
+                    pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
+                if worker is not None:
+                    # Its lane is known from now on, even if it died since it was chosen and its last
+                    # lane was already moved: the next `rehome_orphans` moves this job too.
+                    pipe.sadd(self.keys.lane_workers, worker)
+                    active_until = time.time() + ACTIVE_S
+                    pipe.zadd(self.keys.lane_load(worker), {t.turn.session_id: active_until for t in turns})
+                    for waiting in turns:
+                        if waiting.home is not None and waiting.home != worker:
+                            pipe.zrem(self.keys.lane_load(waiting.home), waiting.turn.session_id)
+                queue.enqueue_many([data], pipeline=pipe)
+                pipe.execute()
+            with self._ready:
+                self._jobs[job_id] = (len(turns), time.monotonic())
+                for waiting in turns:
+                    self._job_of_turn[waiting.turn.turn_id] = job_id
+        except BaseException as exc:
+            for waiting in turns:
+                waiting.error = exc
+        finally:
+            for waiting in turns:  # written now (or never, if the enqueue failed)
+                self.router.written(waiting.worker, waiting.home)
+            for waiting in turns:
+                waiting.done.set()

@@ -1,0 +1,163 @@
+"""Waiting for a turn's answer: the reply list its worker pushes the rows to, checked between blocks.
+
+Between blocks a waiter looks for the answer another server's waiter recorded, the rows in the turn
+log or the shard they were flushed to (the reply went to a waiter that is gone), a failed job, and
+dead workers' turns to move to the shared lane (`Router.rehome`), so a turn whose worker was killed
+runs again elsewhere within the registry's expiry (three heartbeats) and a second. Past the turn
+timeout it says 503 (`Retry-After`) when no live worker of the pool could take the turn or the pool
+is paused, else 504. The job stays queued: the agent's retry of the same call waits for it again
+instead of generating it twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pyarrow as pa
+import pyarrow.compute as pc
+import redis
+import redis.asyncio
+
+from pipeline.core.broker import control_channel, keys
+from pipeline.core.broker.connection import asyncio_twin
+from pipeline.core.errors import APIError, PipelineError
+from pipeline.core.jobs import turn_log
+from pipeline.core.jobs.status import failure_reason, read_status
+from pipeline.serve.routing import Router
+from schemas.shard import rows_from_ipc
+
+DEFAULT_TURN_TIMEOUT_S = 600.0
+ASYNC_CONNECTIONS = 4096  # calls waiting on the event loop at once, a socket each
+BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
+
+
+class TurnWaiter:
+    """Waits for one pool's turns on behalf of a server."""
+
+    def __init__(self, conn: redis.Redis, router: Router, answered: Callable[[str], None], *,
+                 turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S) -> None:
+        self.conn = conn
+        self.router = router
+        self.keys = router.keys
+        self.turn_timeout_s = turn_timeout_s
+        self._answered = answered  # the turn is answered or given up: its job counts down
+        self._aconn: redis.asyncio.Redis | bool | None = False  # made on first use, in the server's loop
+        self._wait_threads: anyio.CapacityLimiter | None = None
+
+    def job_of(self, turn_id: str) -> str | None:
+        job_id = self.conn.get(keys.turn_job(turn_id))
+        return None if job_id is None else job_id.decode()
+
+    def wait(self, turn_id: str, run: str, started: float,
+             settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
+        """The turn's rows, once its worker answers; or the answer `settled()` finds recorded (another
+        server's waiter took the rows and recorded the turn); `APIError` for a failed or late turn."""
+        try:
+            return self._wait(turn_id, run, started, settled)
+        finally:
+            self._answered(turn_id)
+
+    async def wait_async(self, turn_id: str, run: str, started: float,
+                         settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
+        """`wait` on the event loop: the reply's BLPOP on an asyncio Redis client (one socket per call
+        waiting, no thread); the checks between blocks in a thread. Where this Redis has no asyncio
+        twin (Sentinel, TLS), `wait` in a thread."""
+        aconn = self._async_conn()
+        if aconn is None:
+            if self._wait_threads is None:
+                self._wait_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
+            return await anyio.to_thread.run_sync(self.wait, turn_id, run, started, settled,
+                                                  limiter=self._wait_threads)
+        try:
+            reply = keys.turn_reply(turn_id)
+            while True:
+                left = self.turn_timeout_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise await anyio.to_thread.run_sync(self._late, turn_id)
+                popped = await aconn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
+                if popped is not None:
+                    return rows_from_ipc(popped[1])
+                found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
+                if found is not None:
+                    return found
+        finally:
+            self._answered(turn_id)
+
+    def _wait(self, turn_id: str, run: str, started: float,
+              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
+        reply = keys.turn_reply(turn_id)
+        while True:
+            left = self.turn_timeout_s - (time.monotonic() - started)
+            if left <= 0:
+                raise self._late(turn_id)
+            popped = self.conn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
+            if popped is not None:
+                return rows_from_ipc(popped[1])
+            found = self._between_blocks(turn_id, run, settled)
+            if found is not None:
+                return found
+
+    def _between_blocks(self, turn_id: str, run: str,
+                        settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any] | None:
+        """After a block without a reply: the answer recorded by another waiter, the rows from the
+        turn log (the reply went to a waiter that is gone), None to wait on, or `APIError`."""
+        answered = settled()
+        if answered is not None:
+            return answered
+        self.router.rehome()
+        job_id = self.job_of(turn_id)
+        status = None if job_id is None else read_status(self.conn, job_id)
+        if status == b"finished":  # answered, but the reply went to a waiter that is gone
+            logged = self._logged(run, turn_id)
+            if logged is not None:
+                return logged
+            raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
+                                "in neither the turn log nor a shard it remembers; call again to generate it "
+                                "again", code="turn_failed")
+        if status == b"queued" and job_id is not None:
+            self.router.rescue(job_id)
+        if status in (b"failed", b"stopped", b"canceled") or status is None:
+            reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
+                "its job is gone from Redis"
+            status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
+            raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
+        return None
+
+    def _async_conn(self) -> redis.asyncio.Redis | None:
+        if self._aconn is False:
+            self._aconn = asyncio_twin(self.conn, max_connections=ASYNC_CONNECTIONS)
+        return self._aconn or None
+
+    def _logged(self, run: str, turn_id: str) -> pa.Table | None:
+        """A turn's rows from the run's turn log, or from the shard it was flushed to (the reply was
+        lost: a waiter gone, or a read that timed out as the reply came)."""
+        logged = turn_log.logged_turn(self.conn, run, turn_id)
+        if logged is not None:
+            return logged
+        url = self.conn.get(keys.turn_shard(turn_id))
+        if url is None:
+            return None
+        from pipeline.core.shards import read_rollouts
+
+        session_id, turn, _ = turn_id.rsplit("-", 2)  # `pipeline.serve.turns`: session-turn-nonce
+        rows = read_rollouts(url.decode(), filter=(pc.field("session_id") == session_id)
+                             & (pc.field("turn") == int(turn)))
+        return rows if rows.num_rows else None
+
+    def _late(self, turn_id: str) -> APIError:
+        job_id = self.job_of(turn_id)
+        status = "" if job_id is None else (read_status(self.conn, job_id) or b"").decode()
+        try:
+            paused = control_channel.read_state(self.conn, self.keys.name).paused
+        except PipelineError:
+            paused = False
+        if status in ("queued", "scheduled", "deferred", "") and (paused or not self.router.live_workers()):
+            why = f"pool {self.keys.name!r} is paused" if paused else f"no live worker serves pool {self.keys.name!r}"
+            retry_after = max(1, int(self.turn_timeout_s // 4))
+            return APIError(503, f"{why}; the turn is queued and runs once a worker takes it: call again to get its "
+                                 "answer", code="no_worker", headers={"Retry-After": str(retry_after)})
+        return APIError(504, f"the turn did not finish within {self.turn_timeout_s:g} s (its job is "
+                             f"{status or 'gone'}); call again to wait for it", code="turn_timeout")
