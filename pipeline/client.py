@@ -17,11 +17,14 @@ from pipeline.core.errors import REQUESTS, LineError, PipelineError, RequestFile
 from pipeline.read.follow import DEFAULT_BLOCK_MS, Follower
 from pipeline.runs.batch import Batch
 from pipeline.runs.cancel import CancelResult, cancel
+from pipeline.runs.episodes import EpisodeRun
 from pipeline.submit.dataset_input import ColumnMapping
 from pipeline.submit.dataset_source import is_dataset_path
 from pipeline.submit.enqueue import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
+from pipeline.submit.episodes import read_tasks, submit_episodes
 from pipeline.submit.request_file import ParsedRequest, validation_errors, with_sampling_defaults
 from schemas.control import DesiredState, SwapMode
+from schemas.episode import DEFAULT_EPISODE_RETRIES, DEFAULT_EPISODE_TIMEOUT_S, EpisodeLimits
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
 
@@ -145,6 +148,24 @@ class Client:
         if sampling:  # defaults for the lines' sampling_params (a line's own values win)
             renderer = with_sampling_defaults(sampling, renderer)
         return Batch(self.conn, submit_file(self.conn, path, vocab_size=vocab_size, renderer=renderer, **options))
+
+    def submit_episodes(
+        self, tasks: str | Sequence[Mapping[str, Any]], *, agent: str, run: str | None = None, n: int = 1,
+        timeout_s: float | None = DEFAULT_EPISODE_TIMEOUT_S, max_turns: int | None = None,
+        retries: int = DEFAULT_EPISODE_RETRIES, failed_reward: float | None = None, max_staleness: int | None = None,
+        groups_per_step: int | None = None, pool: str | None = None,
+    ) -> EpisodeRun:
+        """Enqueue one agent episode per task × sample (`n`), all or nothing: `tasks` a JSONL file, a
+        dataset or a list of dicts; `agent` the `package.module:function` agent workers run
+        (`pipeline agent-worker --agent ...`), imported here first. See `pipeline.submit.episodes`."""
+        from pipeline.submit.enqueue import new_run_name
+
+        plan = submit_episodes(self.conn, read_tasks(tasks), agent=agent, run=run or new_run_name(),
+                               pool=self._pool(pool), n=n,
+                               limits=EpisodeLimits(timeout_s=timeout_s, max_turns=max_turns, retries=retries),
+                               failed_reward=failed_reward, max_staleness=max_staleness,
+                               groups_per_step=groups_per_step)
+        return EpisodeRun(self.conn, plan)
 
     def workers(self, *, pool: str | None = None) -> list[WorkerInfo]:
         return registry.live_workers(self.conn, self._pool(pool))

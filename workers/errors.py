@@ -39,3 +39,13 @@ class WeightsRefusedError(WorkerError):
 
 class CheckpointError(WorkerError):
     """A job's checkpoint in Redis does not decode."""
+
+
+class EpisodeError(WorkerError):
+    """An agent episode's attempt failed: `reason` says why, `retry` whether another attempt may help
+    (an error or a timeout may; a reward that is not a number, or too many turns, will not)."""
+
+    def __init__(self, reason: str, *, retry: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry = retry

@@ -61,6 +61,23 @@ class SubmitCommand(Command):
         add("--tokenizer", metavar="PATH", default=None,
             help="render `messages`/`prompt` lines (or columns) into token ids with this tokenizer (as "
                  "SGLang would); `demo`: the demo model's")
+        episodes = parser.add_argument_group(
+            "agent episodes", "with --agent, the file holds tasks (JSON objects; `id` names one) and each task x "
+            "sample is an episode job that `pipeline agent-worker` runs")
+        episodes.add_argument("--agent", metavar="MODULE:FUNCTION", default=None,
+                              help="the agent: async def solve(task, client, episode) -> reward (imported here "
+                                   "first; agent workers must be started with it)")
+        episodes.add_argument("--episode-timeout", type=float, default=None, metavar="S",
+                              help="seconds an attempt may take (default 600)")
+        episodes.add_argument("--max-turns", type=int, default=None, metavar="N",
+                              help="model calls an episode may make (default: no limit)")
+        episodes.add_argument("--retries", type=int, default=None, metavar="R",
+                              help="attempts after the first for an episode that raises or times out (default 2)")
+        episodes.add_argument("--failed-reward", type=float, default=None, metavar="X",
+                              help="train on failed episodes with this reward (default: they are left out)")
+        episodes.add_argument("--groups-per-step", type=int, default=None, metavar="B",
+                              help="with --max-staleness K: tasks a training step takes; step s's tasks start "
+                                   "once the trainer has pushed the version K steps before it")
         add("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
         add("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
 
@@ -69,6 +86,14 @@ class SubmitCommand(Command):
         from pipeline.core.demo_model import resolve
 
         client = connect(args.redis, pool=args.pool)
+        if args.agent is not None:
+            return self._episodes(client, args)
+        episode_only = [flag for flag, value in (("--episode-timeout", args.episode_timeout),
+                                                 ("--max-turns", args.max_turns), ("--retries", args.retries),
+                                                 ("--failed-reward", args.failed_reward),
+                                                 ("--groups-per-step", args.groups_per_step)) if value is not None]
+        if episode_only:
+            raise PipelineError(f"{', '.join(episode_only)} apply to agent episodes: add --agent MODULE:FUNCTION")
         mapping: dict[str, Any] = {}
         sampling = {name: value for name, value in vars(args).items()
                     if name in _SAMPLING_FLAGS and value is not None}
@@ -105,6 +130,35 @@ class SubmitCommand(Command):
         if args.wait:
             status = batch.wait(timeout=args.timeout, progress=True)
             print(f"done: {status.counts['finished']} jobs, {batch.committed_rows()} rows")
+        return 0
+
+
+    def _episodes(self, client: Any, args: argparse.Namespace) -> int:
+        not_for_episodes = [flag for flag, value in (
+            ("--column", args.column), ("--metadata", args.metadata), ("--tokenizer", args.tokenizer),
+            ("--reward", args.reward), ("--groups", args.groups), ("--oversample", args.oversample),
+            ("--min-weight-version", args.min_weight_version), ("--vocab-size", args.vocab_size),
+            *((f"--{name.replace('_', '-')}", getattr(args, name)) for name in _SAMPLING_FLAGS if name != "n"))
+            if value]
+        if not_for_episodes:
+            raise PipelineError(f"{', '.join(not_for_episodes)} do not apply to agent episodes (the agent makes its "
+                                "own calls); nothing was enqueued")
+        from schemas.episode import DEFAULT_EPISODE_RETRIES, DEFAULT_EPISODE_TIMEOUT_S
+
+        run = client.submit_episodes(
+            args.file, agent=args.agent, run=args.run, n=args.n or 1,
+            timeout_s=args.episode_timeout or DEFAULT_EPISODE_TIMEOUT_S, max_turns=args.max_turns,
+            retries=DEFAULT_EPISODE_RETRIES if args.retries is None else args.retries,
+            failed_reward=args.failed_reward, max_staleness=args.max_staleness, groups_per_step=args.groups_per_step)
+        plan = run.plan
+        print(f"run: {plan.run} (pool {plan.pool})")
+        print(f"episodes: {plan.episodes} ({len(plan.tasks)} tasks x {plan.n}) for agent {plan.agent}")
+        print(f"run them: pipeline agent-worker --agent {plan.agent}" + (f" --pool {plan.pool}"
+                                                                        if plan.pool != "default" else ""))
+        if args.wait:
+            counts = run.wait(timeout=args.timeout)
+            print(f"done: {counts['finished']} finished, {counts['failed']} failed")
+            return 1 if counts["failed"] else 0
         return 0
 
 

@@ -10,6 +10,7 @@
     ├── EmbeddedRedisError             the embedded Redis server could not be found or started
     ├── PoolNameError                  a pool name that cannot name Redis keys
     ├── RewardNameError                a reward function name that is not registered here
+    ├── AgentImportError               an agent or environment path that does not import as a callable
     ├── CapabilityError                no live worker can serve what the requests ask for
     ├── ControlAuthError               the stored control state is malformed, unsigned or forged
     ├── WeightVersionError             a push named a version not newer than the current one
@@ -36,7 +37,8 @@
         ├── JobCanceledError           the job was canceled; no shard, no commit
         ├── ShardWriteError            a shard could not be written; nothing was committed
         ├── WeightsRefusedError        the pool's weights do not load here: the worker does not join
-        └── CheckpointError            a job's checkpoint in Redis does not decode
+        ├── CheckpointError            a job's checkpoint in Redis does not decode
+        └── EpisodeError               an agent episode's attempt failed (its reason; whether to retry)
 
 Outside the tree on purpose: `schemas.control.ControlMessageError` (a `ValueError`, as
 `schemas` imports nothing of ours; `pipeline` turns it into `ControlAuthError` before it
@@ -44,7 +46,7 @@ reaches a caller), and `pipeline.core.weights.codec_core.DecodeError` (a `ValueE
 imports only numpy, zstandard and xxhash, since the vLLM worker extension loads it by path inside
 vLLM's process; `pipeline.core.weights.codec` turns it into `CorruptDeltaError`).
 
-Every class here is importable from `pipeline`. The command line maps them to exit codes
+The ones a caller of the public API catches are importable from `pipeline` too. The command line maps them to exit codes
 (`pipeline.cli.main.exit_code`, listed in the README).
 """
 
@@ -160,6 +162,10 @@ class PoolNameError(PipelineError):
 
 class RewardNameError(PipelineError):
     """A reward function name that is not registered (`pipeline.core.rewards`)."""
+
+
+class AgentImportError(PipelineError):
+    """An agent or environment path (`package.module:function`) that does not import as a callable."""
 
 
 class CapabilityError(PipelineError):

@@ -210,6 +210,10 @@ SPILL_DIR = _define("PIPELINE_SPILL_DIR", str, None, "where spilled shards go; u
 METRICS_PORT = _define("PIPELINE_METRICS_PORT", int, None,
                        "port of the worker's Prometheus /metrics (`--metrics-port`); unset: no endpoint")
 LOG_FORMAT = _define("PIPELINE_LOG_FORMAT", str, "text", "`json`: one JSON object per log line; else text")
+SERVE_URL = _define("PIPELINE_SERVE_URL", str, "http://127.0.0.1:8000",
+                    "the `pipeline serve` an agent worker opens its episodes' sessions on (`--serve`)")
+SERVE_API_KEY = _define("PIPELINE_SERVE_API_KEY", str, None,
+                        "the API key an agent worker sends to `pipeline serve` (`serve --api-key`)")
 MODEL_CACHE = _define("PIPELINE_MODEL_CACHE", str, None,
                       "where the demo model is converted once; unset: $XDG_CACHE_HOME/rollout-pipeline/models")
 XDG_CACHE_HOME = _define("XDG_CACHE_HOME", str, None,
@@ -280,3 +284,11 @@ def model_cache() -> Path:
     if explicit:
         return Path(explicit)
     return Path(XDG_CACHE_HOME.text() or Path.home() / ".cache") / "rollout-pipeline" / "models"
+
+
+def serve_url() -> str:
+    return SERVE_URL.text() or SERVE_URL.default
+
+
+def serve_api_key() -> str | None:
+    return SERVE_API_KEY.text()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import redis
 
@@ -34,7 +35,6 @@ from pipeline.core.errors import JobsFailedError, PipelineError, UnknownRunError
 from pipeline.core.jobs.status import read_status
 from pipeline.core.shards import read_rollouts
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.runs.take import split_groups
 
 START = "0-0"
 FAILED_STATES = frozenset({"failed", "stopped"})
@@ -234,3 +234,9 @@ class Follower:
         if self.failed and self.raise_on_failure:
             raise JobsFailedError(self.failed)
 
+
+def split_groups(table: pa.Table) -> list[tuple[str, pa.Table]]:
+    """(request id, the request's rows) for each request of a shard's rows, in order of first appearance."""
+    ids = table.column("request_id")
+    return [(request_id, table.filter(pc.equal(ids, request_id)))
+            for request_id in dict.fromkeys(ids.to_pylist())]

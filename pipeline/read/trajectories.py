@@ -178,13 +178,24 @@ def _item(session_id: str, index: int, count: int, turns: list[dict[str, Any]],
 
 
 def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None,
-                      rewards: dict[str, dict[str, Any] | None] | None = None) -> pa.Table:
+                      rewards: dict[str, dict[str, Any] | None] | None = None,
+                      groups: bool = False) -> pa.Table | list[pa.Table]:
     """One row per session (per segment of a session with prefix breaks); see the module docstring.
 
     `source` is a run name (read through Redis: `conn`, else the default connection), a URL of
     shards, or a Table of rows. Rewards come from `rewards` (session id → {"reward": x, ...}),
     else from Redis when there is a connection.
+
+    `groups=True` (a run of agent episodes, `pipeline submit --agent`): the committed episodes only,
+    one table per task holding its n episodes, for the tasks whose episodes have all ended
+    (`pipeline.read.episodes.episode_groups`, which also follows a run as its groups end).
     """
+    if groups:
+        if not isinstance(source, str):
+            raise TypeError("groups=True reads a run of agent episodes by name")
+        from pipeline.read.episodes import episode_groups
+
+        return list(episode_groups(source, conn=conn))
     table = source if isinstance(source, pa.Table) else turn_rows(source, conn)
     if isinstance(source, pa.Table) and "session_id" in table.column_names:
         table = table.filter(pc.is_valid(table.column("session_id")))
@@ -200,7 +211,7 @@ def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None
             rewards = session_rewards(conn, sorted(sessions))
     items = []
     for session_id in sorted(sessions):
-        episodes = _episodes(sessions[session_id])
-        for index, turns in enumerate(episodes):
-            items.append(_item(session_id, index, len(episodes), turns, (rewards or {}).get(session_id)))
+        segments = _episodes(sessions[session_id])
+        for index, turns in enumerate(segments):
+            items.append(_item(session_id, index, len(segments), turns, (rewards or {}).get(session_id)))
     return pa.Table.from_pylist(items, schema=TRAJECTORY_SCHEMA)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import redis
 
 from pipeline.core.broker import commit_log, keys, reward_log
 from pipeline.core.errors import PipelineError, WaitTimeoutError
 from pipeline.core.shards import read_rollouts
+from pipeline.read.follow import split_groups
 from pipeline.runs.cancel import CancelResult
 from pipeline.submit.enqueue import SubmitPlan
 
@@ -155,13 +155,6 @@ def take(batch: Takeable, groups: int | None = None, keep: GroupFilter | None = 
             f"{wanted} kept; fix the reward function (`TakeResult.reward_errors` lists each job's error)",
             RewardsFailedWarning, stacklevel=3)
     return result
-
-
-def split_groups(table: pa.Table) -> list[tuple[str, pa.Table]]:
-    """(request id, the request's rows) for each request of a shard's rows, in order of first appearance."""
-    ids = table.column("request_id")
-    return [(request_id, table.filter(pc.equal(ids, request_id)))
-            for request_id in dict.fromkeys(ids.to_pylist())]
 
 
 def _wait(batch: Takeable, reward: str | None) -> None:

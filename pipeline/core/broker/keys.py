@@ -116,6 +116,25 @@ class PoolKeys:
         batch; `workers.jobs.reconcile` drops it once every job has ended)."""
         return f"{self._base}:batches:open"
 
+    def episode_stream(self, agent: str) -> str:
+        """The pool's episode queue for one agent (`package.module:function`): a Redis stream, read
+        through the consumer group `EPISODE_GROUP` by the agent workers started with that agent."""
+        return f"{self._base}:episodes:{agent}"
+
+    @property
+    def episode_agents(self) -> str:
+        """The set of agents that have an episode stream in the pool."""
+        return f"{self._base}:episodes:agents"
+
+    @property
+    def agent_workers(self) -> str:
+        """The set of the pool's agent worker ids (entries expire; ids are pruned on read)."""
+        return f"{self._base}:agent-workers"
+
+    def agent_worker(self, worker_id: str) -> str:
+        """An agent worker's registry entry (JSON, with a TTL its heartbeat refreshes)."""
+        return f"{self._base}:agent-worker:{worker_id}"
+
     @property
     def unservable(self) -> str:
         """A hash of job id → why no live worker of the pool can serve it, and since when (JSON)."""
@@ -261,3 +280,29 @@ def turn_flush_lock(run: str) -> str:
 def run_turn_stats(run: str) -> str:
     """A hash of a run's agent-turn counts: turns, prefix_breaks (`pipeline status`, the report)."""
     return f"{PREFIX}:run:{run}:turn-stats"
+
+
+# Agent episodes (`pipeline submit --agent`, `pipeline agent-worker`), keyed by run.
+EPISODE_GROUP = "agent-workers"
+EPISODE_RUNS = f"{PREFIX}:episodes:runs"
+
+
+def episode_run(run: str) -> str:
+    """A hash describing a run's episodes: agent, pool, samples per task, task ids in order, counts."""
+    return f"{PREFIX}:episodes:{run}:run"
+
+
+def episode_outcomes(run: str) -> str:
+    """A hash of episode id → its outcome (JSON), written once per episode: the first commit wins."""
+    return f"{PREFIX}:episodes:{run}:outcomes"
+
+
+def episode_attempts(run: str) -> str:
+    """A hash of episode id → its attempt in flight (JSON: attempt, session, worker, started)."""
+    return f"{PREFIX}:episodes:{run}:attempts"
+
+
+def episode_discarded(run: str) -> str:
+    """The set of sessions of attempts that will never reach training (retried, or abandoned by a
+    worker that died): readers leave their turns out."""
+    return f"{PREFIX}:episodes:{run}:discarded"

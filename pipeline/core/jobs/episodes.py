@@ -1,0 +1,215 @@
+"""The episode job contract: how episodes are queued, claimed, attempted and committed, exactly once.
+
+An episode job (`schemas.episode.EpisodeJob`) is an entry of its pool's stream for its agent
+(`keys.PoolKeys.episode_stream`), read through one consumer group (`keys.EPISODE_GROUP`) by the
+agent workers started with that agent: Redis hands each entry to one worker and keeps it in the
+group's pending list until that worker acknowledges it. A worker keeps the entries it holds fresh
+(`keep_claimed`, every few seconds); an entry whose holder stopped doing so (SIGKILLed, its host
+gone) goes idle and another worker takes it over (`take_over`, after `claim_after_s`). RQ is not
+used here: an RQ worker runs one job at a time per process, an agent worker runs hundreds of
+episodes at once in one event loop, and a stream's pending list is Redis's own record of who holds
+what.
+
+Each attempt is recorded before it starts (`start_attempt`): its session, worker and number. A
+new attempt discards the session of the one before it (a retry after an error or timeout, or a
+take-over after a crash): those turns never reach training (`keys.episode_discarded`, counted as
+`retried` and `abandoned`). An outcome is committed by one script (`commit`) that writes it only
+if no outcome exists for the episode and the committing worker holds the attempt in flight, and
+acknowledges the entry in the same step; a worker whose episode was taken over commits nothing
+(its session is discarded, counted as `duplicates`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from pipeline.core.broker import keys
+from schemas.episode import EpisodeJob, EpisodeOutcome
+
+GROUP = keys.EPISODE_GROUP
+JOB_FIELD = b"job"
+COUNTS = ("submitted", "finished", "failed", "retried", "abandoned", "duplicates")
+
+# KEYS: attempts, discarded, run hash, outcomes. ARGV: episode id, attempt JSON, session id, worker id.
+# Returns 0 when the episode has an outcome already (a leftover entry: acknowledge it), else 1 and the
+# attempt number to use (one past the last recorded, whoever ran it).
+_START = """
+if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then return {0, 0} end
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+local number = 1
+local failures = 0
+if previous then
+  local prev = cjson.decode(previous)
+  number = prev.attempt + 1
+  failures = prev.failures or 0
+  if prev.session_id and prev.session_id ~= ARGV[3] then
+    redis.call('SADD', KEYS[2], prev.session_id)
+    if prev.worker_id == ARGV[4] then
+      redis.call('HINCRBY', KEYS[3], 'retried', 1)
+    else
+      redis.call('HINCRBY', KEYS[3], 'abandoned', 1)
+    end
+  end
+end
+local attempt = cjson.decode(ARGV[2])
+attempt.attempt = number
+attempt.failures = failures
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(attempt))
+return {1, number, failures}
+"""
+
+# KEYS: attempts. ARGV: episode id, worker id. A failed attempt that will be retried: counted.
+_FAILED_ATTEMPT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local attempt = cjson.decode(raw)
+if attempt.worker_id ~= ARGV[2] then return 0 end
+attempt.failures = (attempt.failures or 0) + 1
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(attempt))
+return attempt.failures
+"""
+
+# KEYS: outcomes, attempts, stream, run hash, discarded. ARGV: episode id, outcome JSON, group, entry id,
+# status, session id ('' for none), worker id. Returns 1 when this commit is the episode's outcome.
+_COMMIT = """
+local attempt = redis.call('HGET', KEYS[2], ARGV[1])
+if attempt and cjson.decode(attempt).worker_id ~= ARGV[7] then
+  redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+  if ARGV[6] ~= '' then redis.call('SADD', KEYS[5], ARGV[6]) end
+  return 0
+end
+local first = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+if first == 1 then
+  redis.call('HINCRBY', KEYS[4], ARGV[5], 1)
+  redis.call('HDEL', KEYS[2], ARGV[1])
+else
+  redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+  if ARGV[6] ~= '' then redis.call('SADD', KEYS[5], ARGV[6]) end
+end
+redis.call('XACK', KEYS[3], ARGV[3], ARGV[4])
+redis.call('XDEL', KEYS[3], ARGV[4])
+return first
+"""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """An entry a worker holds: its stream, id and job."""
+
+    stream: str
+    entry_id: str
+    job: EpisodeJob
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int  # 1 for the first; one more for each retry or take-over
+    failures: int  # attempts before this one that raised or timed out
+
+
+def ensure_group(conn: redis.Redis, stream: str) -> None:
+    """Create the stream's consumer group (and the stream) unless it exists."""
+    try:
+        conn.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def encode(job: EpisodeJob) -> dict[str, str]:
+    return {JOB_FIELD.decode(): job.model_dump_json()}
+
+
+def decode(stream: str, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Claimed:
+    entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return Claimed(stream, entry, EpisodeJob.model_validate_json(fields[JOB_FIELD]))
+
+
+def start_attempt(conn: redis.Redis, job: EpisodeJob, *, session_id: str, worker_id: str,
+                  trace_id: str, started_at_ms: int) -> Attempt | None:
+    """Record the attempt about to start (discarding the session of the one before it); None when the
+    episode already has an outcome."""
+    attempt = {"session_id": session_id, "worker_id": worker_id, "trace_id": trace_id, "started_at_ms": started_at_ms}
+    started, number, *failures = conn.eval(
+        _START, 4, keys.episode_attempts(job.run), keys.episode_discarded(job.run), keys.episode_run(job.run),
+        keys.episode_outcomes(job.run), job.episode_id, json.dumps(attempt), session_id, worker_id)
+    return Attempt(int(number), int(failures[0]) if failures else 0) if started else None
+
+
+def count_failure(conn: redis.Redis, job: EpisodeJob, worker_id: str) -> int:
+    """Count a failed attempt of this worker's (to be retried); returns the failures so far."""
+    return int(conn.eval(_FAILED_ATTEMPT, 1, keys.episode_attempts(job.run), job.episode_id, worker_id))
+
+
+def commit(conn: redis.Redis, claimed: Claimed, outcome: EpisodeOutcome) -> bool:
+    """Commit the episode's outcome and acknowledge its entry; False when it was not this worker's to
+    commit (taken over, or committed already): then nothing of it counts."""
+    job = claimed.job
+    return bool(conn.eval(
+        _COMMIT, 5, keys.episode_outcomes(job.run), keys.episode_attempts(job.run), claimed.stream,
+        keys.episode_run(job.run), keys.episode_discarded(job.run), job.episode_id, outcome.model_dump_json(),
+        GROUP, claimed.entry_id, outcome.status, outcome.session_id or "", outcome.worker_id))
+
+
+def acknowledge(conn: redis.Redis, claimed: Claimed) -> None:
+    """Drop an entry whose episode has an outcome already (nothing to run)."""
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.xack(claimed.stream, GROUP, claimed.entry_id)
+        pipe.xdel(claimed.stream, claimed.entry_id)
+        pipe.execute()
+
+
+def keep_claimed(conn: redis.Redis, consumer: str, held: list[Claimed]) -> None:
+    """Reset the idle time of the entries this worker holds, so nobody takes them over."""
+    by_stream: dict[str, list[str]] = {}
+    for claimed in held:
+        by_stream.setdefault(claimed.stream, []).append(claimed.entry_id)
+    with conn.pipeline(transaction=False) as pipe:
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, GROUP, consumer, 0, ids, justid=True)
+        pipe.execute()
+
+
+def take_over(conn: redis.Redis, stream: str, consumer: str, idle_ms: int, count: int) -> list[Claimed]:
+    """Entries of `stream` whose holder has not kept them for `idle_ms` (it died), now this consumer's."""
+    entries = conn.xautoclaim(stream, GROUP, consumer, idle_ms, start_id="0-0", count=count)[1]  # 2 or 3 parts
+    gone = [entry_id for entry_id, fields in entries if not fields]  # deleted while pending: nothing to run
+    if gone:
+        conn.xack(stream, GROUP, *gone)
+    return [decode(stream, entry_id, fields) for entry_id, fields in entries if fields]
+
+
+def read_new(conn: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int) -> list[Claimed]:
+    """Up to `count` entries no worker has had yet, blocking up to `block_ms` for the first."""
+    answer = conn.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms)
+    return [decode(stream.decode() if isinstance(stream, bytes) else stream, entry_id, fields)
+            for stream, entries in answer or [] for entry_id, fields in entries if fields]
+
+
+def outcomes(conn: redis.Redis, run: str) -> dict[str, EpisodeOutcome]:
+    """Every committed outcome of the run, by episode id."""
+    raw = conn.hgetall(keys.episode_outcomes(run))
+    return {k.decode(): EpisodeOutcome.model_validate_json(v) for k, v in raw.items()}
+
+
+def run_info(conn: redis.Redis, run: str) -> dict[str, Any] | None:
+    """What submit recorded of a run's episodes (agent, pool, n, task ids, limits), with its counts;
+    None for a run with no episodes."""
+    raw = conn.hgetall(keys.episode_run(run))
+    if not raw:
+        return None
+    data = {k.decode(): v.decode() for k, v in raw.items()}
+    info: dict[str, Any] = json.loads(data.pop("spec", "{}"))
+    info["counts"] = {name: int(data.get(name, 0)) for name in COUNTS}
+    info["counts"]["running"] = conn.hlen(keys.episode_attempts(run))
+    done = info["counts"]["finished"] + info["counts"]["failed"]
+    info["counts"]["queued"] = max(0, info["counts"]["submitted"] - done - info["counts"]["running"])
+    return info
+
+
+def discarded_sessions(conn: redis.Redis, run: str) -> set[str]:
+    return {s.decode() for s in conn.smembers(keys.episode_discarded(run))}

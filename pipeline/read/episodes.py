@@ -1,0 +1,137 @@
+"""Agent episodes into training: one trajectory per task × sample, grouped by task for GRPO.
+
+`episode_trajectories(run)` is `read_trajectories(run)` cut to the episodes' committed attempts: an
+attempt that was retried, or abandoned by a worker that died, left a session whose turns never
+reach training (`pipeline.core.jobs.episodes`); each committed episode's trajectory comes with its
+task id, sample, status, attempts, trace id and reward (the outcome's). Failed episodes are left
+out, unless the run was submitted with `failed_reward` (`--failed-reward 0`): then they come with
+that reward (and an empty sequence when they never reached the model).
+
+`episode_groups(run)` yields a task's n episodes together once all n are finished or failed, in
+task order; with `follow=True` it waits for the groups still running. `keep` filters groups
+(`pipeline.rewards_differ`: DAPO's, drops groups whose rewards are all equal).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import redis
+
+from pipeline.core.broker import keys, registry
+from pipeline.core.errors import UnknownRunError, WaitTimeoutError
+from pipeline.core.jobs import episodes
+from pipeline.core.suggest import did_you_mean, listing
+from pipeline.read.trajectories import TRAJECTORY_SCHEMA, read_trajectories
+from schemas.episode import EpisodeOutcome
+
+EPISODE_FIELDS = [
+    pa.field("task_id", pa.string(), nullable=False),
+    pa.field("sample", pa.int32(), nullable=False),
+    pa.field("status", pa.string(), nullable=False),
+    pa.field("reason", pa.string()),
+    pa.field("attempts", pa.int32(), nullable=False),
+    pa.field("episode_turns", pa.int32(), nullable=False),
+    pa.field("trace_id", pa.string(), nullable=False),
+    pa.field("info", pa.string()),
+]
+EPISODE_SCHEMA = pa.schema([*EPISODE_FIELDS, *TRAJECTORY_SCHEMA])
+POLL_S = 0.2
+
+
+def _connection(conn: redis.Redis | None) -> redis.Redis:
+    if conn is not None:
+        return conn
+    from pipeline.core.broker.connection import connect_redis
+
+    return connect_redis()
+
+
+def _spec(conn: redis.Redis, run: str) -> dict[str, Any]:
+    info = episodes.run_info(conn, run)
+    if info is None:
+        known = sorted(m.decode() for m in conn.smembers(keys.EPISODE_RUNS)) or registry.runs(conn)
+        raise UnknownRunError(f"run {run!r} has no agent episodes in this Redis; runs with episodes: {listing(known)}"
+                              f"{did_you_mean(run, known)}; submit with `pipeline submit TASKS --agent ...`")
+    return info
+
+
+def _empty_item(outcome: EpisodeOutcome) -> dict[str, Any]:
+    return {"session_id": outcome.session_id or "", "segment": 0, "segments": 1, "turns": [], "input_ids": [],
+            "loss_mask": [], "old_logprobs": [], "token_weight_version": [], "turn_starts": [], "rewards": None}
+
+
+def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]],
+          failed_reward: float | None) -> list[dict[str, Any]]:
+    rows = []
+    for outcome in outcomes:
+        if outcome.status == "failed" and failed_reward is None:
+            continue
+        reward = outcome.reward if outcome.status == "finished" else failed_reward
+        base = {"task_id": outcome.task_id, "sample": outcome.sample, "status": outcome.status,
+                "reason": outcome.reason, "attempts": outcome.attempts, "episode_turns": outcome.turns,
+                "trace_id": outcome.trace_id, "info": json.dumps(outcome.info) if outcome.info else None}
+        for item in items.get(outcome.session_id or "", []) or [_empty_item(outcome)]:
+            rows.append({**base, **item, "reward": reward})
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA)
+
+
+def _trajectories(conn: redis.Redis, run: str, outcomes: list[EpisodeOutcome]) -> dict[str, list[dict[str, Any]]]:
+    wanted = {o.session_id for o in outcomes if o.session_id}
+    if not wanted:
+        return {}
+    items: dict[str, list[dict[str, Any]]] = {}
+    for item in read_trajectories(run, conn=conn).to_pylist():
+        if item["session_id"] in wanted:
+            items.setdefault(item["session_id"], []).append(item)
+    return items
+
+
+def episode_trajectories(run: str, *, conn: redis.Redis | None = None) -> pa.Table:
+    """Every committed episode of `run` with its trajectory (see the module docstring), in task order."""
+    conn = _connection(conn)
+    spec = _spec(conn, run)
+    order = {task: i for i, task in enumerate(spec["tasks"])}
+    outcomes = sorted(episodes.outcomes(conn, run).values(), key=lambda o: (order.get(o.task_id, 1 << 30), o.sample))
+    return _table(_rows(outcomes, _trajectories(conn, run, outcomes), spec.get("failed_reward")))
+
+
+def episode_groups(run: str, *, conn: redis.Redis | None = None, follow: bool = False,
+                   timeout: float | None = None, keep: Callable[[pa.Table], bool] | None = None) -> Iterator[pa.Table]:
+    """Each task's n episodes as one table, once all n have an outcome, in task order (see the module
+    docstring); `follow`: wait for the groups still running (`timeout`: `WaitTimeoutError` past it)."""
+    conn = _connection(conn)
+    spec = _spec(conn, run)
+    n = int(spec["n"])
+    yielded: set[str] = set()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        spec = _spec(conn, run)  # a later submit into the run adds tasks
+        by_task: dict[str, list[EpisodeOutcome]] = {}
+        for outcome in episodes.outcomes(conn, run).values():
+            by_task.setdefault(outcome.task_id, []).append(outcome)
+        ready = [t for t in spec["tasks"] if t not in yielded and len(by_task.get(t, [])) >= n]
+        if ready:
+            outcomes = [o for t in ready for o in sorted(by_task[t], key=lambda o: o.sample)]
+            items = _trajectories(conn, run, outcomes)
+            for task in ready:
+                yielded.add(task)
+                group = _table(_rows(sorted(by_task[task], key=lambda o: o.sample), items, spec.get("failed_reward")))
+                if group.num_rows and (keep is None or keep(group)):
+                    yield group
+        if not follow or len(yielded) == len(spec["tasks"]):
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise WaitTimeoutError(f"run {run!r}: {len(spec['tasks']) - len(yielded)} of {len(spec['tasks'])} "
+                                   f"task groups not finished after {timeout:g} s (are agent workers running? "
+                                   "`pipeline status`)")
+        if not ready:
+            time.sleep(POLL_S)

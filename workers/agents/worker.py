@@ -1,0 +1,314 @@
+"""`pipeline agent-worker`: a CPU process that runs up to C agent episodes at once, any number of
+them on any host, against `pipeline serve`.
+
+It reads its agents' episode streams through the pool's consumer group (`pipeline.core.jobs.episodes`)
+as slots free up, keeps the entries it holds fresh, and takes over the entries of agent workers that
+went silent (`claim_after_s`: SIGKILLed, their host gone). Each episode runs as attempts until one
+finishes or the retries are spent: every attempt opens a fresh session (`POST /sessions`), runs the
+agent with an OpenAI client bound to it, records the reward on it and ends it; then the outcome is
+committed once (`episodes.commit`).
+
+SIGTERM (or SIGINT) stops taking episodes; those in flight get `grace_s` to finish, then are
+cancelled (their environments torn down) and left to another worker, which runs them again in fresh
+sessions. A second signal cancels at once. After a SIGKILL nothing is torn down: an environment
+living outside the process (a container, a cloud sandbox) outlives it until its own expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from pipeline.core.broker import keys
+from pipeline.core.errors import PipelineError
+from pipeline.core.jobs import episodes
+from pipeline.core.jobs.episodes import Claimed
+from schemas.episode import EpisodeJob, EpisodeOutcome
+from workers.agents import attempt
+from workers.agents.admission import Admission
+from workers.agents.episode import Episode
+from workers.agents.serve_client import ServeClient
+from workers.agents.tracing import episode_span
+from workers.errors import EpisodeError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONCURRENCY = 16
+DEFAULT_CLAIM_AFTER_S = 30.0
+DEFAULT_GRACE_S = 30.0
+READ_BLOCK_MS = 1000
+
+
+@dataclass
+class WorkerStats:
+    finished: int = 0
+    failed: int = 0
+    retried: int = 0
+    taken_over: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+class AgentWorker:
+    """Runs episodes of the agents it was started with (name → callable), in one pool."""
+
+    def __init__(self, conn: redis.Redis, agents: dict[str, Callable[..., Any]], *, serve_url: str,
+                 api_key: str | None = None, pool: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
+                 claim_after_s: float = DEFAULT_CLAIM_AFTER_S, grace_s: float = DEFAULT_GRACE_S,
+                 worker_id: str | None = None) -> None:
+        if not agents:
+            raise PipelineError("an agent worker runs at least one agent (--agent package.module:function)")
+        if concurrency < 1:
+            raise PipelineError(f"--concurrency {concurrency}: at least 1")
+        self.conn = conn
+        self.agents = agents
+        self.keys = keys.pool(pool)
+        self.serve_url = serve_url
+        self.api_key = api_key
+        self.concurrency = concurrency
+        self.claim_after_s = claim_after_s
+        self.grace_s = grace_s
+        self.worker_id = worker_id or f"agent-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.streams = [self.keys.episode_stream(name) for name in agents]
+        self.stats = WorkerStats()
+        self.admission = Admission(conn, self.keys.name)
+        self._held: dict[str, Claimed] = {}
+        self._stopping = asyncio.Event()
+        self._signals = 0
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def work(self, *, burst: bool = False) -> WorkerStats:
+        """Run until stopped (a signal), or with `burst` until no episode is left to run or take over."""
+        return asyncio.run(self._work(burst))
+
+    async def _work(self, burst: bool) -> WorkerStats:
+        for stream in self.streams:
+            episodes.ensure_group(self.conn, stream)
+        self._install_signals()
+        serve = ServeClient(self.serve_url, self.api_key)
+        running: set[asyncio.Task[None]] = set()
+        keeper = asyncio.create_task(self._keep_alive())
+        log.info("agent worker %s: agents %s, pool %s, up to %d episodes at once, serve %s", self.worker_id,
+                 ", ".join(self.agents), self.keys.name, self.concurrency, self.serve_url)
+        next_take_over = 0.0
+        try:
+            while not self._stopping.is_set():
+                free = self.concurrency - len(running)
+                if free <= 0:
+                    await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    running = {t for t in running if not t.done()}
+                    continue
+                claimed: list[Claimed] = []
+                if time.monotonic() >= next_take_over:
+                    claimed = await asyncio.to_thread(self._take_over, free)
+                    next_take_over = time.monotonic() + max(0.5, self.claim_after_s / 4)
+                if len(claimed) < free:
+                    block = 0 if claimed else (100 if running else READ_BLOCK_MS)
+                    claimed += await asyncio.to_thread(episodes.read_new, self.conn, self.streams, self.worker_id,
+                                                       free - len(claimed), block)
+                for entry in claimed:
+                    self._held[entry.entry_id] = entry
+                    task = asyncio.create_task(self._episode(entry, serve))
+                    running.add(task)
+                running = {t for t in running if not t.done()}
+                if burst and not claimed and not running and await asyncio.to_thread(self._nothing_left):
+                    break
+            await self._drain(running)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await serve.close()
+            await asyncio.to_thread(self._unregister)
+        log.info("agent worker %s stopped: %d finished, %d failed, %d retried, %d taken over", self.worker_id,
+                 self.stats.finished, self.stats.failed, self.stats.retried, self.stats.taken_over)
+        return self.stats
+
+    async def _drain(self, running: set[asyncio.Task[None]]) -> None:
+        """Give the episodes in flight `grace_s` to finish, then cancel them (their entries stay
+        pending: another worker takes them over)."""
+        if not running:
+            return
+        log.info("agent worker %s: %d episode(s) in flight get %g s to finish", self.worker_id, len(running),
+                 self.grace_s)
+        _done, pending = await asyncio.wait(running, timeout=self.grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+            log.warning("agent worker %s: %d episode(s) cancelled; another worker runs them again in fresh "
+                        "sessions", self.worker_id, len(pending))
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def stop(name: str) -> None:
+            self._signals += 1
+            if self._signals == 1:
+                log.info("agent worker %s: %s: taking no more episodes", self.worker_id, name)
+                self._stopping.set()
+            else:
+                log.warning("agent worker %s: second signal (%s): cancelling the episodes in flight", self.worker_id,
+                            name)
+                self.grace_s = 0
+                for task in asyncio.all_tasks(loop):
+                    if task.get_coro().__qualname__.startswith("AgentWorker._episode"):  # type: ignore[union-attr]
+                        task.cancel()
+
+        for number, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(number, stop, name)
+
+    def request_stop(self) -> None:
+        """Stop as a first SIGTERM would (from the loop's thread)."""
+        self._stopping.set()
+
+    # -- holding, taking over, the registry --------------------------------------------------------
+
+    def _take_over(self, count: int) -> list[Claimed]:
+        taken: list[Claimed] = []
+        for stream in self.streams:
+            if len(taken) >= count:
+                break
+            taken += episodes.take_over(self.conn, stream, self.worker_id, int(self.claim_after_s * 1000),
+                                        count - len(taken))
+        if taken:
+            self.stats.taken_over += len(taken)
+            log.warning("agent worker %s took over %d episode(s) of silent workers", self.worker_id, len(taken))
+        return taken
+
+    def _nothing_left(self) -> bool:
+        """No entry queued or held by anyone (burst mode's end): dead workers' entries count until taken over."""
+        for stream in self.streams:
+            groups = self.conn.xinfo_groups(stream)
+            for group in groups:
+                if group["name"] in (episodes.GROUP, episodes.GROUP.encode()) and (
+                        group["pending"] or (group.get("lag") or 0)):
+                    return False
+        return True
+
+    async def _keep_alive(self) -> None:
+        interval = max(0.2, self.claim_after_s / 5)
+        while True:
+            try:
+                await asyncio.to_thread(self._heartbeat)
+            except redis.RedisError as exc:
+                log.warning("agent worker %s: heartbeat failed (%s); retrying", self.worker_id, exc)
+            await asyncio.sleep(interval)
+
+    def _heartbeat(self) -> None:
+        held = list(self._held.values())
+        if held:
+            episodes.keep_claimed(self.conn, self.worker_id, held)
+        info = {"worker_id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
+                "agents": sorted(self.agents), "concurrency": self.concurrency, "running": len(held),
+                "finished": self.stats.finished, "failed": self.stats.failed, "started_at": self.stats.started_at,
+                "serve": self.serve_url}
+        ttl = max(5, int(self.claim_after_s * 2))
+        with self.conn.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.agent_worker(self.worker_id), json.dumps(info), ex=ttl)
+            pipe.sadd(self.keys.agent_workers, self.worker_id)
+            pipe.execute()
+
+    def _unregister(self) -> None:
+        with contextlib.suppress(redis.RedisError), self.conn.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.agent_worker(self.worker_id))
+            pipe.srem(self.keys.agent_workers, self.worker_id)
+            pipe.execute()
+
+    # -- one episode -------------------------------------------------------------------------------
+
+    async def _episode(self, claimed: Claimed, serve: ServeClient) -> None:
+        job = claimed.job
+        try:
+            agent = self.agents.get(job.agent)
+            if agent is None:  # its stream is one of this worker's agents': cannot happen unless renamed
+                raise RuntimeError(f"episode {job.episode_id} names agent {job.agent!r}, not one of this worker's")
+            if not await self.admission.wait(job, self._stopping):
+                return  # stopping while it waited: left pending for another worker
+            with episode_span(job) as trace_id:
+                outcome = await self._attempts(claimed, agent, serve, trace_id)
+            if outcome is None:
+                return
+            committed = await asyncio.to_thread(episodes.commit, self.conn, claimed, outcome)
+            if committed:
+                if outcome.status == "finished":
+                    self.stats.finished += 1
+                else:
+                    self.stats.failed += 1
+                    log.warning("episode %s of run %s failed after %d attempt(s): %s", job.episode_id, job.run,
+                                outcome.attempts, outcome.reason)
+            else:
+                log.warning("episode %s of run %s was taken over by another worker; this run of it is discarded",
+                            job.episode_id, job.run)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("episode %s of run %s: unexpected error; it stays pending for another worker",
+                          job.episode_id, job.run)
+        finally:
+            self._held.pop(claimed.entry_id, None)
+
+    async def _attempts(self, claimed: Claimed, agent: Callable[..., Any], serve: ServeClient,
+                        trace_id: str) -> EpisodeOutcome | None:
+        job = claimed.job
+        started_ms = int(time.time() * 1000)
+        while True:
+            session_id = f"ep-{uuid.uuid4().hex[:24]}"
+            recorded = await asyncio.to_thread(episodes.start_attempt, self.conn, job, session_id=session_id,
+                                               worker_id=self.worker_id, trace_id=trace_id, started_at_ms=started_ms)
+            if recorded is None:  # committed already (a leftover entry)
+                await asyncio.to_thread(episodes.acknowledge, self.conn, claimed)
+                return None
+            episode = Episode(run=job.run, task_id=job.task_id, sample=job.sample, attempt=recorded.number,
+                              session_id=session_id, base_url=serve.session_url(session_id), api_key=serve.api_key,
+                              trace_id=trace_id, max_turns=job.limits.max_turns)
+            reward: float | None = None
+            info: dict[str, Any] = {}
+            reason: str | None = None
+            try:
+                await serve.open_session(session_id, job.run, _metadata(job, episode))
+                reward, info = await attempt.run(agent, job.task, episode, serve, job.limits.timeout_s)
+                await _quietly(serve.record_reward(session_id, reward))
+            except EpisodeError as exc:
+                reason = exc.reason
+                if exc.retry:
+                    failures = await asyncio.to_thread(episodes.count_failure, self.conn, job, self.worker_id)
+                    if failures <= job.limits.retries:
+                        self.stats.retried += 1
+                        log.info("episode %s attempt %d failed (%s); retrying in a fresh session",
+                                 job.episode_id, episode.attempt, reason)
+                        continue
+            finally:
+                await _quietly(serve.end_session(session_id))
+            return EpisodeOutcome(
+                episode_id=job.episode_id, task_id=job.task_id, sample=job.sample,
+                status="failed" if reason is not None else "finished", reward=reward, info=info, reason=reason,
+                session_id=session_id, attempts=episode.attempt, turns=episode.turns, trace_id=trace_id,
+                worker_id=self.worker_id, started_at_ms=started_ms, finished_at_ms=int(time.time() * 1000))
+
+
+def _metadata(job: EpisodeJob, episode: Episode) -> dict[str, Any]:
+    return {"episode": job.episode_id, "task_id": job.task_id, "sample": job.sample, "attempt": episode.attempt,
+            "trace_id": episode.trace_id}
+
+
+async def _quietly(call: Any) -> None:
+    """A session bookkeeping call whose failure costs nothing the outcome holds (the reward is in it)."""
+    try:
+        await call
+    except EpisodeError as exc:
+        log.warning("%s", exc)
+
