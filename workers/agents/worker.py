@@ -111,13 +111,18 @@ class AgentWorker:
                     running = {t for t in running if not t.done()}
                     continue
                 claimed: list[Claimed] = []
-                if time.monotonic() >= next_take_over:
-                    claimed = await asyncio.to_thread(self._take_over, free)
-                    next_take_over = time.monotonic() + max(0.5, self.claim_after_s / 4)
-                if len(claimed) < free:
-                    block = 0 if claimed else (100 if running else READ_BLOCK_MS)
-                    claimed += await asyncio.to_thread(episodes.read_new, self.conn, self.streams, self.worker_id,
-                                                       free - len(claimed), block)
+                try:
+                    if time.monotonic() >= next_take_over:
+                        claimed = await asyncio.to_thread(self._take_over, free)
+                        next_take_over = time.monotonic() + max(0.5, self.claim_after_s / 4)
+                    if len(claimed) < free:
+                        block = None if claimed else (100 if running else READ_BLOCK_MS)  # None: do not block
+                        claimed += await asyncio.to_thread(episodes.read_new, self.conn, self.streams,
+                                                           self.worker_id, free - len(claimed), block)
+                except redis.RedisError as exc:  # the episodes in flight carry on; their commits retry below
+                    log.warning("agent worker %s: reading episodes failed (%s); trying again", self.worker_id, exc)
+                    await asyncio.sleep(1.0)
+                    continue
                 for entry in claimed:
                     self._held[entry.entry_id] = entry
                     task = asyncio.create_task(self._episode(entry, serve))

@@ -183,8 +183,9 @@ def take_over(conn: redis.Redis, stream: str, consumer: str, idle_ms: int, count
     return [decode(stream, entry_id, fields) for entry_id, fields in entries if fields]
 
 
-def read_new(conn: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int) -> list[Claimed]:
-    """Up to `count` entries no worker has had yet, blocking up to `block_ms` for the first."""
+def read_new(conn: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None) -> list[Claimed]:
+    """Up to `count` entries no worker has had yet, blocking up to `block_ms` for the first (None: not at
+    all; never 0, which blocks forever)."""
     answer = conn.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms)
     return [decode(stream.decode() if isinstance(stream, bytes) else stream, entry_id, fields)
             for stream, entries in answer or [] for entry_id, fields in entries if fields]
