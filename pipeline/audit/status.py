@@ -16,6 +16,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import commit_log, control_channel, keys, registry, reward_log
 from pipeline.core.errors import UnknownRunError
+from pipeline.core.jobs import episodes
 from pipeline.core.jobs.queue import rollout_queue
 from pipeline.core.jobs.status import failure_reason
 from pipeline.core.suggest import did_you_mean, listing
@@ -132,6 +133,7 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
             for capabilities, count in Counter(w.capabilities for w in workers).most_common()
         ],
         "unservable": unservable(conn, where.name),
+        "agent_workers": agent_workers(conn, where.name),
         "runs": {name: _run(conn, name, desired.get("weight_version", 0)) for name in runs},
         "failed_jobs": failed_ids,
         "failure_reasons": {job_id: failure_reason(conn, job_id) for job_id in failed_ids},
@@ -146,7 +148,30 @@ def _run(conn: redis.Redis, run: str, current: int) -> dict[str, Any]:
     return {**totals, "staleness": max(0, current - min(versions)) if versions else None,
             "canceled": conn.scard(keys.canceled(run)),
             "rewards": _rewards(conn, run) if conn.sismember(keys.REWARD_RUNS, run) else None,
-            "agent_turns": _agent_turns(conn, run)}
+            "agent_turns": _agent_turns(conn, run),
+            "episodes": _episodes(conn, run)}
+
+
+def agent_workers(conn: redis.Redis, pool: str) -> list[dict[str, Any]]:
+    """The pool's live agent workers (`pipeline agent-worker`), as their heartbeats last wrote them."""
+    where = keys.pool(pool)
+    ids = sorted(m.decode() for m in conn.smembers(where.agent_workers))
+    entries = conn.mget([where.agent_worker(i) for i in ids]) if ids else []
+    gone = [i for i, raw in zip(ids, entries, strict=True) if raw is None]
+    if gone:
+        conn.srem(where.agent_workers, *gone)
+    return [json.loads(raw) for raw in entries if raw is not None]
+
+
+def _episodes(conn: redis.Redis, run: str) -> dict[str, Any] | None:
+    """A run's agent episodes: counts and the reasons of the latest failures (None: no episodes)."""
+    info = episodes.run_info(conn, run)
+    if info is None:
+        return None
+    outcomes = episodes.outcomes(conn, run).values() if info["counts"]["failed"] else []
+    reasons = Counter(o.reason for o in outcomes if o.status == "failed")
+    return {"agent": info["agent"], "n": info["n"], "tasks": len(info["tasks"]), **info["counts"],
+            "failure_reasons": dict(reasons.most_common(5))}
 
 
 def _rewards(conn: redis.Redis, run: str) -> dict[str, Any]:
@@ -274,6 +299,11 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
     if status["unservable"]:
         lines.append(f"waiting for a capability no live worker has: {len(status['unservable'])} job(s)")
         lines += [f"  {job_id}: {w.get('reason')}" for job_id, w in sorted(status["unservable"].items())]
+    agents = status.get("agent_workers") or []
+    if agents or any(r.get("episodes") for r in status["runs"].values()):
+        lines.append(f"agent workers: {len(agents)} live")
+        lines += [f"  {a['worker_id']}  {a['running']}/{a['concurrency']} episodes running, {a['finished']} finished, "
+                  f"{a['failed']} failed  agents={','.join(a['agents'])} serve={a['serve']}" for a in agents]
     lines.append(f"runs: {len(status['runs'])}")
     for run, r in status["runs"].items():
         lines.append(
@@ -290,6 +320,13 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             + (f", staleness {r['staleness']} (oldest token v{min(r['weight_versions'])} vs pushed "
                f"v{desired['weight_version']})" if r.get("staleness") is not None else "")
         )
+        e = r.get("episodes")
+        if e:
+            lines.append(f"    episodes ({e['tasks']} tasks x {e['n']}, agent {e['agent']}): {e['queued']} queued, "
+                         f"{e['running']} running, {e['finished']} finished, {e['failed']} failed; {e['retried']} "
+                         f"retried, {e['abandoned']} abandoned by a worker that died"
+                         + (f", {e['duplicates']} duplicate runs discarded" if e["duplicates"] else ""))
+            lines += [f"      failed x{count}: {reason}" for reason, count in e["failure_reasons"].items()]
     if desired.get("error"):
         lines.insert(2, f"  REFUSED: {desired['error']}")
     if status["failed_jobs"]:

@@ -159,3 +159,51 @@ def test_a_submit_is_all_or_nothing(redis_client: redis.Redis, tmp_path: Path) -
         client.submit_episodes([{"id": "b"}, {"id": "a"}], agent=agent("solve"), run="once")
     assert episodes.run_info(redis_client, "once")["counts"]["submitted"] == 1
     assert redis_client.xlen(keys.pool(None).episode_stream(agent("solve"))) == 1
+
+
+def test_an_episode_over_the_staleness_budget_waits_for_the_trainers_next_version(
+        redis_client: redis.Redis, server: Server) -> None:
+    import threading
+    import time
+
+    from pipeline.core import agents as agent_paths
+    from tests.helpers.processes import drive_worker, wait_until
+    from workers.agents.worker import AgentWorker
+    from workers.engines.fake import FakeEngine
+
+    client = pipeline.Client(redis_client)
+    run = client.submit_episodes([{"id": "step0"}, {"id": "step1"}], agent=agent("solve"), run="ep",
+                                 max_staleness=0, groups_per_step=1)
+    seen: dict[str, object] = {}
+
+    def trainer() -> None:
+        worker = AgentWorker(redis_client, {agent("solve"): agent_paths.load(agent("solve"))}, serve_url=server.url)
+        thread = threading.Thread(target=worker.work, kwargs={"burst": True})
+        thread.start()
+        wait_until(lambda: "step0:0" in run.outcomes(), 60, "step 0's episode")
+        seen["before"] = (sorted(run.outcomes()), run.counts()["running"])
+        seen["pushed_ms"] = int(time.time() * 1000)
+        client.push_weights("/ckpt/v1", version=1, timeout=30)
+        thread.join(timeout=60)
+
+    drive_worker(redis_client, FakeEngine(), trainer, stop_when_done=True)
+    assert seen["before"] == (["step0:0"], 0)  # step 1's episode waited, not started, while v0 was the latest
+    outcomes = run.outcomes()
+    assert outcomes["step1:0"].status == "finished" and outcomes["step1:0"].started_at_ms >= seen["pushed_ms"]
+    versions = {row["task_id"]: set(row["token_weight_version"]) - {-1} for row in run.trajectories().to_pylist()}
+    assert versions == {"step0": {0}, "step1": {1}}
+
+
+def test_status_shows_a_runs_episodes_and_the_reasons_they_failed(redis_client: redis.Redis, server: Server,
+                                                                   pipeline_env: dict[str, str]) -> None:
+    import subprocess
+
+    from tests.conftest import PIPELINE
+
+    _submit(redis_client, "rejects", [{"id": "a", "question": "?"}, {"id": "b"}], n=2, retries=1)
+    run_episodes(redis_client, server, "rejects")
+    done = subprocess.run([*PIPELINE, "status"], env=pipeline_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert ("episodes (2 tasks x 2, agent tests.helpers.agents:rejects): 0 queued, 0 running, 2 finished, 2 failed; "
+            "2 retried, 0 abandoned by a worker that died") in done.stdout
+    assert "failed x2: the agent raised KeyError: \"task 'b' has no 'question'\"" in done.stdout
