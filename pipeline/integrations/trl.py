@@ -14,6 +14,16 @@ pushed. It waits for the rows and returns what TRL expects (`prompt_ids`, `compl
 reward functions as keywords: `weight_version` (its oldest token's), `token_weight_versions`
 (one per token; several after a partial swap), `rollout_id`, `request_id`, `finish_reason`.
 
+With `agent="package.module:solve"` the rollout function runs agent episodes instead
+(`EpisodeRolloutFunction`): each group of the trainer's prompts becomes a task (`{"id", "prompt",
+"step"}`) whose `num_generations` episodes agent workers run (`pipeline agent-worker --agent ...`, a
+`pipeline serve` between them and the workers); it returns each episode's first prompt as
+`prompt_ids`, everything after it as `completion_ids` (the model's turns and the tool results
+between them), `env_mask` (1 exactly on the tokens the model sampled: TRL trains on those only),
+the engine's `logprobs` (0 on tool tokens), and `episode_reward` (the agent's reward; pass
+`episode_reward` as a reward function to train on it), `token_weight_versions`, `trace_id`. A failed
+episode comes back with `failed_reward` and nothing to train on (an all-zero mask).
+
 The callback (`WeightSync`, a `transformers.TrainerCallback`) pushes the model after every
 `every`-th optimizer step as the pool's next weight version (`mode` "partial" or "drain") from
 memory (`pipeline.integrations.push.push_model`: a delta through the pool's weight store), and
@@ -45,7 +55,7 @@ from pipeline.integrations.push import push_model
 from schemas.control import SwapMode
 from schemas.request import MAX_SEED
 
-__all__ = ["RolloutFunction", "pipeline_rollout"]
+__all__ = ["EpisodeRolloutFunction", "RolloutFunction", "episode_reward", "pipeline_rollout"]
 
 _COLUMNS = ["request_id", "sample_index", "rollout_id", "prompt_token_ids", "completion_token_ids",
             "completion_logprobs", "finish_reason", "weight_version", "weight_version_segments"]
@@ -162,6 +172,62 @@ class RolloutFunction:
         }
 
 
+class EpisodeRolloutFunction:
+    """TRL's `rollout_func` over agent episodes: a task per group of prompts, `num_generations`
+    episodes each, every episode one sequence with its `env_mask` (see the module docstring)."""
+
+    def __init__(self, client: Client, run: str, agent: str, *, timeout: float | None, sync: WeightSyncState,
+                 failed_reward: float, episode_options: dict[str, Any]) -> None:
+        self.client, self.run, self.agent, self.timeout, self.sync = client, run, agent, timeout, sync
+        self.failed_reward = failed_reward
+        self.episode_options = episode_options
+        self.runs: list[str] = []  # one pipeline run per call: f"{run}-{step}-{call}"
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        training = bool(getattr(trainer.model, "training", True))
+        samples = trainer.num_generations if training else (trainer.num_generations_eval or trainer.num_generations)
+        step = int(trainer.state.global_step)
+        call = uuid.uuid4().hex[:8]
+        groups = _groups(prompts, samples)
+        tasks = [{"id": f"g{number}", "prompt": prompt, "step": step} for number, (prompt, _) in enumerate(groups)]
+        run = self.client.submit_episodes(tasks, agent=self.agent, run=f"{self.run}-{step:06d}-{call}", n=samples,
+                                          failed_reward=self.failed_reward, **self.episode_options)
+        self.runs.append(run.run)
+        run.wait(timeout=self.timeout)
+        table = run.trajectories()
+        rows: dict[tuple[str, int], dict[str, Any]] = {}
+        for row in table.to_pylist():  # a session with prefix breaks: its last segment
+            rows[(row["task_id"], row["sample"])] = row
+        out: dict[str, list[Any]] = {key: [] for key in (
+            "prompt_ids", "completion_ids", "logprobs", "env_mask", "episode_reward", "token_weight_versions",
+            "trace_id", "episode_status")}
+        for task in tasks:
+            for sample in range(samples):
+                row = rows.get((task["id"], sample))
+                if row is None or not row["turn_starts"]:  # failed before its first turn: nothing to train on
+                    pad = getattr(trainer.processing_class, "pad_token_id", None) or 0
+                    prompt, completion, logprobs, mask, versions = [pad], [pad], [0.0], [0], [-1]
+                else:
+                    start = row["turn_starts"][0]
+                    prompt, completion = row["input_ids"][:start], row["input_ids"][start:]
+                    logprobs, mask = row["old_logprobs"][start:], row["loss_mask"][start:]
+                    versions = row["token_weight_version"][start:]
+                out["prompt_ids"].append(prompt)
+                out["completion_ids"].append(completion)
+                out["logprobs"].append(logprobs)
+                out["env_mask"].append(mask)
+                out["token_weight_versions"].append(versions)
+                out["episode_reward"].append(self.failed_reward if row is None else row["reward"])
+                out["trace_id"].append(None if row is None else row["trace_id"])
+                out["episode_status"].append("failed" if row is None else row["status"])
+        return out
+
+
+def episode_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
+    """A TRL reward function: the reward each episode's agent returned (`EpisodeRolloutFunction`)."""
+    return [float(r) for r in kwargs["episode_reward"]]
+
+
 class WeightSyncState:
     """What the callback pushed last: the version the next rollout asks for (None before any push)."""
 
@@ -211,7 +277,8 @@ def _callback_type() -> type:
 
 def pipeline_rollout(client: Client, run: str = "grpo", mode: SwapMode = "partial", *, store: str | None = None,
                      every: int = 1, timeout: float | None = 600.0, push_timeout: float | None = 600.0,
-                     output: str | None = None) -> tuple[Callable[[list[Any], Any], dict[str, list[Any]]], Any]:
+                     output: str | None = None, agent: str | None = None, failed_reward: float = 0.0,
+                     **episode_options: Any) -> tuple[Callable[[list[Any], Any], dict[str, list[Any]]], Any]:
     """`(rollout_func, weight_sync)` for `GRPOTrainer(rollout_func=..., callbacks=[weight_sync])`.
 
     `run`: the pipeline run every rollout is submitted to (`pipeline report RUN` plots it); `mode`:
@@ -220,10 +287,18 @@ def pipeline_rollout(client: Client, run: str = "grpo", mode: SwapMode = "partia
     `every`: push after every `every`-th optimizer step; `timeout`: seconds a rollout waits for its
     rows (`WaitTimeoutError` after); `push_timeout`: seconds a push waits for every worker's
     acknowledgement; `output`: the shards' URL (the pipeline's default otherwise).
+
+    `agent`: run agent episodes instead (`EpisodeRolloutFunction`; `failed_reward` for failed ones,
+    `episode_options` as `Client.submit_episodes` takes them: `timeout_s`, `max_turns`, `retries`).
     """
     if mode not in ("partial", "drain"):
         raise ValueError(f"pipeline_rollout: mode must be 'partial' or 'drain', not {mode!r}")
     if every < 1:
         raise ValueError(f"pipeline_rollout: every must be >= 1, not {every}")
     state = WeightSyncState(client, mode=mode, store=store, every=every, timeout=push_timeout)
+    if agent is not None:
+        return (EpisodeRolloutFunction(client, run, agent, timeout=timeout, sync=state, failed_reward=failed_reward,
+                                       episode_options=episode_options), _callback_type()(state))
+    if episode_options:
+        raise TypeError(f"pipeline_rollout: {sorted(episode_options)} apply with agent=...")
     return RolloutFunction(client, run, timeout=timeout, output=output, sync=state), _callback_type()(state)

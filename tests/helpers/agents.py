@@ -125,3 +125,13 @@ async def in_sandbox(task: dict[str, Any], client: Any, episode: Any) -> float:
 
 
 in_sandbox.environment = sandbox  # type: ignore[attr-defined]
+
+
+async def text_turns(task: dict[str, Any], client: Any, episode: Any) -> float:
+    """Two text-completion turns on the task's prompt (TRL's prompts are text): the second extends
+    the first with its answer and a tool result; the reward favours short first answers."""
+    prompt = str(task["prompt"])
+    first = await client.completions.create(model="m", prompt=prompt, max_tokens=6)
+    prompt = prompt + first.choices[0].text + " ok "
+    await client.completions.create(model="m", prompt=prompt, max_tokens=6)
+    return 1.0 / (1 + len(first.choices[0].token_ids))

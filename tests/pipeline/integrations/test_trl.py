@@ -94,3 +94,68 @@ def test_two_grpo_steps_through_the_pipeline(
             assert metric in entry, (metric, sorted(entry))
     # Pushed from memory through the weight store: the first version whole, the next as a delta.
     assert [p.kind for p in weight_sync.pushes] == ["full", "delta"]
+
+
+def test_grpo_trains_on_multi_turn_episodes_with_the_env_mask(
+    tmp_path: Path, redis_url: str, redis_client: Any, tiny_model_dir: Path,
+    start_worker: Callable[..., subprocess.Popen], pipeline_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pipeline.integrations.trl import episode_reward
+    from pipeline.serve.server import ServeConfig, Server
+    from tests.conftest import PIPELINE
+    from tests.helpers.processes import stop_all
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    client = pipeline.connect(redis_url, pool="trl-agents")
+    start_worker("--pool", "trl-agents")
+    server = Server(ServeConfig(port=0, redis_url=redis_url, pool="trl-agents", tokenizer=str(tiny_model_dir),
+                                output=f"file://{tmp_path / 'shards'}", turn_timeout_s=120)).start()
+    agent = subprocess.Popen([*PIPELINE, "agent-worker", "--agent", "tests.helpers.agents:text_turns", "--pool",
+                              "trl-agents", "--serve", server.url, "--concurrency", "8"], env=pipeline_env,
+                             stdout=(tmp_path / "agent.log").open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: len(client.workers()) == 1, timeout=120, what="the worker to register")
+        seen: list[dict[str, Any]] = []
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        config = GRPOConfig(
+            output_dir=str(tmp_path / "trl"), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+            max_completion_length=64, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=True, seed=3, bf16=False,
+        )
+        rollout_func, weight_sync = pipeline_rollout(client, run="trl-episodes",
+                                                     agent="tests.helpers.agents:text_turns",
+                                                     store=f"file://{tmp_path / 'weights'}", timeout=300)
+
+        def recording(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+            out = rollout_func(prompts, trainer)
+            seen.append({key: list(value) for key, value in out.items()})  # TRL pops env_mask from `out`
+            return out
+
+        dataset = Dataset.from_dict({"prompt": ["abc", "hello", "xyz", "Hi there"]})
+        trainer = GRPOTrainer(model=model, reward_funcs=[episode_reward], args=config, train_dataset=dataset,
+                              processing_class=tokenizer, rollout_func=recording, callbacks=[weight_sync])
+        trainer.train()
+    finally:
+        server.stop()
+        stop_all([agent])
+
+    assert len(seen) == 2 and len(rollout_func.runs) == 2
+    for call in seen:
+        assert len(call["completion_ids"]) == 4 and all(t for t in call["trace_id"])
+        for ids, mask, reward in zip(call["completion_ids"], call["env_mask"], call["episode_reward"], strict=True):
+            assert len(mask) == len(ids) and 0 < sum(mask) < len(ids)  # two turns sampled, the glue between not
+            assert 0 < reward <= 1
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logged) == 2
+    for entry, call in zip(logged, seen, strict=True):
+        # TRL counted the sampled tokens only (env_mask as its tool mask) and trained on the agent's reward.
+        assert entry["completions/mean_length"] == pytest.approx(sum(map(sum, call["env_mask"])) / 4)
+        assert entry["rewards/episode_reward/mean"] == pytest.approx(sum(call["episode_reward"]) / 4)
+    assert [p.version for p in weight_sync.pushes] == [1, 2]
