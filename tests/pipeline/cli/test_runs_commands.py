@@ -155,7 +155,9 @@ def test_demo_names_the_demo_models_directory_or_says_how_to_make_it(
         demo_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from pipeline.core.demo_model import resolve, resolve_versioned
     from pipeline.core.errors import PipelineError
+    from workers.engines.hf.demo_model import ensure_perturbed_copy
 
+    ensure_perturbed_copy(demo_model_dir)  # what `pipeline demo` leaves on disk beside the model
     assert resolve("demo") == str(demo_model_dir)
     assert resolve("demo-perturbed") == f"{demo_model_dir}-perturbed"
     assert resolve_versioned("1=demo") == f"1={demo_model_dir}"

@@ -72,7 +72,7 @@ def codec_core() -> ModuleType:
         if spec is None or not spec.submodule_search_locations:
             raise ImportError("the rollout pipeline's `pipeline` package is not on this vLLM worker's path: put the "
                               "checkout on PYTHONPATH or pip install it --no-deps into vLLM's venv")
-        path = Path(next(iter(spec.submodule_search_locations))) / "weights" / "codec_core.py"
+        path = Path(next(iter(spec.submodule_search_locations))) / "core" / "weights" / "codec_core.py"
         module_spec = importlib.util.spec_from_file_location("rollout_pipeline_codec_core", path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
