@@ -102,6 +102,8 @@ async def run(agent: Callable[..., Any], task: dict[str, Any], episode: Episode,
     reward, info = check_reward(result)
     if episode.refused:
         info["truncated"] = True  # it asked for more than max_turns calls, then returned its reward
+    if episode.turns == 0:  # a harness with a client of its own (verifiers, a CLI agent): ask the session
+        episode.turns = await serve.session_turns(episode.session_id)
     if episode.turns == 0:
         raise EpisodeError("the agent returned without calling the model: an episode with no turn has no "
                            "trajectory to train on", retry=False)

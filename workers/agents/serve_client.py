@@ -63,6 +63,10 @@ class ServeClient:
     async def record_reward(self, session_id: str, reward: float) -> None:
         await self._call("POST", f"/sessions/{session_id}/reward", {"reward": reward})
 
+    async def session_turns(self, session_id: str) -> int:
+        """The turns the session has committed (a harness may call the model with a client of its own)."""
+        return int((await self._call("GET", f"/sessions/{session_id}"))["turns"])
+
     async def end_session(self, session_id: str) -> None:
         await self._call("POST", f"/sessions/{session_id}/end")
 
