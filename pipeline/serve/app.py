@@ -196,6 +196,9 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         return JSONResponse(session.public())
 
     async def end(request: Request) -> Response:
+        data = await read_json(request, max_body_bytes, empty={})  # optionally the reward, in the same call
+        if data:
+            await in_thread(turns.sessions.reward, request.path_params["session_id"], data)
         session = await in_thread(turns.sessions.end, request.path_params["session_id"])
         return JSONResponse(session.public())
 

@@ -60,15 +60,13 @@ class ServeClient:
     async def open_session(self, session_id: str, run: str, metadata: dict[str, Any]) -> None:
         await self._call("POST", "/sessions", {"session_id": session_id, "run": run, "metadata": metadata})
 
-    async def record_reward(self, session_id: str, reward: float) -> None:
-        await self._call("POST", f"/sessions/{session_id}/reward", {"reward": reward})
-
     async def session_turns(self, session_id: str) -> int:
         """The turns the session has committed (a harness may call the model with a client of its own)."""
         return int((await self._call("GET", f"/sessions/{session_id}"))["turns"])
 
-    async def end_session(self, session_id: str) -> None:
-        await self._call("POST", f"/sessions/{session_id}/end")
+    async def end_session(self, session_id: str, reward: float | None = None) -> None:
+        """Close the session, recording the episode's reward on it in the same call."""
+        await self._call("POST", f"/sessions/{session_id}/end", None if reward is None else {"reward": reward})
 
     def session_url(self, session_id: str) -> str:
         return f"{self.base_url}/sessions/{session_id}/v1"

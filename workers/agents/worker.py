@@ -5,8 +5,8 @@ It reads its agents' episode streams through the pool's consumer group (`pipelin
 as slots free up, keeps the entries it holds fresh, and takes over the entries of agent workers that
 went silent (`claim_after_s`: SIGKILLed, their host gone). Each episode runs as attempts until one
 finishes or the retries are spent: every attempt opens a fresh session (`POST /sessions`), runs the
-agent with an OpenAI client bound to it, records the reward on it and ends it; then the outcome is
-committed once (`episodes.commit`).
+agent with an OpenAI client bound to it, and ends the session recording the reward on it (one
+call); then the outcome is committed once (`episodes.commit`).
 
 SIGTERM (or SIGINT) stops taking episodes; those in flight get `grace_s` to finish, then are
 cancelled (their environments torn down) and left to another worker, which runs them again in fresh
@@ -286,7 +286,6 @@ class AgentWorker:
             try:
                 await serve.open_session(session_id, job.run, _metadata(job, episode))
                 reward, info = await attempt.run(agent, job.task, episode, serve, job.limits.timeout_s)
-                await _quietly(serve.record_reward(session_id, reward))
             except EpisodeError as exc:
                 reason = exc.reason
                 if exc.retry:
@@ -297,7 +296,7 @@ class AgentWorker:
                                  job.episode_id, episode.attempt, reason)
                         continue
             finally:
-                await _quietly(serve.end_session(session_id))
+                await _quietly(serve.end_session(session_id, reward))
             return EpisodeOutcome(
                 episode_id=job.episode_id, task_id=job.task_id, sample=job.sample,
                 status="failed" if reason is not None else "finished", reward=reward, info=info, reason=reason,
