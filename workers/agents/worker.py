@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class AgentWorker:
         self.admission = Admission(conn, self.keys.name)
         self._held: dict[str, Claimed] = {}
         self._stopping = asyncio.Event()
+        self._kept = threading.Event()  # set: the keep-alive thread ends
         self._signals = 0
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -99,7 +101,8 @@ class AgentWorker:
         self._install_signals()
         serve = ServeClient(self.serve_url, self.api_key)
         running: set[asyncio.Task[None]] = set()
-        keeper = asyncio.create_task(self._keep_alive())
+        keeper = threading.Thread(target=self._keep_alive, name="agent-keep-alive", daemon=True)
+        keeper.start()
         log.info("agent worker %s: agents %s, pool %s, up to %d episodes at once, serve %s", self.worker_id,
                  ", ".join(self.agents), self.keys.name, self.concurrency, self.serve_url)
         next_take_over = 0.0
@@ -132,9 +135,8 @@ class AgentWorker:
                     break
             await self._drain(running)
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            self._kept.set()
+            keeper.join(timeout=10)
             await serve.close()
             await asyncio.to_thread(self._unregister)
         log.info("agent worker %s stopped: %d finished, %d failed, %d retried, %d taken over", self.worker_id,
@@ -187,8 +189,10 @@ class AgentWorker:
         for stream in self.streams:
             if len(taken) >= count:
                 break
-            taken += episodes.take_over(self.conn, stream, self.worker_id, int(self.claim_after_s * 1000),
-                                        count - len(taken))
+            # Entries of its own this worker runs already (its keep-alive was late) are not run twice.
+            taken += [entry for entry in episodes.take_over(self.conn, stream, self.worker_id,
+                                                            int(self.claim_after_s * 1000), count - len(taken))
+                      if entry.entry_id not in self._held]
         if taken:
             self.stats.taken_over += len(taken)
             log.warning("agent worker %s took over %d episode(s) of silent workers", self.worker_id, len(taken))
@@ -204,14 +208,16 @@ class AgentWorker:
                     return False
         return True
 
-    async def _keep_alive(self) -> None:
+    def _keep_alive(self) -> None:
+        """Its own thread: the episodes this worker holds are kept fresh however busy its event loop
+        and thread pool are (held entries left idle past `claim_after_s` would be taken over)."""
         interval = max(0.2, self.claim_after_s / 5)
-        while True:
+        while not self._kept.is_set():
             try:
-                await asyncio.to_thread(self._heartbeat)
+                self._heartbeat()
             except redis.RedisError as exc:
                 log.warning("agent worker %s: heartbeat failed (%s); retrying", self.worker_id, exc)
-            await asyncio.sleep(interval)
+            self._kept.wait(interval)
 
     def _heartbeat(self) -> None:
         held = list(self._held.values())
