@@ -17,10 +17,11 @@ in three steps: `chat`/`completion` (session, prompt, claim, enqueue; a thread),
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,24 @@ class Turns:
                                 f"{self.settings.pool!r}", param="session_id", code="wrong_pool")
         return session
 
+    @contextlib.contextmanager
+    def _ended_if_refused(self, session: Session) -> Iterator[None]:
+        """A session of one call (no session named) that the call never turns into a turn (refused: too
+        long, invalid) is ended at once, not left open."""
+        try:
+            yield
+        except BaseException:
+            if session.ephemeral:
+                with contextlib.suppress(Exception):
+                    self.sessions.end(session.session_id)
+            raise
+
+    def _release_failed(self, call: InFlight) -> None:
+        """A failed turn: its pending mark goes; a session of one call ends with it."""
+        self.sessions.release(call.session, call.pending)
+        if call.session.ephemeral:
+            self.sessions.end(call.session.session_id)
+
     # -- tokens -------------------------------------------------------------------------------
 
     def _tokenizer(self) -> Any:
@@ -164,28 +183,31 @@ class Turns:
         (`wait`/`wait_async` for its rows, then `finish`)."""
         self._tokenizer()
         session = self.open_session(session_id, create=create)
-        messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
-        request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"}, exclude_none=True))
-        rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
-                           self.settings.tool_call_parser,
-                           [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []] or None,
-                           body.tool_choice == "none", body.chat_template_kwargs)
+        with self._ended_if_refused(session):
+            messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+            request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"},
+                                                    exclude_none=True))
+            rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
+                               self.settings.tool_call_parser,
+                               [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []] or None,
+                               body.tool_choice == "none", body.chat_template_kwargs)
 
-        def prompt(last: TurnRecord | None) -> Prompt:
-            return self._chat_prompt(body, messages, last)
+            def prompt(last: TurnRecord | None) -> Prompt:
+                return self._chat_prompt(body, messages, last)
 
-        # SGLang keeps special tokens in the text when tools may be called (tool-call markers often are).
-        keep_specials = bool(rules.tools) and not rules.tool_choice_none
-        if keep_specials:
-            body = body.model_copy(update={"skip_special_tokens": False})
+            # SGLang keeps special tokens in the text when tools may be called (tool-call markers often are).
+            keep_specials = bool(rules.tools) and not rules.tool_choice_none
+            if keep_specials:
+                body = body.model_copy(update={"skip_special_tokens": False})
 
-        def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
-            return chat_answer(table, turn_id=pending.turn_id, model=self.settings.model, session_id=session.session_id,
-                               turn=pending.turn, rules=rules, token_text=self.token_text, logprobs=body.logprobs,
-                               text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
+            def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
+                return chat_answer(table, turn_id=pending.turn_id, model=self.settings.model,
+                                   session_id=session.session_id, turn=pending.turn, rules=rules,
+                                   token_text=self.token_text, logprobs=body.logprobs,
+                                   text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
-        return self._turn(session, body, request_digest, digest(messages), len(messages), prompt, answer,
-                          assistant_of=lambda choice: choice["message"])
+            return self._turn(session, body, request_digest, digest(messages), len(messages), prompt, answer,
+                              assistant_of=lambda choice: choice["message"])
 
     def _chat_request(self, body: ChatCompletionBody, messages: list[dict[str, Any]]) -> ChatRequest:
         data: dict[str, Any] = {"id": "turn", "messages": messages}
@@ -223,26 +245,28 @@ class Turns:
                    create: bool = False) -> dict[str, Any] | InFlight:
         """Start a token-level turn (`/v1/completions`); see `chat`."""
         session = self.open_session(session_id, create=create)
-        if isinstance(body.prompt, str):
-            ids = list(self._tokenizer()(body.prompt)["input_ids"])
-            text: str | None = body.prompt
-        else:
-            ids, text = list(body.prompt), None
-        request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"}, exclude_none=True))
+        with self._ended_if_refused(session):
+            if isinstance(body.prompt, str):
+                ids = list(self._tokenizer()(body.prompt)["input_ids"])
+                text: str | None = body.prompt
+            else:
+                ids, text = list(body.prompt), None
+            request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"},
+                                                    exclude_none=True))
 
-        def prompt(last: TurnRecord | None) -> Prompt:
-            extends = last is not None and any(
-                ids[: len(last.prompt_ids) + len(c.completion_ids)] == last.prompt_ids + c.completion_ids
-                and len(ids) > len(last.prompt_ids) + len(c.completion_ids) for c in last.choices)
-            return Prompt(ids, text, last is not None and not extends)
+            def prompt(last: TurnRecord | None) -> Prompt:
+                extends = last is not None and any(
+                    ids[: len(last.prompt_ids) + len(c.completion_ids)] == last.prompt_ids + c.completion_ids
+                    and len(ids) > len(last.prompt_ids) + len(c.completion_ids) for c in last.choices)
+                return Prompt(ids, text, last is not None and not extends)
 
-        def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
-            return text_answer(table, turn_id=pending.turn_id, model=self.settings.model, session_id=session.session_id,
-                               turn=pending.turn, text_of=self._text_of, token_text=self.token_text,
-                               logprobs=body.logprobs)
+            def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
+                return text_answer(table, turn_id=pending.turn_id, model=self.settings.model,
+                                   session_id=session.session_id, turn=pending.turn, text_of=self._text_of,
+                                   token_text=self.token_text, logprobs=body.logprobs)
 
-        return self._turn(session, body, request_digest, "", 0, prompt, answer,
-                          assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]})
+            return self._turn(session, body, request_digest, "", 0, prompt, answer,
+                              assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]})
 
     # -- the turn -----------------------------------------------------------------------------
 
@@ -283,7 +307,7 @@ class Turns:
             return await self.lane.wait_async(call.pending.turn_id, call.session.run, call.started, call.settled)
         except APIError as exc:
             if exc.code == "turn_failed":
-                await anyio.to_thread.run_sync(self.sessions.release, call.session, call.pending)
+                await anyio.to_thread.run_sync(self._release_failed, call)
             raise
 
     def _failed_turn_released(self, call: InFlight, wait: Callable[[], Any]) -> Any:
@@ -291,7 +315,7 @@ class Turns:
             return wait()
         except APIError as exc:
             if exc.code == "turn_failed":
-                self.sessions.release(call.session, call.pending)
+                self._release_failed(call)
             raise
 
     def finish(self, call: InFlight, got: pa.Table | dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import openai
 import pytest
 import redis
 
-from pipeline.core.broker import control_channel
+from pipeline.core.broker import control_channel, keys
 from pipeline.core.errors import PipelineError
 from pipeline.serve.server import ServeConfig, check_config
 from tests.pipeline.serve.conftest import Script, run_agent
@@ -53,12 +53,15 @@ def test_huge_bodies_are_refused_and_the_server_serves_on(redis_client: redis.Re
     assert answers == ["still here"]
 
 
-def test_a_prompt_over_the_context_is_a_400(serve: Any) -> None:
+def test_a_prompt_over_the_context_is_a_400_and_leaves_no_session_open(redis_client: redis.Redis,
+                                                                        serve: Any) -> None:
     url = serve(context_length=32).url + "/v1/chat/completions"
     error = _error(httpx.post(url, json={"messages": [{"role": "user", "content": "word " * 50}]}), 400)
     assert error["code"] == "context_length_exceeded" and "maximum context length is 32" in error["message"]
     error = _error(httpx.post(url, json={"messages": USER, "max_tokens": 1000}), 400)
     assert "max_tokens asks for 1000" in error["message"]
+    # The calls named no session: each had one of its own, ended with the refusal (none left open).
+    assert redis_client.scard(keys.pool(None).open_sessions) == 0
 
 
 def test_unknown_and_ended_sessions(serve: Any) -> None:
@@ -132,6 +135,7 @@ def test_a_failed_turn_says_why(redis_client: redis.Redis, serve: Any, tools_tok
     run_agent(redis_client, Script(tools_tokenizer).engine(fail_ids=[f"{sid}:0"]), agent)
     error = _error(responses[0], 500)
     assert error["code"] == "turn_failed" and "fail_ids" in error["message"]
+    assert redis_client.smembers(keys.pool(None).open_sessions) == {sid.encode()}  # the named session stays open
 
 
 def test_api_key_and_binding(serve: Any) -> None:
