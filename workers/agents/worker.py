@@ -122,7 +122,7 @@ class AgentWorker:
                         block = None if claimed else (100 if running else READ_BLOCK_MS)  # None: do not block
                         claimed += await asyncio.to_thread(episodes.read_new, self.conn, self.streams,
                                                            self.worker_id, free - len(claimed), block)
-                except redis.RedisError as exc:  # the episodes in flight carry on; their commits retry below
+                except redis.RedisError as exc:  # the episodes in flight carry on
                     log.warning("agent worker %s: reading episodes failed (%s); trying again", self.worker_id, exc)
                     await asyncio.sleep(1.0)
                     continue
