@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import redis
 
+from pipeline.audit.report_episodes import episodes_section
 from pipeline.audit.report_html import html_section, html_table, new_figure, png
 from pipeline.audit.report_rewards import RewardFigures, rewards_section, with_rewards, written_rewards
 from pipeline.core.broker import keys
@@ -311,7 +312,7 @@ th{background:#f3f3f3}.note{color:#666;font-size:.85em}img{max-width:640px}"""
 
 
 def render(source: str, figures: RunFigures, *, verify: VerifyReport | None = None,
-           turn_stats: dict[str, int] | None = None) -> str:
+           turn_stats: dict[str, int] | None = None, episodes: str | None = None) -> str:
     """The page as one HTML string (`turn_stats`: the run's agent-turn counts in Redis, see `_turn_stats`)."""
     if not figures.rows:
         raise PipelineError(f"no rows under {source!r}: nothing to report")
@@ -327,6 +328,8 @@ def render(source: str, figures: RunFigures, *, verify: VerifyReport | None = No
         sections.insert(0, rewards)
     if figures.agent_rows or turn_stats is not None:
         sections.insert(0, _agent_section(figures, turn_stats))
+    if episodes is not None:
+        sections.insert(0, episodes)
     if verify is not None:
         sections.append(_verify_section(verify))
     title = f"Rollout report: {source}"
@@ -351,12 +354,13 @@ def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = 
     """The HTML page of `source` (a URL or directory of shards; a run name with `conn`). With
     `verify_model`, `pipeline.verify` runs first (`verify_options` passed on) and its summary is a
     section of the page."""
-    turn_stats, rewarded_jobs = None, None
+    turn_stats, rewarded_jobs, episodes = None, None, None
     if is_location(source):
         dataset = rollouts_dataset(source)
     elif conn is not None:
         dataset = rollouts_dataset([], source, conn=conn)
         turn_stats, rewarded_jobs = _turn_stats(conn, source), written_rewards(conn, source)
+        episodes = episodes_section(conn, source)
     else:
         raise PipelineError(f"{source!r} is neither a URL nor an existing path; a run name needs a Redis connection")
     figures = gather(dataset, rewarded_jobs)
@@ -365,5 +369,5 @@ def report(source: str, *, conn: redis.Redis | None = None, verify_model: Any = 
         from pipeline.audit.verify import verify
 
         checked = verify(source, verify_model, conn=conn, **(verify_options or {}))
-    return render(source, figures, verify=checked, turn_stats=turn_stats)
+    return render(source, figures, verify=checked, turn_stats=turn_stats, episodes=episodes)
 

@@ -207,3 +207,19 @@ def test_status_shows_a_runs_episodes_and_the_reasons_they_failed(redis_client: 
     assert ("episodes (2 tasks x 2, agent tests.helpers.agents:rejects): 0 queued, 0 running, 2 finished, 2 failed; "
             "2 retried, 0 abandoned by a worker that died") in done.stdout
     assert "failed x2: the agent raised KeyError: \"task 'b' has no 'question'\"" in done.stdout
+
+
+def test_the_report_has_an_episodes_section(redis_client: redis.Redis, server: Server) -> None:
+    from tests.pipeline.audit.test_report import Page
+    from workers.jobs.turn_log import flush_turns
+
+    _submit(redis_client, "rejects", [{"id": "a", "question": "?", "turns": 2}, {"id": "b"}], n=2, retries=1)
+    run_episodes(redis_client, server, "rejects")
+    flush_turns(redis_client, "ep", force=True)  # any turn still in the log into a shard, as the flusher would
+    page = Page(pipeline.report("ep", conn=redis_client))
+    assert "Agent episodes" in page.titles
+    (overview,) = page.table_with("abandoned")
+    assert (overview["episodes"], overview["finished"], overview["failed"], overview["retried"]) == ("4", "2", "2", "2")
+    assert page.table_with("mean reward") == [{"turns": "2", "finished episodes": "2", "mean reward": "1"}]
+    (failed,) = page.table_with("reason")
+    assert failed == {"failed": "2", "reason": "the agent raised KeyError: \"task 'b' has no 'question'\""}
