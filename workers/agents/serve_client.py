@@ -26,16 +26,17 @@ class TurnLimitReached(Exception):
 class ServeClient:
     """HTTP calls to one `pipeline serve` (a base URL, an optional API key), shared by a worker's episodes."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 30.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key or "unused"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _call(self, method: str, path: str, json: Any = None) -> dict[str, Any]:
+    async def _call(self, method: str, path: str, json: Any = None, *, fine: tuple[int, ...] = ()) -> dict[str, Any]:
         delay = 0.25
         for attempt in range(OPEN_ATTEMPTS):
             try:
@@ -51,6 +52,8 @@ class ServeClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 4.0)
                 continue
+            if answer.status_code in fine:
+                return {}
             if answer.status_code >= 400:
                 raise EpisodeError(f"pipeline serve refused {method} {path}: {answer.status_code} {answer.text[:300]}",
                                    retry=answer.status_code >= 500)
@@ -58,7 +61,10 @@ class ServeClient:
         raise AssertionError("unreachable")
 
     async def open_session(self, session_id: str, run: str, metadata: dict[str, Any]) -> None:
-        await self._call("POST", "/sessions", {"session_id": session_id, "run": run, "metadata": metadata})
+        # 409, the session exists: this call's own first try made it and its answer was lost (a server
+        # restarted mid-call); session ids are random per attempt, so no other call holds this one.
+        await self._call("POST", "/sessions", {"session_id": session_id, "run": run, "metadata": metadata},
+                         fine=(409,))
 
     async def session_turns(self, session_id: str) -> int:
         """The turns the session has committed (a harness may call the model with a client of its own)."""
