@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-API_KEY_VAR = "PIPELINE_VERIFIERS_API_KEY"  # unset: verifiers sends "EMPTY"; `pipeline serve --api-key` sets it
+from pipeline.core import settings
+
+# verifiers reads the server's API key from a variable it is given the name of: the agent worker's own
+# (`settings.SERVE_API_KEY`; unset, verifiers sends "EMPTY"). A key given as `--api-key` does not reach it.
+API_KEY_VAR = settings.SERVE_API_KEY.name
 
 
 class VerifiersAgent:
