@@ -1,15 +1,17 @@
 """Naming an agent: `package.module:function`, imported by that name.
 
-Submit imports it before anything is enqueued (a typo, a missing package or a module that fails to
-import is an error there, not a queue of failed episodes); an agent worker imports the agents it
-was started with, and runs only those: the queue carries the name, and a worker never imports a
-name it read from Redis.
+The module is found on the path or in the current directory (as uvicorn finds `main:app`).
+Submit imports it before anything is enqueued (a typo, a missing package or a module that fails
+to import is an error there, not a queue of failed episodes); an agent worker imports the agents
+it was started with, and runs only those: the queue carries the name, and a worker never imports
+a name it read from Redis.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +27,7 @@ def load(path: str, what: str = "agent") -> Callable[..., Any]:
     except ValueError as exc:
         raise AgentImportError(str(exc)) from None
     module_name, attribute = path.split(":", 1)
+    _with_working_directory()
     try:
         target: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -44,6 +47,14 @@ def load(path: str, what: str = "agent") -> Callable[..., Any]:
     if not callable(target):
         raise AgentImportError(f"{what} {path!r} is a {type(target).__name__}, not a function")
     return target
+
+
+def _with_working_directory() -> None:
+    """Agents are found in the current directory too, as uvicorn finds `main:app` (a console script
+    such as `pipeline` does not put it on the path by itself)."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
