@@ -109,12 +109,11 @@ def episode_groups(run: str, *, conn: redis.Redis | None = None, follow: bool = 
     """Each task's n episodes as one table, once all n have an outcome, in task order (see the module
     docstring); `follow`: wait for the groups still running (`timeout`: `WaitTimeoutError` past it)."""
     conn = _connection(conn)
-    spec = _spec(conn, run)
-    n = int(spec["n"])
     yielded: set[str] = set()
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        spec = _spec(conn, run)  # a later submit into the run adds tasks
+        spec = _spec(conn, run)  # read each round: a later submit into the run adds tasks
+        n = int(spec["n"])
         by_task: dict[str, list[EpisodeOutcome]] = {}
         for outcome in episodes.outcomes(conn, run).values():
             by_task.setdefault(outcome.task_id, []).append(outcome)

@@ -85,6 +85,7 @@ class AgentWorker:
         self.stats = WorkerStats()
         self.admission = Admission(conn, self.keys.name)
         self._held: dict[str, Claimed] = {}
+        self._running: set[asyncio.Task[None]] = set()  # the episodes in flight
         self._stopping = asyncio.Event()
         self._kept = threading.Event()  # set: the keep-alive thread ends
         self._signals = 0
@@ -100,7 +101,7 @@ class AgentWorker:
             episodes.ensure_group(self.conn, stream)
         self._install_signals()
         serve = ServeClient(self.serve_url, self.api_key)
-        running: set[asyncio.Task[None]] = set()
+        running = self._running
         keeper = threading.Thread(target=self._keep_alive, name="agent-keep-alive", daemon=True)
         keeper.start()
         log.info("agent worker %s: agents %s, pool %s, up to %d episodes at once, serve %s", self.worker_id,
@@ -111,7 +112,7 @@ class AgentWorker:
                 free = self.concurrency - len(running)
                 if free <= 0:
                     await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                    running = {t for t in running if not t.done()}
+                    running.difference_update({t for t in running if t.done()})
                     continue
                 claimed: list[Claimed] = []
                 try:
@@ -130,7 +131,7 @@ class AgentWorker:
                     self._held[entry.entry_id] = entry
                     task = asyncio.create_task(self._episode(entry, serve))
                     running.add(task)
-                running = {t for t in running if not t.done()}
+                running.difference_update({t for t in running if t.done()})
                 if burst and not claimed and not running and await asyncio.to_thread(self._nothing_left):
                     break
             await self._drain(running)
@@ -170,9 +171,8 @@ class AgentWorker:
                 log.warning("agent worker %s: second signal (%s): cancelling the episodes in flight", self.worker_id,
                             name)
                 self.grace_s = 0
-                for task in asyncio.all_tasks(loop):
-                    if task.get_coro().__qualname__.startswith("AgentWorker._episode"):  # type: ignore[union-attr]
-                        task.cancel()
+                for task in self._running:
+                    task.cancel()
 
         for number, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
