@@ -149,16 +149,27 @@ def train_step(model: Any, optimizer: Any, table: pa.Table, *, version: int,
     """One GRPO step with TIS on `table`'s rows: (older-version token share, ratio mean, std, max)."""
     import torch
 
-    from pipeline.read.importance import token_ratios, truncated
     from pipeline.read.torch_data import collate_rollouts, group_rows, grpo_advantages
 
     table, groups = group_rows(table)
-    rewards = rewards_of(table)
-    advantages = torch.from_numpy(grpo_advantages(rewards, groups))
-    batch = collate_rollouts(table)
+    advantages = torch.from_numpy(grpo_advantages(rewards_of(table), groups))
+    return policy_gradient_step(model, optimizer, collate_rollouts(table), advantages, version=version, cap=cap,
+                                max_grad_norm=max_grad_norm)
+
+
+def policy_gradient_step(model: Any, optimizer: Any, batch: dict[str, Any], advantages: Any, *, version: int,
+                         cap: float, max_grad_norm: float) -> tuple[float, float, float, float]:
+    """One policy-gradient step on a collated batch (`collate_rollouts` or `collate_trajectories`: its
+    `loss_mask` selects the sampled tokens), each sequence weighted by its advantage and each token by
+    its truncated importance ratio against the logprob it was sampled with: (older-version token
+    share, ratio mean, std, max)."""
+    import torch
+
+    from pipeline.read.importance import token_ratios, truncated
+
     logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
     new_lp = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    mask, old_lp = batch["loss_mask"][:, 1:], batch["old_logprobs"][:, 1:]
+    mask, old_lp = batch["loss_mask"][:, 1:].bool(), batch["old_logprobs"][:, 1:]
     weights = truncated(new_lp, old_lp, mask, cap=cap)
     loss = -(weights * advantages[:, None] * new_lp * mask).sum() / mask.sum().clamp(min=1)
     loss.backward()

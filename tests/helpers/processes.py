@@ -3,6 +3,7 @@ a flaky object store."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -63,18 +64,25 @@ def terminate(process: subprocess.Popen, timeout: float = 5) -> None:
         process.wait()
 
 
-def stop_all(processes: list[subprocess.Popen], timeout: float = 30) -> None:
+def stop_all(processes: list[subprocess.Popen], timeout: float = 30) -> list[subprocess.Popen]:
     """SIGTERM every process still running (warm shutdown, all at once), reap each; SIGKILL any that
-    has not exited after `timeout` seconds."""
+    has not exited after `timeout` seconds, after a SIGUSR1 (a `pipeline worker` dumps every
+    thread's stack to its stderr on it). The ones that needed the SIGKILL."""
     for process in processes:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
+    stuck = []
     for process in processes:
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stuck.append(process)
+            process.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=2)
             process.kill()
             process.wait()
+    return stuck
 
 
 class FlakyStore(MemoryFileSystem):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 
-from pipeline.core.command import EXIT_USAGE, Command
+import redis
+
+from pipeline.core.command import EXIT_UNREACHABLE, EXIT_USAGE, Command
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class WorkerCommand(Command):
                   file=sys.stderr)
             return EXIT_USAGE
         logs.configure(args.log_level, args.log_format)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
         worker_id = args.worker_id or new_worker_id()
         logs.set_worker_id(worker_id)
         try:
@@ -82,4 +87,8 @@ class WorkerCommand(Command):
         except WorkerError as exc:  # e.g. the pool's weights do not load here: the worker does not join
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # gone for good, or while stopping
+            print(f"error: Redis unreachable ({exc}); worker {worker.worker_id} stopped. A job it held runs again "
+                  "on another worker once its lease expires.", file=sys.stderr)
+            return EXIT_UNREACHABLE
         return 0

@@ -232,6 +232,20 @@ class EngineWorker(SimpleWorker):
             raise StopRequested()
         super()._shutdown()
 
+    def unsubscribe(self) -> None:
+        """RQ's, with a bounded wait. RQ stops its pub/sub thread with redis-py's
+        `PubSubWorkerThread.stop()`, which joins without a timeout, while that thread may sit in a
+        60 s wait for a subscription once it has read the unsubscribe's reply: a SIGTERMed idle worker
+        hung up to a minute there (the test of pools on the command line failed on it in CI). The
+        thread is a daemon; it is told to stop and given a second."""
+        if self.pubsub_thread is None:
+            return
+        log.info("worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        with contextlib.suppress(redis.RedisError):  # Redis gone: nothing to unsubscribe from
+            self.pubsub.unsubscribe()
+        self.pubsub_thread.stop(timeout=1)
+        self.pubsub.close()
+
     def execute_job(self, job: Job, queue: Queue) -> None:
         self.feeder.admit(job, queue)
         self.feeder.wait_for_room(lambda: rq_seam.stop_requested(self))
@@ -289,5 +303,8 @@ class EngineWorker(SimpleWorker):
                 if self._serial is not None:
                     self._serial.close()
             self.control.listener.stop()
-            self.presence.stop()
+            try:
+                self.presence.stop()
+            except redis.RedisError as exc:  # Redis gone at shutdown: the entry expires with its TTL
+                log.warning("worker %s: leaving the registry skipped, Redis unreachable (%s)", self.worker_id, exc)
             context.uninstall()

@@ -31,6 +31,7 @@ from rq.job import Job, JobStatus
 from rq.utils import now
 from setproctitle import setproctitle
 
+from pipeline.core.broker.connection import stop_reconnecting
 from pipeline.core.jobs import rq_seam
 from pipeline.core.jobs.queue import RESULT_TTL_S as CANCELED_TTL_S
 from schemas.worker_info import WorkerState
@@ -42,7 +43,7 @@ from workers.jobs.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STU
 from workers.jobs.reconcile import Reconciler
 from workers.process.engine_worker import EngineWorker
 from workers.process.health import PROBE_MAX_S, EngineHealth
-from workers.process.shutdown import Shutdown
+from workers.process.shutdown import STOPPING_RECONNECT_S, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +182,17 @@ class RolloutWorker(EngineWorker):
 
     # -- shutdown and maintenance ---------------------------------------------------------------
 
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        """RQ's hook for the first SIGTERM/SIGINT (warm shutdown); Redis unreachable from now on is not
+        waited for past `STOPPING_RECONNECT_S` (`workers.process.shutdown`)."""
+        stop_reconnecting(self.connection, STOPPING_RECONNECT_S)
+        super().request_stop(signum, frame)
+
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """RQ's hook for the second SIGTERM/SIGINT: hand the jobs in hand back (`workers.process.shutdown`)."""
         if self.shutdown.is_repeat(rq_seam.shutdown_requested_at(self)):
             return
+        stop_reconnecting(self.connection)
         rq_seam.request_stop(self)
         self.shutdown.abort([e.job_id for e in self.executions.values()])
 

@@ -19,7 +19,9 @@ replica answers. Outside the URL:
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -69,15 +71,49 @@ def redacted(url: str) -> str:
 
 
 class ReconnectRetry(Retry):
-    """redis-py's `Retry`, except that a refused password or permission is raised at once."""
+    """redis-py's `Retry`, except that a refused password or permission is raised at once, and that a
+    process shutting down can stop retrying (`stop_reconnecting`).
+
+    redis-py deep-copies the retry into every connection of a pool; the copies share one give-up
+    time, so stopping the client's retry stops every connection's, pub/sub ones included."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._give_up = _GiveUp()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReconnectRetry:
+        clone = copy.copy(self)
+        clone._backoff = copy.deepcopy(self._backoff, memo)
+        return clone
+
+    def stop_retrying(self, within_s: float = 0.0) -> None:
+        """From `within_s` seconds on, every command that fails to reach Redis raises at once."""
+        self._give_up.at = min(self._give_up.at, time.monotonic() + within_s)
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
         def retryable(error: Exception) -> bool:
             if isinstance(error, AuthenticationError | AuthorizationError):
                 return False
+            if time.monotonic() >= self._give_up.at:
+                return False
             return is_retryable(error) if is_retryable is not None else True
 
         return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+class _GiveUp:
+    """When (time.monotonic()) the retries sharing this stop retrying: never, until told."""
+
+    at: float = math.inf
+
+
+def stop_reconnecting(conn: redis.Redis, within_s: float = 0.0) -> None:
+    """A process shutting down: commands on `conn` (and on every client sharing its connection pool)
+    that cannot reach Redis stop retrying `within_s` seconds from now, instead of for
+    `PIPELINE_REDIS_RECONNECT_S` each: a worker whose Redis is gone exits when told to."""
+    retry = conn.get_retry()
+    if isinstance(retry, ReconnectRetry):
+        retry.stop_retrying(within_s)
 
 
 def retry_policy(reconnect_for_s: float | None = None) -> Retry:

@@ -20,7 +20,7 @@ from schemas.control import DesiredState
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from tests.conftest import PIPELINE
-from tests.helpers.processes import burst_worker, wait_until
+from tests.helpers.processes import burst_worker, stop_all, wait_until
 from workers.engines.fake import FakeEngine
 
 REQUEST = {"id": "a", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
@@ -83,10 +83,8 @@ def test_pool_on_the_command_line_and_from_the_environment(pipeline_env: dict[st
 
         wait_until(lambda: shards_of_a() == 1, 60, "pool a's job after resume")
     finally:
-        for process in workers:
-            process.terminate()
-        for process in workers:
-            process.wait(timeout=30)
+        stuck = stop_all(workers)
+    assert not stuck, "a worker did not exit within 30 s of SIGTERM (its threads' stacks are in the captured stderr)"
     assert os.path.isdir(tmp_path / "shards" / "in-a") and os.path.isdir(tmp_path / "shards" / "in-b")
 
 

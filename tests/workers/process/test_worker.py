@@ -155,3 +155,19 @@ def test_a_warm_shutdown_while_jobs_run_in_the_feeder_exits_once_they_commit(
         engine.close()
     assert not hung.is_set()
     assert batch.status().counts["finished"] == 1 and batch.read().num_rows == 1
+
+
+def test_unsubscribing_at_shutdown_does_not_wait_out_rq_pubsub_threads_minute(redis_client: redis.Redis) -> None:
+    """RQ's pub/sub thread, once it has read its unsubscribe's reply, waits up to 60 s for a new
+    subscription, and RQ's shutdown joined it without a timeout: an idle worker SIGTERMed at that
+    moment hung for up to a minute (seen in CI). The worker's shutdown gives it a second."""
+    from tests.helpers.processes import wait_until
+
+    worker = RolloutWorker(redis_client, FakeEngine())
+    worker.subscribe()
+    wait_until(lambda: worker.pubsub.subscribed, 10, "the subscription")
+    worker.pubsub.unsubscribe()
+    wait_until(lambda: not worker.pubsub.subscribed, 10, "the thread to read the unsubscribe's reply")
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.unsubscribe(), done.set()), daemon=True).start()
+    assert done.wait(30), "the shutdown waited on RQ's pub/sub thread's 60 s wait"
