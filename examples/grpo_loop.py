@@ -9,7 +9,8 @@ rewards=True, advantages=True)`), takes one clipped policy-gradient step per bat
 new weights; the next step asks for them (`min_weight_version`). A `pipeline worker` on `--model`
 (`demo`: the demo model `pipeline demo` converted) and a `pipeline reward-worker` are started in
 `--pool`, whose weights the loop resets first (refused while a worker serves it), and stopped at
-the end. The asynchronous loop (one step ahead, partial pushes,
+the end; the pool is reset again then (unless `--store` kept the weights), so that it names no
+weights in the deleted scratch directory. The asynchronous loop (one step ahead, partial pushes,
 importance weights) and TRL's trainer: examples/learn_grpo.py.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import pipeline
 from pipeline.core.demo_model import resolve
+from pipeline.core.errors import PipelineError
 from pipeline.core.jobs.forget import reset_control
 from pipeline.integrations.push import push_model
 
@@ -148,6 +150,11 @@ def grpo(args: argparse.Namespace, log: Any = print) -> list[Step]:
                     f"loss {loss:.4f}; pushed v{version}")
     finally:
         stop(workers)
+        if args.store is None:  # the pool named weights in the deleted scratch directory: forget them
+            try:
+                reset_control(client.conn, client.pool)
+            except PipelineError as exc:  # a worker that had to be killed is still registered
+                log(f"pool {client.pool} not reset: {exc}")
     return steps
 
 

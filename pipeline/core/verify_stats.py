@@ -195,6 +195,14 @@ class VerifyReport:
     def tokens(self) -> int:
         return sum(self.table.column("tokens").to_pylist())
 
+    @property
+    def share_above(self) -> float:
+        """The share of every checked token with |Δ| above the threshold (nan when none was checked)."""
+        rows = [(r["tokens"], r["share_above"]) for r in self.table.select(["tokens", "share_above"]).to_pylist()
+                if r["tokens"]]
+        total = sum(tokens for tokens, _ in rows)
+        return sum(tokens * share for tokens, share in rows) / total if total else math.nan
+
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.table.to_pylist(), "worst": self.worst.to_pylist(),
                 "experts": self.experts.to_pylist(), "skipped": self.skipped, "threshold": self.threshold,

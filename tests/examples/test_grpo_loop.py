@@ -31,3 +31,15 @@ def test_two_steps_submit_score_train_and_push_and_the_second_step_samples_the_p
     assert control_channel.read_state(redis_client, "grpo-test").weight_version == 2
     # The workers it started are gone.
     assert registry.live_workers(redis_client, "grpo-test") == []
+
+
+def test_without_a_store_the_loop_leaves_its_pool_naming_no_weights(
+        redis_url: str, redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The pushed weights lived in a scratch directory the loop deleted: a worker started in the pool
+    afterwards would refuse to join on them, so the pool is reset (issue 45: `--pool grpo` refused)."""
+    args = parse(["--steps", "1", "--model", str(tiny_model_dir), "--redis", redis_url, "--pool", "grpo-scratch",
+                  "--run", "scratch", "--output", f"file://{tmp_path / 'shards'}", "--groups", "1", "--n", "2",
+                  "--max-new-tokens", "2", "--timeout", "300"])
+    assert [s.pushed for s in grpo(args, log=lambda line: None)] == [1]
+    state = control_channel.read_state(redis_client, "grpo-scratch")
+    assert state.weight_version == 0 and state.weight_path is None

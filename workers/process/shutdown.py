@@ -38,15 +38,17 @@ class Shutdown:
     def __init__(self, worker_name: str) -> None:
         self.worker_name = worker_name
         self.aborting = False
+        self.signal = "SIGTERM"  # the second signal's name, for the hand-back reason
 
     @staticmethod
     def is_repeat(first_signal_at: datetime | None) -> bool:
         """The same signal delivered twice within a second (process group and pool): ignored, as RQ does."""
         return first_signal_at is not None and now() - first_signal_at < timedelta(seconds=1)
 
-    def abort(self, running: list[str]) -> None:
+    def abort(self, running: list[str], signal_name: str = "SIGTERM") -> None:
         """Second signal: mark the jobs in flight for abort and hand-back (the worker's wait for them
         acts on it), or exit at once when there is none."""
+        self.signal = signal_name
         if running:
             self.aborting = True
             log.warning("worker %s: second shutdown signal; aborting %s and handing back",
@@ -58,5 +60,5 @@ class Shutdown:
     def handback_reason(self, exc: BaseException | None) -> str | None:
         """Why a job failing now must be handed back after a shutdown abort, or None."""
         if self.aborting:
-            return "the worker was shut down (second SIGTERM) while running it"
+            return f"the worker was shut down (a second {self.signal}) while running it"
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
 import time
 from types import FrameType
@@ -186,6 +187,9 @@ class RolloutWorker(EngineWorker):
         """RQ's hook for the first SIGTERM/SIGINT (warm shutdown); Redis unreachable from now on is not
         waited for past `STOPPING_RECONNECT_S` (`workers.process.shutdown`)."""
         stop_reconnecting(self.connection, STOPPING_RECONNECT_S)
+        if self.feeder.in_flight:
+            log.warning("worker %s: finishing %d job(s) in flight, then exiting; a second SIGTERM (Ctrl-C) "
+                        "hands them back to their queue now", self.worker_id, self.feeder.in_flight)
         super().request_stop(signum, frame)
 
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
@@ -194,7 +198,7 @@ class RolloutWorker(EngineWorker):
             return
         stop_reconnecting(self.connection)
         rq_seam.request_stop(self)
-        self.shutdown.abort([e.job_id for e in self.executions.values()])
+        self.shutdown.abort([e.job_id for e in self.executions.values()], signal.Signals(signum).name)
 
     def aborting(self) -> bool:
         return self.shutdown.aborting

@@ -105,10 +105,25 @@ def test_cli_gates_on_max_abs_diff(dense_run: str, tiny_model_dir: Path, v1_mode
     assert ok.returncode == 0, ok.stderr
     report = json.loads(ok.stdout)
     assert report["summary"][0]["tokens"] > 0 and report["max_abs_diff"] <= 1e-3
-    bad = subprocess.run([*PIPELINE, "verify", dense_run, "--model", str(v1_model_dir), "--max-abs-diff", "1e-3"],
-                         env=pipeline_env, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([*PIPELINE, "verify", dense_run, "--model", str(v1_model_dir), "--max-abs-diff", "1e-3",
+                          "--max-share", "1"], env=pipeline_env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "exceeds --max-abs-diff 0.001" in bad.stderr and "worst tokens" in bad.stdout
+
+
+def test_cli_fails_by_default_against_other_weights(dense_run: str, v1_model_dir: Path,
+                                                    pipeline_env: dict[str, str]) -> None:
+    """A check with no gate given still fails loudly when many tokens disagree (issue 45: 39.8 % of the
+    tokens off by more than 0.1 exited 0); `--max-share 1` turns the gate off."""
+    wrong = subprocess.run([*PIPELINE, "verify", dense_run, "--model", str(v1_model_dir), "--json"],
+                           env=pipeline_env, capture_output=True, text=True, timeout=120)
+    report = json.loads(wrong.stdout)
+    assert wrong.returncode == 1 and "are these the weights that generated them?" in wrong.stderr
+    share = sum(r["share_above"] * r["tokens"] for r in report["summary"]) / report["tokens"]
+    assert share > 0.05 and f"{share:.1%} of the tokens differ by more than 0.1" in wrong.stderr
+    off = subprocess.run([*PIPELINE, "verify", dense_run, "--model", str(v1_model_dir), "--max-share", "1"],
+                         env=pipeline_env, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0, off.stderr
 
 
 def test_cli_reads_a_run_by_name_through_the_commit_log(dense_run: str, tiny_model_dir: Path,

@@ -119,7 +119,7 @@ def test_worker_refuses_top_k_it_was_not_started_with(
 
 
 def test_a_warm_shutdown_while_jobs_run_in_the_feeder_exits_once_they_commit(
-    redis_client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SIGTERM while the loop waits for its next job and a job runs on in the feeder: the wait ends at
     once (RQ alone would call the worker busy and wait out its dequeue timeout, minutes), the job
@@ -155,6 +155,8 @@ def test_a_warm_shutdown_while_jobs_run_in_the_feeder_exits_once_they_commit(
         engine.close()
     assert not hung.is_set()
     assert batch.status().counts["finished"] == 1 and batch.read().num_rows == 1
+    # The operator is told what the wait is and how to cut it short.
+    assert "finishing 1 job(s) in flight, then exiting; a second SIGTERM (Ctrl-C) hands them back" in caplog.text
 
 
 def test_unsubscribing_at_shutdown_does_not_wait_out_rq_pubsub_threads_minute(redis_client: redis.Redis) -> None:
