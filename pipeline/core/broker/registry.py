@@ -59,6 +59,18 @@ def pools(conn: redis.Redis) -> list[str]:
     return [keys.DEFAULT_POOL, *sorted(named)]
 
 
+def unknown_pool(conn: redis.Redis, pool: str) -> str | None:
+    """Why `pool` may be a typo, with the closest known name, or None when a submit, a worker or a
+    control change has named it on this Redis (`default` always is)."""
+    from pipeline.core.suggest import did_you_mean, listing
+
+    known = pools(conn)
+    if pool in known:
+        return None
+    return (f"pool {pool!r} has never been named on this Redis (by a submit, a worker or a weight push)"
+            f"{did_you_mean(pool, known)} (pools: {listing(known)})")
+
+
 def runs(conn: redis.Redis) -> list[str]:
     """Every run submitted to any pool, sorted (for "did you mean" when a run is not found)."""
     names: set[str] = set()
