@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo learn test lint schemas clean vllm-env
+.PHONY: install demo learn learn-episodes test lint schemas clean vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: $(STAMP)
 # each loop's `pipeline report`: .state/learn_grpo-pipeline.html, .state/learn_grpo-trl.html.
 learn: $(STAMP)
 	$(BIN)/python examples/learn_grpo.py --plot .state/learn_grpo.png --report .state/learn_grpo.html
+
+# GRPO on agent episodes (examples/learn_episodes.py): the demo model taught to use a calculator through
+# `pipeline submit --agent`, an agent worker and `pipeline serve`; 3 seeds of 10 steps, about half an hour on a
+# CPU. The curves: .state/learn_episodes.png.
+learn-episodes: $(STAMP)
+	$(BIN)/python examples/learn_episodes.py --steps 10 --seeds 0 1 2 --plot .state/learn_episodes.png
 
 # vLLM's CPU build in its own venv, cached outside the repo (tests/helpers/vllm_env.py): the real-server
 # tests run it. The first run installs it (a few minutes); later runs find it built.
