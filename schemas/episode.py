@@ -77,7 +77,7 @@ class EpisodeOutcome(BaseModel):
     episode_id: StrictStr
     task_id: StrictStr
     sample: StrictInt
-    status: Literal["finished", "failed"]
+    status: Literal["finished", "failed", "canceled"]
     reward: float | None = None
     info: dict[str, Any] = Field(default_factory=dict)
     reason: StrictStr | None = None

@@ -24,15 +24,16 @@ def episodes_section(conn: redis.Redis, run: str) -> str | None:
     outcomes = list(episodes.outcomes(conn, run).values())
     counts = info["counts"]
     overview = html_table(
-        ["episodes", "finished", "failed", "queued", "running", "retried", "abandoned", "duplicates"],
-        [[counts["submitted"], counts["finished"], counts["failed"], counts["queued"], counts["running"],
+        ["episodes", "finished", "failed", "canceled", "queued", "running", "retried", "abandoned", "duplicates"],
+        [[counts["submitted"], counts["finished"], counts["failed"], counts["canceled"], counts["queued"],
+          counts["running"],
           counts["retried"], counts["abandoned"], counts["duplicates"]]])
     by_turns: dict[int, list[float]] = defaultdict(list)
     for outcome in outcomes:
         if outcome.status == "finished" and outcome.reward is not None:
             by_turns[outcome.turns].append(outcome.reward)
     turns_rows = [[turns, len(rewards), statistics.fmean(rewards)] for turns, rewards in sorted(by_turns.items())]
-    seconds = sorted((o.finished_at_ms - o.started_at_ms) / 1000 for o in outcomes)
+    seconds = sorted((o.finished_at_ms - o.started_at_ms) / 1000 for o in outcomes if o.status != "canceled")
     durations = html_table(["episodes", "p50 s", "p90 s", "max s", "attempts > 1"], [[
         len(seconds), seconds[len(seconds) // 2] if seconds else float("nan"),
         seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))] if seconds else float("nan"),

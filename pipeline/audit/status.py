@@ -323,7 +323,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         e = r.get("episodes")
         if e:
             lines.append(f"    episodes ({e['tasks']} tasks x {e['n']}, agent {e['agent']}): {e['queued']} queued, "
-                         f"{e['running']} running, {e['finished']} finished, {e['failed']} failed; {e['retried']} "
+                         f"{e['running']} running, {e['finished']} finished, {e['failed']} failed"
+                         + (f", {e['canceled']} canceled" if e["canceled"] else "") + f"; {e['retried']} "
                          f"retried, {e['abandoned']} abandoned by a worker that died"
                          + (f", {e['duplicates']} duplicate runs discarded" if e["duplicates"] else ""))
             lines += [f"      failed x{count}: {reason}" for reason, count in e["failure_reasons"].items()]

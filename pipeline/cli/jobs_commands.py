@@ -207,7 +207,11 @@ class CancelCommand(Command):
             raise UnknownRunError(f"no run {args.run!r} in this Redis; runs here: {listing(known)}"
                                   f"{did_you_mean(args.run, known)}; nothing was canceled")
         result = client.cancel(args.run, job_ids=args.job_ids, pool=args.pool)
-        print(f"canceled {result.canceled} of {len(result.job_ids)} job(s): {result.queued} removed from the queue, "
-              f"{result.running} aborted in flight; left as they were: {result.finished} finished, "
-              f"{result.failed} failed, {result.already} canceled before")
+        if result.job_ids or not result.episodes:
+            print(f"canceled {result.canceled} of {len(result.job_ids)} job(s): {result.queued} removed from the "
+                  f"queue, {result.running} aborted in flight; left as they were: {result.finished} finished, "
+                  f"{result.failed} failed, {result.already} canceled before")
+        if result.episodes or (args.run and not result.job_ids):
+            print(f"canceled {result.episodes} episode(s) of run {args.run} that had not ended (those in flight stop "
+                  "within seconds; finished ones stay)")
         return 0

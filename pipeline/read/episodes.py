@@ -5,10 +5,12 @@ attempt that was retried, or abandoned by a worker that died, left a session who
 reach training (`pipeline.core.jobs.episodes`); each committed episode's trajectory comes with its
 task id, sample, status, attempts, trace id and reward (the outcome's). Failed episodes are left
 out, unless the run was submitted with `failed_reward` (`--failed-reward 0`): then they come with
-that reward (and an empty sequence when they never reached the model).
+that reward (and an empty sequence when they never reached the model). Canceled episodes
+(`pipeline cancel`, `EpisodeRun.take`) never are.
 
-`episode_groups(run)` yields a task's n episodes together once all n are finished or failed, in
-task order; with `follow=True` it waits for the groups still running. `keep` filters groups
+`episode_groups(run)` yields a task's n episodes together once all n are finished, failed or
+canceled, in task order (a group left with no episode is not yielded); with `follow=True` it waits
+for the groups still running. `keep` filters groups
 (`pipeline.rewards_differ`: DAPO's, drops groups whose rewards are all equal).
 """
 
@@ -69,7 +71,7 @@ def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]]
           failed_reward: float | None) -> list[dict[str, Any]]:
     rows = []
     for outcome in outcomes:
-        if outcome.status == "failed" and failed_reward is None:
+        if outcome.status == "canceled" or (outcome.status == "failed" and failed_reward is None):
             continue
         reward = outcome.reward if outcome.status == "finished" else failed_reward
         base = {"task_id": outcome.task_id, "sample": outcome.sample, "status": outcome.status,

@@ -9,6 +9,11 @@ its engine at the next step (`workers.cancel`), writes no shard, commits nothing
 append it (`pipeline.core.broker.commit_log.append`), so nothing is committed after a cancel returns, even
 by a worker that missed the wake-up. Committed shards stay; finished and failed jobs are left as
 they are.
+
+A run of agent episodes (`pipeline submit --agent`) is canceled the same way: every episode with no
+outcome yet gets a `canceled` one at once (queued ones never start); agent workers stop the ones in
+flight within a keep-alive interval (their environments torn down) and their turns never reach
+training.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import redis
 
 from pipeline.core.broker import keys
 from pipeline.core.errors import PipelineError
+from pipeline.core.jobs import episodes
 from pipeline.core.jobs.queue import RESULT_TTL_S, rollout_queue
 from pipeline.core.jobs.status import job_key
 
@@ -88,6 +94,7 @@ class CancelResult:
     failed: int = 0
     already: int = 0
     missing: int = 0
+    episodes: int = 0  # agent episodes canceled (an episode run's: `pipeline.core.jobs.episodes.cancel_run`)
 
     @property
     def canceled(self) -> int:
@@ -155,6 +162,12 @@ def cancel(
     """
     if run is None and not job_ids:
         raise PipelineError("cancel what? name a run (--run NAME) or job ids")
+    result = CancelResult()
+    info = episodes.run_info(conn, run) if run is not None else None
+    if info is not None and (pool is None or info["pool"] == keys.pool_name(pool)):
+        result.episodes = episodes.cancel_run(conn, run)
+        if not job_ids and not conn.exists(keys.run_batches(run)):
+            return result  # a run of episodes only
     targets = _targets(conn, run, job_ids)
     if pool is not None:
         wanted = keys.pool_name(pool)
@@ -163,7 +176,6 @@ def cancel(
         if not targets:
             raise PipelineError(f"none of these jobs were submitted to pool {wanted!r} (they are in "
                                 f"{', '.join(pools) or 'no pool'}); nothing was canceled")
-    result = CancelResult()
     script = conn.register_script(_CANCEL)
     prompt_prefix = keys.prompts("")
     for (run_name, pool_name), ids in targets.items():

@@ -3,24 +3,43 @@
     run = client.submit_episodes("tasks.jsonl", agent="my_agents:solve", n=8, run="step-3")
     for group in run.groups(follow=True, timeout=3600):   # a task's 8 episodes once all 8 ended
         ...
+
+Over-sampling, as `Batch.take` does for requests: submit more tasks than a step needs, then
+`run.take(N, keep=pipeline.rewards_differ)` returns the first N groups the filter keeps, as they
+end, and cancels the run's episodes still queued or running (`pipeline.core.jobs.episodes.cancel_run`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import redis
 
-from pipeline.core.errors import WaitTimeoutError
+from pipeline.core.errors import PipelineError, WaitTimeoutError
 from pipeline.core.jobs import episodes
 from pipeline.read.episodes import episode_groups, episode_trajectories
 from pipeline.submit.episodes import EpisodePlan
 
 POLL_S = 0.2
+
+
+@dataclass
+class EpisodeTake:
+    """What `EpisodeRun.take` kept (`groups`, one table each, in the order they ended), the task ids the
+    filter dropped, and how many episodes it canceled."""
+
+    groups: list[pa.Table]
+    dropped: list[str] = field(default_factory=list)
+    canceled: int = 0
+
+    @property
+    def table(self) -> pa.Table:
+        """The kept groups' rows in one table."""
+        return pa.concat_tables(self.groups) if self.groups else pa.table({})
 
 
 @dataclass
@@ -35,7 +54,8 @@ class EpisodeRun:
         return self.plan.run
 
     def counts(self) -> dict[str, int]:
-        """submitted, queued, running, finished, failed, retried, abandoned (a worker died), duplicates."""
+        """submitted, queued, running, finished, failed, canceled, retried, abandoned (a worker died),
+        duplicates."""
         info = episodes.run_info(self.conn, self.run)
         return dict(info["counts"]) if info else {}
 
@@ -44,7 +64,7 @@ class EpisodeRun:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             counts = self.counts()
-            if counts["finished"] + counts["failed"] >= counts["submitted"]:
+            if sum(counts[status] for status in episodes.ENDED) >= counts["submitted"]:
                 return counts
             if deadline is not None and time.monotonic() > deadline:
                 raise WaitTimeoutError(f"run {self.run!r}: {counts['queued']} episodes queued and {counts['running']} "
@@ -62,3 +82,29 @@ class EpisodeRun:
 
     def outcomes(self) -> dict[str, Any]:
         return episodes.outcomes(self.conn, self.run)
+
+    def cancel(self) -> int:
+        """Cancel the run's episodes that have not ended; how many (`pipeline.core.jobs.episodes.cancel_run`)."""
+        return episodes.cancel_run(self.conn, self.run)
+
+    def take(self, groups: int, keep: Callable[[pa.Table], bool] | None = None, *, timeout: float | None = None,
+             cancel_rest: bool = True) -> EpisodeTake:
+        """The first `groups` task groups that end and `keep` accepts; then, with `cancel_rest`, cancel the
+        episodes still queued or running (their turns never reach training)."""
+        if groups < 1:
+            raise PipelineError(f"take {groups} groups: at least 1")
+        result = EpisodeTake([])
+
+        def kept(group: pa.Table) -> bool:
+            if keep is None or keep(group):
+                return True
+            result.dropped.append(group.column("task_id")[0].as_py())
+            return False
+
+        for group in episode_groups(self.run, conn=self.conn, follow=True, timeout=timeout, keep=kept):
+            result.groups.append(group)
+            if len(result.groups) == groups:
+                break
+        if cancel_rest:
+            result.canceled = self.cancel()
+        return result

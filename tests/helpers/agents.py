@@ -135,3 +135,11 @@ async def text_turns(task: dict[str, Any], client: Any, episode: Any) -> float:
     prompt = prompt + first.choices[0].text + " ok "
     await client.completions.create(model="m", prompt=prompt, max_tokens=6)
     return 1.0 / (1 + len(first.choices[0].token_ids))
+
+
+async def solve_or_hang(task: dict[str, Any], client: Any, episode: Any) -> float:
+    """`solve`, or hangs after one turn when the task says `hang` (an episode only a cancel ends)."""
+    if task.get("hang"):
+        await _turns(task, client, episode, turns=1)
+        await asyncio.sleep(3600)
+    return (await solve(task, client, episode))["reward"]

@@ -56,6 +56,7 @@ READ_BLOCK_MS = 1000
 class WorkerStats:
     finished: int = 0
     failed: int = 0
+    canceled: int = 0
     retried: int = 0
     taken_over: int = 0
     started_at: float = field(default_factory=time.time)
@@ -86,6 +87,9 @@ class AgentWorker:
         self.admission = Admission(conn, self.keys.name)
         self._held: dict[str, Claimed] = {}
         self._running: set[asyncio.Task[None]] = set()  # the episodes in flight
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # entry id → its episode's task
+        self._canceled: set[str] = set()  # entries whose run was canceled: their tasks are being cancelled
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._kept = threading.Event()  # set: the keep-alive thread ends
         self._signals = 0
@@ -99,6 +103,7 @@ class AgentWorker:
     async def _work(self, burst: bool) -> WorkerStats:
         for stream in self.streams:
             episodes.ensure_group(self.conn, stream)
+        self._loop = asyncio.get_running_loop()
         self._install_signals()
         serve = ServeClient(self.serve_url, self.api_key)
         running = self._running
@@ -130,6 +135,7 @@ class AgentWorker:
                 for entry in claimed:
                     self._held[entry.entry_id] = entry
                     task = asyncio.create_task(self._episode(entry, serve))
+                    self._tasks[entry.entry_id] = task
                     running.add(task)
                 running.difference_update({t for t in running if t.done()})
                 if burst and not claimed and not running and await asyncio.to_thread(self._nothing_left):
@@ -223,6 +229,7 @@ class AgentWorker:
         held = list(self._held.values())
         if held:
             episodes.keep_claimed(self.conn, self.worker_id, held)
+            self._stop_canceled(held)
         info = {"worker_id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
                 "agents": sorted(self.agents), "concurrency": self.concurrency, "running": len(held),
                 "finished": self.stats.finished, "failed": self.stats.failed, "started_at": self.stats.started_at,
@@ -232,6 +239,17 @@ class AgentWorker:
             pipe.set(self.keys.agent_worker(self.worker_id), json.dumps(info), ex=ttl)
             pipe.sadd(self.keys.agent_workers, self.worker_id)
             pipe.execute()
+
+    def _stop_canceled(self, held: list[Claimed]) -> None:
+        """Cancel the episodes in flight whose run was canceled (`pipeline cancel`): their outcome is
+        written already; the attempt is stopped, its environment torn down and its entry dropped."""
+        canceled = episodes.canceled_runs(self.conn, {claimed.job.run for claimed in held})
+        for claimed in held:
+            if claimed.job.run in canceled and claimed.entry_id not in self._canceled:
+                self._canceled.add(claimed.entry_id)
+                task = self._tasks.get(claimed.entry_id)
+                if task is not None and self._loop is not None:
+                    self._loop.call_soon_threadsafe(task.cancel)
 
     def _unregister(self) -> None:
         with contextlib.suppress(redis.RedisError), self.conn.pipeline(transaction=False) as pipe:
@@ -265,12 +283,20 @@ class AgentWorker:
                 log.warning("episode %s of run %s was taken over by another worker; this run of it is discarded",
                             job.episode_id, job.run)
         except asyncio.CancelledError:
-            raise
+            if claimed.entry_id not in self._canceled:
+                raise  # shutting down: left pending for another worker
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self.stats.canceled += 1
+            log.info("episode %s of run %s stopped: the run was canceled", job.episode_id, job.run)
+            with contextlib.suppress(redis.RedisError):
+                await asyncio.to_thread(episodes.acknowledge, self.conn, claimed)
         except Exception:
             log.exception("episode %s of run %s: unexpected error; it stays pending for another worker",
                           job.episode_id, job.run)
         finally:
             self._held.pop(claimed.entry_id, None)
+            self._tasks.pop(claimed.entry_id, None)
+            self._canceled.discard(claimed.entry_id)
 
     async def _attempts(self, claimed: Claimed, agent: Callable[..., Any], serve: ServeClient,
                         trace_id: str) -> EpisodeOutcome | None:

@@ -28,11 +28,12 @@ from typing import Any
 import redis
 
 from pipeline.core.broker import keys
-from schemas.episode import EpisodeJob, EpisodeOutcome
+from schemas.episode import EpisodeJob, EpisodeOutcome, episode_id
 
 GROUP = keys.EPISODE_GROUP
 JOB_FIELD = b"job"
-COUNTS = ("submitted", "finished", "failed", "retried", "abandoned", "duplicates")
+COUNTS = ("submitted", "finished", "failed", "canceled", "retried", "abandoned", "duplicates")
+ENDED = ("finished", "failed", "canceled")  # the statuses of an outcome
 
 # KEYS: attempts, discarded, run hash, outcomes. ARGV: episode id, attempt JSON, session id, worker id.
 # Returns 0 when the episode has an outcome already (a leftover entry: acknowledge it), else 1 and the
@@ -93,6 +94,28 @@ end
 redis.call('XACK', KEYS[3], ARGV[3], ARGV[4])
 redis.call('XDEL', KEYS[3], ARGV[4])
 return first
+"""
+
+
+# KEYS: outcomes, attempts, run hash, discarded. ARGV: pairs of episode id, canceled outcome JSON. Every
+# episode with no outcome yet gets the canceled one; an attempt in flight is forgotten (its session
+# discarded: its worker's commit will find the outcome and count a duplicate). Returns how many.
+_CANCEL = """
+redis.call('HSET', KEYS[3], 'canceled_run', '1')
+local canceled = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    canceled = canceled + 1
+    local attempt = redis.call('HGET', KEYS[2], ARGV[i])
+    if attempt then
+      local session = cjson.decode(attempt).session_id
+      if session then redis.call('SADD', KEYS[4], session) end
+      redis.call('HDEL', KEYS[2], ARGV[i])
+    end
+  end
+end
+redis.call('HINCRBY', KEYS[3], 'canceled', canceled)
+return canceled
 """
 
 
@@ -205,11 +228,44 @@ def run_info(conn: redis.Redis, run: str) -> dict[str, Any] | None:
         return None
     data = {k.decode(): v.decode() for k, v in raw.items()}
     info: dict[str, Any] = json.loads(data.pop("spec", "{}"))
+    info["canceled"] = "canceled_run" in data
     info["counts"] = {name: int(data.get(name, 0)) for name in COUNTS}
     info["counts"]["running"] = conn.hlen(keys.episode_attempts(run))
-    done = info["counts"]["finished"] + info["counts"]["failed"]
+    done = sum(info["counts"][status] for status in ENDED)
     info["counts"]["queued"] = max(0, info["counts"]["submitted"] - done - info["counts"]["running"])
     return info
+
+
+def cancel_run(conn: redis.Redis, run: str) -> int:
+    """Cancel every episode of `run` that has no outcome yet: the queued ones never start, the ones in
+    flight are stopped by their agent workers (within a keep-alive interval) and their turns never
+    reach training. Returns how many were canceled (0 for a run with none left, or no episodes)."""
+    import time
+
+    info = run_info(conn, run)
+    if info is None:
+        return 0
+    now = int(time.time() * 1000)
+    pairs: list[str] = []
+    for task in info["tasks"]:
+        for sample in range(int(info["n"])):
+            outcome = EpisodeOutcome(
+                episode_id=episode_id(task, sample), task_id=task, sample=sample, status="canceled",
+                reason="the run was canceled (pipeline cancel)", attempts=0, trace_id="", worker_id="",
+                started_at_ms=now, finished_at_ms=now)
+            pairs += [outcome.episode_id, outcome.model_dump_json()]
+    return int(conn.eval(_CANCEL, 4, keys.episode_outcomes(run), keys.episode_attempts(run), keys.episode_run(run),
+                         keys.episode_discarded(run), *pairs))
+
+
+def canceled_runs(conn: redis.Redis, runs: set[str]) -> set[str]:
+    """Which of `runs` were canceled."""
+    ordered = sorted(runs)
+    with conn.pipeline(transaction=False) as pipe:
+        for run in ordered:
+            pipe.hexists(keys.episode_run(run), "canceled_run")
+        flags = pipe.execute()
+    return {run for run, flag in zip(ordered, flags, strict=True) if flag}
 
 
 def discarded_sessions(conn: redis.Redis, run: str) -> set[str]:

@@ -35,8 +35,8 @@ def test_each_task_sample_is_one_exact_trajectory_and_a_task_one_group(redis_cli
     assert run.counts()["queued"] == 6
     stats = run_episodes(redis_client, server, "solve")
     assert (stats.finished, stats.failed, stats.retried) == (6, 0, 0)
-    assert run.counts() | {} == {"submitted": 6, "finished": 6, "failed": 0, "retried": 0, "abandoned": 0,
-                                 "duplicates": 0, "running": 0, "queued": 0}
+    assert run.counts() | {} == {"submitted": 6, "finished": 6, "failed": 0, "canceled": 0, "retried": 0,
+                                 "abandoned": 0, "duplicates": 0, "running": 0, "queued": 0}
 
     groups = pipeline.read_trajectories("ep", conn=redis_client, groups=True)
     assert [g.column("task_id").to_pylist() for g in groups] == [["add-1"] * 2, ["1"] * 2, ["17"] * 2]

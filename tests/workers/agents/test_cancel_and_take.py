@@ -1,0 +1,92 @@
+"""Canceling an episode run and taking N groups of one (a real Redis and `pipeline serve`, the real
+`openai` SDK, an agent worker and a rollout worker): queued episodes never start, those in flight
+are stopped (their environments torn down, their turns kept out of training), the worker carries
+on with other runs; `take` keeps the first N groups the filter accepts and cancels the rest."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import redis
+
+import pipeline
+from pipeline.core import agents as agent_paths
+from pipeline.core.jobs import episodes
+from pipeline.serve.server import Server
+from tests.conftest import PIPELINE
+from tests.helpers.agents import events
+from tests.helpers.processes import drive_worker, wait_until
+from tests.workers.agents.conftest import agent
+from workers.agents.worker import AgentWorker
+from workers.engines.fake import FakeEngine
+
+
+def test_a_canceled_run_stops_its_episodes_and_the_worker_goes_on(
+        redis_client: redis.Redis, server: Server, events_file: Path, pipeline_env: dict[str, str]) -> None:
+    client = pipeline.Client(redis_client)
+    hanging = [{"id": f"h{i}", "hang": True} for i in range(4)]
+    run = client.submit_episodes(hanging, agent=agent("in_sandbox"), run="doomed", n=2, timeout_s=3600)
+    later = client.submit_episodes([{"id": "ok"}], agent=agent("in_sandbox"), run="later", n=2)
+    worker = AgentWorker(redis_client, {agent("in_sandbox"): agent_paths.load(agent("in_sandbox"))},
+                         serve_url=server.url, concurrency=3, claim_after_s=1.0)
+    seen: dict[str, object] = {}
+
+    def trainer() -> None:
+        thread = threading.Thread(target=worker.work, kwargs={"burst": True})
+        thread.start()
+        wait_until(lambda: [e["kind"] for e in events(events_file)] == ["setup"] * 3, 60,
+                   "three episodes in flight, their environments set up")
+        canceled = subprocess.run([*PIPELINE, "cancel", "--run", "doomed"], env=pipeline_env, capture_output=True,
+                                  text=True, timeout=60)
+        seen["cli"] = (canceled.returncode, canceled.stdout, canceled.stderr)
+        seen["counts"] = run.wait(timeout=30)  # every episode has its outcome at once
+        later.wait(timeout=60)  # the worker stopped the canceled ones and ran the other run's
+        thread.join(timeout=60)
+        seen["alive"] = thread.is_alive()
+
+    drive_worker(redis_client, FakeEngine(), trainer, stop_when_done=True)
+    code, out, err = seen["cli"]  # type: ignore[misc]
+    assert code == 0, err
+    assert "canceled 8 episode(s) of run doomed that had not ended" in out
+    counts = seen["counts"]
+    assert counts["canceled"] == 8 and counts["finished"] == 0 and counts["submitted"] == 8  # type: ignore[index]
+    assert seen["alive"] is False and worker.stats.canceled == 3
+    # The three in flight had their environments torn down; the five queued never started.
+    doomed = [e for e in events(events_file) if str(e.get("task", "")).startswith("h")]
+    assert sorted(e["kind"] for e in doomed) == ["setup"] * 3 + ["teardown"] * 3
+    # Nothing of the canceled run reaches training; their sessions are discarded; the other run trained.
+    assert pipeline.read_trajectories("doomed", conn=redis_client, groups=True) == []
+    assert len(episodes.discarded_sessions(redis_client, "doomed")) == 3
+    assert {o.status for o in later.outcomes().values()} == {"finished"}
+    assert run.counts()["running"] == 0
+    status = subprocess.run([*PIPELINE, "status", "--run", "doomed"], env=pipeline_env, capture_output=True,
+                            text=True, timeout=60)
+    assert "8 canceled" in status.stdout
+
+
+def test_take_keeps_the_first_groups_the_filter_accepts_and_cancels_the_rest(
+        redis_client: redis.Redis, server: Server) -> None:
+    client = pipeline.Client(redis_client)
+    # Task "same" has equal rewards in its group (dropped by rewards_differ); the hanging ones never end.
+    tasks = [{"id": "same", "turns": 1, "answer": 2}, {"id": "a", "turns": 1}, {"id": "b", "turns": 1},
+             *({"id": f"slow{i}", "hang": True} for i in range(2))]
+    run = client.submit_episodes(tasks, agent=agent("solve_or_hang"), run="over", n=2, timeout_s=3600)
+    worker = AgentWorker(redis_client, {agent("solve_or_hang"): agent_paths.load(agent("solve_or_hang"))},
+                         serve_url=server.url, concurrency=10, claim_after_s=1.0)
+    taken: dict[str, object] = {}
+
+    def trainer() -> None:
+        thread = threading.Thread(target=worker.work, kwargs={"burst": True})
+        thread.start()
+        taken["result"] = run.take(2, keep=pipeline.rewards_differ, timeout=60)
+        thread.join(timeout=60)
+
+    drive_worker(redis_client, FakeEngine(), trainer, stop_when_done=True)
+    result = taken["result"]
+    assert sorted(g.column("task_id")[0].as_py() for g in result.groups) == ["a", "b"]  # type: ignore[attr-defined]
+    assert result.dropped == ["same"] and result.canceled == 4  # type: ignore[attr-defined]
+    assert result.table.num_rows == 4  # type: ignore[attr-defined]
+    counts = run.counts()
+    assert counts["finished"] == 6 and counts["canceled"] == 4 and counts["running"] == 0
