@@ -20,8 +20,8 @@ class ServeCommand(Command):
                             help="a model or tokenizer directory (`demo`: the demo model's): its chat template "
                                  "renders the turns (without it, only /v1/completions with token ids is served)")
         parser.add_argument("--tool-call-parser", metavar="NAME",
-                            help="how completions become tool_calls, as SGLang parses them: qwen25, hermes, "
-                                 "llama3, mistral, deepseekv3")
+                            help="how completions become tool_calls, as SGLang parses them: qwen25, qwen, "
+                                 "hermes, llama3, mistral, deepseekv3")
         parser.add_argument("--reasoning-parser", metavar="NAME",
                             help="how completions become reasoning_content: qwen3, qwen3-thinking, deepseek-r1")
         parser.add_argument("--run", metavar="NAME", help="the run sessions go to unless POST /sessions names one "

@@ -83,7 +83,12 @@ def _message(error: dict) -> str:
     if kind == "missing":
         return "required field is missing"
     if kind == "json_invalid":
-        return f"line is not valid JSON ({error['ctx'].get('error', 'parse error')})"
+        # The parser counts lines and columns within the one line it was given (a line break at its end
+        # is a "line 2"): name the column only; the file's line is the error's own.
+        detail = re.sub(r" at line (\d+) column (\d+)",
+                        lambda m: f" at column {m[2]}" if m[1] == "1" else " at the end of the line",
+                        error["ctx"].get("error", "parse error"))
+        return f"line is not valid JSON ({detail})"
     if kind == "model_type":
         return "line must be a JSON object"
     message = error["msg"].removeprefix("Value error, ")

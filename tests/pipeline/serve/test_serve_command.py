@@ -74,3 +74,13 @@ def test_an_agent_talks_to_the_demo_model_through_pipeline_serve(
     assert rows[1]["prompt_token_ids"][: len(head)] == head  # turn 0's sampled ids, verbatim, in turn 1's prompt
     (item,) = pipeline.read_trajectories("chat", conn=redis_client).to_pylist()
     assert sum(item["loss_mask"]) == sum(len(r["completion_token_ids"]) for r in rows)
+
+
+def test_serve_help_names_every_parser_it_accepts() -> None:
+    from pipeline.serve.parsers.reasoning import REASONING_PARSERS
+    from pipeline.serve.parsers.tool_calls import TOOL_CALL_PARSERS
+
+    shown = subprocess.run([*PIPELINE, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
+    flat = " ".join(shown.split())
+    for name in (*TOOL_CALL_PARSERS, *REASONING_PARSERS):
+        assert f" {name}," in flat or f" {name} " in flat or f"{name})" in flat, name

@@ -176,6 +176,17 @@ def test_one_bad_id_list_in_a_block_is_located() -> None:
     assert "not valid JSON" in caught.value.errors[0].message
 
 
+def test_a_malformed_line_is_named_by_its_file_line_and_a_column_within_it() -> None:
+    """The JSON parser counts lines within the one line it is given (a cut-off line ends on its "line 2"):
+    the message names the file's line and a column of that line, never the parser's own line count."""
+    lines = [json.dumps({"id": f"a{i}", "input_ids": [1, 2]}) for i in range(3)]
+    with pytest.raises(RequestFileError) as caught:
+        parse_lines([*lines, '{"id": "d", "input_ids": [1, 2\n', '{"id": }'], path="f.jsonl")
+    (cut, broken) = caught.value.errors
+    assert cut.line == 4 and cut.message.endswith("at the end of the line)") and "line 2" not in cut.message
+    assert broken.line == 5 and broken.message.endswith("at column 8)")
+
+
 def test_parsed_lines_submit_the_same_jobs_as_models(redis_client: redis.Redis, tmp_path: Path) -> None:
     lines = [json.dumps({"id": f"r{i}", "input_ids": [i, 70000 if i == 3 else 7],
                          "sampling_params": {"n": 1 + i % 2, "seed": i}, "metadata": {"i": i}})
