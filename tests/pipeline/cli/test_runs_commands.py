@@ -172,3 +172,19 @@ def test_demo_names_the_demo_models_directory_or_says_how_to_make_it(
     monkeypatch.setenv("PIPELINE_MODEL_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(PipelineError, match="not there yet: run `pipeline demo`"):
         resolve("demo")
+
+
+def test_runs_counts_agent_turns_and_episodes_as_what_they_are() -> None:
+    """A run of agent turns has no submitted batch job: it reads "11 agent turns", not "11/0" jobs."""
+    from pipeline.audit.runs import RunSummary, format_runs
+
+    agents = RunSummary(run="agents", pools=["default"], submitted_at=None, jobs=0, committed_jobs=11, rows=11,
+                        tokens=40, outputs=[], turns=11)
+    episodic = RunSummary(run="step-0", pools=["default"], submitted_at=None, jobs=0, committed_jobs=16, rows=16,
+                          tokens=90, outputs=[], turns=16, episodes=(7, 8))
+    mixed = RunSummary(run="both", pools=["default"], submitted_at=None, jobs=2, committed_jobs=5, rows=9,
+                       tokens=50, outputs=[], turns=3)
+    text = format_runs([agents, episodic, mixed])
+    assert "11 agent turns" in text and "11/0" not in text
+    assert "7/8 episodes, 16 agent turns" in text
+    assert "2/2, 3 agent turns" in text
