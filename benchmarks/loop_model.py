@@ -8,7 +8,8 @@ machine it runs on: the figures are the model's, not a measurement.
 
 The engine: `slots` sequences decode together, one token each per `step_s`; a sequence entering
 the engine first has its context prefilled at `prefill_tokens_per_s`, during which nothing decodes
-(as `workers.engines.sim` does). Output lengths are lognormal (median, p99), capped at
+(as `workers.engines.sim` does); a job of `job_size` samples commits, and reaches the trainer,
+when its last sample finishes. Output lengths are lognormal (median, p99), capped at
 `max_new_tokens`. A weight load pauses the engine for `load_s`; in `partial` mode the sequences in
 flight then continue on the new weights and pay the prefill of their prompt and every token so
 far (the prefix cache does not survive a swap); in `drain` mode the engine admits nothing new
@@ -22,8 +23,9 @@ counted in steps): the samples of step s start once the engine serves a version 
 K >= 1 generates up to K steps ahead while the trainer trains. Step v trains on its own samples
 (`in_order`: their longest is the step's tail), or (`first_finished`) on whichever samples have
 finished, oldest version first, where every sample that would otherwise exceed the bound is
-waited for. Each sample's lag is the trainer's version minus the oldest version among its tokens;
-the largest is reported and never exceeds K.
+waited for, or (`unbounded`, `benchmarks/rl_loop.py`'s trainer) on the next finished samples
+whatever their age. Each sample's lag is the trainer's version minus the oldest version among its
+tokens; the largest is reported, and never exceeds K but for `unbounded`.
 
 Busy fraction = decoding slot-time / (slots x the loop's wall time), from the first admission to
 the last step's load; samples/s over the same window.
@@ -41,7 +43,7 @@ from typing import Literal
 import numpy as np
 
 Mode = Literal["partial", "drain"]
-Policy = Literal["in_order", "first_finished"]
+Policy = Literal["in_order", "first_finished", "unbounded"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class LoopConfig:
     max_new_tokens: int = 16_384
     steps: int = 10
     samples: int = 512  # per step
+    job_size: int = 1  # samples a job commits together (a finished sample waits for its job's others)
     train_fraction: float = 0.0  # the trainer's step, as a share of a step's generation time at full occupancy
     push_s: float = 0.0
     load_s: float = 0.05
@@ -174,6 +177,8 @@ class _Loop:
         if self.c.policy == "in_order":
             mine = [i for i in self.finished if self.samples[i].slot_step == v]
             return mine if len(mine) == self.c.samples else None
+        if self.c.policy == "unbounded":  # `rl_loop.py`'s trainer: the next finished samples, no bound on lag
+            return self.finished[:self.c.samples] if len(self.finished) >= self.c.samples else None
         # A sample untrained at lag K must be trained now: wait for any still running.
         if any(not s.finished and s.first_version >= 0 and v - s.first_version >= k
                for s in self.samples[:self.next_admit]):
@@ -199,9 +204,9 @@ class _Loop:
     def idle_reason(self) -> str:
         if self.load_pending and self.c.mode == "drain":
             return "swap"
-        if self.next_admit < len(self.samples):
-            return "staleness" if self.train_done_at is None else "trainer"
-        return "tail"
+        if self.train_done_at is not None:
+            return "trainer"  # nothing admissible while the trainer trains
+        return "staleness" if self.next_admit < len(self.samples) else "tail"
 
     def advance(self) -> None:
         """To the next event: a sequence finishes, or the trainer's step (and push) is done."""
@@ -223,7 +228,10 @@ class _Loop:
         while self.running and self.running[0][0] <= self.decode_step:
             _, index = heapq.heappop(self.running)
             self.samples[index].finished = True
-            self.finished.append(index)
+            first = index - index % self.c.job_size
+            job = range(first, min(first + self.c.job_size, len(self.samples)))
+            if all(self.samples[i].finished for i in job):  # the job commits: its samples reach the trainer
+                self.finished.extend(job)
 
     def run(self) -> LoopResult:
         self.admit()
@@ -264,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-fraction", type=float, nargs="+", default=[0.0, 0.5])
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
+    parser.add_argument("--step-ms", type=float, default=16.0, help="one decode step of the engine's 256 slots")
+    parser.add_argument("--policy", choices=["in_order", "first_finished", "unbounded"], default="first_finished")
     parser.add_argument("--seeds", type=int, default=3, help="length draws per point (median, with the range)")
     args = parser.parse_args(argv)
     print("the loop model's figures (benchmarks/loop_model.py), not a measurement")
@@ -271,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
           "idle: tail / staleness / trainer / swap / prefill")
     for cap in args.cap:
         for fraction in args.train_fraction:
-            base = LoopConfig(steps=args.steps, samples=args.samples, max_new_tokens=cap,
-                              train_fraction=fraction, prefill_tokens_per_s=args.prefill_tokens_per_s)
+            base = LoopConfig(steps=args.steps, samples=args.samples, max_new_tokens=cap, step_s=args.step_ms / 1000,
+                              train_fraction=fraction, prefill_tokens_per_s=args.prefill_tokens_per_s,
+                              policy=args.policy)
             rows = [("synchronous", synchronous(base))]
             for k in args.max_staleness:
                 rows += [(f"drain K={k}", replace(base, mode="drain", max_staleness=k)),

@@ -29,6 +29,7 @@ import anyio
 import redis
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -217,4 +218,15 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         Route("/sessions/{session_id}/reward", guarded(reward), methods=["POST"]),
         Route("/sessions/{session_id}/end", guarded(end), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own errors (an unknown path, a method a route does not take) in OpenAI's JSON
+        error shape, as every other error of the server."""
+        status = getattr(exc, "status_code", 500)
+        message = (f"no route {request.method} {request.url.path}; the API is under /v1 and "
+                   "/sessions/<id>/v1 (chat/completions, completions, models)" if status == 404
+                   else f"{request.method} is not allowed on {request.url.path}" if status == 405
+                   else str(getattr(exc, "detail", "error")))
+        error = APIError(status, message, code="not_found" if status == 404 else None)
+        return JSONResponse(error.body(), status_code=status, headers=getattr(exc, "headers", None))
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

@@ -148,3 +148,10 @@ def test_api_key_and_binding(serve: Any) -> None:
     check_config(ServeConfig(host="0.0.0.0", api_key="k"))
     with pytest.raises(PipelineError, match="tool-call-parser"):
         check_config(ServeConfig(tool_call_parser="nope"))
+
+
+def test_an_unknown_path_or_method_answers_in_openais_error_shape(serve: Any) -> None:
+    url = serve().url
+    missing = _error(httpx.post(url + "/v1/chat/completion", json={}), 404)  # a typo'd path
+    assert missing["code"] == "not_found" and "no route POST /v1/chat/completion" in missing["message"]
+    assert _error(httpx.get(url + "/v1/chat/completions"), 405)["code"] == "405"
