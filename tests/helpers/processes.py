@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -120,10 +120,28 @@ def burst_worker(conn: Any, engine: Any, *, close: bool = False, **kwargs: Any) 
     return run_burst(RolloutWorker(conn, engine, **{"control_poll_s": 0.1, **kwargs}), close=close)
 
 
+@contextlib.contextmanager
+def own_signal_handlers() -> Iterator[None]:
+    """An in-process worker installs SIGTERM/SIGINT handlers (RQ's) and leaves them installed: a
+    signal after it returned would raise `StopRequested` wherever pytest is then (issue 45 saw one in
+    a later test's `wait_until`). The handlers before it are put back when the block ends, once any
+    signal already delivered has run (against a handler that absorbs it)."""
+    previous = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for number in previous:
+            signal.signal(number, lambda *_: None)
+        time.sleep(0)  # a signal already delivered runs its (absorbing) handler here
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def run_burst(worker: Any, *, close: bool = False) -> Any:
     """Run a built worker in this thread until the queue is empty; `close`: close its engine afterwards."""
     try:
-        worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+        with own_signal_handlers():
+            worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
     finally:
         if close:
             worker.engine.close()
@@ -162,14 +180,15 @@ def drive_worker(conn: Any, engine: Any, driver: Callable[[], None], *, stop_whe
 
     worker = RolloutWorker(conn, engine, control_poll_s=0.1, **kwargs)
     thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        worker.work(burst=False, max_idle_time=None if stop_when_done else 2, with_scheduler=False,
-                    logging_level="WARNING")
-    finally:
-        worked.set()
-        thread.join(timeout=30)
-        engine.close()
+    with own_signal_handlers():  # the driver's SIGTERM may land just after the worker ended on its own
+        thread.start()
+        try:
+            worker.work(burst=False, max_idle_time=None if stop_when_done else 2, with_scheduler=False,
+                        logging_level="WARNING")
+        finally:
+            worked.set()
+            thread.join(timeout=30)
+            engine.close()
     if errors:
         raise errors[0]
     return worker
