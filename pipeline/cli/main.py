@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import redis
 
@@ -73,7 +73,21 @@ class Parser(argparse.ArgumentParser):
         invalid = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if invalid:
             message += did_you_mean(invalid.group(1), re.findall(r"'([^']*)'", invalid.group(2)))
+        unknown = re.match(r"unrecognized arguments: (.*)$", message)
+        if unknown:
+            message += self._closest_options(unknown.group(1).split())
         super().error(message)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def _closest_options(self, words: list[str]) -> str:
+        """"did you mean" for the first unknown option, among the chosen command's options."""
+        subparsers = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        command = subparsers[0].choices.get(_chosen(getattr(self, "_argv", []))) if subparsers else None
+        known = [o for a in (command or self)._actions for o in a.option_strings]
+        return next((did_you_mean(w.split("=")[0], known) for w in words if w.startswith("-")), "")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

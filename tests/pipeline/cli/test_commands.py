@@ -103,6 +103,20 @@ def test_a_mistyped_command_or_choice_is_a_usage_error_that_suggests_the_closest
     assert f"invalid choice: '{typo}'" in err and err.rstrip().endswith(f"; did you mean {suggested!r}?")
 
 
+@pytest.mark.parametrize(("argv", "suggested"), [
+    (["submit", "r.jsonl", "--rn", "x"], "--run"),
+    (["status", "--jsn"], "--json"),
+    (["cancel", "--run=x", "--pol=a"], "--pool"),
+])
+def test_a_mistyped_option_is_a_usage_error_that_suggests_the_commands_closest(
+        argv: list[str], suggested: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as usage:
+        cli.main(argv)
+    assert usage.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and err.rstrip().endswith(f"; did you mean {suggested!r}?")
+
+
 def test_the_worker_usage_error_from_the_command_line(tmp_path: Path) -> None:
     env = {**os.environ, "PIPELINE_HOME": str(tmp_path), "PIPELINE_REDIS_URL": "redis://127.0.0.1:9"}
     done = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "worker", "--engin", "sim", "--burst"],

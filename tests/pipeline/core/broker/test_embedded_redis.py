@@ -49,3 +49,39 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
         stopped = subprocess.run([*PIPELINE, "redis", "stop"], env=env, capture_output=True, text=True, check=True)
     assert stopped.stdout.strip() == "stopped"
     assert not RedisServer(directory, password=password).is_running()
+
+
+def test_stopping_the_embedded_server_under_live_workers_is_refused_unless_forced(tmp_path: Path) -> None:
+    """`pipeline redis stop` with a worker on it would leave that worker retrying a Redis that is gone
+    (issue 45): it is refused, naming the worker; `--force` stops it, and the worker still exits when told."""
+    import os
+    import signal
+
+    from pipeline.core.broker import registry
+    from pipeline.core.command import EXIT_UNREACHABLE, EXIT_USAGE
+    from tests.helpers.processes import wait_until
+
+    env = {**os.environ, "PIPELINE_HOME": str(tmp_path / "home")}
+    env.pop("PIPELINE_REDIS_URL", None)
+    url = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", "--heartbeat-interval", "1"], env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        client = redis.Redis.from_url(url)
+        wait_until(lambda: len(registry.live_workers(client, "default")) == 1, 60, "the worker to register")
+        wait_until(lambda: "Listening on" in log.read_text(), 60, "the worker's loop")
+        (worker_id,) = [w.worker_id for w in registry.live_workers(client, "default")]
+        refused = subprocess.run([*PIPELINE, "redis", "stop"], env=env, capture_output=True, text=True)
+        assert refused.returncode == EXIT_USAGE and worker_id in refused.stderr and "--force" in refused.stderr
+        assert client.ping()  # still up
+        forced = subprocess.run([*PIPELINE, "redis", "stop", "--force"], env=env, capture_output=True, text=True)
+        assert forced.returncode == 0 and forced.stdout.strip() == "stopped"
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == EXIT_UNREACHABLE
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        subprocess.run([*PIPELINE, "redis", "stop", "--force"], env=env, capture_output=True, text=True)
