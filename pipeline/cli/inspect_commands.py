@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pipeline.core import settings
 from pipeline.core.command import EXIT_FAILED, Command
@@ -32,6 +33,14 @@ class StatusCommand(Command):
         status = collect(conn, run=args.run, pool=pool)
         print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
         return 0
+
+
+def _file_name(source: str) -> str:
+    """A report's default file name: the run's name, or the last part of a shard URL, made file-safe."""
+    import re
+
+    name = source.rstrip("/").rsplit("/", 1)[-1] or "report"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 class ShowCommand(Command):
@@ -74,7 +83,9 @@ class ReportCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("source", metavar="RUN_OR_URL",
                             help="a run name (its commit log) or a URL/directory of shards")
-        parser.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+        parser.add_argument("--out", default=None,
+                            help="the HTML file to write (default: reports/<run>.html in the state directory, "
+                                 "PIPELINE_HOME)")
         parser.add_argument("--verify-model", action="append", default=None, metavar="PATH|V=PATH",
                             help="also run `pipeline verify` with this model (as verify's --model) and show its "
                                  "summary")
@@ -90,7 +101,8 @@ class ReportCommand(Command):
         models = [resolve_versioned(model) for model in args.verify_model] if args.verify_model else None
         page = report(args.source, conn=None if is_location(args.source) else connect_redis(args.redis),
                       verify_model=models, verify_options={"rows": args.verify_rows})
-        with open(args.out, "w", encoding="utf-8") as out:
-            out.write(page)
-        print(f"wrote {args.out} ({len(page) // 1024} KiB)")
+        path = Path(args.out) if args.out else settings.home() / "reports" / f"{_file_name(args.source)}.html"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page, encoding="utf-8")
+        print(f"wrote {path} ({len(page) // 1024} KiB): open {path.resolve().as_uri()} in a browser")
         return 0

@@ -261,3 +261,15 @@ def test_report_counts_agent_turns_sessions_and_prefix_breaks(redis_client: redi
 
     batch_url, _ = turn_shard(tmp_path, "batch", "job-1", [(None, 2)])
     assert "Agent sessions" not in Page(pipeline.report(batch_url)).titles
+
+
+def test_report_without_out_writes_into_the_state_directory(dense_run: str, tmp_path: Path,
+                                                            pipeline_env: dict[str, str]) -> None:
+    """Not into whatever directory the user stands in (issue 45): `reports/<run>.html` under
+    PIPELINE_HOME, its path printed."""
+    done = subprocess.run([*PIPELINE, "report", "dense"], env=pipeline_env, capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = Path(pipeline_env["PIPELINE_HOME"]) / "reports" / "dense.html"
+    assert written.is_file() and str(written) in done.stdout and written.as_uri() in done.stdout
+    assert not (tmp_path / "report.html").exists()
