@@ -59,8 +59,10 @@ class WeightAck(BaseModel):
     worker: Annotated[StrictStr, Field(min_length=1, max_length=512)]
     version: Annotated[StrictInt, Field(ge=0)]
     ok: StrictBool
-    seconds: Annotated[StrictFloat, Field(ge=0)]
+    seconds: Annotated[StrictFloat, Field(ge=0)]  # the engine's pause: the part of the load it stopped for
     error: Annotated[StrictStr, Field(max_length=8192)] | None = None
+    # Reading and staging the weights before that pause, while the engine generated on.
+    prepare_seconds: Annotated[StrictFloat, Field(ge=0)] = 0.0
     # How the worker swapped: "drain" when asked for it, or when its engine cannot stop samples.
     mode: SwapMode = "drain"
     # How it loaded (`Applied`), the weight-store bytes it read, and why a store push was rebuilt in full.

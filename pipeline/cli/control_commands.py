@@ -90,7 +90,8 @@ class WeightsPushCommand(Command):
             # A worker whose engine cannot stop samples drains instead of a partial swap, and says so.
             how = f", {ack.applied}, {_size(ack.bytes_read)} read" if stored else ""
             detail = f": {ack.detail}" if ack.detail else ""
-            print(f"  {ack.worker}: ok ({ack.seconds:.2f} s, {ack.mode}{how}){detail}")
+            read = f"read in {ack.prepare_seconds:.2f} s while generating, then " if ack.prepare_seconds else ""
+            print(f"  {ack.worker}: ok ({read}paused {ack.seconds:.2f} s, {ack.mode}{how}){detail}")
         return 0
 
 

@@ -139,7 +139,8 @@ class PreparedLoad:
         except Exception as exc:  # any load failure is reported; old weights stay
             error = f"{type(exc).__name__}: {exc}"
         return WeightAck(worker=self.worker_id, version=self.version, ok=error is None,
-                         seconds=float(time.monotonic() - started), error=error, mode=mode, **how)
+                         seconds=float(time.monotonic() - started), error=error, mode=mode,
+                         prepare_seconds=float(self.prepare_s), **how)
 
 
 def prepare_load(

@@ -56,6 +56,8 @@ def test_delta_pushes_from_a_state_dict_land_bit_for_bit_and_rows_match_the_new_
     # A worker reads what the push stored: the whole model once, then each delta only.
     assert [a.bytes_read for a in acks] == [p.stored_bytes for p in pushes]
     assert all(p.stored_bytes < p.model_bytes for p in pushes[1:])
+    # The ack says how long reading and staging took before the pause, not only the pause (issue 45).
+    assert all(a.prepare_seconds > 0 for a in acks)
     # Nothing large went through Redis: the state names the store and the version.
     state = control_channel.read_state(redis_client)
     assert (state.weight_source, state.weight_path, state.weight_version) == ("store", store, 3)
