@@ -128,12 +128,16 @@ in_sandbox.environment = sandbox  # type: ignore[attr-defined]
 
 
 async def text_turns(task: dict[str, Any], client: Any, episode: Any) -> float:
-    """Two text-completion turns on the task's prompt (TRL's prompts are text): the second extends
-    the first with its answer and a tool result; the reward favours short first answers."""
+    """Two completion turns on the task's text prompt (TRL's prompts are text): the second extends the
+    first with its sampled token ids and a tool result, as ids, since the tiny model (the TRL test's)
+    samples ids its char tokenizer has no text for (70, 71), and text rebuilt from the answer's text
+    would then not extend the first turn (a prefix break). The reward favours short first answers."""
+    from tests.helpers.models import token_id
+
     prompt = str(task["prompt"])
     first = await client.completions.create(model="m", prompt=prompt, max_tokens=6)
-    prompt = prompt + first.choices[0].text + " ok "
-    await client.completions.create(model="m", prompt=prompt, max_tokens=6)
+    ids = [token_id(c) for c in prompt] + first.choices[0].token_ids + [token_id(c) for c in " ok "]
+    await client.completions.create(model="m", prompt=ids, max_tokens=6)
     return 1.0 / (1 + len(first.choices[0].token_ids))
 
 

@@ -43,6 +43,8 @@ OVERRIDDEN: dict[str, tuple[str, ...]] = {
     "handle_job_failure": ("self", "job", "queue", "started_job_registry", "exc_string", "execution"),
     "procline": ("self", "message"),
     "request_force_stop": ("self", "signum", "frame"),
+    "request_stop": ("self", "signum", "frame"),
+    "unsubscribe": ("self",),  # RQ's joins its pub/sub thread without a timeout (`EngineWorker.unsubscribe`)
     "work": ("self", "burst", "logging_level", "date_format", "log_format", "max_jobs", "max_idle_time",
              "with_scheduler", "dequeue_strategy"),
 }
