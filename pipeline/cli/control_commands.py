@@ -114,6 +114,12 @@ def _check_target(conn: redis.Redis, pool: str, path: str, *, read_here: bool) -
               file=sys.stderr)
     if "://" in path or os.path.exists(path):
         return
+    from pipeline.core.demo_model import NAMES
+    from pipeline.core.suggest import did_you_mean
+
+    hint = did_you_mean(path, NAMES)  # a mistyped `demo-perturbed`
+    if hint:
+        raise PipelineError(f"weight path {path} does not exist{hint} (the demo model's names); nothing was pushed")
     if read_here:
         raise PipelineError(f"weight path {path} does not exist: a store push (--delta/--store) reads the checkpoint "
                             "here to write it into the weight store; give the directory save_pretrained wrote. "

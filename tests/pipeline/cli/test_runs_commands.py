@@ -188,3 +188,9 @@ def test_runs_counts_agent_turns_and_episodes_as_what_they_are() -> None:
     assert "11 agent turns" in text and "11/0" not in text
     assert "7/8 episodes, 16 agent turns" in text
     assert "2/2, 3 agent turns" in text
+
+
+def test_a_mistyped_demo_model_name_is_refused_with_the_name_it_meant(
+        redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(capsys, redis_url, "weights", "push", "demo-perturbd", "--version", "1")
+    assert code == EXIT_USAGE and "did you mean 'demo-perturbed'?" in err and "nothing was pushed" in err
