@@ -37,6 +37,8 @@ from workers.process.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
+DRAIN_POLL_S = 0.2  # how often a worker finishing its jobs in flight looks for work queued meanwhile
+
 Dequeued = tuple[Job, Queue]
 Route = Literal["run", "passed", "failed", "rounded"]
 
@@ -80,10 +82,25 @@ class JobIntake:
             if result is not None or not self.feeder.in_flight:
                 return result
             # Nothing to take now (burst end, pause in burst, idle limit): finish the jobs in
-            # flight, then look again, since a failed one may have been queued for a retry.
-            self.feeder.drain()
+            # flight, then look again, since a failed one may have been queued for a retry. Work
+            # queued meanwhile is taken at once: waiting for the last job in flight (a long
+            # sample's tail) with jobs queued left the engine idle, in `rl_loop.py` half the time.
+            while not self.feeder.drain(timeout=DRAIN_POLL_S):
+                if stopping() or self._work_queued():
+                    break
             if stopping():
                 return None
+
+    def _work_queued(self) -> bool:
+        """Whether any queue this worker takes from holds a job (its own lane, the pool's lane, the batch queue)."""
+        names = (self.pool.worker_lane_queue_name(self.worker_id), self.pool.lane_queue_name, self.pool.queue_name)
+        try:
+            with self.conn.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.llen(f"{Queue.redis_queue_namespace_prefix}{name}")
+                return any(pipe.execute())
+        except redis.RedisError:
+            return False
 
     def _next(self, rq_dequeue: Callable[[], Dequeued | None], burst: bool,
               stopping: Callable[[], bool]) -> Dequeued | None:

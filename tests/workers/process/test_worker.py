@@ -173,3 +173,40 @@ def test_unsubscribing_at_shutdown_does_not_wait_out_rq_pubsub_threads_minute(re
     done = threading.Event()
     threading.Thread(target=lambda: (worker.unsubscribe(), done.set()), daemon=True).start()
     assert done.wait(30), "the shutdown waited on RQ's pub/sub thread's 60 s wait"
+
+
+def test_work_queued_while_the_worker_finishes_its_jobs_in_flight_is_taken_at_once(
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    """With nothing queued (burst end, an idle limit) a worker finishes its jobs in flight before it
+    looks again; a job queued meanwhile must not wait for the last one's tail (in `rl_loop.py` the
+    engine sat idle half the time, the next step's jobs queued behind one long sample)."""
+    from pipeline.core.broker import commit_log
+    from tests.helpers.processes import run_burst, wait_until
+
+    client = pipeline.Client(redis_client)
+    output = f"file://{tmp_path}"
+    engine = SimEngine(SimConfig(step_s=0.01))
+    long = client.submit([{"id": "long", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 400,
+                                                                                  "ignore_eos": True}}],
+                         run="tail", output=output)
+    worker = RolloutWorker(redis_client, engine, control_poll_s=0.1)
+    draining = threading.Event()
+    drain = worker.feeder.drain
+
+    def watched(timeout: float | None = None) -> bool:
+        draining.set()
+        return drain(timeout)
+
+    worker.feeder.drain = watched  # type: ignore[method-assign]
+
+    def submit_when_draining() -> None:
+        wait_until(draining.is_set, 60, "the worker finishing its job in flight with nothing queued")
+        client.submit([{"id": "short", "input_ids": [3], "sampling_params": {"max_new_tokens": 2}}],
+                      run="tail", output=output)
+
+    thread = threading.Thread(target=submit_when_draining)
+    thread.start()
+    run_burst(worker, close=True)
+    thread.join(timeout=60)
+    order = [c.job_id for c in commit_log.read_all(redis_client, "tail")]
+    assert len(order) == 2 and order[1] == long.job_ids[0], order  # the short job committed first
