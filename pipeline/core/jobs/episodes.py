@@ -22,6 +22,7 @@ acknowledges the entry in the same step; a worker whose episode was taken over c
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,8 +241,6 @@ def cancel_run(conn: redis.Redis, run: str) -> int:
     """Cancel every episode of `run` that has no outcome yet: the queued ones never start, the ones in
     flight are stopped by their agent workers (within a keep-alive interval) and their turns never
     reach training. Returns how many were canceled (0 for a run with none left, or no episodes)."""
-    import time
-
     info = run_info(conn, run)
     if info is None:
         return 0
