@@ -165,7 +165,7 @@ def cancel(
     result = CancelResult()
     info = episodes.run_info(conn, run) if run is not None else None
     if info is not None and (pool is None or info["pool"] == keys.pool_name(pool)):
-        result.episodes = episodes.cancel_run(conn, run)
+        result.episodes = episodes.cancel_run(conn, run, info)
         if not job_ids and not conn.exists(keys.run_batches(run)):
             return result  # a run of episodes only
     targets = _targets(conn, run, job_ids)

@@ -237,11 +237,11 @@ def run_info(conn: redis.Redis, run: str) -> dict[str, Any] | None:
     return info
 
 
-def cancel_run(conn: redis.Redis, run: str) -> int:
+def cancel_run(conn: redis.Redis, run: str, info: dict[str, Any] | None = None) -> int:
     """Cancel every episode of `run` that has no outcome yet: the queued ones never start, the ones in
     flight are stopped by their agent workers (within a keep-alive interval) and their turns never
     reach training. Returns how many were canceled (0 for a run with none left, or no episodes)."""
-    info = run_info(conn, run)
+    info = info or run_info(conn, run)  # `info`: the run's `run_info`, when the caller has read it
     if info is None:
         return 0
     now = int(time.time() * 1000)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -23,19 +24,35 @@ from workers.agents.worker import AgentWorker
 from workers.engines.fake import FakeEngine
 
 
+def _with_agent_worker(conn: redis.Redis, server: Server, name: str, concurrency: int,
+                       trainer: Callable[[], None]) -> tuple[AgentWorker, bool]:
+    """`trainer` run while a burst agent worker of the test agent `name` runs its episodes (in a
+    thread) and a rollout worker answers their turns (in this one); the agent worker, and whether
+    it was still running a minute after `trainer` returned."""
+    worker = AgentWorker(conn, {agent(name): agent_paths.load(agent(name))}, serve_url=server.url,
+                         concurrency=concurrency, claim_after_s=1.0)
+    alive: list[bool] = []
+
+    def drive() -> None:
+        thread = threading.Thread(target=worker.work, kwargs={"burst": True})
+        thread.start()
+        trainer()
+        thread.join(timeout=60)
+        alive.append(thread.is_alive())
+
+    drive_worker(conn, FakeEngine(), drive, stop_when_done=True)
+    return worker, alive[0]
+
+
 def test_a_canceled_run_stops_its_episodes_and_the_worker_goes_on(
         redis_client: redis.Redis, server: Server, events_file: Path, pipeline_env: dict[str, str]) -> None:
     client = pipeline.Client(redis_client)
     hanging = [{"id": f"h{i}", "hang": True} for i in range(4)]
     run = client.submit_episodes(hanging, agent=agent("in_sandbox"), run="doomed", n=2, timeout_s=3600)
     later = client.submit_episodes([{"id": "ok"}], agent=agent("in_sandbox"), run="later", n=2)
-    worker = AgentWorker(redis_client, {agent("in_sandbox"): agent_paths.load(agent("in_sandbox"))},
-                         serve_url=server.url, concurrency=3, claim_after_s=1.0)
     seen: dict[str, object] = {}
 
     def trainer() -> None:
-        thread = threading.Thread(target=worker.work, kwargs={"burst": True})
-        thread.start()
         wait_until(lambda: [e["kind"] for e in events(events_file)] == ["setup"] * 3, 60,
                    "three episodes in flight, their environments set up")
         canceled = subprocess.run([*PIPELINE, "cancel", "--run", "doomed"], env=pipeline_env, capture_output=True,
@@ -43,10 +60,9 @@ def test_a_canceled_run_stops_its_episodes_and_the_worker_goes_on(
         seen["cli"] = (canceled.returncode, canceled.stdout, canceled.stderr)
         seen["counts"] = run.wait(timeout=30)  # every episode has its outcome at once
         later.wait(timeout=60)  # the worker stopped the canceled ones and ran the other run's
-        thread.join(timeout=60)
-        seen["alive"] = thread.is_alive()
 
-    drive_worker(redis_client, FakeEngine(), trainer, stop_when_done=True)
+    worker, alive = _with_agent_worker(redis_client, server, "in_sandbox", 3, trainer)
+    seen["alive"] = alive
     code, out, err = seen["cli"]  # type: ignore[misc]
     assert code == 0, err
     assert "canceled 8 episode(s) of run doomed that had not ended" in out
@@ -73,17 +89,12 @@ def test_take_keeps_the_first_groups_the_filter_accepts_and_cancels_the_rest(
     tasks = [{"id": "same", "turns": 1, "answer": 2}, {"id": "a", "turns": 1}, {"id": "b", "turns": 1},
              *({"id": f"slow{i}", "hang": True} for i in range(2))]
     run = client.submit_episodes(tasks, agent=agent("solve_or_hang"), run="over", n=2, timeout_s=3600)
-    worker = AgentWorker(redis_client, {agent("solve_or_hang"): agent_paths.load(agent("solve_or_hang"))},
-                         serve_url=server.url, concurrency=10, claim_after_s=1.0)
     taken: dict[str, object] = {}
 
     def trainer() -> None:
-        thread = threading.Thread(target=worker.work, kwargs={"burst": True})
-        thread.start()
         taken["result"] = run.take(2, keep=pipeline.rewards_differ, timeout=60)
-        thread.join(timeout=60)
 
-    drive_worker(redis_client, FakeEngine(), trainer, stop_when_done=True)
+    _with_agent_worker(redis_client, server, "solve_or_hang", 10, trainer)
     result = taken["result"]
     assert sorted(g.column("task_id")[0].as_py() for g in result.groups) == ["a", "b"]  # type: ignore[attr-defined]
     assert result.dropped == ["same"] and result.canceled == 4  # type: ignore[attr-defined]
