@@ -248,20 +248,25 @@ def generated_tokens(server: VLLMServer) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
+LONG = 480
+
+
 def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
     vllm_server: VLLMServer, redis_client: redis.Redis, demo_model_dir: Path, demo_prompts: list[list[int]],
     tmp_path: Path,
 ) -> None:
     """A partial push lands while vLLM generates: the worker aborts its requests by id, the server
     reloads, the samples continue on v1; each token keeps the version that generated it, and each
-    stored logprob is that version's (`pipeline.verify` with a model per version)."""
+    stored logprob is that version's (`pipeline.verify` with a model per version). The samples are
+    long enough (480 tokens) that a push reaching the worker seconds late on a loaded machine still
+    finds them generating (at 160, a CI run once saw them finish first)."""
     from tests.helpers.vllm_server import untied_copy
     from tests.workers.rows.test_partial_swap import run_with_push
     from workers.engines.hf.demo_model import ensure_perturbed_copy
 
     v1 = ensure_perturbed_copy(demo_model_dir)
     lines = [{"id": f"p{i}", "input_ids": prompt, "logprobs": 0,
-              "sampling_params": {"max_new_tokens": 160, "temperature": 1.0, "seed": i, "ignore_eos": True}}
+              "sampling_params": {"max_new_tokens": LONG, "temperature": 1.0, "seed": i, "ignore_eos": True}}
              for i, prompt in enumerate(demo_prompts[:2])]
     batch = pipeline.Client(redis_client).submit(lines, run="vllm-partial", output=f"file://{tmp_path}",
                                                  batch_size=2)
@@ -274,12 +279,13 @@ def test_a_partial_push_continues_samples_in_flight_on_the_new_weights(
     finally:
         put_back_the_demo_weights(vllm_server)
     rows = {r["rollout_id"]: r for r in batch.read().to_pylist()}
-    assert sorted(rows) == ["p0:0", "p1:0"] and all(len(r["completion_token_ids"]) == 160 for r in rows.values())
+    assert sorted(rows) == ["p0:0", "p1:0"] and all(len(r["completion_token_ids"]) == LONG for r in rows.values())
     for rid, row in rows.items():
+        assert row["weight_version_segments"], f"{rid}: every token on one version; the push came after it ended"
         segments = [(s["start"], s["version"]) for s in row["weight_version_segments"]]
         assert segments[0] == (0, 0) and segments[-1][1] == 1 and row["weight_version"] == 0, (rid, segments)
     report = pipeline.verify(str(tmp_path), {0: str(demo_model_dir), 1: str(v1)})
-    assert report.tokens == 320 and report.max_abs_diff <= LOGPROB_TOLERANCE, report.worst.to_pylist()[:3]
+    assert report.tokens == 2 * LONG and report.max_abs_diff <= LOGPROB_TOLERANCE, report.worst.to_pylist()[:3]
 
 
 def test_a_paused_server_holds_the_request_until_it_resumes(
