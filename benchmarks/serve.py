@@ -3,7 +3,8 @@ how many shards a run of turns leaves.
 
     .venv/bin/python benchmarks/serve.py [--sessions 256] [--turns 8] [--workers 1] [--repeats 3]
 
-Everything real but the model: a `redis-server`, `pipeline serve` (uvicorn, its own process),
+Everything real but the model: a `redis-server` set up as the embedded default is (unix socket, AOF,
+`$PIPELINE_REDIS_APPENDFSYNC`, default everysec), `pipeline serve` (uvicorn, its own process),
 `pipeline worker` processes (each its own process) around a zero-time engine (the sim at
 infinite speed: continuous batching whose steps take no time, 8 tokens a reply), and agents
 as asyncio tasks over one aiohttp client, each a session of chat turns whose messages grow as
@@ -16,6 +17,12 @@ message: the prefix rule extends the prompt ids).
   (`engine.generate` on the same request, in this process) in the same run: p50 and p99 of
   (turn latency - direct call), what the pipeline adds (HTTP, rendering, Redis, the queue, the
   worker, the commit, the answer);
+- Redis work: commands per turn (Redis's own `INFO commandstats`, commands run inside scripts
+  included) for the lone session and under load, and commands per second of each idle worker,
+  measured before the server starts (`--workers` of them: a pool's periodic cleanup is done once
+  per interval by one of them, so the figure per worker falls as the pool grows);
+- fsync: the lone session again with the embedded default's `appendfsync everysec` and with
+  `always` (the old default), switched on the same server (`CONFIG SET`), same run;
 - shards: a run of 10 000 turns (sessions of `--turns`, `--sessions` at a time), then the number
   of shard files it left (turn rows are written many to a shard) and turns per shard.
 
@@ -45,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import free_port, percentile  # noqa: E402
+from pipeline.core import settings  # noqa: E402
 from pipeline.core.broker import commit_log, keys  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 
@@ -134,6 +142,20 @@ def _direct_latency(samples: int) -> list[float]:
     return out
 
 
+def _commands(conn: redis.Redis) -> int:
+    """Commands Redis has run since its last `CONFIG RESETSTAT`, bar the benchmark's own INFO/CONFIG."""
+    return sum(stat["calls"] for name, stat in conn.info("commandstats").items()
+               if name not in ("cmdstat_info", "cmdstat_config"))
+
+
+def _lone_turns(url: str, turns: int, mode: str) -> list[float]:
+    """Added latency per turn of one session alone (8 sessions one after the other), against the
+    engine called directly in this process."""
+    _, alone = asyncio.run(_load(url, 8, turns, 1, mode))
+    direct = _direct_latency(len(alone))
+    return [a - d for a, d in zip(sorted(alone), sorted(direct), strict=True)]
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -151,17 +173,32 @@ def main() -> None:
     parser.add_argument("--mode", choices=["chat", "tokens"], default="chat",
                         help="chat: /v1/chat/completions, rendered by the chat template; tokens: /v1/completions "
                              "with token ids (the same road without the template)")
+    parser.add_argument("--idle-s", type=float, default=30, help="seconds the idle workers are measured (0: skip)")
+    parser.add_argument("--fsync-ab", type=int, default=3,
+                        help="alternating rounds of the lone session with appendfsync everysec and always (0: skip)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as redis_server:
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0,
+                                                           appendfsync=settings.redis_appendfsync()) as redis_server:
         conn = redis.Redis.from_url(redis_server.url)
         port = free_port()
         output = f"file://{tmp}/shards"
         run = "bench"
         procs = [ctx.Process(target=_worker, args=(redis_server.url,), daemon=True) for _ in range(args.workers)]
-        procs.append(ctx.Process(target=_server, args=(redis_server.url, port, output, run), daemon=True))
         for proc in procs:
             proc.start()
+        if args.idle_s:  # the workers alone, idle, once they have joined and settled
+            deadline = time.monotonic() + 120
+            while conn.scard(keys.pool(None).workers) < args.workers and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(15)
+            conn.config_resetstat()
+            time.sleep(args.idle_s)
+            idle = _commands(conn) / args.idle_s
+            print(f"idle: {args.workers} worker(s), {idle / args.workers:.2f} Redis commands/s per worker over "
+                  f"{args.idle_s:g} s ({idle:.1f}/s in all; goal: at most 3 per worker)", flush=True)
+        procs.append(ctx.Process(target=_server, args=(redis_server.url, port, output, run), daemon=True))
+        procs[-1].start()
         print(f"processes: server {procs[-1].pid}, workers {[p.pid for p in procs[:-1]]}", flush=True)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -178,14 +215,29 @@ def main() -> None:
                 time.sleep(0.2)
             asyncio.run(_load(url, 4, 2, 4, args.mode))  # warm-up: imports, templates, connections
 
-            # Added latency: one session alone, against the engine called directly in this run.
-            _, alone = asyncio.run(_load(url, 8, args.turns, 1, args.mode))
-            direct = _direct_latency(len(alone))
-            added = [a - d for a, d in zip(sorted(alone), sorted(direct), strict=True)]
-            print(f"added latency per turn ({args.mode}), one session alone ({len(alone)} turns): p50 "
-                  f"{percentile(added, 0.5) * 1000:.2f} ms, p99 {percentile(added, 0.99) * 1000:.2f} ms (turn p50 "
-                  f"{percentile(alone, 0.5) * 1000:.2f} ms; the engine called directly p50 "
-                  f"{percentile(direct, 0.5) * 1e6:.0f} µs)")
+            # Added latency: one session alone, against the engine called directly in this run; with
+            # the server's fsync policy, then each policy in turn on the same server (same run).
+            policy = conn.config_get("appendfsync")["appendfsync"]
+            conn.config_resetstat()
+            added = _lone_turns(url, args.turns, args.mode)
+            lone_commands = _commands(conn) / len(added)
+            print(f"added latency per turn ({args.mode}), one session alone ({len(added)} turns, appendfsync "
+                  f"{policy}): p50 {percentile(added, 0.5) * 1000:.2f} ms, "
+                  f"p99 {percentile(added, 0.99) * 1000:.2f} ms; "
+                  f"{lone_commands:.1f} Redis commands per turn")
+            if args.fsync_ab:
+                medians: dict[str, list[float]] = {"everysec": [], "always": []}
+                for _ in range(args.fsync_ab):
+                    for name in medians:
+                        conn.config_set("appendfsync", name)
+                        medians[name].append(percentile(_lone_turns(url, args.turns, args.mode), 0.5))
+                conn.config_set("appendfsync", policy)
+                every, always = (statistics.median(medians[n]) for n in ("everysec", "always"))
+                print(f"fsync, {args.fsync_ab} alternating rounds of the lone session, medians of the rounds' p50: "
+                      f"everysec {every * 1000:.2f} ms (min {min(medians['everysec']) * 1000:.2f}, max "
+                      f"{max(medians['everysec']) * 1000:.2f}), always {always * 1000:.2f} ms (min "
+                      f"{min(medians['always']) * 1000:.2f}, max {max(medians['always']) * 1000:.2f}): "
+                      f"always / everysec {always / every:.2f}x")
 
             rates, p50s, p99s = [], [], []
             redis_pid = int((redis_server.directory / "redis.pid").read_text())
@@ -194,6 +246,7 @@ def main() -> None:
             cpu_before = {name: sum(_cpu_s(p) for p in (ids if isinstance(ids, list) else [ids]))
                           for name, ids in pids.items()}
             turns_done = 0
+            conn.config_resetstat()
             for _ in range(args.repeats):
                 seconds, latencies = asyncio.run(_load(url, args.sessions, args.turns, args.sessions, args.mode))
                 turns_done += len(latencies)
@@ -207,6 +260,8 @@ def main() -> None:
                   f"median of {args.repeats}: {statistics.median(rates):.0f} turns/s (min {min(rates):.0f}, "
                   f"max {max(rates):.0f}); turn latency under that load p50 {statistics.median(p50s) * 1000:.0f} ms, "
                   f"p99 {statistics.median(p99s) * 1000:.0f} ms")
+            print(f"Redis work under that load: {_commands(conn) / turns_done:.1f} commands per turn "
+                  "(goal: at most 12)")
             per = ", ".join(f"{name} {ms:.2f} ms" for name, ms in cpu.items())
             print(f"CPU per turn under that load: {per}"
                   + f" ({sum(cpu.values()):.2f} ms in all, on {os.cpu_count()} cores)")

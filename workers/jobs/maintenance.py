@@ -13,7 +13,10 @@ intermediate queue. Here:
   the next cleanup by that much, not 15 minutes);
 - jobs stuck in the intermediate queue are recovered after `stuck_after_s`;
 - retries RQ scheduled for later (jobs are submitted with backoff between attempts) are
-  enqueued once due, looked for every second: workers need no RQ scheduler process;
+  enqueued once due, looked for every second while one is scheduled, every five seconds while
+  none is: workers need no RQ scheduler process;
+- a periodic cleanup runs once an interval per pool, by whichever worker claims it first, so an
+  idle fleet's Redis load does not grow with its size (an on-demand `clean` always runs);
 - jobs whose state a Redis failover orphaned (waiting or running, but held nowhere) are
   requeued (`workers.jobs.reconcile`); for `stuck_after_s` after the Redis master changed, no job is
   taken for abandoned (running jobs' entries may have expired while no master answered, until
@@ -45,7 +48,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAINTENANCE_INTERVAL_S = 10
 DEFAULT_STUCK_AFTER_S = 60.0
-RETRY_CHECK_S = 1.0  # how often due retries are looked for (one ZRANGEBYSCORE per queue)
+RETRY_CHECK_S = 1.0  # how often due retries are looked for while one is scheduled (one ZRANGE per queue)
+RETRY_IDLE_CHECK_S = 5.0  # how often while none is
 RETRY_LOCK_S = 10
 
 
@@ -66,6 +70,7 @@ class RegistryMaintenance:
         # Each sweeps all of its pool's queues, under the cleaning lock of its batch queue (the last).
         self.reconcilers = {r.queues[-1].name: r for r in reconcilers}
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def clean(self) -> None:
@@ -108,13 +113,19 @@ class RegistryMaintenance:
             self.fail_job(job, queue, "Job was stuck in intermediate queue (worker died?).")
             intermediate.remove(job_id)
 
-    def enqueue_due_retries(self) -> None:
+    def enqueue_due_retries(self) -> float | None:
         """Retries whose backoff has passed go to their queue (what RQ's scheduler process would do);
-        one worker at a time per queue, so none is enqueued twice."""
-        for queue in self.queues:
+        one worker at a time per queue, so none is enqueued twice. Returns the seconds until the
+        earliest retry not yet due (None: none is scheduled, or one was due: look again soon)."""
+        upcoming: float | None = None
+        for queue, earliest in zip(self.queues, self._earliest_retries(), strict=True):
             registry = queue.scheduled_job_registry
-            if not registry.get_jobs_to_schedule(int(time.time()), chunk_size=1):
+            if earliest is None:
                 continue
+            if earliest > time.time():
+                upcoming = min(upcoming or float("inf"), earliest - time.time())
+                continue
+            upcoming = 0.0
             lock = f"{registry.key}:enqueuing"
             if not self.connection.set(lock, 1, nx=True, ex=RETRY_LOCK_S):
                 continue
@@ -130,15 +141,23 @@ class RegistryMaintenance:
                     pipe.execute()
             finally:
                 self.connection.delete(lock)
+        return upcoming
+
+    def _earliest_retries(self) -> list[float | None]:
+        """Per queue, when its earliest scheduled retry is due (None: it has none); one round trip."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in self.queues:
+                pipe.zrange(queue.scheduled_job_registry.key, 0, 0, withscores=True)
+            return [found[0][1] if found else None for found in pipe.execute()]
 
     def next_retry_in(self) -> float | None:
         """Seconds until the earliest scheduled retry of these queues is due (None: there is none)."""
-        due = []
-        for queue in self.queues:
-            earliest = self.connection.zrange(queue.scheduled_job_registry.key, 0, 0, withscores=True)
-            if earliest:
-                due.append(earliest[0][1])
+        due = [earliest for earliest in self._earliest_retries() if earliest is not None]
         return max(0.0, min(due) - time.time()) if due else None
+
+    def wake(self) -> None:
+        """Look for due retries now (and at the busy pace after): a retry may just have been scheduled."""
+        self._wake.set()
 
     def start(self) -> None:
         self._stop.clear()
@@ -147,18 +166,36 @@ class RegistryMaintenance:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
 
+    def periodic_clean(self) -> bool:
+        """`clean`, unless a worker of the pool began one less than an interval ago (else this one
+        claims it): a fleet of idle workers cleans each pool once an interval, not once each."""
+        marker = f"{self.queues[-1].registry_cleaning_key}:swept"
+        if not self.connection.set(marker, 1, nx=True, ex=max(1, int(self.interval_s))):
+            return False
+        self.clean()
+        return True
+
     def _loop(self) -> None:
         next_clean = time.monotonic() + self.interval_s
-        while not self._stop.wait(min(RETRY_CHECK_S, self.interval_s)):
+        wait = min(RETRY_CHECK_S, self.interval_s)
+        while True:
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                self.enqueue_due_retries()
+                # With no retry scheduled, look less often: a retry another worker schedules is at
+                # most RETRY_IDLE_CHECK_S late (its backoff is seconds to minutes).
+                upcoming = self.enqueue_due_retries()
+                wait = min(self.interval_s, RETRY_IDLE_CHECK_S if upcoming is None else max(upcoming, RETRY_CHECK_S))
                 if time.monotonic() >= next_clean:
                     next_clean = time.monotonic() + self.interval_s
-                    self.clean()
+                    self.periodic_clean()
             except redis.RedisError as exc:
                 log.warning("registry maintenance failed: %s", exc)
             except Exception:  # the thread must outlive any one failure

@@ -42,6 +42,7 @@ REPLY_TTL_S = 600  # a reply nobody took (the server gave up or died) expires
 TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`keys.turn_shard`)
 DEFAULT_SHARD_TURNS = 256
 DEFAULT_SHARD_AGE_S = 10.0
+FLUSH_CHECK_S = 5.0  # how often a worker looks at the turn logs (a shard is due at 10 s or 256 turns)
 LOCK_TTL_MS = 120_000
 
 # KEYS: turn log, TURN_RUNS. ARGV: run. A run whose log is empty leaves the set (atomically, so a
@@ -98,10 +99,25 @@ def _unify(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables([t.cast(wide) for t in tables])
 
 
+def _due(conn: redis.Redis, run: str, turns: int, max_age_s: float) -> bool:
+    """Whether `run`'s turn log holds a shard's worth of turns or one `max_age_s` old, or is empty
+    (to be forgotten): two light reads in one round trip, before any lock is taken."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.turn_log(run))
+        pipe.xrange(keys.turn_log(run), count=1)
+        length, first = pipe.execute()
+    if not first:
+        return True
+    age = time.time() - int(first[0][0].decode().split("-")[0]) / 1000
+    return length >= turns or age >= max_age_s
+
+
 def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS,
                 max_age_s: float = DEFAULT_SHARD_AGE_S, force: bool = False) -> str | None:
     """Write the oldest turns of `run`'s log to one shard when `turns` are waiting, or the oldest
     is `max_age_s` old (or `force`); return the shard's URL, None when nothing was written."""
+    if not force and not _due(conn, run, turns, max_age_s):
+        return None
     token = uuid.uuid4().hex
     lock = keys.turn_flush_lock(run)
     if not conn.set(lock, token, nx=True, px=LOCK_TTL_MS):
@@ -144,7 +160,7 @@ def flush_turns(conn: redis.Redis, run: str, *, turns: int = DEFAULT_SHARD_TURNS
 class TurnFlusher:
     """A worker's thread that flushes every run's turn log (`flush_turns`) every `interval_s`."""
 
-    def __init__(self, connect: Callable[[], redis.Redis], *, interval_s: float = 0.5,
+    def __init__(self, connect: Callable[[], redis.Redis], *, interval_s: float = FLUSH_CHECK_S,
                  turns: int = DEFAULT_SHARD_TURNS, max_age_s: float = DEFAULT_SHARD_AGE_S) -> None:
         self._connect = connect
         self.turns = turns

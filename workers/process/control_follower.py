@@ -44,7 +44,7 @@ from workers.process.store_load import prepare_store_load, scratch_dir
 
 log = logging.getLogger(__name__)
 
-POLL_S = 1.0
+POLL_S = 2.0  # the state read without a message (one missed, a Redis restart); pub/sub wakes at once
 
 
 class ControlListener:

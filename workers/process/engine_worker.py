@@ -36,6 +36,7 @@ from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
 from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from pipeline.core.broker import keys
 from pipeline.core.jobs import rq_seam
@@ -55,6 +56,7 @@ from workers.process.lane_keeper import LaneKeeper
 from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
 log = logging.getLogger(__name__)
+RQ_HEARTBEAT_S = HEARTBEAT_INTERVAL_S  # RQ's own worker key, refreshed no more often than this
 DRAIN_POLL_S = 0.1  # how often a warm shutdown's wait for the jobs in flight looks for a second signal
 
 
@@ -178,6 +180,21 @@ class EngineWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self.presence.job_ttl
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        """RQ's worker heartbeat (three commands; its key lives `worker_ttl` + 60 s, eight minutes),
+        which RQ sends two or three times per job: sent at most every `RQ_HEARTBEAT_S` unless a
+        caller names its own timeout. Liveness that matters (jobs, the registry) beats elsewhere."""
+        last = self.last_heartbeat
+        if timeout is None and last is not None and (now() - last).total_seconds() < RQ_HEARTBEAT_S:
+            return
+        super().heartbeat(timeout, pipeline)
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        """RQ's worker state, written only when it changes (RQ writes `idle` before every dequeue)."""
+        if pipeline is None and state == self.get_state():
+            return
+        super().set_state(state, pipeline)
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None

@@ -68,6 +68,7 @@ class Heartbeat:
         self.jobs = jobs
         self.beat_job = beat_job
         self.joined = True
+        self._member = False  # in the pool's set of workers since a full publish
         # Held around every change and publish of `info`; reentrant, so that a caller can compute
         # and publish a state as one step.
         self.lock = threading.RLock()
@@ -81,18 +82,22 @@ class Heartbeat:
         return max(2, int(self.interval_s * 3) + 1)
 
     def update(self, **fields: Any) -> None:
-        """Set fields of the entry and publish it."""
+        """Set fields of the entry and publish it if any changed (the entry alone: one command; the
+        heartbeat refreshes the pool's membership)."""
         with self.lock:
+            changed = any(getattr(self.info, name) != value for name, value in fields.items())
             for name, value in fields.items():
                 setattr(self.info, name, value)
-            self.publish()
+            if changed or not self._member:
+                self.publish(membership=not self._member)
 
-    def publish(self) -> None:
+    def publish(self, *, membership: bool = True) -> None:
         if not self.joined:
             return
         try:
             with self.lock:
-                registry.publish(self.conn, self.info, ttl_s=int(self.interval_s * 3) + 1)
+                registry.publish(self.conn, self.info, ttl_s=int(self.interval_s * 3) + 1, membership=membership)
+                self._member = self._member or membership
         except redis.RedisError as exc:
             log.warning("registry heartbeat failed: %s", exc)
 
@@ -103,6 +108,7 @@ class Heartbeat:
         """Stop the thread and take the entry out of the registry."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._member = False
         registry.remove(self.conn, self.info.worker_id, self.info.pool)
 
     def _loop(self) -> None:

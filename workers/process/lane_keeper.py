@@ -19,7 +19,7 @@ from workers.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
-INTERVAL_S = 1.0
+INTERVAL_S = 5.0  # the registry notices a dead worker after three heartbeats (16 s) anyway
 
 
 class LaneKeeper:

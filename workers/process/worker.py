@@ -161,6 +161,7 @@ class RolloutWorker(EngineWorker):
             self.metrics.job_failed(retried=job.should_retry and rq_seam.stopped_job_id(self) != job.id)
         super().handle_job_failure(job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
                                    execution=execution)
+        self.maintenance.wake()  # a retry it scheduled is looked for when due, not at the idle pace
 
     def _finish_canceled(self, job: Job, execution: Execution) -> None:
         """A canceled job ends `canceled`, never retried; RQ's started registry lets go of it."""
@@ -204,8 +205,9 @@ class RolloutWorker(EngineWorker):
         return self.shutdown.aborting
 
     def clean_registries(self) -> None:
-        """RQ's own maintenance call, bounded as `workers.jobs.maintenance` describes."""
-        self.maintenance.clean()
+        """RQ's own maintenance call, bounded as `workers.jobs.maintenance` describes (and, like the
+        maintenance thread's, skipped when another worker of the pool cleaned within the interval)."""
+        self.maintenance.periodic_clean()
         self.last_cleaned_at = now()
 
     def clean_group_registries(self) -> None:

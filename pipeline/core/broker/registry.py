@@ -15,10 +15,15 @@ from schemas.worker_info import WorkerInfo
 DEFAULT_TTL_S = 30
 
 
-def publish(conn: redis.Redis, info: WorkerInfo, ttl_s: int = DEFAULT_TTL_S) -> None:
-    """Write (or refresh) a worker's entry in its pool; it disappears `ttl_s` after the last refresh."""
+def publish(conn: redis.Redis, info: WorkerInfo, ttl_s: int = DEFAULT_TTL_S, *, membership: bool = True) -> None:
+    """Write (or refresh) a worker's entry in its pool; it disappears `ttl_s` after the last refresh.
+    `membership=False` writes the entry alone (one command), for a change between heartbeats of a
+    worker whose last heartbeat put it in its pool's set."""
     info.heartbeat_at = time.time()
     pool = keys.pool(info.pool)
+    if not membership:
+        conn.set(pool.worker(info.worker_id), info.model_dump_json(), ex=ttl_s)
+        return
     with conn.pipeline() as pipe:
         pipe.set(pool.worker(info.worker_id), info.model_dump_json(), ex=ttl_s)
         pipe.sadd(pool.workers, info.worker_id)

@@ -40,10 +40,12 @@ OVERRIDDEN: dict[str, tuple[str, ...]] = {
     "execute_job": ("self", "job", "queue"),
     "get_heartbeat_ttl": ("self", "job", "working_time"),
     "handle_exception": ("self", "job", "exc_info"),
+    "heartbeat": ("self", "timeout", "pipeline"),  # sent at most every few seconds (`EngineWorker.heartbeat`)
     "handle_job_failure": ("self", "job", "queue", "started_job_registry", "exc_string", "execution"),
     "procline": ("self", "message"),
     "request_force_stop": ("self", "signum", "frame"),
     "request_stop": ("self", "signum", "frame"),
+    "set_state": ("self", "state", "pipeline"),  # written only when it changes
     "unsubscribe": ("self",),  # RQ's joins its pub/sub thread without a timeout (`EngineWorker.unsubscribe`)
     "work": ("self", "burst", "logging_level", "date_format", "log_format", "max_jobs", "max_idle_time",
              "with_scheduler", "dequeue_strategy"),
