@@ -13,7 +13,7 @@ intermediate queue. Here:
   the next cleanup by that much, not 15 minutes);
 - jobs stuck in the intermediate queue are recovered after `stuck_after_s`;
 - retries RQ scheduled for later (jobs are submitted with backoff between attempts) are
-  enqueued once due, looked for every second while one is scheduled, every five seconds while
+  enqueued once due, looked for every second while one is scheduled, every ten seconds while
   none is: workers need no RQ scheduler process;
 - a periodic cleanup runs once an interval per pool, by whichever worker claims it first, so an
   idle fleet's Redis load does not grow with its size (an on-demand `clean` always runs);
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAINTENANCE_INTERVAL_S = 10
 DEFAULT_STUCK_AFTER_S = 60.0
 RETRY_CHECK_S = 1.0  # how often due retries are looked for while one is scheduled (one ZRANGE per queue)
-RETRY_IDLE_CHECK_S = 5.0  # how often while none is
+RETRY_IDLE_CHECK_S = 10.0  # how often while none is
 RETRY_LOCK_S = 10
 
 

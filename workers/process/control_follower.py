@@ -44,7 +44,7 @@ from workers.process.store_load import prepare_store_load, scratch_dir
 
 log = logging.getLogger(__name__)
 
-POLL_S = 2.0  # the state read without a message (one missed, a Redis restart); pub/sub wakes at once
+POLL_S = 3.0  # the state read without a message (one missed, a Redis restart); pub/sub wakes at once
 
 
 class ControlListener:
@@ -352,7 +352,11 @@ class ControlFollower:
         write_ack(self.conn, ack, self.pool.name)
 
     def wait_until_resumed(self, *, burst: bool, stopping: Callable[[], bool]) -> bool:
-        """Block while paused (False in burst mode, or once `stopping()`: the worker then exits instead)."""
+        """Block while paused (False in burst mode, or once `stopping()`: the worker then exits instead).
+        Running as last read, it returns without a read: the work loop reads the state again after
+        every dequeue (`JobIntake`), before anything runs, which catches a pause that came meanwhile."""
+        if not self.desired.paused:
+            return True
         while True:
             self.changed.clear()
             if not self.sync().paused:

@@ -56,7 +56,7 @@ from workers.process.lane_keeper import LaneKeeper
 from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
 
 log = logging.getLogger(__name__)
-RQ_HEARTBEAT_S = HEARTBEAT_INTERVAL_S  # RQ's own worker key, refreshed no more often than this
+RQ_HEARTBEAT_S = 30  # RQ's own worker key (it lives 8 minutes), refreshed no more often than this
 DRAIN_POLL_S = 0.1  # how often a warm shutdown's wait for the jobs in flight looks for a second signal
 
 

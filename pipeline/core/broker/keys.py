@@ -73,6 +73,11 @@ class PoolKeys:
         return f"{self._base}:lane:load:{worker_id}"
 
     @property
+    def lane_rehome_claim(self) -> str:
+        """Held (a few seconds) by the worker moving the pool's dead workers' turns this round."""
+        return f"{self._base}:lane:rehome-claim"
+
+    @property
     def lane_stats(self) -> str:
         """A hash of the pool's turn counts: turns, home_turns, cached and prompt tokens, moves by reason."""
         return f"{self._base}:lane:stats"

@@ -24,7 +24,7 @@ def publish(conn: redis.Redis, info: WorkerInfo, ttl_s: int = DEFAULT_TTL_S, *, 
     if not membership:
         conn.set(pool.worker(info.worker_id), info.model_dump_json(), ex=ttl_s)
         return
-    with conn.pipeline() as pipe:
+    with conn.pipeline(transaction=False) as pipe:  # one round trip; each write stands alone
         pipe.set(pool.worker(info.worker_id), info.model_dump_json(), ex=ttl_s)
         pipe.sadd(pool.workers, info.worker_id)
         pipe.sadd(keys.POOLS, pool.name)
