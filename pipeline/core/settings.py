@@ -87,8 +87,8 @@ REDIS_SERVER = _define("PIPELINE_REDIS_SERVER", str, None,
 REDIS_APPENDFSYNC = _define(
     "PIPELINE_REDIS_APPENDFSYNC", str, "everysec",
     "the embedded server's AOF fsync policy, applied when it starts: everysec (a Redis crash loses nothing "
-    "acknowledged, an OS crash or power cut the last second or two), always (nothing, at ~3x a lone turn's "
-    "latency), no (the kernel's 30 s); docs/durability.md")
+    "acknowledged, an OS crash or power cut the last second or two), always (nothing, at 1.2x a lone turn's "
+    "latency on a fast local disk, 2-2.5x on a busy one), no (the kernel's 30 s); docs/durability.md")
 HOME = _define("PIPELINE_HOME", str, None, "state directory of the embedded server and of the default shard "
                "output; unset: $XDG_STATE_HOME/rollout-pipeline")
 XDG_STATE_HOME = _define("XDG_STATE_HOME", str, None, "base of the state directory when PIPELINE_HOME is unset; "

@@ -116,14 +116,14 @@ class RegistryMaintenance:
     def enqueue_due_retries(self) -> float | None:
         """Retries whose backoff has passed go to their queue (what RQ's scheduler process would do);
         one worker at a time per queue, so none is enqueued twice. Returns the seconds until the
-        earliest retry not yet due (None: none is scheduled, or one was due: look again soon)."""
+        earliest retry not yet due: 0 when one was due (look again soon), None when none is scheduled."""
         upcoming: float | None = None
         for queue, earliest in zip(self.queues, self._earliest_retries(), strict=True):
             registry = queue.scheduled_job_registry
             if earliest is None:
                 continue
             if earliest > time.time():
-                upcoming = min(upcoming or float("inf"), earliest - time.time())
+                upcoming = earliest - time.time() if upcoming is None else min(upcoming, earliest - time.time())
                 continue
             upcoming = 0.0
             lock = f"{registry.key}:enqueuing"
