@@ -9,9 +9,8 @@ Beside OpenAI's fields every answer says where it came from, for trainers and ag
 `session_id`, `turn`, and per choice `rollout_id`, `weight_version` and the completion's
 `token_ids`; clients that do not know them ignore them.
 
-Streaming sends the finished answer as chunks (role, reasoning, content, each tool call, the
-finish, usage when `stream_options.include_usage`, then `[DONE]`): a turn is generated and
-committed as a whole through the queue, so tokens are not streamed as they are sampled.
+Streamed calls get their tokens as they are generated and the rest of this answer at the end
+(`pipeline.serve.live`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,49 +128,6 @@ def text_answer(table: pa.Table, *, turn_id: str, model: str, session_id: str, t
                         "weight_version": row["weight_version"], "token_ids": row["completion_token_ids"]})
     return {"id": f"cmpl-{turn_id}", "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(rows), "session_id": session_id, "turn": turn}
-
-
-def _sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def chat_chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
-    """A finished chat answer as `chat.completion.chunk` server-sent events."""
-    head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
-            "model": answer["model"]}
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": extra.pop("logprobs", None),
-                                          "finish_reason": finish, **extra}]})
-
-    for choice in answer["choices"]:
-        index, message = choice["index"], choice["message"]
-        yield chunk(index, {"role": "assistant", "content": ""})
-        if message.get("reasoning_content"):
-            yield chunk(index, {"reasoning_content": message["reasoning_content"]})
-        if message["content"]:
-            yield chunk(index, {"content": message["content"]}, logprobs=choice["logprobs"])
-        for call in message.get("tool_calls", []):
-            yield chunk(index, {"tool_calls": [call]})
-        yield chunk(index, {}, choice["finish_reason"], matched_stop=choice["matched_stop"],
-                    rollout_id=choice["rollout_id"], weight_version=choice["weight_version"],
-                    token_ids=choice["token_ids"])
-    if include_usage:
-        yield _sse({**head, "choices": [], "usage": answer["usage"]})
-    yield b"data: [DONE]\n\n"
-
-
-def text_chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
-    """A finished text completion as server-sent events."""
-    head = {"id": answer["id"], "object": "text_completion", "created": answer["created"], "model": answer["model"]}
-    for choice in answer["choices"]:
-        yield _sse({**head, "choices": [{"index": choice["index"], "text": choice["text"],
-                                         "logprobs": choice["logprobs"], "finish_reason": None}]})
-        yield _sse({**head, "choices": [{"index": choice["index"], "text": "", "logprobs": None,
-                                         "finish_reason": choice["finish_reason"]}]})
-    if include_usage:
-        yield _sse({**head, "choices": [], "usage": answer["usage"]})
-    yield b"data: [DONE]\n\n"
 
 
 def canonical_assistant(message: dict[str, Any]) -> dict[str, Any]:

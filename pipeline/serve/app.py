@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pipeline.core.errors import APIError, PipelineError
-from pipeline.serve.answers import chat_chunks, text_chunks
+from pipeline.serve.live import answered_events, error_event
 from pipeline.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from pipeline.serve.metrics import render as render_metrics
 from pipeline.serve.protocol import ChatCompletionBody, CompletionBody
@@ -134,28 +134,62 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         header = request.headers.get("x-session-id")
         return header, header is not None
 
-    async def turn(start: Callable[[], dict[str, Any] | InFlight]) -> dict[str, Any]:
-        """Start the turn in a thread, wait for its rows on the loop, answer in a thread."""
-        call = await in_thread(start)
-        if isinstance(call, dict):
-            return call
-        return await in_thread(turns.finish, call, await turns.wait_async(call))
+    async def streamed(call: InFlight) -> Response:
+        """A streamed call's events as its tokens come (`pipeline.serve.live`). The first batch is
+        awaited before the response starts, so a turn that fails at once is an HTTP error as
+        without streaming; a failure after that ends the stream with an error event."""
+        items = turns.stream_async(call)
+        live = call.live(call.pending.turn_id)
+        try:
+            first = await anext(items)
+            head = live.take(first) if isinstance(first, list) else None
+        except BaseException:
+            await items.aclose()
+            raise
 
-    def openai_route(model: type[ChatCompletionBody] | type[CompletionBody], start: Callable[..., Any],
-                     chunks: Callable[[dict[str, Any], bool], Any]) -> Callable[[Request], Awaitable[Response]]:
-        """`/v1/chat/completions` or `/v1/completions`: validate, run the turn, answer (SSE when streamed)."""
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                item: Any = first
+                if head is not None:
+                    for event in head:
+                        yield event
+                    item = await anext(items)
+                while isinstance(item, list):
+                    for event in live.take(item):
+                        yield event
+                    item = await anext(items)
+                for event in live.finish(await in_thread(turns.finish, call, item)):
+                    yield event
+            except APIError as exc:
+                yield error_event(exc)
+            except Exception:
+                log.exception("unexpected error streaming turn %s", call.pending.turn_id)
+                yield error_event(APIError(500, "internal error; see the server's log"))
+            finally:
+                await items.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def openai_route(model: type[ChatCompletionBody] | type[CompletionBody],
+                     start: Callable[..., Any]) -> Callable[[Request], Awaitable[Response]]:
+        """`/v1/chat/completions` or `/v1/completions`: validate, start the turn in a thread, wait for
+        its rows on the loop (its tokens too, when streamed), answer in a thread."""
         async def endpoint(request: Request) -> Response:
             body = model.model_validate(await read_json(request, max_body_bytes))
             session_id, create = session_of(request)
-            answer = await turn(partial(start, body, session_id, create=create))
+            call = await in_thread(partial(start, body, session_id, create=create))
+            if isinstance(call, dict):  # answered before (a client's retry): the same answer
+                if body.stream:
+                    return StreamingResponse(iter(answered_events(call, body.include_usage)),
+                                             media_type="text/event-stream")
+                return JSONResponse(call)
             if body.stream:
-                return StreamingResponse(iter(list(chunks(answer, body.include_usage))),
-                                         media_type="text/event-stream")
-            return JSONResponse(answer)
+                return await streamed(call)
+            return JSONResponse(await in_thread(turns.finish, call, await turns.wait_async(call)))
         return endpoint
 
-    chat = openai_route(ChatCompletionBody, turns.chat, chat_chunks)
-    completions = openai_route(CompletionBody, turns.completion, text_chunks)
+    chat = openai_route(ChatCompletionBody, turns.chat)
+    completions = openai_route(CompletionBody, turns.completion)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [

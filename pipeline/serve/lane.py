@@ -16,7 +16,7 @@ turn's answer on its reply list and moves dead workers' turns back to the shared
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pyarrow as pa
@@ -27,9 +27,10 @@ from rq.serializers import JSONSerializer
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.broker import keys
 from pipeline.core.errors import APIError, CapabilityError
+from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.routing import Router
 from pipeline.serve.turn_batching import MAX_TURNS_PER_JOB, TurnBatcher, WaitingTurn
-from pipeline.serve.turn_wait import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S, TurnWaiter
+from pipeline.serve.turn_wait import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S, Answered, TurnWaiter
 from pipeline.submit.placement import Placement
 from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
@@ -77,6 +78,10 @@ class Lane:
     def wait(self, turn_id: str, run: str, started: float,
              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
         return self.waiter.wait(turn_id, run, started, settled)
+
+    def stream_async(self, turn_id: str, run: str, started: float,
+                     settled: Callable[[], dict[str, Any] | None]) -> AsyncIterator[list[TokenDelta] | Answered]:
+        return self.waiter.stream_async(turn_id, run, started, settled)
 
     async def wait_async(self, turn_id: str, run: str, started: float,
                          settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:

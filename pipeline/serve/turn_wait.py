@@ -12,7 +12,7 @@ instead of generating it twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -24,14 +24,16 @@ import redis.asyncio
 from pipeline.core.broker import control_channel, keys
 from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.errors import APIError, PipelineError
-from pipeline.core.jobs import turn_log
+from pipeline.core.jobs import turn_log, turn_stream
 from pipeline.core.jobs.status import failure_reason, read_status
+from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.routing import Router
 from schemas.shard import rows_from_ipc
 
 DEFAULT_TURN_TIMEOUT_S = 600.0
 ASYNC_CONNECTIONS = 4096  # calls waiting on the event loop at once, a socket each
 BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
+Answered = pa.Table | dict[str, Any]  # a turn's rows, or its answer recorded by another waiter
 
 
 class TurnWaiter:
@@ -83,6 +85,47 @@ class TurnWaiter:
                 found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
                 if found is not None:
                     return found
+        finally:
+            self._answered(turn_id)
+
+    async def stream_async(self, turn_id: str, run: str, started: float,
+                           settled: Callable[[], dict[str, Any] | None]) -> AsyncIterator[list[TokenDelta] | Answered]:
+        """A streamed turn: batches of its tokens as its worker publishes them (`pipeline.core.jobs.
+        turn_stream`), then, last, what `wait` returns. The token stream is read from its start and
+        not consumed; the rows come from the reply list once the stream's end entry is read, with
+        the same checks as `wait` whenever a block passes without an entry. Where this Redis has no
+        asyncio twin, only the rows, at the end."""
+        aconn = self._async_conn()
+        if aconn is None:
+            yield await self.wait_async(turn_id, run, started, settled)
+            return
+        try:
+            stream, reply, last = keys.turn_stream(turn_id), keys.turn_reply(turn_id), b"0-0"
+            while True:
+                left = self.turn_timeout_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise await anyio.to_thread.run_sync(self._late, turn_id)
+                read = await aconn.xread({stream: last}, block=max(10, int(min(BLOCK_S, left) * 1000)))
+                deltas, ended = [], False
+                for _, entries in read or []:
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        delta = turn_stream.parse(turn_id, fields)
+                        if delta is None:
+                            ended = True
+                        else:
+                            deltas.append(delta)
+                if deltas:
+                    yield deltas
+                if ended or not read:
+                    popped = await aconn.lpop(reply)
+                    if popped is not None:
+                        yield rows_from_ipc(popped)
+                        return
+                    found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
+                    if found is not None:
+                        yield found
+                        return
         finally:
             self._answered(turn_id)
 

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +32,21 @@ import redis
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.errors import APIError, RenderError
 from pipeline.core.jobs.status import read_status
+from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
 from pipeline.serve.lane import Lane
+from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import Choice, Pending, Placed, Session, SessionStore, TurnRecord, digest
+from pipeline.serve.turn_wait import Answered
 from pipeline.submit.render import ChatRenderer
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
 from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
+
+
+def _decode(tokenizer: Any, skip_special_tokens: bool, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class InFlight:
     answer: Callable[[pa.Table, Pending], dict[str, Any]]
     assistant_of: Callable[[dict[str, Any]], dict[str, Any]]
     settled: Callable[[], dict[str, Any] | None]
+    live: Callable[[str], LiveTurn]  # the SSE events (given the turn id) of a streamed call (`pipeline.serve.live`)
     route: Route | None = None  # where this server routed the turn (None: another call enqueued it)
 
 
@@ -159,6 +167,19 @@ class Turns:
     def _special_text(self, ids: list[int]) -> str:
         return self.renderer.tokenizer.decode(ids, skip_special_tokens=False) if self.renderer else ""
 
+    def _text_rules(self, body: ChatCompletionBody | CompletionBody, skip_special_tokens: bool) -> TextRules:
+        """How a streamed call's tokens become the text its answer begins with (`pipeline.serve.live`)."""
+        if self.renderer is None:
+            return TextRules(None, frozenset())
+        tokenizer = self.renderer.tokenizer
+        stops = () if body.no_stop_trim or body.stop is None else \
+            ((body.stop,) if isinstance(body.stop, str) else tuple(body.stop))
+        return TextRules(functools.partial(_decode, tokenizer, skip_special_tokens),
+                         frozenset(tokenizer.all_special_ids) | frozenset(body.stop_token_ids or ()), stops)
+
+    def _head(self, answer_id: str, kind: str) -> dict[str, Any]:
+        return {"id": answer_id, "object": kind, "created": int(time.time()), "model": self.settings.model}
+
     def _budget(self, prompt: Prompt, asked: int | None) -> int:
         """max_new_tokens for the turn; 400 when the prompt (and what was asked) exceed the context."""
         length, context = len(prompt.ids), self.settings.context_length
@@ -200,6 +221,11 @@ class Turns:
             if keep_specials:
                 body = body.model_copy(update={"skip_special_tokens": False})
 
+            def live(turn_id: str) -> LiveTurn:
+                return LiveTurn(chat=True, n=body.n, text=self._text_rules(body, skip_special_tokens=not keep_specials),
+                                rules=rules, include_usage=body.include_usage,
+                                head=self._head(f"chatcmpl-{turn_id}", "chat.completion.chunk"))
+
             def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
                 return chat_answer(table, turn_id=pending.turn_id, model=self.settings.model,
                                    session_id=session.session_id, turn=pending.turn, rules=rules,
@@ -207,7 +233,7 @@ class Turns:
                                    text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
             return self._turn(session, body, request_digest, digest(messages), len(messages), prompt, answer,
-                              assistant_of=lambda choice: choice["message"])
+                              assistant_of=lambda choice: choice["message"], live=live)
 
     def _chat_request(self, body: ChatCompletionBody, messages: list[dict[str, Any]]) -> ChatRequest:
         data: dict[str, Any] = {"id": "turn", "messages": messages}
@@ -265,15 +291,21 @@ class Turns:
                                    session_id=session.session_id, turn=pending.turn, text_of=self._text_of,
                                    token_text=self.token_text, logprobs=body.logprobs)
 
+            def live(turn_id: str) -> LiveTurn:
+                skip = body.skip_special_tokens is not False
+                return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip),
+                                include_usage=body.include_usage, head=self._head(f"cmpl-{turn_id}", "text_completion"))
+
             return self._turn(session, body, request_digest, "", 0, prompt, answer,
-                              assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]})
+                              assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]}, live=live)
 
     # -- the turn -----------------------------------------------------------------------------
 
     def _turn(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
               messages_digest: str, n_messages: int, prompt_of: Callable[[TurnRecord | None], Prompt],
               answer: Callable[[pa.Table, Pending], dict[str, Any]],
-              assistant_of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any] | InFlight:
+              assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
+              live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
         for _ in range(3):
             if session.last is not None and session.last.request_digest == request_digest:
@@ -293,7 +325,7 @@ class Turns:
                     continue
                 pending, route = started_turn
             return InFlight(session, pending, started, answer, assistant_of,
-                            functools.partial(self._recorded, session.session_id, request_digest), route)
+                            functools.partial(self._recorded, session.session_id, request_digest), live, route)
         raise APIError(409, f"session {session.session_id!r}: another call keeps taking its turn", code="turn_conflict")
 
     def wait(self, call: InFlight) -> pa.Table | dict[str, Any]:
@@ -305,6 +337,17 @@ class Turns:
         """`wait` on the event loop: blocks no thread while the turn is generated."""
         try:
             return await self.lane.wait_async(call.pending.turn_id, call.session.run, call.started, call.settled)
+        except APIError as exc:
+            if exc.code == "turn_failed":
+                await anyio.to_thread.run_sync(self._release_failed, call)
+            raise
+
+    async def stream_async(self, call: InFlight) -> AsyncIterator[list[TokenDelta] | Answered]:
+        """`wait_async` for a streamed call: batches of the turn's tokens as they come, then the rows."""
+        try:
+            async for item in self.lane.stream_async(call.pending.turn_id, call.session.run, call.started,
+                                                     call.settled):
+                yield item
         except APIError as exc:
             if exc.code == "turn_failed":
                 await anyio.to_thread.run_sync(self._release_failed, call)
@@ -355,7 +398,7 @@ class Turns:
         try:
             route = self.lane.enqueue(request, run=session.run, output=session.output, home=session.home,
                                       turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
-                                                   prefix_break=prompt.prefix_break))
+                                                   prefix_break=prompt.prefix_break, stream=body.stream))
         except BaseException:
             self.sessions.release(session, pending)
             raise

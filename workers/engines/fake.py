@@ -5,9 +5,11 @@ Sample i of a request emits `max_new_tokens` copies of token id (i + 1), each wi
 (when logprobs were asked for), finishing with `length`; or, with `replies`, the token ids
 `replies(request, i)` returns (a scripted model: tool calls, fixed answers), cut at
 `max_new_tokens`, finishing with `stop` when they end with one of `end_ids` (the model's EOS).
-Every batch takes `delay_s`; a batch holding a request whose id is in `fail_ids` raises
-`RuntimeError` (an engine bug, as far as the worker can tell); a weight load takes `load_s` and
-fails like a missing checkpoint when the path contains "bad".
+Every batch takes `delay_s`; with `pace`, a batch reveals its tokens one position at a time,
+calling `pace(k)` before position k of its samples (a test holds a turn mid-way there, or slows it
+down), and `running_progress()` reports them so far (for streamed turns); a batch holding a
+request whose id is in `fail_ids` raises `RuntimeError` (an engine bug, as far as the worker can
+tell); a weight load takes `load_s` and fails like a missing checkpoint when the path contains "bad".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines.base import EngineDescription, EngineIdentity, Finish, SampleOutput
+from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
 
 
 class FakeEngine(EngineIdentity):
@@ -30,7 +32,10 @@ class FakeEngine(EngineIdentity):
         self, *, delay_s: float = 0.0, load_s: float = 0.0, weight_version: int = 0, max_top_logprobs: int = 0,
         name: str = "fake", fail_ids: Collection[str] = (),
         replies: Callable[[RolloutRequest, int], Sequence[int]] | None = None, end_ids: Collection[int] = (),
+        pace: Callable[[int], None] | None = None,
     ) -> None:
+        self.pace = pace
+        self._revealed: tuple[list[list[SampleOutput]], int] | None = None  # a paced batch, tokens shown
         self.replies = replies
         self.end_ids = frozenset(end_ids)
         self.delay_s = delay_s
@@ -54,7 +59,28 @@ class FakeEngine(EngineIdentity):
         failing = sorted(r.id for r in requests if r.id in self.fail_ids)
         if failing:
             raise RuntimeError(f"fake engine: requests {failing} fail (fail_ids)")
-        version = self._weight_version
+        outputs = self._outputs(requests, self._weight_version)
+        if self.pace is not None:
+            for k in range(max((len(s.token_ids) for samples in outputs for s in samples), default=0)):
+                self.pace(k)
+                with self._lock:
+                    self._revealed = (outputs, k + 1)
+            with self._lock:
+                self._revealed = None
+        return outputs
+
+    def running_progress(self) -> list[list[SampleOutput]] | None:
+        """The paced batch's samples so far (`CheckpointableEngine.progress`'s shape); None: none runs."""
+        with self._lock:
+            if self._revealed is None:
+                return None
+            outputs, shown = self._revealed
+        return [[s if len(s.token_ids) <= shown else SampleOutput(
+            token_ids=s.token_ids[:shown], finish=Finish("abort", message=INTERRUPTED),
+            logprobs=None if s.logprobs is None else s.logprobs[:shown], weight_version=s.weight_version)
+            for s in samples] for samples in outputs]
+
+    def _outputs(self, requests: Sequence[RolloutRequest], version: int) -> list[list[SampleOutput]]:
         if self.replies is not None:
             return [[self._scripted(request, i, version) for i in range(request.sampling_params.n)]
                     for request in requests]

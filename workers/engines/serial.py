@@ -10,8 +10,11 @@ submitted from, so its log lines name the job (`workers.runtime.logs`).
 `SerialFeed` adds the interruptible interface (the hf engine): `interrupt()` (a partial weight
 swap) ends the running batch at its next step, every unfinished sample with
 `Finish("abort", message=INTERRUPTED)` and the tokens it has; batches still queued resolve at
-once with empty interrupted samples. Its `progress(future)` reports a batch's samples so far
-without stopping them (a worker's periodic checkpoints), from the engine's `_running_progress`.
+once with empty interrupted samples.
+
+`progress(future)` (both) reports a batch's samples so far without stopping them (a worker's
+periodic checkpoints, streamed agent turns), from the engine's `_running_progress`; `SerialEngine`
+asks the engine it wraps (`running_progress()`, where it has one: the fake's paced batches).
 
 `SerialEngine` puts any engine behind the concurrent interface through its `generate()`: the
 shipped fake, the in-process `sglang` engine, and any engine of a worker started with
@@ -98,6 +101,21 @@ class SerialBatches:
             cond.notify_all()
         return item.future
 
+    def _running_progress(self) -> list[list[SampleOutput]] | None:
+        """The running batch's samples so far (see `CheckpointableEngine.progress`); None: unknown."""
+        return None
+
+    def progress(self, future: Future) -> list[list[SampleOutput]] | None:
+        """The samples so far of the batch behind `future`: the running one's from the engine, a
+        queued one's empty; None once it resolved (`workers.engines.base.CheckpointableEngine`)."""
+        cond, queue = self._feed_state()
+        with cond:
+            running = self._feed_running
+            if running is not None and running.future is future:
+                return None if future.done() else self._running_progress()
+            queued = next((item for item in queue if item.future is future), None)
+        return None if queued is None or future.done() else interrupted_before_start(queued.requests)
+
     def _feed_loop(self) -> None:
         cond, queue = self._feed_cond, self._feed_queue
         while True:
@@ -133,23 +151,7 @@ class SerialBatches:
 
 
 class SerialFeed(SerialBatches):
-    """Mixin: `SerialBatches` and `interrupt()`, for an engine whose `_run_batch` checks `stop`;
-    `progress(future)` when the engine reports its running batch (`_running_progress`)."""
-
-    def _running_progress(self) -> list[list[SampleOutput]] | None:
-        """The running batch's samples so far (see `CheckpointableEngine.progress`); None: unknown."""
-        return None
-
-    def progress(self, future: Future) -> list[list[SampleOutput]] | None:
-        """The samples so far of the batch behind `future`: the running one's from the engine, a
-        queued one's empty; None once it resolved (`workers.engines.base.CheckpointableEngine`)."""
-        cond, queue = self._feed_state()
-        with cond:
-            running = self._feed_running
-            if running is not None and running.future is future:
-                return None if future.done() else self._running_progress()
-            queued = next((item for item in queue if item.future is future), None)
-        return None if queued is None or future.done() else interrupted_before_start(queued.requests)
+    """Mixin: `SerialBatches` and `interrupt()`, for an engine whose `_run_batch` checks `stop`."""
 
     def interrupt(self) -> int:
         """Stop the running batch at its next step; resolve the queued ones as not started."""
@@ -189,6 +191,11 @@ class SerialEngine(SerialBatches):
 
     def _run_batch(self, requests: Sequence[RolloutRequest], stop: threading.Event) -> list[list[SampleOutput]]:
         return self.engine.generate(requests)
+
+    def _running_progress(self) -> list[list[SampleOutput]] | None:
+        """The running batch's samples so far, when `engine` reports them (`running_progress()`)."""
+        report = getattr(self.engine, "running_progress", None)
+        return report() if callable(report) else None
 
     def close(self) -> None:
         """Stop feeding (batches still queued are cancelled); `engine` stays open for its owner."""

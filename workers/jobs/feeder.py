@@ -50,17 +50,20 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
+from pipeline.core.jobs import turn_stream
 from pipeline.core.jobs.status import canceled_jobs
 from workers.engines.base import ConcurrentEngine, is_checkpointable, is_interruptible
 from workers.errors import JobCanceledError
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S, CheckpointStore, writer_id
+from workers.jobs.turn_streams import TurnStreams
 from workers.rows.continuation import Progress, Submission
 from workers.runtime import logs
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_JOBS_IN_FLIGHT = 64
+WAKE = "wake"
 
 
 class Gate:
@@ -140,7 +143,8 @@ class InFlight:
     canceled: bool = False
     samples: int = 0
     submitted: float = field(default_factory=time.monotonic)
-    writer: int = 0  # this execution's tag in the job's checkpoint
+    writer: int = 0  # this execution's tag in the job's checkpoint (and its streamed turns' attempt)
+    streams: TurnStreams | None = None  # the job's turns whose tokens are published as they come
     checkpointed: bool = False  # the job has a checkpoint in Redis (to delete at its commit)
 
 
@@ -182,7 +186,8 @@ class Feeder:
         self.lane_reserve = max(1, engine.capacity // 8) if lane_reserve is None else lane_reserve
         self.lane_active: Callable[[], bool] = lambda: False
         self._batch_job_samples = 0  # the last batch job's sequences: what the next one likely adds
-        self._done: queue_mod.Queue[InFlight | None] = queue_mod.Queue()
+        # Jobs whose batch resolved; None: stop; WAKE: a streamed turn was admitted (stream at once).
+        self._done: queue_mod.Queue[InFlight | str | None] = queue_mod.Queue()
         self._entries: dict[str, InFlight] = {}
         self._cond = threading.Condition()
         # Every engine submission holds this; a partial swap holds it from the interrupt until the
@@ -194,6 +199,10 @@ class Feeder:
         self.checkpoint_every_s = checkpoint_every_s
         self.checkpoints = CheckpointStore(connection) if checkpoint_every_s > 0 and self.can_interrupt else None
         self.can_snapshot = is_checkpointable(engine)
+        # Streamed turns get their tokens as they come from an engine that reports its batches'
+        # progress; from any other, whole at their end.
+        self.can_stream = callable(getattr(engine, "progress", None))
+        self._next_stream = 0.0
         self.checkpoint_stats = CheckpointStats()
         self._next_checkpoint = time.monotonic() + checkpoint_every_s
         self._thread: threading.Thread | None = None
@@ -301,6 +310,10 @@ class Feeder:
                 self._batch_job_samples = entry.samples
             progress = entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
             entry.writer = writer_id(execution.id)
+            if self.can_stream:
+                entry.streams = TurnStreams.of(batch.requests, batch.job.turns, entry.writer)
+                if entry.streams is not None:
+                    self._done.put(WAKE)
             restored = self._restore(entry)
             with self._submit_lock:
                 # The version the job starts on: a partial swap may have loaded one since `prepare_batch`.
@@ -344,12 +357,7 @@ class Feeder:
                 return 0  # a partial swap holds the engine: its interrupted samples are saved as they return
             else:
                 try:  # nothing submits (nor changes a job's progress) meanwhile
-                    snapshot = None
-                    future, submission = entry.future, entry.submission
-                    if self.can_snapshot and future is not None and submission is not None and not future.done():
-                        outputs = self.engine.progress(future)  # type: ignore[attr-defined]
-                        snapshot = None if outputs is None else (submission, outputs)
-                    pieces = entry.progress.unsaved(snapshot)
+                    pieces = entry.progress.unsaved(self._snapshot(entry) if self.can_snapshot else None)
                 finally:
                     self._submit_lock.release()
             if pieces:
@@ -373,6 +381,49 @@ class Feeder:
         stats.tokens += tokens
         stats.bytes += written
         return tokens
+
+    def _snapshot(self, entry: InFlight) -> tuple[Submission, Any] | None:
+        """The engine's snapshot of the job's running submission (`progress()`), or None; the caller
+        holds `_submit_lock`."""
+        future, submission = entry.future, entry.submission
+        if future is None or submission is None or future.done():
+            return None
+        outputs = self.engine.progress(future)  # type: ignore[attr-defined]
+        return None if outputs is None else (submission, outputs)
+
+    # -- streamed turns ------------------------------------------------------------------------
+
+    def stream_turns(self) -> int:
+        """Publish the tokens the streamed turns in flight generated since the last call, in one
+        round trip (`pipeline.core.jobs.turn_stream`); the number of deltas sent."""
+        entries = [e for e in list(self._entries.values()) if e.streams is not None and e.progress is not None
+                   and not e.canceled]
+        if not entries or not self._submit_lock.acquire(blocking=False):
+            return 0  # a partial swap holds the engine: its samples are published once they continue
+        try:
+            deltas = [d for e in entries
+                      for d in e.streams.deltas(e.progress.so_far(self._snapshot(e)))]  # type: ignore[union-attr]
+        finally:
+            self._submit_lock.release()
+        if deltas:
+            try:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    turn_stream.append(pipe, deltas)
+                    pipe.execute()
+            except redis.RedisError as exc:  # sent again with the next ones (or the rows end the turn)
+                log.warning("worker %s: streamed tokens not published (%s)", self.worker_id, exc)
+                for entry in entries:
+                    entry.streams.unpublish(deltas)  # type: ignore[union-attr]
+                return 0
+        return len(deltas)
+
+    def _streaming(self) -> bool:
+        return any(e.streams is not None for e in list(self._entries.values()))
+
+    def _stream_if_due(self) -> None:
+        if self.can_stream and time.monotonic() >= self._next_stream and self._streaming():
+            self._next_stream = time.monotonic() + turn_stream.EVERY_S
+            self.stream_turns()
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpoints is None or not self.can_snapshot or time.monotonic() < self._next_checkpoint:
@@ -432,17 +483,22 @@ class Feeder:
     def _complete_loop(self) -> None:
         while True:
             try:
-                entry = self._done.get(timeout=0.5)
+                entry = self._done.get(timeout=turn_stream.EVERY_S if self._streaming() else 0.5)
             except queue_mod.Empty:
                 self._check_deadlines()
                 self._checkpoint_if_due()
+                self._stream_if_due()
                 continue
             if entry is None:
                 return
+            if isinstance(entry, str):  # WAKE
+                self._stream_if_due()
+                continue
             with logs.job_scope(entry.job, self.worker_id):
                 self._complete(entry)
             self._check_deadlines()
             self._checkpoint_if_due()
+            self._stream_if_due()
 
     def _check_deadlines(self) -> None:
         moment = time.monotonic()

@@ -29,6 +29,7 @@ import redis
 
 from pipeline.core.broker import commit_log, keys
 from pipeline.core.jobs import turn_log as turn_log_format
+from pipeline.core.jobs import turn_stream
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from schemas.shard import rows_to_ipc
@@ -78,7 +79,10 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
             script(keys=[keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(turn.turn_id),
                          keys.TURN_RUNS, keys.turn_shard(turn.turn_id)],
                    args=[turn.turn_id, rows_to_ipc(rows), job.run, REPLY_TTL_S], client=pipe)
-        logged = pipe.execute()
+        for turn in job.turns:  # after the replies: a server reading the stream finds the rows at its end
+            if turn.stream:
+                turn_stream.end(pipe, turn.turn_id)
+        logged = pipe.execute()[: len(job.turns)]
     if start != table.num_rows:
         raise WorkerError(f"job {job.job_id}: {table.num_rows} rows for {start} samples of its turns")
     rows = table.num_rows

@@ -241,13 +241,7 @@ class Progress:
         """The pieces not yet in the job's checkpoint: recorded segments, and with `live` (a submission
         and the engine's snapshot of it, `CheckpointableEngine.progress`) the tokens of samples still
         running. Mark them with `mark_saved` once written."""
-        running: dict[Slot, tuple[SampleOutput, int]] = {}
-        if live is not None:
-            submission, outputs = live
-            for samples, slots in zip(outputs, submission.slots, strict=True):
-                for sample, slot in zip(samples, slots, strict=True):
-                    version = submission.version if sample.weight_version is None else sample.weight_version
-                    running[slot] = (sample, version)
+        running = _running(live)
         pieces: list[Piece] = []
         for r, request in enumerate(self.requests):
             if not checkpointable(request):
@@ -255,6 +249,19 @@ class Progress:
             for i in range(request.sampling_params.n):
                 pieces.extend(self._unsaved_of(r, i, running.get((r, i))))
         return pieces
+
+    def so_far(self, live: tuple[Submission, Sequence[Sequence[SampleOutput]]] | None = None) -> dict[Slot, np.ndarray]:
+        """Every sample's tokens so far (for streamed turns, `workers.jobs.turn_streams`): its recorded
+        segments and, with `live` (as for `unsaved`), what its running submission generated since."""
+        running = _running(live)
+        tokens: dict[Slot, np.ndarray] = {}
+        for r, request in enumerate(self.requests):
+            for i in range(request.sampling_params.n):
+                parts = [p.output.token_ids for p in self._parts[r][i]]
+                if not self._finished[r][i] and (r, i) in running:
+                    parts.append(running[(r, i)][0].token_ids)
+                tokens[(r, i)] = np.concatenate(parts) if parts else np.empty(0, np.int32)
+        return tokens
 
     def _unsaved_of(self, r: int, i: int, running: tuple[SampleOutput, int] | None) -> list[Piece]:
         epoch = self._restarts[r][i]
@@ -319,6 +326,18 @@ class Progress:
             count += 1
         self.resumed += count
         return count
+
+
+def _running(live: tuple[Submission, Sequence[Sequence[SampleOutput]]] | None) -> dict[Slot, tuple[SampleOutput, int]]:
+    """The samples of an engine's snapshot of a running submission, by slot, with their versions."""
+    running: dict[Slot, tuple[SampleOutput, int]] = {}
+    if live is not None:
+        submission, outputs = live
+        for samples, slots in zip(outputs, submission.slots, strict=True):
+            for sample, slot in zip(samples, slots, strict=True):
+                version = submission.version if sample.weight_version is None else sample.weight_version
+                running[slot] = (sample, version)
+    return running
 
 
 def _restored_parts(request: RolloutRequest, chain: Sequence[Piece]) -> list[_Part] | None:

@@ -247,6 +247,12 @@ def turn_reply(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:reply"
 
 
+def turn_stream(turn_id: str) -> str:
+    """A stream of a streamed turn's tokens as its worker generates them, then an end marker
+    (`pipeline.core.jobs.turn_stream`); the server reads it from the start, never consuming it."""
+    return f"{PREFIX}:turn:{turn_id}:stream"
+
+
 def turn_job(turn_id: str) -> str:
     """The id of the lane job that holds a turn (the server's turns travel in jobs of several)."""
     return f"{PREFIX}:turn:{turn_id}:job"

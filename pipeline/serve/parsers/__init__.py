@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.serve.parsers.reasoning import REASONING_PARSERS, chat_force_reasoning, parse_reasoning
-from pipeline.serve.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCall, parse_tool_calls
+from pipeline.serve.parsers.tool_calls import CALL_AT_START, CALL_MARKERS, TOOL_CALL_PARSERS, ToolCall, parse_tool_calls
 
 __all__ = [
+    "CALL_AT_START",
+    "CALL_MARKERS",
     "REASONING_PARSERS",
     "TOOL_CALL_PARSERS",
     "ChatAnswer",

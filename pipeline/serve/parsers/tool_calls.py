@@ -327,6 +327,18 @@ _DETECTORS: dict[str, _Detector] = {
 
 TOOL_CALL_PARSERS: tuple[str, ...] = tuple(sorted(_DETECTORS))
 
+# Where a call may begin in each format, for a streamed answer (`pipeline.serve.live`): content
+# is sent only up to the first of these; llama3 also takes a completion that starts with "{".
+CALL_MARKERS: dict[str, tuple[str, ...]] = {
+    "deepseekv3": (_DSV3_BOT,),
+    "hermes": (_HERMES_BOT,),
+    "llama3": (_PYTHON_TAG,),
+    "mistral": (_MISTRAL_MARKER,),
+    "qwen": (_QWEN_BOT,),
+    "qwen25": (_QWEN_BOT,),
+}
+CALL_AT_START: dict[str, str] = {"llama3": "{"}
+
 
 def tool_names(tools: Iterable[dict[str, Any]]) -> set[str]:
     """The declared function names of OpenAI `tools` (`{"type": "function", "function": {"name": ...}}`)."""
