@@ -33,14 +33,18 @@ Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
 Stand-in choices, not SGLang's: generation is serialised (one request at a time, continuous
 batching is not simulated; `delays` let answers overtake each other); unknown top-level fields
 answer 400 (SGLang ignores them); prompt ids outside the vocabulary answer 400 (SGLang clamps);
-`stream`, `text` prompts and batched `input_ids` answer 400; `cached_tokens` is the longest
-prefix shared with an earlier prompt (a crude radix cache).
+`text` prompts and batched `input_ids` answer 400; `cached_tokens` is the longest prefix shared
+with an earlier prompt (a crude radix cache). `stream: true` (single-sample calls only; n > 1
+answers 400) sends SGLang's default cumulative chunks (`output_ids` so far, `text` null; the last
+one the whole answer, as non-streamed) over a sample generated whole beforehand, then `[DONE]`.
 
 Test hooks (not SGLang): `POST /_standin/faults {"kind": count}` makes the next /generate
 calls fail: `503`, `drop` (close the connection without answering), `truncated` (a cut JSON
 body), `no_meta`, `unknown_finish`, `short_logprobs` (only rids starting with `fault_prefix`,
 when given); `{"delay_s": x}` delays each generation, `{"delays": {"rid-prefix": x}}` (replacing
-earlier ones) some; `{"reset_max_in_flight": true}` restarts the peak count.
+earlier ones) some; `{"reset_max_in_flight": true}` restarts the peak count;
+`{"hold_streams_after": k}` holds every streamed answer after k tokens (aborts are not seen
+there) until `{"release_streams": true}` (or a minute).
 `GET /_standin/stats` returns counters (`http_generate`: /generate calls
 received; `generate`: those that passed validation; `answered`, `answered_aborted`; `in_flight`
 and its peak `max_in_flight`: admitted calls not yet answered), received rids, `answer_order`
@@ -113,6 +117,8 @@ class Standin:
         self.fault_prefix = ""  # faults hit only rids starting with this
         self.delays: dict[str, float] = {}  # rid prefix -> seconds before generating
         self.aborted: set[str] = set()
+        self.hold_streams_after: int | None = None
+        self.streams_released = threading.Event()
         self.abort_generation = 0  # bumped by abort_all / pause(abort)
         self.seen_prompts: list[tuple[int, ...]] = []
         self.stats: dict[str, Any] = {"http_generate": 0, "generate": 0, "answered": 0, "answered_aborted": 0,
@@ -139,6 +145,12 @@ class Standin:
                 self.delays[""] = float(body.pop("delay_s"))
             if body.pop("reset_max_in_flight", False):
                 self.stats["max_in_flight"] = self.stats["in_flight"]
+            if "hold_streams_after" in body:
+                hold = body.pop("hold_streams_after")
+                self.hold_streams_after = None if hold is None else int(hold)
+                self.streams_released.clear()
+            if body.pop("release_streams", False):
+                self.streams_released.set()
             self.fault_prefix = str(body.pop("fault_prefix", self.fault_prefix))
             unknown = set(body) - set(FAULT_KINDS)
             if unknown:
@@ -154,8 +166,8 @@ class Standin:
         verdict = judge_generate(body, self.generator.vocab_size, self.generator.tokenizer)
         if verdict.status != 200:
             raise ApiError(verdict.status, verdict.error)
-        if body.get("stream"):
-            raise _value_error("the SGLang stand-in does not stream; send stream: false")
+        if body.get("stream") and len(verdict.rids) != 1:
+            raise _value_error("the SGLang stand-in streams single-sample calls only")
         if body.get("text") is not None:
             raise _value_error("the SGLang stand-in serves input_ids prompts only")
         ids = body["input_ids"]
@@ -450,7 +462,30 @@ class Handler(BaseHTTPRequestHandler):
             first["meta_info"]["finish_reason"] = {"type": "exploded"}
         elif fault == "short_logprobs" and first["meta_info"].get("output_token_logprobs"):
             first["meta_info"]["output_token_logprobs"].pop()
-        self._send(200, answer)
+        if body.get("stream"):
+            self._stream(answer)
+        else:
+            self._send(200, answer)
+
+    def _stream(self, answer: dict[str, Any]) -> None:
+        """SGLang's cumulative SSE chunks (`tokenizer_manager._handle_batch_output`, stream without
+        `--incremental-streaming-output`), the last one the whole answer, then `[DONE]`."""
+        standin = self.server.standin
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        ids = answer["output_ids"]
+        for k in range(1, len(ids)):
+            meta = {"id": answer["meta_info"]["id"], "finish_reason": None, "completion_tokens": k}
+            self.wfile.write(b"data: " + json.dumps({"text": None, "output_ids": ids[:k], "meta_info": meta}).encode()
+                             + b"\n\n")
+            self.wfile.flush()
+            if k == standin.hold_streams_after:
+                standin.streams_released.wait(60)
+        self.wfile.write(b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n")
+        self.wfile.flush()
 
 
 class StandinServer(ThreadingHTTPServer):

@@ -229,7 +229,10 @@ def stages_store_versions(engine: object) -> TypeGuard[StoreStagingEngine]:
 
 
 def is_checkpointable(engine: object) -> bool:
-    return is_interruptible(engine) and callable(getattr(engine, "progress", None))
+    """Interruptible, with a `progress()` whose snapshots hold all a checkpoint needs (an engine whose
+    snapshots hold token ids only, `snapshots_complete = False`, serves streamed turns with them)."""
+    return (is_interruptible(engine) and callable(getattr(engine, "progress", None))
+            and getattr(engine, "snapshots_complete", True))
 
 
 def is_interruptible(engine: object) -> bool:

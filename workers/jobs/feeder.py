@@ -434,7 +434,10 @@ class Feeder:
     def _submit(self, entry: InFlight, submission: Submission) -> None:
         """Hand a submission to the engine (holding `_submit_lock`); its end reaches the commit thread."""
         entry.submission = submission
-        future = self.engine.submit(submission.requests)
+        submit = self.engine.submit
+        if entry.streams is not None:  # an engine that streams only when asked (`submit_streamed`)
+            submit = getattr(self.engine, "submit_streamed", submit)
+        future = submit(submission.requests)
         entry.future = future
         future.add_done_callback(lambda _: self._done.put(entry))
 

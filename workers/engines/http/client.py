@@ -16,6 +16,11 @@
   behind a gateway on every server behind it; vLLM's `/abort_requests`), so the server stops
   generating for nobody. `abort_sent` aborts every call in flight that way (a partial swap).
 
+A call given `on_chunk` is sent with `stream: true` (SGLang's cumulative chunks): each chunk goes
+to `on_chunk` as it arrives (a streamed agent turn's progress), the last one is the answer, as a
+non-streamed call's body; an error chunk is the server refusing the call; a stream cut before its
+`[DONE]` is a lost answer (retried, as a dropped connection is).
+
 What differs between servers is a `Wire`: the generation path, the server's name in errors, the
 ids a call is tracked under and how to abort them.
 """
@@ -23,6 +28,7 @@ ids a call is tracked under and how to abort them.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -181,8 +187,8 @@ class GenerateClient:
 
     # -- generation --------------------------------------------------------------------------
 
-    async def generate(self, call: Call) -> tuple[str, Any]:
-        """POST one call, retrying transient failures; (url, JSON body)."""
+    async def generate(self, call: Call, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Any]:
+        """POST one call, retrying transient failures; (url, JSON body). With `on_chunk`, streamed."""
         who = f"request {call.request.id!r}"
         last_error = "no attempt made"
         avoid: str | None = None
@@ -196,8 +202,7 @@ class GenerateClient:
                 url = self.pool.acquire(avoid, key)
                 self._sent[attempt_call.rid] = (url, attempt_call)
                 try:
-                    response = await self.client.post(f"{url}{self.wire.path}", json=attempt_call.payload,
-                                                      headers=headers)
+                    response = await self._post(url, attempt_call, headers, on_chunk)
                 except _RETRYABLE as exc:
                     last_error = f"{url}: {type(exc).__name__}: {exc or 'connection failed'}"
                     log.warning("%s attempt %d failed: %s", who, attempt + 1, last_error)
@@ -239,6 +244,41 @@ class GenerateClient:
             f"{who}: no {self.wire.server} server answered after {self.retry.attempts} attempts; "
             f"last error: {last_error}"
         )
+
+    async def _post(self, url: str, call: Call, headers: dict[str, str] | None,
+                    on_chunk: Callable[[Any], None] | None) -> httpx.Response:
+        """The call's answer; streamed to `on_chunk` when given, then answered as its last chunk."""
+        if on_chunk is None:
+            return await self.client.post(f"{url}{self.wire.path}", json=call.payload, headers=headers)
+        async with self.client.stream("POST", f"{url}{self.wire.path}", json={**call.payload, "stream": True},
+                                      headers=headers) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                return response
+            last = None
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError as exc:
+                    raise ContractViolation(f"request {call.request.id!r}: {self.wire.server} server {url} streamed "
+                                            f"a chunk that is not JSON: {data[:200]!r}") from exc
+                if isinstance(chunk, dict) and "error" in chunk:  # `generate_request`'s error chunk
+                    error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                    status = error.get("code") if isinstance(error.get("code"), int) else 400
+                    return httpx.Response(status, json=chunk, request=response.request)
+                last = chunk
+                on_chunk(chunk)
+            else:
+                raise httpx.RemoteProtocolError("the stream ended before its [DONE]", request=response.request)
+            if last is None:
+                raise ContractViolation(f"request {call.request.id!r}: {self.wire.server} server {url} streamed "
+                                        "no answer before [DONE]")
+            return httpx.Response(200, json=last, request=response.request)
 
     async def abort_sent(self, timeout_s: float = 10.0, *, only: set[str] | None = None) -> Aborts:
         """Abort every call sent and not answered yet (or those of them whose request ids are in

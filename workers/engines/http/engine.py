@@ -12,6 +12,11 @@ theirs. The servers answer each aborted call normally, with the tokens generated
 finish of kind "abort"; those become interrupted samples (`Finish("abort", message=INTERRUPTED)`)
 which the worker continues on the new weights. A continued sample's text is decoded with the
 model's tokenizer when this worker can read it (`decode`), else it is null.
+
+Streamed agent turns (`submit_streamed`, on an engine whose server streams: `streams_calls`): the
+batch's single-sample calls are sent with `stream: true` and `progress(future)` reports their
+tokens so far (`workers.engines.base.CheckpointableEngine`); the answer is the stream's last chunk,
+the same body a non-streamed call gets. Calls of several samples are answered whole.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import httpx
+import numpy as np
 
 from schemas.request import RolloutRequest
 from workers.engines.async_bridge import AsyncBridge, run_batch
@@ -42,7 +48,11 @@ class HTTPEngine(EngineIdentity):
     _client: GenerateClient
     model_path: str  # the served model's directory, as this worker sees it (the tokenizer, a materialised load)
 
+    streams_calls = False  # the server streams a call's tokens (`_streamed_ids` reads its chunks)
+    snapshots_complete = False  # `progress()` has token ids only: for streamed turns, not checkpoints
+
     def __init__(self, *, name: str) -> None:
+        self._live: dict[Future, _LiveBatch] = {}  # streamed batches in flight: their samples so far
         self._bridge = AsyncBridge(name=name)
         self._in_flight = 0
         self._in_flight_lock = threading.Condition()
@@ -57,6 +67,10 @@ class HTTPEngine(EngineIdentity):
 
     def _parse(self, call: Any, url: str, body: Any) -> list[SampleOutput]:
         """The samples of one call's answer from `url`."""
+        raise NotImplementedError
+
+    def _streamed_ids(self, chunk: Any) -> list[int]:
+        """The token ids so far in one streamed chunk of a single-sample call (`streams_calls`)."""
         raise NotImplementedError
 
     # -- generation ------------------------------------------------------------------------
@@ -84,11 +98,30 @@ class HTTPEngine(EngineIdentity):
 
     def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
         """`generate` without waiting: the batch runs on the engine loop; cancel the future to abort it."""
+        return self._submit(requests, self._generate)
+
+    def submit_streamed(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
+        """`submit`, with the batch's tokens reported as they come (`progress`) where the server streams."""
+        if not self.streams_calls:
+            return self.submit(requests)
+        live = _LiveBatch(requests)
+        future = self._submit(requests, lambda call: self._generate(call, live))
+        self._live[future] = live
+        future.add_done_callback(lambda done: self._live.pop(done, None))
+        return future
+
+    def progress(self, future: Future[list[list[SampleOutput]]]) -> list[list[SampleOutput]] | None:
+        """A streamed batch's samples so far (`submit_streamed`); None for any other batch or once it
+        resolved."""
+        live = self._live.get(future)
+        return None if live is None or future.done() else live.outputs()
+
+    def _submit(self, requests: Sequence[RolloutRequest],
+                generate: Callable[[Any], Awaitable[list[SampleOutput]]]) -> Future[list[list[SampleOutput]]]:
         samples = sum(r.sampling_params.n for r in requests)
         with self._in_flight_lock:
             self._in_flight += samples
-        future = asyncio.run_coroutine_threadsafe(run_batch(requests, self._plan, self._generate),
-                                                  self._bridge.loop)
+        future = asyncio.run_coroutine_threadsafe(run_batch(requests, self._plan, generate), self._bridge.loop)
 
         def done(_: Future) -> None:
             with self._in_flight_lock:
@@ -98,9 +131,14 @@ class HTTPEngine(EngineIdentity):
         future.add_done_callback(done)
         return future
 
-    async def _generate(self, call: Call) -> list[SampleOutput]:
+    async def _generate(self, call: Call, live: _LiveBatch | None = None) -> list[SampleOutput]:
         interrupts = self._interrupts
-        url, body = await self._client.generate(call)
+        on_chunk = None
+        first = getattr(call, "first_sample", 0)
+        if live is not None and getattr(call, "samples", 1) == 1:
+            def on_chunk(chunk: Any) -> None:
+                live.update(call.request, first, self._streamed_ids(chunk))
+        url, body = await self._client.generate(call, on_chunk)
         samples = self._parse(call, url, body)
         if self._interrupts != interrupts:  # aborted by `interrupt`: to be continued, not an abort row
             for sample in samples:
@@ -164,6 +202,25 @@ class HTTPEngine(EngineIdentity):
         with contextlib.suppress(RuntimeError, AttributeError):
             self._bridge.run(self._client.aclose())
         self._bridge.close()
+
+
+class _LiveBatch:
+    """A streamed batch's samples so far, by request and sample index."""
+
+    def __init__(self, requests: Sequence[RolloutRequest]) -> None:
+        self._index = {id(r): k for k, r in enumerate(requests)}
+        self._ids: list[list[list[int]]] = [[[] for _ in range(r.sampling_params.n)] for r in requests]
+        self._lock = threading.Lock()
+
+    def update(self, request: RolloutRequest, sample: int, ids: list[int]) -> None:
+        with self._lock:
+            self._ids[self._index[id(request)]][sample] = list(ids)
+
+    def outputs(self) -> list[list[SampleOutput]]:
+        unfinished = Finish("abort", message=INTERRUPTED)
+        with self._lock:
+            return [[SampleOutput(token_ids=np.asarray(ids, dtype=np.int32), finish=unfinished) for ids in samples]
+                    for samples in self._ids]
 
 
 async def _sent_now(client: GenerateClient) -> set[str]:

@@ -104,6 +104,12 @@ class SGLangHTTPEngine(HTTPEngine):
     def _plan(self, request: RolloutRequest) -> list[GenerateCall]:
         return generate_calls(request)
 
+    streams_calls = True  # cumulative chunks (SGLang's default; not `--incremental-streaming-output`)
+
+    def _streamed_ids(self, chunk: Any) -> list[int]:
+        ids = chunk.get("output_ids") if isinstance(chunk, dict) else None
+        return [int(t) for t in ids] if isinstance(ids, list) else []
+
     def _parse(self, call: GenerateCall, url: str, body: Any) -> list[SampleOutput]:
         gateway = url if url in self._client.backends.gateways else None
         return parse_call_results(call, body, layout=self._layout, gateway=gateway)

@@ -468,3 +468,27 @@ def test_worker_cli_builds_the_engine_from_repeated_urls(standins: dict[str, Sta
         assert isinstance(engine, SGLangHTTPEngine) and engine.urls == [a.url, b.url]
     finally:
         engine.close()
+
+
+def test_a_streamed_batch_reports_its_tokens_as_the_server_streams_them(engine: SGLangHTTPEngine,
+                                                                         scripted_server: Standin) -> None:
+    """`submit_streamed` (a streamed agent turn): the call is streamed, `progress` has the tokens the
+    server sent while it holds the rest, and the answer is the one a plain call gets."""
+    request = req("s", "xy", logprobs=2, sampling={"max_new_tokens": 12})
+    plain = engine.generate([request])
+    assert len(plain[0][0].token_ids) > 3
+    scripted_server.faults(hold_streams_after=3)
+    try:
+        future = engine.submit_streamed([request])
+        wait_until(lambda: (so_far := engine.progress(future)) is not None and len(so_far[0][0].token_ids) == 3,
+                   timeout=30, what="three streamed tokens")
+        assert not future.done()
+        (sample,) = engine.progress(future)[0]  # type: ignore[index]
+        assert sample.finish.interrupted and sample.token_ids.tolist() == plain[0][0].token_ids[:3].tolist()
+    finally:
+        scripted_server.faults(release_streams=True, hold_streams_after=None)
+    (streamed,) = future.result(timeout=60)[0]
+    assert streamed.token_ids.tolist() == plain[0][0].token_ids.tolist()
+    assert streamed.logprobs.tolist() == plain[0][0].logprobs.tolist()  # type: ignore[union-attr]
+    assert streamed.finish == plain[0][0].finish and streamed.text == plain[0][0].text
+    assert engine.progress(future) is None  # resolved
