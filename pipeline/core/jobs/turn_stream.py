@@ -1,8 +1,8 @@
 """The tokens of a streamed agent turn as they are generated, in one place for their writer and reader.
 
 A call to `pipeline serve` with `stream=True` marks its turn (`TurnTag.stream`). The worker
-generating it appends to the turn's Redis stream (`keys.turn_stream`), every few tens of
-milliseconds while tokens come, one entry per sample that grew: the attempt (which execution of
+generating it appends to the turn's Redis stream (`keys.turn_stream`), every `EVERY_S` while tokens
+come, one entry per sample that grew: the attempt (which execution of
 the job generated them), the sample index, the offset of the first token and the token ids; once
 the turn's rows are committed, an end entry, in the same round trip as the rows' reply. The server
 reads the stream from its start and never consumes it, so a client's retried call reads it again,
@@ -28,7 +28,7 @@ from pipeline.core.errors import PipelineError
 
 ATTEMPT, SAMPLE, OFFSET, TOKENS, END = b"a", b"s", b"o", b"t", b"end"
 TTL_S = 600  # as long as a turn's reply is kept (`workers.jobs.turn_log.REPLY_TTL_S`)
-EVERY_S = 0.02  # how often a worker publishes the tokens of its streamed turns
+EVERY_S = 0.04  # how often a worker publishes the tokens of its streamed turns (25 times a second)
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,13 @@ class TokenDelta:
 
 
 def append(pipe: Any, deltas: Sequence[TokenDelta]) -> None:
-    """Queue `deltas` on a Redis pipeline (each turn's stream kept for `TTL_S`)."""
+    """Queue `deltas` on a Redis pipeline. A stream's first entries set its expiry (`TTL_S`, again at
+    its end); the others leave it (XADD keeps a key's expiry)."""
     streams = set()
     for delta in deltas:
         stream = keys.turn_stream(delta.turn_id)
-        streams.add(stream)
+        if delta.offset == 0:
+            streams.add(stream)
         pipe.xadd(stream, {ATTEMPT: delta.attempt, SAMPLE: delta.sample, OFFSET: delta.offset,
                            TOKENS: np.asarray(delta.token_ids, dtype="<i4").tobytes()})
     for stream in streams:
