@@ -168,3 +168,36 @@ def test_the_agents_sdk_run_streamed_gets_text_deltas_as_they_come(redis_client:
     run_agent(redis_client, script.engine(pace=hold), lambda: asyncio.run(main()))
     assert got["deltas"] and got["deltas"][0][1] is False  # text arrived while the turn was held
     assert "".join(d for d, _ in got["deltas"]) == got["final"] == answer
+
+
+def test_a_partial_weight_swap_mid_stream_keeps_each_tokens_version(redis_client: redis.Redis, serve: Any,
+                                                                    tools_tokenizer: Any) -> None:
+    """The sim decodes a long answer; once the client has text, a partial push swaps the weights under
+    it: the stream goes on without a break, and the recorded row holds both versions, each token's."""
+    import pipeline
+    from workers.engines.sim import SimConfig, SimEngine
+
+    engine = SimEngine(SimConfig(capacity=4, step_s=0.01, median_tokens=150, p99_tokens=151,
+                                 vocab_size=len(tools_tokenizer), eos_token_id=tools_tokenizer.eos_token_id))
+    stack = serve(tool_call_parser=None)
+    sid = stack.session()
+    call = {"model": "m", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 150,
+            "extra_body": {"ignore_eos": True}}
+    got: dict[str, Any] = {"content": ""}
+
+    def agent() -> None:
+        for chunk in _client(stack.url, sid).chat.completions.create(stream=True, **call):
+            for choice in chunk.choices:
+                got["content"] += choice.delta.content or ""
+                if choice.delta.content and "pushed" not in got:
+                    got["pushed"] = pipeline.Client(redis_client).push_weights("/ckpt/v1", version=1, timeout=30,
+                                                                              mode="partial")
+                if choice.finish_reason:
+                    got["token_ids"] = choice.model_extra["token_ids"]
+        got["recorded"] = _client(stack.url, sid).chat.completions.create(**call)  # the same call: its answer
+
+    run_agent(redis_client, engine, agent)
+    (row,) = _turn_rows(redis_client, stack.run)
+    assert [s["version"] for s in row["weight_version_segments"]] == [0, 1]  # swapped mid-answer
+    assert got["token_ids"] == row["completion_token_ids"] and len(row["completion_token_ids"]) == 150
+    assert got["content"] == got["recorded"].choices[0].message.content  # every token once, in order
