@@ -417,13 +417,19 @@ class Feeder:
                 return 0
         return len(deltas)
 
-    def _streaming(self) -> bool:
-        return any(e.streams is not None for e in list(self._entries.values()))
+    def _stream_every(self) -> float | None:
+        """How often to publish now: `FIRST_EVERY_S` while a streamed turn waits for its first tokens,
+        `EVERY_S` once they all have some; None with no streamed turn in flight."""
+        streams = [e.streams for e in list(self._entries.values()) if e.streams is not None]
+        if not streams:
+            return None
+        return turn_stream.EVERY_S if all(s.started for s in streams) else turn_stream.FIRST_EVERY_S
 
     def _stream_if_due(self) -> None:
-        if self.can_stream and time.monotonic() >= self._next_stream and self._streaming():
-            self._next_stream = time.monotonic() + turn_stream.EVERY_S
+        every = self._stream_every() if self.can_stream else None
+        if every is not None and time.monotonic() >= self._next_stream:
             self.stream_turns()
+            self._next_stream = time.monotonic() + (self._stream_every() or every)
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpoints is None or not self.can_snapshot or time.monotonic() < self._next_checkpoint:
@@ -486,7 +492,7 @@ class Feeder:
     def _complete_loop(self) -> None:
         while True:
             try:
-                entry = self._done.get(timeout=turn_stream.EVERY_S if self._streaming() else 0.5)
+                entry = self._done.get(timeout=(self._stream_every() if self.can_stream else None) or 0.5)
             except queue_mod.Empty:
                 self._check_deadlines()
                 self._checkpoint_if_due()

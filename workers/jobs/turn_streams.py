@@ -40,6 +40,11 @@ class TurnStreams:
                     if turn.stream and not has_penalties(request.sampling_params)}
         return cls(turn_ids, attempt) if turn_ids else None
 
+    @property
+    def started(self) -> bool:
+        """Some tokens of every streamed turn were published (the first ones go out sooner)."""
+        return {self._turn_ids[r] for r, _ in self._published} == set(self._turn_ids.values())
+
     def deltas(self, so_far: Mapping[Slot, np.ndarray]) -> list[TokenDelta]:
         """The tokens generated since the last call, per sample; noted as published."""
         found = []

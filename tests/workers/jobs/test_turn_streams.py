@@ -30,8 +30,10 @@ def test_tokens_are_published_once_across_a_continuation() -> None:
     assert streams is not None
     progress = Progress(requests)
     first = progress.first(0)
+    assert not streams.started
     assert streams.deltas(progress.so_far((first, [[_sample([4, 5])], [_sample([9])]]))) == \
         [TokenDelta("ta", 3, 0, 0, [4, 5])]  # only the streamed turn
+    assert streams.started  # its first tokens are out: later ones go at the slower pace
     progress.record(first, [[_sample([4, 5, 6])], [_sample([9, 9], finished=True)]])  # a partial swap stops it
     resumed = progress.resume(1)
     assert streams.deltas(progress.so_far((resumed, [[_sample([7])]]))) == [TokenDelta("ta", 3, 0, 2, [6, 7])]
