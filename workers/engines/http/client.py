@@ -16,10 +16,10 @@
   behind a gateway on every server behind it; vLLM's `/abort_requests`), so the server stops
   generating for nobody. `abort_sent` aborts every call in flight that way (a partial swap).
 
-A call given `on_chunk` is sent with `stream: true` (SGLang's cumulative chunks): each chunk goes
-to `on_chunk` as it arrives (a streamed agent turn's progress), the last one is the answer, as a
-non-streamed call's body; an error chunk is the server refusing the call; a stream cut before its
-`[DONE]` is a lost answer (retried, as a dropped connection is).
+A call given a `StreamSink` is sent with `stream: true` (and the sink's `fields`): each chunk goes
+to the sink as it arrives (a streamed agent turn's progress), and the sink's `answer()` is the
+call's answer, the body a non-streamed call gets; an error chunk is the server refusing the call; a
+stream cut before its `[DONE]` is a lost answer (retried, as a dropped connection is).
 
 What differs between servers is a `Wire`: the generation path, the server's name in errors, the
 ids a call is tracked under and how to abort them.
@@ -137,6 +137,22 @@ class ServerPool:
         self._down_until[url] = time.monotonic() + seconds
 
 
+class StreamSink(Protocol):
+    """Where a streamed call's chunks go: its tokens so far, and the answer they add up to."""
+
+    fields: dict[str, Any]  # what the body adds to `stream: true` (vLLM's `stream_options`)
+
+    def take(self, chunk: Any) -> None: ...
+
+    def so_far(self) -> list[int]:
+        """The call's token ids so far (a single-sample call)."""
+        ...
+
+    def answer(self) -> Any:
+        """The body a non-streamed call would have been answered with."""
+        ...
+
+
 class GenerateClient:
     """All generation traffic of an HTTP engine. Use from one event loop."""
 
@@ -187,8 +203,9 @@ class GenerateClient:
 
     # -- generation --------------------------------------------------------------------------
 
-    async def generate(self, call: Call, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Any]:
-        """POST one call, retrying transient failures; (url, JSON body). With `on_chunk`, streamed."""
+    async def generate(self, call: Call, sink: Callable[[], StreamSink] | None = None) -> tuple[str, Any]:
+        """POST one call, retrying transient failures; (url, JSON body). With `sink` (a new sink for
+        each attempt), streamed."""
         who = f"request {call.request.id!r}"
         last_error = "no attempt made"
         avoid: str | None = None
@@ -202,7 +219,7 @@ class GenerateClient:
                 url = self.pool.acquire(avoid, key)
                 self._sent[attempt_call.rid] = (url, attempt_call)
                 try:
-                    response = await self._post(url, attempt_call, headers, on_chunk)
+                    response = await self._post(url, attempt_call, headers, None if sink is None else sink())
                 except _RETRYABLE as exc:
                     last_error = f"{url}: {type(exc).__name__}: {exc or 'connection failed'}"
                     log.warning("%s attempt %d failed: %s", who, attempt + 1, last_error)
@@ -246,16 +263,16 @@ class GenerateClient:
         )
 
     async def _post(self, url: str, call: Call, headers: dict[str, str] | None,
-                    on_chunk: Callable[[Any], None] | None) -> httpx.Response:
-        """The call's answer; streamed to `on_chunk` when given, then answered as its last chunk."""
-        if on_chunk is None:
+                    sink: StreamSink | None) -> httpx.Response:
+        """The call's answer; streamed into `sink` when given, then answered as the sink assembles it."""
+        if sink is None:
             return await self.client.post(f"{url}{self.wire.path}", json=call.payload, headers=headers)
-        async with self.client.stream("POST", f"{url}{self.wire.path}", json={**call.payload, "stream": True},
-                                      headers=headers) as response:
+        body = {**call.payload, "stream": True, **sink.fields}
+        async with self.client.stream("POST", f"{url}{self.wire.path}", json=body, headers=headers) as response:
             if response.status_code >= 400:
                 await response.aread()
                 return response
-            last = None
+            chunks = 0
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -271,14 +288,14 @@ class GenerateClient:
                     error = chunk["error"] if isinstance(chunk["error"], dict) else {}
                     status = error.get("code") if isinstance(error.get("code"), int) else 400
                     return httpx.Response(status, json=chunk, request=response.request)
-                last = chunk
-                on_chunk(chunk)
+                chunks += 1
+                sink.take(chunk)
             else:
                 raise httpx.RemoteProtocolError("the stream ended before its [DONE]", request=response.request)
-            if last is None:
+            if not chunks:
                 raise ContractViolation(f"request {call.request.id!r}: {self.wire.server} server {url} streamed "
                                         "no answer before [DONE]")
-            return httpx.Response(200, json=last, request=response.request)
+            return httpx.Response(200, json=sink.answer(), request=response.request)
 
     async def abort_sent(self, timeout_s: float = 10.0, *, only: set[str] | None = None) -> Aborts:
         """Abort every call sent and not answered yet (or those of them whose request ids are in

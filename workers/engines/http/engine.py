@@ -13,10 +13,10 @@ finish of kind "abort"; those become interrupted samples (`Finish("abort", messa
 which the worker continues on the new weights. A continued sample's text is decoded with the
 model's tokenizer when this worker can read it (`decode`), else it is null.
 
-Streamed agent turns (`submit_streamed`, on an engine whose server streams: `streams_calls`): the
-batch's single-sample calls are sent with `stream: true` and `progress(future)` reports their
-tokens so far (`workers.engines.base.CheckpointableEngine`); the answer is the stream's last chunk,
-the same body a non-streamed call gets. Calls of several samples are answered whole.
+Streamed agent turns (`submit_streamed`): the batch's single-sample calls that the subclass can
+stream (`_stream_sink`) are sent with `stream: true` and `progress(future)` reports their tokens so
+far (`workers.engines.base.CheckpointableEngine`); the sink assembles the chunks into the body a
+non-streamed call gets, parsed as usual. Other calls are answered whole.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from schemas.request import RolloutRequest
 from workers.engines.async_bridge import AsyncBridge, run_batch
 from workers.engines.base import INTERRUPTED, EngineIdentity, Finish, SampleOutput
-from workers.engines.http.client import Call, GenerateClient
+from workers.engines.http.client import Call, GenerateClient, StreamSink
 from workers.engines.sglang.backends import Answer, answered
 from workers.errors import EngineUnavailableError
 
@@ -48,7 +48,6 @@ class HTTPEngine(EngineIdentity):
     _client: GenerateClient
     model_path: str  # the served model's directory, as this worker sees it (the tokenizer, a materialised load)
 
-    streams_calls = False  # the server streams a call's tokens (`_streamed_ids` reads its chunks)
     snapshots_complete = False  # `progress()` has token ids only: for streamed turns, not checkpoints
 
     def __init__(self, *, name: str) -> None:
@@ -69,9 +68,9 @@ class HTTPEngine(EngineIdentity):
         """The samples of one call's answer from `url`."""
         raise NotImplementedError
 
-    def _streamed_ids(self, chunk: Any) -> list[int]:
-        """The token ids so far in one streamed chunk of a single-sample call (`streams_calls`)."""
-        raise NotImplementedError
+    def _stream_sink(self, call: Any) -> StreamSink | None:
+        """A sink for a single-sample call's streamed chunks; None: the call is answered whole."""
+        return None
 
     # -- generation ------------------------------------------------------------------------
 
@@ -101,9 +100,7 @@ class HTTPEngine(EngineIdentity):
         return self._submit(requests, self._generate)
 
     def submit_streamed(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
-        """`submit`, with the batch's tokens reported as they come (`progress`) where the server streams."""
-        if not self.streams_calls:
-            return self.submit(requests)
+        """`submit`, with the batch's tokens reported as they come (`progress`) where calls stream."""
         live = _LiveBatch(requests)
         future = self._submit(requests, lambda call: self._generate(call, live))
         self._live[future] = live
@@ -133,12 +130,13 @@ class HTTPEngine(EngineIdentity):
 
     async def _generate(self, call: Call, live: _LiveBatch | None = None) -> list[SampleOutput]:
         interrupts = self._interrupts
-        on_chunk = None
-        first = getattr(call, "first_sample", 0)
-        if live is not None and getattr(call, "samples", 1) == 1:
-            def on_chunk(chunk: Any) -> None:
-                live.update(call.request, first, self._streamed_ids(chunk))
-        url, body = await self._client.generate(call, on_chunk)
+        sink = None
+        if live is not None and getattr(call, "samples", 1) == 1 and self._stream_sink(call) is not None:
+            first = getattr(call, "first_sample", 0)
+
+            def sink() -> StreamSink:
+                return _Reported(self._stream_sink(call), lambda ids: live.update(call.request, first, ids))
+        url, body = await self._client.generate(call, sink)
         samples = self._parse(call, url, body)
         if self._interrupts != interrupts:  # aborted by `interrupt`: to be continued, not an abort row
             for sample in samples:
@@ -202,6 +200,25 @@ class HTTPEngine(EngineIdentity):
         with contextlib.suppress(RuntimeError, AttributeError):
             self._bridge.run(self._client.aclose())
         self._bridge.close()
+
+
+class _Reported:
+    """A sink whose tokens so far go to a streamed batch's samples as each chunk arrives."""
+
+    def __init__(self, sink: Any, report: Callable[[list[int]], None]) -> None:
+        self.sink = sink
+        self.fields = sink.fields
+        self.report = report
+
+    def take(self, chunk: Any) -> None:
+        self.sink.take(chunk)
+        self.report(self.sink.so_far())
+
+    def so_far(self) -> list[int]:
+        return self.sink.so_far()
+
+    def answer(self) -> Any:
+        return self.sink.answer()
 
 
 class _LiveBatch:

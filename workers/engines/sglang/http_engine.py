@@ -104,11 +104,8 @@ class SGLangHTTPEngine(HTTPEngine):
     def _plan(self, request: RolloutRequest) -> list[GenerateCall]:
         return generate_calls(request)
 
-    streams_calls = True  # cumulative chunks (SGLang's default; not `--incremental-streaming-output`)
-
-    def _streamed_ids(self, chunk: Any) -> list[int]:
-        ids = chunk.get("output_ids") if isinstance(chunk, dict) else None
-        return [int(t) for t in ids] if isinstance(ids, list) else []
+    def _stream_sink(self, call: GenerateCall) -> CumulativeChunks:
+        return CumulativeChunks()
 
     def _parse(self, call: GenerateCall, url: str, body: Any) -> list[SampleOutput]:
         gateway = url if url in self._client.backends.gateways else None
@@ -195,6 +192,25 @@ class SGLangHTTPEngine(HTTPEngine):
     def abort_all(self) -> dict[str, Answer]:
         """Abort everything in flight on every server; what each answered, as for `abort`."""
         return self._bridge.run(self._client.backends.abort_all())
+
+
+class CumulativeChunks:
+    """SGLang's streamed `/generate` (its default, not `--incremental-streaming-output`): each chunk
+    holds the `output_ids` so far, and the last one is the whole answer."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+        self.last: Any = None
+
+    def take(self, chunk: Any) -> None:
+        self.last = chunk
+
+    def so_far(self) -> list[int]:
+        ids = self.last.get("output_ids") if isinstance(self.last, dict) else None
+        return [int(t) for t in ids] if isinstance(ids, list) else []
+
+    def answer(self) -> Any:
+        return self.last
 
 
 def _is_404(answer: Answer) -> bool:

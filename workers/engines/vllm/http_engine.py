@@ -58,10 +58,12 @@ from workers.engines.vllm.mapping import (
     PROCESSED_LOGPROBS,
     RAW_LOGPROBS,
     CompletionCall,
+    DeltaChunks,
     completion_calls,
     logprob_capabilities,
     parse_completion,
     refusal,
+    streamable,
     token_of,
 )
 from workers.errors import EngineUnavailableError, UnsupportedRequestError
@@ -190,6 +192,9 @@ class VLLMHTTPEngine(HTTPEngine):
 
     def _parse(self, call: CompletionCall, url: str, body: Any) -> list[SampleOutput]:
         return parse_completion(call, body)
+
+    def _stream_sink(self, call: CompletionCall) -> DeltaChunks | None:
+        return DeltaChunks() if streamable(call) else None
 
     def interrupt(self) -> int:
         """Abort this worker's calls in flight by id (`POST /abort_requests`, a development endpoint)."""

@@ -293,3 +293,59 @@ def parse_completion(call: CompletionCall, body: Any) -> list[SampleOutput]:
     ordered = sorted(choices, key=lambda c: c["index"])
     return [parse_choice(call, choice, cached_tokens=cached, who=f"{who} sample {call.first_sample + i}")
             for i, choice in enumerate(ordered)]
+
+
+# -- streamed calls (agent turns with `stream: true`) ------------------------------------------
+
+_LOGPROB_LISTS = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+
+
+def streamable(call: CompletionCall) -> bool:
+    """Whether a call's answer can be assembled from vLLM's stream: its chunks carry no
+    `prompt_logprobs` (vLLM 0.32 sends them only without `stream`)."""
+    return call.samples == 1 and not call.drop_output and call.request.prompt_logprobs is None
+
+
+class DeltaChunks:
+    """vLLM's streamed `/v1/completions`, assembled into the body a non-streamed call gets: each
+    chunk's choice carries what is new (`text`, `token_ids`, `logprobs` lists), the first its
+    `prompt_token_ids`, the last its `finish_reason` and `stop_reason`; a last chunk without choices
+    the `usage` (asked for with `stream_options`). Checked as any answer when parsed."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {"stream_options": {"include_usage": True}}
+        self.head: dict[str, Any] = {}
+        self.choices: dict[Any, dict[str, Any]] = {}
+        self.usage: Any = None
+
+    def take(self, chunk: Any) -> None:
+        if not isinstance(chunk, dict):
+            raise ContractViolation(f"a streamed chunk is {type(chunk).__name__}, expected an object")
+        if not self.head:
+            self.head = {key: chunk.get(key) for key in ("id", "object", "created", "model")}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                raise ContractViolation("a streamed choice is not an object")
+            into = self.choices.setdefault(choice.get("index"), {
+                "index": choice.get("index"), "text": "", "token_ids": [], "logprobs": None,
+                "finish_reason": None, "stop_reason": None, "prompt_token_ids": None})
+            into["text"] += choice.get("text") or ""
+            into["token_ids"] += choice.get("token_ids") or []
+            if choice.get("prompt_token_ids") is not None:
+                into["prompt_token_ids"] = choice["prompt_token_ids"]
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                merged = into["logprobs"] = into["logprobs"] or {key: [] for key in _LOGPROB_LISTS}
+                for key in _LOGPROB_LISTS:
+                    merged[key] += logprobs.get(key) or []
+            if choice.get("finish_reason") is not None:
+                into["finish_reason"], into["stop_reason"] = choice["finish_reason"], choice.get("stop_reason")
+
+    def so_far(self) -> list[int]:
+        first = self.choices.get(0)
+        return [] if first is None else list(first["token_ids"])
+
+    def answer(self) -> dict[str, Any]:
+        return {**self.head, "choices": [self.choices[k] for k in sorted(self.choices, key=str)], "usage": self.usage}
