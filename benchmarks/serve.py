@@ -142,10 +142,20 @@ def _direct_latency(samples: int) -> list[float]:
     return out
 
 
+def _command_counts(conn: redis.Redis) -> dict[str, int]:
+    """Commands Redis has run since its last `CONFIG RESETSTAT` by name, bar the benchmark's own INFO/CONFIG."""
+    return {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in conn.info("commandstats").items()
+            if name not in ("cmdstat_info", "cmdstat_config")}
+
+
 def _commands(conn: redis.Redis) -> int:
-    """Commands Redis has run since its last `CONFIG RESETSTAT`, bar the benchmark's own INFO/CONFIG."""
-    return sum(stat["calls"] for name, stat in conn.info("commandstats").items()
-               if name not in ("cmdstat_info", "cmdstat_config"))
+    return sum(_command_counts(conn).values())
+
+
+def _profile(counts: dict[str, int], turns: int) -> str:
+    """The commands per turn by name, most first (commands run inside scripts counted as theirs)."""
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} {calls / turns:.1f}" for name, calls in ranked if calls / turns >= 0.5)
 
 
 def _redis_cpu_s(conn: redis.Redis) -> float:
@@ -234,11 +244,13 @@ def main() -> None:
             policy = conn.config_get("appendfsync")["appendfsync"]
             conn.config_resetstat()
             added = _lone_turns(url, args.turns, args.mode)
-            lone_commands = _commands(conn) / len(added)
+            lone = _command_counts(conn)
+            lone_commands = sum(lone.values()) / len(added)
             print(f"added latency per turn ({args.mode}), one session alone ({len(added)} turns, appendfsync "
                   f"{policy}): p50 {percentile(added, 0.5) * 1000:.2f} ms, "
                   f"p99 {percentile(added, 0.99) * 1000:.2f} ms; "
                   f"{lone_commands:.1f} Redis commands per turn")
+            print(f"  by command: {_profile(lone, len(added))}")
             if args.fsync_ab:
                 medians: dict[str, list[float]] = {"everysec": [], "always": []}
                 for _ in range(args.fsync_ab):
@@ -274,8 +286,10 @@ def main() -> None:
                   f"median of {args.repeats}: {statistics.median(rates):.0f} turns/s (min {min(rates):.0f}, "
                   f"max {max(rates):.0f}); turn latency under that load p50 {statistics.median(p50s) * 1000:.0f} ms, "
                   f"p99 {statistics.median(p99s) * 1000:.0f} ms")
-            print(f"Redis work under that load: {_commands(conn) / turns_done:.1f} commands per turn "
+            loaded = _command_counts(conn)
+            print(f"Redis work under that load: {sum(loaded.values()) / turns_done:.1f} commands per turn "
                   "(goal: at most 12)")
+            print(f"  by command: {_profile(loaded, turns_done)}")
             per = ", ".join(f"{name} {ms:.2f} ms" for name, ms in cpu.items())
             print(f"CPU per turn under that load: {per}"
                   + f" ({sum(cpu.values()):.2f} ms in all, on {os.cpu_count()} cores)")
