@@ -143,7 +143,8 @@ class LiveTurn:
         events: list[bytes] = []
         for index in sorted(touched):
             choice = self.choices[index]
-            if choice.tokens[:choice.shown] != choice.shown_ids:
+            common = min(len(choice.tokens), choice.shown)  # a new attempt resumed from an older checkpoint
+            if choice.tokens[:common] != choice.shown_ids[:common]:  # may not have caught up yet
                 raise APIError(500, f"the worker generating this turn was lost after {choice.shown} tokens were "
                                     "sent and the turn, run again, generated different ones; call again to get its "
                                     "recorded answer", code="stream_diverged")

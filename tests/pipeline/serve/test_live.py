@@ -77,6 +77,13 @@ def test_a_new_attempt_that_repeats_what_was_sent_goes_on() -> None:
     assert _sent(live.take([_delta("Hello world", attempt=2)])) == "ld"
 
 
+def test_a_new_attempt_from_an_older_checkpoint_goes_on_once_it_catches_up() -> None:
+    live = _live()
+    live.take([_delta("Hello wor")])
+    assert _sent(live.take([_delta("Hello", attempt=2)])) == ""  # behind what was sent: nothing yet
+    assert _sent(live.take([_delta(" world", offset=5, attempt=2)])) == "ld"
+
+
 def test_a_new_attempt_that_differs_from_what_was_sent_ends_the_stream() -> None:
     live = _live()
     live.take([_delta("Hello")])
