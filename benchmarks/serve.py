@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -45,13 +44,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import free_port, percentile  # noqa: E402
+from benchmarks.common import free_port, percentile, stop_processes, wait_for_serve  # noqa: E402
 from pipeline.core import settings  # noqa: E402
 from pipeline.core.broker import commit_log, keys  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
@@ -226,17 +224,7 @@ def main() -> None:
         print(f"processes: server {procs[-1].pid}, workers {[p.pid for p in procs[:-1]]}", flush=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:  # the server is up and the workers have joined the pool
-                try:
-                    health = httpx.get(f"{url}/health", timeout=2).json()
-                    if health["live_workers"] >= args.workers:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("pipeline serve or its workers did not come up")
-                time.sleep(0.2)
+            wait_for_serve(url, args.workers)
             asyncio.run(_load(url, 4, 2, 4, args.mode))  # warm-up: imports, templates, connections
 
             # Added latency: one session alone, against the engine called directly in this run; with
@@ -307,11 +295,7 @@ def main() -> None:
                       f"{len(commits)} shard files holding {rows} rows: {rows / max(1, len(commits)):.0f} turns per "
                       f"shard (goal: at most 1 shard per 256 turns)")
         finally:
-            for proc in procs:
-                if proc.pid is not None and proc.is_alive():
-                    os.kill(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                proc.join(timeout=15)
+            stop_processes(procs)
 
 
 if __name__ == "__main__":

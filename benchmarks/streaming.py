@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import free_port  # noqa: E402
+from benchmarks.common import free_port, stop_processes, wait_for_serve  # noqa: E402
 from pipeline.core import settings  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 
@@ -155,26 +154,13 @@ def main() -> None:
             proc.start()
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).json()["live_workers"] >= 1:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("pipeline serve or its worker did not come up")
-                time.sleep(0.2)
+            wait_for_serve(url, 1)
             asyncio.run(_round(url, 4, 2, True))  # warm-up
             _measure(url, conn, args.turns, args.tokens, 1)
             if args.concurrent:
                 _measure(url, conn, max(2, args.turns // 4), args.tokens, args.concurrent)
         finally:
-            for proc in procs:
-                if proc.pid is not None and proc.is_alive():
-                    os.kill(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                proc.join(timeout=15)
+            stop_processes(procs)
 
 
 if __name__ == "__main__":
