@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -69,10 +70,8 @@ class TurnWaiter:
         twin (Sentinel, TLS), `wait` in a thread."""
         aconn = self._async_conn()
         if aconn is None:
-            if self._wait_threads is None:
-                self._wait_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
             return await anyio.to_thread.run_sync(self.wait, turn_id, run, started, settled,
-                                                  limiter=self._wait_threads)
+                                                  limiter=self._threads())
         try:
             reply = keys.turn_reply(turn_id)
             while True:
@@ -94,18 +93,22 @@ class TurnWaiter:
         turn_stream`), then, last, what `wait` returns. The token stream is read from its start and
         not consumed; the rows come from the reply list once the stream's end entry is read, with
         the same checks as `wait` whenever a block passes without an entry. Where this Redis has no
-        asyncio twin, only the rows, at the end."""
+        asyncio twin (Sentinel, TLS), each read blocks a thread instead."""
         aconn = self._async_conn()
-        if aconn is None:
-            yield await self.wait_async(turn_id, run, started, settled)
-            return
+
+        async def command(name: str, *args: Any, **kwargs: Any) -> Any:
+            if aconn is not None:
+                return await getattr(aconn, name)(*args, **kwargs)
+            return await anyio.to_thread.run_sync(partial(getattr(self.conn, name), *args, **kwargs),
+                                                  limiter=self._threads())
+
         try:
             stream, reply, last = keys.turn_stream(turn_id), keys.turn_reply(turn_id), b"0-0"
             while True:
                 left = self.turn_timeout_s - (time.monotonic() - started)
                 if left <= 0:
                     raise await anyio.to_thread.run_sync(self._late, turn_id)
-                read = await aconn.xread({stream: last}, block=max(10, int(min(BLOCK_S, left) * 1000)))
+                read = await command("xread", {stream: last}, block=max(10, int(min(BLOCK_S, left) * 1000)))
                 deltas, ended = [], False
                 for _, entries in read or []:
                     for entry_id, fields in entries:
@@ -118,7 +121,7 @@ class TurnWaiter:
                 if deltas:
                     yield deltas
                 if ended or not read:
-                    popped = await aconn.lpop(reply)
+                    popped = await command("lpop", reply)
                     if popped is not None:
                         yield rows_from_ipc(popped)
                         return
@@ -168,6 +171,12 @@ class TurnWaiter:
             status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
             raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
         return None
+
+    def _threads(self) -> anyio.CapacityLimiter:
+        """Threads for waits on a Redis without an asyncio twin, as many as the sockets of one with it."""
+        if self._wait_threads is None:
+            self._wait_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
+        return self._wait_threads
 
     def _async_conn(self) -> redis.asyncio.Redis | None:
         if self._aconn is False:

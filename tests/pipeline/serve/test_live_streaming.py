@@ -10,6 +10,7 @@ import asyncio
 import threading
 from typing import Any
 
+import openai
 import pytest
 import redis
 
@@ -201,3 +202,38 @@ def test_a_partial_weight_swap_mid_stream_keeps_each_tokens_version(redis_client
     assert [s["version"] for s in row["weight_version_segments"]] == [0, 1]  # swapped mid-answer
     assert got["token_ids"] == row["completion_token_ids"] and len(row["completion_token_ids"]) == 150
     assert got["content"] == got["recorded"].choices[0].message.content  # every token once, in order
+
+
+def test_a_stream_through_sentinel_comes_as_it_is_generated(tmp_path: Any, tools_tokenizer: Any) -> None:
+    """Behind Sentinel the server has no asyncio Redis client: each read of the token stream blocks a
+    thread instead, and the text still arrives while the turn is held mid-way."""
+    from pipeline.core.broker.connection import connect_redis
+    from pipeline.serve.server import ServeConfig, Server
+    from tests.helpers.processes import drive_worker
+    from tests.helpers.sentinel_group import SentinelGroup
+    from tests.pipeline.serve.conftest import TOKENIZER
+
+    answer = "Through the sentinel, one token at a time."
+    script = Script(tools_tokenizer, {0: answer})
+    hold = Hold()
+    got: dict[str, Any] = {"content": ""}
+    with SentinelGroup(tmp_path / "sentinel", replicas=0, sentinels=1) as group:
+        conn = connect_redis(group.url)
+        server = Server(ServeConfig(port=0, redis_url=group.url, tokenizer=str(TOKENIZER), run="agents",
+                                    output=f"file://{tmp_path}/shards", turn_timeout_s=30)).start()
+        try:
+            def agent() -> None:
+                client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+                for chunk in client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "2+3?"}], stream=True,
+                        extra_headers={"X-Session-Id": "s1"}):
+                    for choice in chunk.choices:
+                        if choice.delta.content and "held" not in got:
+                            got["held"] = not hold.release.is_set()
+                            hold.release.set()
+                        got["content"] += choice.delta.content or ""
+
+            drive_worker(conn, script.engine(pace=hold), agent, stop_when_done=True)
+        finally:
+            server.stop()
+    assert got["held"] and got["content"] == answer
