@@ -328,37 +328,27 @@ class Turns:
                             functools.partial(self._recorded, session.session_id, request_digest), live, route)
         raise APIError(409, f"session {session.session_id!r}: another call keeps taking its turn", code="turn_conflict")
 
-    def wait(self, call: InFlight) -> pa.Table | dict[str, Any]:
-        """The turn's rows (or its answer, recorded meanwhile by another waiter); blocks a thread."""
-        return self._failed_turn_released(call, lambda: self.lane.wait(
-            call.pending.turn_id, call.session.run, call.started, call.settled))
-
     async def wait_async(self, call: InFlight) -> pa.Table | dict[str, Any]:
-        """`wait` on the event loop: blocks no thread while the turn is generated."""
-        try:
+        """The turn's rows (or its answer, recorded meanwhile by another waiter), on the event loop:
+        blocks no thread while the turn is generated."""
+        async with self._failed_turn_released(call):
             return await self.lane.wait_async(call.pending.turn_id, call.session.run, call.started, call.settled)
-        except APIError as exc:
-            if exc.code == "turn_failed":
-                await anyio.to_thread.run_sync(self._release_failed, call)
-            raise
 
     async def stream_async(self, call: InFlight) -> AsyncIterator[list[TokenDelta] | Answered]:
         """`wait_async` for a streamed call: batches of the turn's tokens as they come, then the rows."""
-        try:
+        async with self._failed_turn_released(call):
             async for item in self.lane.stream_async(call.pending.turn_id, call.session.run, call.started,
                                                      call.settled):
                 yield item
+
+    @contextlib.asynccontextmanager
+    async def _failed_turn_released(self, call: InFlight) -> AsyncIterator[None]:
+        """A turn that failed on its worker releases its session's pending mark (`_release_failed`)."""
+        try:
+            yield
         except APIError as exc:
             if exc.code == "turn_failed":
                 await anyio.to_thread.run_sync(self._release_failed, call)
-            raise
-
-    def _failed_turn_released(self, call: InFlight, wait: Callable[[], Any]) -> Any:
-        try:
-            return wait()
-        except APIError as exc:
-            if exc.code == "turn_failed":
-                self._release_failed(call)
             raise
 
     def finish(self, call: InFlight, got: pa.Table | dict[str, Any]) -> dict[str, Any]:
