@@ -101,8 +101,21 @@ def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) 
     return {"pools": {name: collect_pool(conn, name, run) for name in names}}
 
 
+def routed_turns(conn: redis.Redis, pool: keys.PoolKeys) -> dict[str, int]:
+    """Jobs of agent turns in the pool's workers' own lanes (`pipeline.core.jobs.lanes`): waiting
+    (`routed`) and taken by their worker (`taken`)."""
+    owners = sorted(m.decode() for m in conn.smembers(pool.lane_workers))
+    with conn.pipeline(transaction=False) as pipe:
+        for worker in owners:
+            pipe.llen(pool.turn_lane(worker))
+            pipe.llen(pool.turn_lane_in_flight(worker))
+        counts = pipe.execute()
+    return {"routed": sum(counts[0::2]), "taken": sum(counts[1::2])}
+
+
 def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
-    """One pool: its desired state, queue, interactive lane (`lane`: queued agent-turn jobs), open agent
+    """One pool: its desired state, queue, interactive lane (`lane`: agent-turn jobs queued in the shared
+    lane, and routed to workers' own lanes: waiting, and taken but not done), open agent
     sessions (`sessions`, see `open_sessions`), live workers and the capability classes they serve, jobs
     waiting for a capability no live worker has (`workers.jobs.admission`), runs and failed jobs."""
     where = keys.pool(pool)
@@ -124,7 +137,8 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
                   "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
                   "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
         "lane": {"name": where.lane_queue_name,
-                 "queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count},
+                 "queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count,
+                 **routed_turns(conn, where)},
         "sessions": open_sessions(conn, where.name),
         "affinity": affinity(conn, where.name),
         "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
@@ -277,7 +291,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         + f" (generation {desired['generation']})",
         f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
         f"{q['failed']} failed",
-        f"lane {status['lane']['name']}: {status['lane']['queued']} queued agent-turn job(s)",
+        f"lane {status['lane']['name']}: {status['lane']['queued']} queued agent-turn job(s); workers' own lanes: "
+        f"{status['lane']['routed']} waiting, {status['lane']['taken']} running",
     ]
     sessions = status["sessions"]
     if sessions["open"] or any(r.get("agent_turns") for r in status["runs"].values()):

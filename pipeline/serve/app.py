@@ -204,6 +204,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         return JSONResponse({"status": "ok", "pool": turns.settings.pool, "live_workers": len(workers)})
 
     async def metrics(request: Request) -> Response:
+        await in_thread(turns.counts.flush)  # this server's own counts, up to date
         text = await in_thread(render_metrics, turns.conn, turns.settings.pool)
         return Response(text, media_type=METRICS_TYPE)
 

@@ -8,7 +8,8 @@ rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard
 
 Each turn goes to a worker chosen by the router (`routing`: its session's home while that is
 alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's own lane
-(`pipeline.core.jobs.lanes`); with no such worker it waits in the pool's shared lane for any.
+(a plain list, `pipeline.core.jobs.lanes`: no RQ job); with no such worker it waits as an RQ job in
+the pool's shared lane for any.
 Turns reaching a server together share a lane job (`turn_batching`); a server waits for each
 turn's answer on its reply list and moves dead workers' turns back to the shared lane
 (`turn_wait`). A failed job fails each of its turns (RQ retries it once first).
@@ -56,7 +57,7 @@ class Lane:
     def live_workers(self) -> list[WorkerInfo]:
         return self.router.live_workers()
 
-    def job_of(self, turn_id: str) -> str | None:
+    def job_of(self, turn_id: str) -> tuple[str | None, str | None]:
         return self.waiter.job_of(turn_id)
 
     def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag,

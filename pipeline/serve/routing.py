@@ -132,10 +132,4 @@ class Router:
         live = {w.worker_id for w in self.live_workers()}
         moved = lanes.rehome_orphans(self.conn, self.keys, live)
         if moved:
-            log.warning("moved %d lane job(s) of dead worker(s) of pool %r to the shared lane", moved, self.keys.name)
-
-    def rescue(self, job_id: str) -> None:
-        """Requeue a job that a dead worker popped and never started (`lanes.rescue_popped`)."""
-        live = {w.worker_id for w in self.live_workers()}
-        if lanes.rescue_popped(self.conn, self.keys, job_id, live):
-            log.warning("lane job %s was popped by a worker that died before starting it: requeued", job_id)
+            log.warning("moved %d lane item(s) of dead worker(s) of pool %r to the shared lane", moved, self.keys.name)

@@ -135,7 +135,10 @@ class Server:
 
     def run(self) -> None:
         """Serve until interrupted."""
-        self.uvicorn.run()
+        try:
+            self.uvicorn.run()
+        finally:
+            self.turns.counts.close()
 
     def start(self, timeout: float = 30.0) -> Server:
         """Serve from a daemon thread; return once it accepts connections."""
@@ -152,3 +155,4 @@ class Server:
         self.uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.turns.counts.close()

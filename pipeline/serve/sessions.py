@@ -24,16 +24,27 @@ import redis
 
 from pipeline.core.broker import keys
 from pipeline.core.errors import APIError
+from pipeline.serve.turn_counts import TurnCounts
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires a week after its last turn
 # KEYS: the session. ARGV: the lowest and highest weight version of a turn. Widens the session's range.
-_WIDEN_VERSIONS = """
-local low, high = tonumber(ARGV[1]), tonumber(ARGV[2])
+# KEYS: the session, the run's turn counts. ARGV: the turn record (`last`), the session's turns, its
+# home, the lowest and highest weight version of the turn, the session's TTL, 1 if the turn broke
+# the session's prefix. The turn becomes `last`, the pending mark goes, the weight versions the
+# session's turns used widen, a prefix break is counted: one script, atomic.
+_RECORD = """
+local low, high = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = redis.call('HMGET', KEYS[1], 'min_version', 'max_version')
 if now[1] then low = math.min(low, tonumber(now[1])) end
 if now[2] then high = math.max(high, tonumber(now[2])) end
-redis.call('HSET', KEYS[1], 'min_version', low, 'max_version', high)
+redis.call('HSET', KEYS[1], 'last', ARGV[1], 'turns', ARGV[2], 'home', ARGV[3], 'min_version', low, 'max_version', high)
+redis.call('HDEL', KEYS[1], 'pending')
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+if ARGV[7] == '1' then
+  redis.call('HINCRBY', KEYS[2], 'prefix_breaks', 1)
+  redis.call('HINCRBY', KEYS[1], 'prefix_breaks', 1)
+end
 """
 
 
@@ -139,25 +150,19 @@ class Placed:
     prompt_tokens: int
     cached_tokens: int
 
-    def count(self, pipe: Any, pool: keys.PoolKeys, home: str | None) -> None:
-        """The pool's affinity counts (`keys.PoolKeys.lane_stats`): turns; turns of a session with a
-        home, and those served there; prompt and cached tokens; moves by reason (a turn routed home
-        that ran elsewhere moved because its worker died: `gone`); turns per 10-second bucket."""
-        stats_key = pool.lane_stats
-        pipe.hincrby(stats_key, "turns", 1)
-        bucket = pool.lane_turns_in(int(time.time()) // keys.LANE_RATE_BUCKET_S)
-        pipe.incr(bucket)
-        pipe.expire(bucket, 600)
-        pipe.hincrby(stats_key, "prompt_tokens", self.prompt_tokens)
-        pipe.hincrby(stats_key, "cached_tokens", self.cached_tokens)
+    def increments(self, home: str | None) -> dict[str, int]:
+        """The turn's part in the pool's affinity counts (`keys.PoolKeys.lane_stats`): turns; turns of a
+        session with a home, and those served there; prompt and cached tokens; moves by reason (a turn
+        routed home that ran elsewhere moved because its worker died: `gone`)."""
+        counts = {"turns": 1, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
         if home is None:
-            return
-        pipe.hincrby(stats_key, "homed_turns", 1)
+            return counts
+        counts["homed_turns"] = 1
         if self.served_by == home:
-            pipe.hincrby(stats_key, "home_turns", 1)
+            counts["home_turns"] = 1
         else:
-            reason = self.moved if self.moved and self.served_by == self.routed_to else "gone"
-            pipe.hincrby(stats_key, f"moves:{reason}", 1)
+            counts[f"moves:{self.moved if self.moved and self.served_by == self.routed_to else 'gone'}"] = 1
+        return counts
 
 
 @dataclass
@@ -190,8 +195,11 @@ class Session:
 class SessionStore:
     """Sessions of one Redis (sync client; the server calls it from worker threads)."""
 
-    def __init__(self, conn: redis.Redis) -> None:
+    def __init__(self, conn: redis.Redis, counts: TurnCounts | None = None) -> None:
         self.conn = conn
+        # The pool's turn counts: written in batches by a server, with each turn by default.
+        self.counts = counts or TurnCounts(conn, every_s=0)
+        self._record = conn.register_script(_RECORD)
 
     def create(self, *, run: str, pool: str, output: str, metadata: dict[str, Any] | None = None,
                session_id: str | None = None, ephemeral: bool = False) -> Session:
@@ -267,19 +275,11 @@ class SessionStore:
                placed: Placed) -> None:
         """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move, the
         weight versions its turns used widen, and the worker that served it becomes the session's
-        home (the pool's affinity counts move with it); one transaction."""
-        key = keys.session(session.session_id)
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"last": record.to_json(), "turns": pending.turn + 1, "home": placed.served_by})
-            placed.count(pipe, keys.pool(session.pool), session.home)
-            pipe.eval(_WIDEN_VERSIONS, 1, key, *versions)
-            pipe.hdel(key, "pending")
-            pipe.expire(key, SESSION_TTL_S)
-            pipe.hincrby(keys.run_turn_stats(session.run), "turns", 1)
-            if pending.prefix_break:
-                pipe.hincrby(keys.run_turn_stats(session.run), "prefix_breaks", 1)
-                pipe.hincrby(key, "prefix_breaks", 1)
-            pipe.execute()
+        home (the pool's affinity counts move with it, at once or in `counts`' next batch)."""
+        self._record(keys=[keys.session(session.session_id), keys.run_turn_stats(session.run)],
+                     args=[record.to_json(), pending.turn + 1, placed.served_by, *versions, SESSION_TTL_S,
+                           int(pending.prefix_break)])
+        self.counts.add(keys.pool(session.pool), session.run, placed.increments(session.home))
 
     def reward(self, session_id: str, body: Any) -> Session:
         """Record `{"reward": x}` or `{"rewards": {name: x}}` (numbers); replaces an earlier reward."""

@@ -20,7 +20,7 @@ from rq import Queue
 
 from pipeline.core.broker import keys
 from pipeline.core.jobs import lanes
-from pipeline.core.jobs.queue import job_data
+from pipeline.core.jobs.queue import job_args, job_data
 from pipeline.serve.routing import ACTIVE_S, Router
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
@@ -126,23 +126,24 @@ class TurnBatcher:
             needs = first.needs
             for other in turns[1:]:
                 needs |= other.needs
-            data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
-                            description=f"{len(turns)} agent turn(s) of run {first.run}")
+            description = f"{len(turns)} agent turn(s) of run {first.run}"
             worker = first.worker
-            queue = self.shared_lane if worker is None else lanes.worker_queue(self.conn, self.keys, worker)
-            with self.conn.pipeline(transaction=True) as pipe:
-                for waiting in turns:
-                    pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
-                if worker is not None:
-                    # Its lane is known from now on, even if it died since it was chosen and its last
-                    # lane was already moved: the next `rehome_orphans` moves this job too.
-                    pipe.sadd(self.keys.lane_workers, worker)
+            with self.conn.pipeline(transaction=worker is None) as pipe:
+                if worker is None:
+                    data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
+                                    description=description)
+                    for waiting in turns:
+                        pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
+                    self.shared_lane.enqueue_many([data], pipeline=pipe)
+                else:
+                    lanes.push(pipe, self.keys, worker, lanes.new_item(
+                        job_id, job_args(payload), needs.as_dict(), description,
+                        timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES))
                     active_until = time.time() + ACTIVE_S
                     pipe.zadd(self.keys.lane_load(worker), {t.turn.session_id: active_until for t in turns})
                     for waiting in turns:
                         if waiting.home is not None and waiting.home != worker:
                             pipe.zrem(self.keys.lane_load(waiting.home), waiting.turn.session_id)
-                queue.enqueue_many([data], pipeline=pipe)
                 pipe.execute()
             with self._ready:
                 self._jobs[job_id] = (len(turns), time.monotonic())

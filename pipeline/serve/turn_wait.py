@@ -25,7 +25,7 @@ import redis.asyncio
 from pipeline.core.broker import control_channel, keys
 from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.errors import APIError, PipelineError
-from pipeline.core.jobs import turn_log, turn_stream
+from pipeline.core.jobs import lanes, turn_log, turn_stream
 from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.routing import Router
@@ -35,6 +35,18 @@ DEFAULT_TURN_TIMEOUT_S = 600.0
 ASYNC_CONNECTIONS = 4096  # calls waiting on the event loop at once, a socket each
 BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
 Answered = pa.Table | dict[str, Any]  # a turn's rows, or its answer recorded by another waiter
+
+
+def _rows(reply: bytes) -> pa.Table:
+    """A reply list's entry: the turn's rows, or `APIError` when its worker failed it (`lanes.fail`)."""
+    failure = lanes.read_error(reply)
+    if failure is not None:
+        raise _failed(*failure)
+    return rows_from_ipc(reply)
+
+
+def _failed(reason: str, status: int) -> APIError:
+    return APIError(status, f"the turn failed on the worker: {reason}", code="turn_failed")
 
 
 class TurnWaiter:
@@ -50,9 +62,9 @@ class TurnWaiter:
         self._aconn: redis.asyncio.Redis | bool | None = False  # made on first use, in the server's loop
         self._wait_threads: anyio.CapacityLimiter | None = None
 
-    def job_of(self, turn_id: str) -> str | None:
-        job_id = self.conn.get(keys.turn_job(turn_id))
-        return None if job_id is None else job_id.decode()
+    def job_of(self, turn_id: str) -> tuple[str | None, str | None]:
+        """The turn's job id, and the worker whose own lane holds it (None: an RQ job of the shared lane)."""
+        return lanes.parse_turn_job(self.conn.get(keys.turn_job(turn_id)))
 
     def wait(self, turn_id: str, run: str, started: float,
              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
@@ -80,7 +92,7 @@ class TurnWaiter:
                     raise await anyio.to_thread.run_sync(self._late, turn_id)
                 popped = await aconn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
                 if popped is not None:
-                    return rows_from_ipc(popped[1])
+                    return _rows(popped[1])
                 found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
                 if found is not None:
                     return found
@@ -123,7 +135,7 @@ class TurnWaiter:
                 if ended or not read:
                     popped = await command("lpop", reply)
                     if popped is not None:
-                        yield rows_from_ipc(popped)
+                        yield _rows(popped)
                         return
                     found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
                     if found is not None:
@@ -141,7 +153,7 @@ class TurnWaiter:
                 raise self._late(turn_id)
             popped = self.conn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
             if popped is not None:
-                return rows_from_ipc(popped[1])
+                return _rows(popped[1])
             found = self._between_blocks(turn_id, run, settled)
             if found is not None:
                 return found
@@ -154,7 +166,17 @@ class TurnWaiter:
         if answered is not None:
             return answered
         self.router.rehome()
-        job_id = self.job_of(turn_id)
+        job_id, worker = self.job_of(turn_id)
+        if worker is not None:  # in a live worker's own lane (a dead one's were made RQ jobs just now)
+            failure = lanes.turn_failure(self.conn, turn_id)
+            if failure is not None:
+                raise _failed(*failure)
+            logged = self._logged(run, turn_id)  # answered, but the reply went to a waiter that is gone
+            if logged is None and worker not in {w.worker_id for w in self.router.live_workers()}:
+                # Routed to a worker that died before the push (its lane already moved and forgotten):
+                # known again, so the next rehome moves it.
+                lanes.register(self.conn, self.keys, worker)
+            return logged
         status = None if job_id is None else read_status(self.conn, job_id)
         if status == b"finished":  # answered, but the reply went to a waiter that is gone
             logged = self._logged(run, turn_id)
@@ -163,13 +185,10 @@ class TurnWaiter:
             raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
                                 "in neither the turn log nor a shard it remembers; call again to generate it "
                                 "again", code="turn_failed")
-        if status == b"queued" and job_id is not None:
-            self.router.rescue(job_id)
         if status in (b"failed", b"stopped", b"canceled") or status is None:
             reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
                 "its job is gone from Redis"
-            status_code = 400 if "cannot serve" in reason or "Unsupported" in reason else 500
-            raise APIError(status_code, f"the turn failed on the worker: {reason}", code="turn_failed")
+            raise _failed(reason, lanes.failure_status(reason))
         return None
 
     def _threads(self) -> anyio.CapacityLimiter:
@@ -200,8 +219,11 @@ class TurnWaiter:
         return rows if rows.num_rows else None
 
     def _late(self, turn_id: str) -> APIError:
-        job_id = self.job_of(turn_id)
-        status = "" if job_id is None else (read_status(self.conn, job_id) or b"").decode()
+        job_id, worker = self.job_of(turn_id)
+        if worker is not None:
+            status = "queued"  # in its worker's own lane, taken or not
+        else:
+            status = "" if job_id is None else (read_status(self.conn, job_id) or b"").decode()
         try:
             paused = control_channel.read_state(self.conn, self.keys.name).paused
         except PipelineError:

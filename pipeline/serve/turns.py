@@ -31,6 +31,7 @@ import redis
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.errors import APIError, RenderError
+from pipeline.core.jobs import lanes, turn_log
 from pipeline.core.jobs.status import read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
@@ -38,6 +39,7 @@ from pipeline.serve.lane import Lane
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import Choice, Pending, Placed, Session, SessionStore, TurnRecord, digest
+from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
 from pipeline.submit.render import ChatRenderer
 from schemas.chat import ChatRequest
@@ -96,7 +98,8 @@ class Turns:
         self.conn = conn
         self.settings = settings
         self.renderer = renderer
-        self.sessions = SessionStore(conn)
+        self.counts = TurnCounts(conn)  # the pool's turn counts, written every half second
+        self.sessions = SessionStore(conn, self.counts)
         self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s, affinity=settings.affinity,
                          load_factor=settings.load_factor)
 
@@ -312,7 +315,7 @@ class Turns:
                 return session.last.response  # the client's retry of a call already answered
             pending = session.pending
             if pending is not None and pending.request_digest != request_digest:
-                if self._active(pending.turn_id):
+                if self._active(pending.turn_id, session.run):
                     raise APIError(409, f"session {session.session_id!r} has turn {pending.turn} in flight; a session "
                                         "takes one call at a time", code="turn_in_flight")
                 self.sessions.release(session, pending)
@@ -364,8 +367,11 @@ class Turns:
         last = self.sessions.get(session_id).last
         return last.response if last is not None and last.request_digest == request_digest else None
 
-    def _active(self, turn_id: str) -> bool:
-        job_id = self.lane.job_of(turn_id)
+    def _active(self, turn_id: str, run: str) -> bool:
+        """Whether the turn may still be answered: queued or running."""
+        job_id, worker = self.lane.job_of(turn_id)
+        if worker is not None:  # in a worker's own lane (a dead one's is moved), unless it failed or was answered
+            return lanes.turn_failure(self.conn, turn_id) is None and not turn_log.is_logged(self.conn, run, turn_id)
         status = None if job_id is None else read_status(self.conn, job_id)
         return status in (b"queued", b"started", b"scheduled", b"deferred")
 

@@ -10,7 +10,7 @@ import sys
 
 import redis
 
-from pipeline.core.command import EXIT_UNREACHABLE, EXIT_USAGE, Command
+from pipeline.core.command import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, Command
 
 log = logging.getLogger(__name__)
 
@@ -90,5 +90,7 @@ class WorkerCommand(Command):
         except (redis.ConnectionError, redis.TimeoutError) as exc:  # gone for good, or while stopping
             print(f"error: Redis unreachable ({exc}); worker {worker.worker_id} stopped. A job it held runs again "
                   "on another worker once its lease expires.", file=sys.stderr)
-            return EXIT_UNREACHABLE
+            # Told twice to stop: it exits as it would with Redis up, though a Redis write of RQ's
+            # teardown failed after the second signal (and took the place of its exit).
+            return EXIT_FAILED if worker.shutdown.exiting else EXIT_UNREACHABLE
         return 0

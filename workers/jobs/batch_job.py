@@ -67,7 +67,10 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
 
 
 def check_not_canceled(conn: redis.Redis | None, job: JobPayload) -> None:
-    """`JobCanceledError` if the job was canceled (`pipeline.runs.cancel`)."""
+    """`JobCanceledError` if the job was canceled (`pipeline.runs.cancel`). Agent turns (`pipeline
+    serve`) are not looked up: a cancel names a run's submitted jobs, never the server's lane jobs."""
+    if job.turns is not None:
+        return
     if conn is not None and conn.sismember(keys.canceled(job.run), job.job_id):
         raise JobCanceledError(f"job {job.job_id} of run {job.run} was canceled; nothing was written")
 
@@ -100,7 +103,6 @@ def commit_batch(
     if job.turns is not None:  # agent turns: each logged with many others, answered at once (`turn_log`)
         if conn is None:
             raise WorkerError(f"job {job.job_id}: agent turns need a Redis connection to answer")
-        check_not_canceled(conn, job)
         return commit_turns(job, batch.requests, table, conn)
     rows = table.num_rows
     tokens = int(table.column("completion_tokens").to_numpy().sum()) if rows else 0

@@ -165,7 +165,7 @@ class Feeder:
     """Jobs in flight on one concurrent engine (up to `max_jobs_in_flight`); RQ bookkeeping per job.
 
     `jobs_changed(job)` is called after `job` entered the jobs in flight, `jobs_changed(None)`
-    after one left them (see `current_job`)."""
+    after one left them (`jobs()` lists them, oldest first)."""
 
     def __init__(
         self, engine: ConcurrentEngine, bookkeeping: JobBookkeeping, *, connection: redis.Redis, worker_id: str,
@@ -212,14 +212,8 @@ class Feeder:
     def in_flight(self) -> int:
         return len(self._entries)
 
-    @property
-    def current_job(self) -> str | None:
-        """The id of the oldest job in flight (None: none)."""
-        with self._cond:
-            return next(iter(self._entries), None)
-
     def jobs(self) -> list[tuple[Job, Execution]]:
-        """The jobs in flight with their executions (for their heartbeats)."""
+        """The jobs in flight with their executions, oldest first."""
         return [(e.job, e.execution) for e in list(self._entries.values())]
 
     def start(self) -> None:
@@ -329,6 +323,8 @@ class Feeder:
     def _restore(self, entry: InFlight) -> int:
         """Take back the job's checkpoint (an earlier run of it died): samples restored with tokens."""
         if self.checkpoints is None or entry.progress is None:
+            return 0
+        if not getattr(entry.job, "ran_before", True):  # a job known never to have run (a lane item's first run)
             return 0
         chains = self.checkpoints.load(entry.job.id)
         self.checkpoint_stats.commands += 1

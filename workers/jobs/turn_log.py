@@ -17,6 +17,7 @@ Until flushed, a turn's rows are read from the log (`pipeline.read.trajectories`
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -39,6 +40,7 @@ from workers.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
+COMMIT_SHA = hashlib.sha1(turn_log_format.COMMIT_SCRIPT.encode()).hexdigest()
 REPLY_TTL_S = 600  # a reply nobody took (the server gave up or died) expires
 TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`keys.turn_shard`)
 DEFAULT_SHARD_TURNS = 256
@@ -70,19 +72,29 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
     The table holds the job's rows in request order, `n` rows per request; each turn's slice is
     logged and answered by the one script, all turns in one round trip."""
     assert job.turns is not None
-    script = conn.register_script(turn_log_format.COMMIT_SCRIPT)
-    with conn.pipeline(transaction=False) as pipe:
-        start = 0
-        for request, turn in zip(requests, job.turns, strict=True):
-            rows = table.slice(start, request.sampling_params.n)
-            start += request.sampling_params.n
-            script(keys=[keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(turn.turn_id),
-                         keys.TURN_RUNS, keys.turn_shard(turn.turn_id)],
-                   args=[turn.turn_id, rows_to_ipc(rows), job.run, REPLY_TTL_S], client=pipe)
-        for turn in job.turns:  # after the replies: a server reading the stream finds the rows at its end
-            if turn.stream:
-                turn_stream.end(pipe, turn.turn_id)
-        logged = pipe.execute()[: len(job.turns)]
+    slices, start = [], 0
+    for request in requests:
+        slices.append(rows_to_ipc(table.slice(start, request.sampling_params.n)))
+        start += request.sampling_params.n
+
+    def commit() -> list[Any]:
+        # EVALSHA straight, not redis-py's script in a pipeline (which asks SCRIPT EXISTS every time):
+        # a Redis without the script (restarted, failed over) says so, and it is loaded and sent again.
+        with conn.pipeline(transaction=False) as pipe:
+            for turn, rows in zip(job.turns, slices, strict=True):
+                pipe.evalsha(COMMIT_SHA, 5, keys.turn_log(job.run), keys.turn_log_jobs(job.run),
+                             keys.turn_reply(turn.turn_id), keys.TURN_RUNS, keys.turn_shard(turn.turn_id),
+                             turn.turn_id, rows, job.run, REPLY_TTL_S)
+            for turn in job.turns:  # after the replies: a server reading the stream finds the rows at its end
+                if turn.stream:
+                    turn_stream.end(pipe, turn.turn_id)
+            return pipe.execute()[: len(job.turns)]
+
+    try:
+        logged = commit()
+    except redis.exceptions.NoScriptError:  # no turn was logged (a streamed turn's end marker twice: read once)
+        conn.script_load(turn_log_format.COMMIT_SCRIPT)
+        logged = commit()
     if start != table.num_rows:
         raise WorkerError(f"job {job.job_id}: {table.num_rows} rows for {start} samples of its turns")
     rows = table.num_rows

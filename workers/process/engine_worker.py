@@ -39,7 +39,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from pipeline.core.broker import keys
-from pipeline.core.jobs import rq_seam
+from pipeline.core.jobs import lanes, rq_seam
 from schemas.control import DesiredState
 from schemas.worker_info import WorkerState
 from workers.engines.base import Engine, is_concurrent
@@ -48,12 +48,14 @@ from workers.jobs import admission, context
 from workers.jobs.allowed_job import RolloutJob
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S
 from workers.jobs.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder
+from workers.jobs.lane_job import LaneJob
 from workers.jobs.turn_log import TurnFlusher
 from workers.process.control_follower import POLL_S, ControlFollower
 from workers.process.heartbeat import HEARTBEAT_INTERVAL_S, Heartbeat, worker_info
 from workers.process.intake import JobIntake
 from workers.process.lane_keeper import LaneKeeper
 from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
+from workers.process.own_lane import LaneBookkeeping, OwnLane
 
 log = logging.getLogger(__name__)
 RQ_HEARTBEAT_S = 30  # RQ's own worker key (it lives 8 minutes), refreshed no more often than this
@@ -68,12 +70,11 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def pool_queues(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> list[Queue]:
-    """The queues a worker of `pool` takes jobs from, in the order it looks at them: agent turns
-    (`pipeline serve`) first, so a turn never waits behind a batch run; of those, the turns routed
-    to this worker (its sessions' prefixes are in its cache) before the pool's shared lane."""
-    return [Queue(name, connection=conn, serializer=JSONSerializer)
-            for name in (pool.worker_lane_queue_name(worker_id), pool.lane_queue_name, pool.queue_name)]
+def pool_queues(conn: redis.Redis, pool: keys.PoolKeys) -> list[Queue]:
+    """The RQ queues a worker of `pool` takes jobs from, in the order it looks at them: agent turns
+    (`pipeline serve`) of the pool's shared lane first, so a turn never waits behind a batch run.
+    The turns routed to this worker come through its own lane (`workers.process.own_lane`)."""
+    return [Queue(name, connection=conn, serializer=JSONSerializer) for name in (pool.lane_queue_name, pool.queue_name)]
 
 
 class EngineWorker(SimpleWorker):
@@ -100,7 +101,7 @@ class EngineWorker(SimpleWorker):
         self.pool = keys.pool(pool)
         kwargs.setdefault("job_monitoring_interval", max(1, int(heartbeat_interval_s)))
         super().__init__(
-            pool_queues(conn, self.pool, worker_id),
+            pool_queues(conn, self.pool),
             connection=conn,
             name=worker_id,
             serializer=JSONSerializer,
@@ -121,14 +122,15 @@ class EngineWorker(SimpleWorker):
         self._waiting_for_job = False  # the loop blocks in RQ's dequeue (`_shutdown`)
         self._lane_checked_at = float("-inf")
         self._lane_seen = False
+        self.bookkeeping = LaneBookkeeping(rq_seam.WorkerBookkeeping(self), conn, self.pool, worker_id, self.metrics)
         self.feeder = Feeder(
-            self._serial or engine, rq_seam.WorkerBookkeeping(self),
+            self._serial or engine, self.bookkeeping,
             connection=conn, worker_id=worker_id, jobs_changed=self._jobs_changed,
             max_jobs_in_flight=max_jobs_in_flight, headroom=feed_headroom, checkpoint_every_s=checkpoint_every_s,
         )
         self.feeder.lane_active = self._lane_active
         self.presence = Heartbeat(conn, worker_info(worker_id, self.pool.name, engine), interval_s=heartbeat_interval_s,
-                                  jobs=self.feeder.jobs, beat_job=self.maintain_heartbeats)
+                                  jobs=self._rq_jobs, beat_job=self.maintain_heartbeats)
         self.info = self.presence.info
         self.control = ControlFollower(conn, self.pool, worker_id, engine, self.feeder, self.presence,
                                        report=self.set_registry_state, settle=self._settle, poll_s=control_poll_s)
@@ -136,8 +138,20 @@ class EngineWorker(SimpleWorker):
             conn, self.pool, worker_id, self.info.capabilities, engine, self.control, self.feeder, self.metrics,
             fail=lambda job, queue, reason: admission.fail(self, job, queue, self.pool.name, reason),
         )
+        # The turns routed to this worker: taken by a thread of their own, not through RQ.
+        self.own_lane = OwnLane(conn, self.pool, worker_id, self.feeder, ready=self._ready_for_turns)
         if metrics_port is not None:
             self.metrics.serve(metrics_port, metrics_host)
+
+    def _rq_jobs(self) -> list[tuple[Job, Execution]]:
+        """The jobs in flight that RQ keeps records of (whose heartbeats are due): not the own lane's."""
+        return [(job, execution) for job, execution in self.feeder.jobs() if not isinstance(job, LaneJob)]
+
+    def _ready_for_turns(self) -> bool:
+        """Whether the worker takes turns from its own lane now: not stopping, paused, nor behind the
+        pool's weights (the work loop's checks for RQ jobs, `workers.process.intake`)."""
+        desired = self.control.desired
+        return not rq_seam.stop_requested(self) and not desired.paused and not self.control.behind(desired)
 
     # -- registry ---------------------------------------------------------------------------------
 
@@ -162,11 +176,15 @@ class EngineWorker(SimpleWorker):
                 self.set_registry_state(self._resting_state())
 
     def _jobs_changed(self, started: Job | None) -> None:
-        """A job entered (`started`) or left the feeder: busy with the oldest job in flight, or resting."""
+        """A job entered (`started`) or left the feeder: busy with the oldest RQ job in flight, or
+        resting. Turns of the worker's own lane leave the registry's state alone (they come and go
+        many times a second; `pipeline status` counts them in its lane line)."""
         if started is not None:
             self.metrics.job_started(queue_wait_s(started))
+            if isinstance(started, LaneJob):
+                return
         with self.presence.lock:
-            current = self.feeder.current_job
+            current = next((job.id for job, _ in self._rq_jobs()), None)
             if current is not None:
                 self.set_registry_state("busy", current)
             else:
@@ -221,11 +239,11 @@ class EngineWorker(SimpleWorker):
         return self.intake.dequeue(rq_dequeue, burst=timeout is None, stopping=lambda: rq_seam.stop_requested(self))
 
     def _dequeue_turn(self, timeout: int | None) -> tuple[Job, Queue] | None:
-        """A job from this worker's lanes only (its own, then the pool's shared one), or None."""
+        """A job from the pool's shared lane only, or None."""
         self.heartbeat()
         try:
             return self.queue_class.dequeue_any(
-                self.queues[:2], timeout, connection=self.connection, job_class=self.job_class,
+                self.queues[:1], timeout, connection=self.connection, job_class=self.job_class,
                 serializer=self.serializer, death_penalty_class=self.death_penalty_class)
         except DequeueTimeout:
             return None
@@ -304,9 +322,11 @@ class EngineWorker(SimpleWorker):
         # Its own lane of agent turns (session affinity) registered; dead neighbours' turns moved.
         keeper = LaneKeeper(self.connection, self.pool, self.worker_id)
         keeper.start()
+        self.own_lane.start()
         try:
             return super().work(*args, **kwargs)
         finally:
+            self.own_lane.stop()
             keeper.stop()
             flusher.stop(flush=True)
             try:
@@ -322,6 +342,8 @@ class EngineWorker(SimpleWorker):
             self.control.listener.stop()
             try:
                 self.presence.stop()
+                # Turns still routed to it go to the shared lane now, not when a neighbour notices.
+                lanes.rehome_orphans(self.connection, self.pool)
             except redis.RedisError as exc:  # Redis gone at shutdown: the entry expires with its TTL
                 log.warning("worker %s: leaving the registry skipped, Redis unreachable (%s)", self.worker_id, exc)
             context.uninstall()

@@ -92,8 +92,8 @@ class JobIntake:
                 return None
 
     def _work_queued(self) -> bool:
-        """Whether any queue this worker takes from holds a job (its own lane, the pool's lane, the batch queue)."""
-        names = (self.pool.worker_lane_queue_name(self.worker_id), self.pool.lane_queue_name, self.pool.queue_name)
+        """Whether any RQ queue this worker takes from holds a job (the pool's shared lane, its batch queue)."""
+        names = (self.pool.lane_queue_name, self.pool.queue_name)
         try:
             with self.conn.pipeline(transaction=False) as pipe:
                 for name in names:

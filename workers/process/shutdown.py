@@ -35,6 +35,7 @@ class Shutdown:
     def __init__(self, worker_name: str) -> None:
         self.worker_name = worker_name
         self.aborting = False
+        self.exiting = False  # a second signal with no job in flight: exit now (1), whatever follows
         self.signal = "SIGTERM"  # the second signal's name, for the hand-back reason
 
     @staticmethod
@@ -52,6 +53,7 @@ class Shutdown:
                         self.worker_name, ", ".join(running))
             return
         log.warning("worker %s: second shutdown signal; exiting now", self.worker_name)
+        self.exiting = True
         raise SystemExit(1)
 
     def handback_reason(self, exc: BaseException | None) -> str | None:

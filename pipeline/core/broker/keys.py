@@ -58,10 +58,14 @@ class PoolKeys:
         """The set of the pool's open agent sessions (`pipeline serve`)."""
         return f"{self._base}:sessions:open"
 
-    def worker_lane_queue_name(self, worker_id: str) -> str:
-        """One worker's own lane: the turns routed to it (session affinity, `pipeline.core.affinity`),
-        which it takes before the pool's shared lane."""
-        return f"{self.lane_queue_name}.w.{worker_id}"
+    def turn_lane(self, worker_id: str) -> str:
+        """One worker's own lane: a list of the turns routed to it (session affinity,
+        `pipeline.core.affinity`; `pipeline.core.jobs.lanes`), which it takes before the pool's shared lane."""
+        return f"{self._base}:lane:w:{worker_id}"
+
+    def turn_lane_in_flight(self, worker_id: str) -> str:
+        """The items a worker took from its own lane and has not finished (moved there as it takes them)."""
+        return f"{self._base}:lane:w:{worker_id}:in-flight"
 
     @property
     def lane_workers(self) -> str:
@@ -254,8 +258,14 @@ def turn_stream(turn_id: str) -> str:
 
 
 def turn_job(turn_id: str) -> str:
-    """The id of the lane job that holds a turn (the server's turns travel in jobs of several)."""
+    """The id of the lane job that holds a turn (the server's turns travel in jobs of several), with
+    the worker whose own lane holds it (`pipeline.core.jobs.lanes.turn_job_value`)."""
     return f"{PREFIX}:turn:{turn_id}:job"
+
+
+def turn_failed(turn_id: str) -> str:
+    """Why a turn of a worker's own lane failed for good (`pipeline.core.jobs.lanes.fail`)."""
+    return f"{PREFIX}:turn:{turn_id}:failed"
 
 
 # Runs with agent turns: the turn logs flushers write to shards.

@@ -1,108 +1,238 @@
-"""Workers' own lanes: turns routed to one worker, and what becomes of them when it dies.
+"""Workers' own lanes: turns routed to one worker, a plain Redis list each, and what becomes of them
+when it dies.
 
-`pipeline serve` routes a session's turn to its home worker (`pipeline.core.affinity`) by
-enqueueing it on that worker's own RQ queue (`keys.PoolKeys.worker_lane_queue_name`), which the
-worker takes before the pool's shared lane and its batch queue. A worker registers its lane
-(`register`) when it starts. When its registry entry expires (it was killed, or its host
-went away), `rehome_orphans`, run by every server that waits on a turn and by every worker of
-the pool, moves every job it held (queued, running, or a retry waiting out its backoff) to the
-front of the pool's shared lane, where the next free worker takes it; its sessions stop
-counting against it. A job it had popped but not yet started is in none of those places (RQ
-dequeues from several queues with a BLPOP): the server waiting for it requeues it
-(`rescue_popped`). A job moved while its worker still ran it (an entry
+`pipeline serve` routes a session's turn to its home worker (`pipeline.core.affinity`) by pushing
+a `LaneItem` (the job's payload as JSON, no RQ job) onto that worker's lane list
+(`keys.PoolKeys.turn_lane`). The worker moves each item atomically into its in-flight list when
+it takes it (`take`: one BLMOVE, so an item is always in one of the two lists until it is done),
+runs it like any job, and removes it once its turns are logged and answered (`done`), puts it
+back (`hand_back`, `retry`) or fails its turns (`fail`: an error on each turn's reply list, and
+a failure mark the server reads, `turn_failure`). A turn so costs a push, a move and a remove
+instead of RQ's job lifecycle (hash, registries, executions, results: ~60 commands a job).
+
+When a worker's registry entry expires (it was killed, or its host went away), `rehome_orphans`,
+run by every server that waits on a turn and by every worker of the pool, turns every item of its
+two lists into an RQ job of the same id on the pool's shared lane, where the next free worker
+takes it (its checkpoint, kept by job id, with it): one script per item removes it and writes the
+job, so an item moves once or not at all. An item moved while its worker still ran it (an entry
 expired by a partition, not a death) runs twice, and answers once: the turn log keeps the rows
 logged first (`workers.jobs.turn_log`).
 """
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
 import redis
-from rq.job import Job
-from rq.queue import Queue
+from redis.client import Pipeline
+from rq import Queue, Retry
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from pipeline.core.broker import keys, registry
-from pipeline.core.jobs.status import job_key, read_origin
+from pipeline.core.jobs.queue import JOB_FUNCTION, RESULT_TTL_S, retry_intervals
+from pipeline.core.jobs.status import job_key
 
-# KEYS: the worker's queue, its intermediate queue, started registry, scheduled registry; the
-# shared lane queue; the pool's lane-workers set; the worker's load set.
-# ARGV: the worker id, the shared lane queue's name, the job hash prefix. Returns the jobs moved.
-_REHOME = """
-local moved = {}
-local function take(id)
-  if not moved[id] then
-    moved[id] = true
-    local job = ARGV[3] .. id
-    if redis.call('EXISTS', job) == 1 then
-      redis.call('HSET', job, 'status', 'queued', 'origin', ARGV[2])
-      redis.call('LPUSH', KEYS[5], id)
-    end
-  end
-end
-for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do take(id) end
-for _, id in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do take(id) end
-for _, member in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-  take(string.match(member, '^([^:]+)'))
-end
-for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do take(id) end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7])
-redis.call('SREM', KEYS[6], ARGV[1])
-local count = 0
-for _ in pairs(moved) do count = count + 1 end
-return count
-"""
+FAILED_TTL_S = 3600  # how long a failed turn's reason is kept for its server (`turn_failure`)
+ERROR_PREFIX = b'{"error"'  # a reply that is a failure, not rows (Arrow IPC never starts so)
 
 
-# KEYS: the job's hash, the queue it names as its origin, the shared lane queue. ARGV: the job id,
-# the shared lane's name. Requeues a job its worker popped and died with before starting it (RQ's
-# multi-queue dequeue is a BLPOP: between the pop and the start the job is in no list, no registry).
-_RESCUE = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-if redis.call('HGET', KEYS[1], 'origin') ~= ARGV[3] then return 0 end
-if redis.call('LPOS', KEYS[2], ARGV[1]) or redis.call('LPOS', KEYS[3], ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'origin', ARGV[2])
-redis.call('LPUSH', KEYS[3], ARGV[1])
+@dataclass(frozen=True)
+class LaneItem:
+    """One job of agent turns in a worker's lane: what RQ's job hash would hold, as one JSON value."""
+
+    job_id: str
+    payload: dict[str, Any]  # `schemas.job_payload.JobPayload` as JSON, with its turns
+    needs: dict[str, Any]
+    description: str
+    timeout_s: int
+    retries_left: int
+    enqueued_at: float  # epoch seconds
+    attempts: int = 0  # runs begun before (handed back or retried): a checkpoint may hold its tokens
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> LaneItem:
+        return cls(**json.loads(raw))
+
+    @property
+    def turn_ids(self) -> list[str]:
+        return [turn["turn_id"] for turn in self.payload.get("turns") or []]
+
+    def again(self, *, retry: bool) -> LaneItem:
+        """The item queued again after a run (`retry`: one retry spent)."""
+        return replace(self, attempts=self.attempts + 1, retries_left=self.retries_left - int(retry))
+
+    def rq_job(self, queue: Queue) -> Any:
+        """This item as an RQ job of `queue` (not saved): what a worker runs, what a rehome writes."""
+        retries = self.retries_left
+        job = queue.create_job(
+            JOB_FUNCTION, args=(self.payload,), job_id=self.job_id, timeout=self.timeout_s, result_ttl=RESULT_TTL_S,
+            failure_ttl=RESULT_TTL_S, description=self.description,
+            retry=Retry(max=retries, interval=retry_intervals(retries)) if retries else None,
+            meta={"run": self.payload.get("run"), "needs": self.needs})
+        job.origin = queue.name
+        return job
+
+
+def turn_job_value(job_id: str, worker: str) -> str:
+    """What `keys.turn_job` holds for a turn in `worker`'s lane (a rehome writes the bare job id)."""
+    return f"{job_id}@{worker}"
+
+
+def parse_turn_job(value: bytes | None) -> tuple[str | None, str | None]:
+    """(job id, the worker whose lane holds it: None once it is an RQ job) from `keys.turn_job`."""
+    if value is None:
+        return None, None
+    job_id, _, worker = value.decode().partition("@")
+    return job_id, worker or None
+
+
+def push(pipe: Pipeline, pool: keys.PoolKeys, worker: str, item: LaneItem) -> None:
+    """Queue `item` on `worker`'s lane, and note where its turns are (in a pipeline)."""
+    for turn_id in item.turn_ids:
+        pipe.set(keys.turn_job(turn_id), turn_job_value(item.job_id, worker), ex=2 * item.timeout_s)
+    # The worker registered its lane when it started (`register`); one that died after it was chosen
+    # and whose lane was moved and forgotten since is registered again by the turn's waiter.
+    pipe.lpush(pool.turn_lane(worker), item.encode())
+
+
+def take(conn: redis.Redis, pool: keys.PoolKeys, worker: str, timeout_s: float) -> bytes | None:
+    """The next item of `worker`'s lane, moved into its in-flight list (None after `timeout_s`)."""
+    return conn.blmove(pool.turn_lane(worker), pool.turn_lane_in_flight(worker), timeout_s, "RIGHT", "LEFT")
+
+
+def queued(conn: redis.Redis | Pipeline, pool: keys.PoolKeys, worker: str) -> Any:
+    """How many items wait in `worker`'s lane."""
+    return conn.llen(pool.turn_lane(worker))
+
+
+def done(conn: redis.Redis | Pipeline, pool: keys.PoolKeys, worker: str, raw: bytes) -> None:
+    """The item's turns are answered: it leaves the in-flight list."""
+    conn.lrem(pool.turn_lane_in_flight(worker), 1, raw)
+
+
+# KEYS: the in-flight list, the lane. ARGV: the item as taken, the item to queue, 1: take it next.
+_REQUEUE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+if ARGV[3] == '1' then redis.call('RPUSH', KEYS[2], ARGV[2]) else redis.call('LPUSH', KEYS[2], ARGV[2]) end
 return 1
 """
 
 
-def worker_queue(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> Queue:
-    return Queue(pool.worker_lane_queue_name(worker_id), connection=conn, serializer=JSONSerializer)
+def hand_back(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: LaneItem) -> bool:
+    """Put a taken item back, to be taken next, no retry spent (shutdown, engine failure). False if
+    it was no longer in flight (moved by a rehome)."""
+    return bool(conn.eval(_REQUEUE, 2, pool.turn_lane_in_flight(worker), pool.turn_lane(worker), raw,
+                          item.again(retry=False).encode(), "1"))
+
+
+def retry(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: LaneItem) -> bool:
+    """Queue a failed item again with one retry fewer (behind what waits). False if no longer in flight."""
+    return bool(conn.eval(_REQUEUE, 2, pool.turn_lane_in_flight(worker), pool.turn_lane(worker), raw,
+                          item.again(retry=True).encode(), "0"))
+
+
+def failure_status(reason: str) -> int:
+    """The HTTP status of a failed turn: 400 when no worker can serve it (the call's fault), else 500."""
+    return 400 if "cannot serve" in reason or "Unsupported" in reason else 500
+
+
+def error_reply(reason: str, status: int) -> bytes:
+    return json.dumps({"error": reason, "status": status}).encode()
+
+
+def read_error(reply: bytes) -> tuple[str, int] | None:
+    """(reason, HTTP status) when a reply list's entry is a failure (`fail`), else None."""
+    if not reply.startswith(ERROR_PREFIX):
+        return None
+    error = json.loads(reply)
+    return str(error["error"]), int(error["status"])
+
+
+def fail(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: LaneItem, reason: str) -> None:
+    """The item failed for good: each turn's server gets `reason` (its reply, and `turn_failure`)."""
+    status = failure_status(reason)
+    with conn.pipeline(transaction=True) as pipe:
+        done(pipe, pool, worker, raw)
+        for turn_id in item.turn_ids:
+            pipe.set(keys.turn_failed(turn_id), error_reply(reason, status), ex=FAILED_TTL_S)
+            pipe.rpush(keys.turn_reply(turn_id), error_reply(reason, status))
+            pipe.expire(keys.turn_reply(turn_id), FAILED_TTL_S)
+        pipe.execute()
+
+
+def turn_failure(conn: redis.Redis, turn_id: str) -> tuple[str, int] | None:
+    """(reason, HTTP status) if the turn's lane job failed for good, else None."""
+    raw = conn.get(keys.turn_failed(turn_id))
+    return None if raw is None else read_error(raw)
 
 
 def register(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> None:
-    """A worker's lane exists from now on (so its jobs are moved once it is gone)."""
+    """A worker's lane exists from now on (so its items are moved once it is gone)."""
     conn.sadd(pool.lane_workers, worker_id)
 
 
+# KEYS: the list holding the item, the job's hash, the shared lane's queue, RQ's set of queues, then
+# each turn's `turn_job` key. ARGV: the item, the job id, the shared lane's key, the turn keys' TTL,
+# then the job hash's fields and values. The item leaves its list and becomes a queued RQ job, or
+# nothing happens (another rehome moved it first).
+_MOVE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[2], unpack(fields))
+redis.call('SADD', KEYS[4], ARGV[3])
+redis.call('LPUSH', KEYS[3], ARGV[2])
+for i = 5, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'EX', ARGV[4]) end
+return 1
+"""
+
+# KEYS: the lane, the in-flight list, the pool's lane-workers set, the worker's load set. ARGV: the
+# worker id. A dead worker leaves the pool's lanes once both its lists are empty.
+_FORGET = """
+if redis.call('LLEN', KEYS[1]) > 0 or redis.call('LLEN', KEYS[2]) > 0 then return 0 end
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
+return 1
+"""
+
+
 def rehome_orphans(conn: redis.Redis, pool: keys.PoolKeys, live: set[str] | None = None) -> int:
-    """Move the jobs of every dead worker's lane to the front of the pool's shared lane; the number
-    of jobs moved. `live`: the live workers' ids, if the caller has just read them."""
+    """Make every item of every dead worker's lane a job at the front of the pool's shared lane (the
+    items it had taken first, oldest first); the number of items moved. `live`: the live workers'
+    ids, if the caller has just read them."""
     owners = {member.decode() for member in conn.smembers(pool.lane_workers)}
     if not owners:
         return 0
     if live is None:
         live = {w.worker_id for w in registry.live_workers(conn, pool.name)}
-    moved = 0
-    script = conn.register_script(_REHOME)
     shared = Queue(pool.lane_queue_name, connection=conn, serializer=JSONSerializer)
+    move, forget = conn.register_script(_MOVE), conn.register_script(_FORGET)
+    moved = 0
     for worker_id in sorted(owners - live):
-        queue = worker_queue(conn, pool, worker_id)
-        moved += int(script(
-            keys=[queue.key, queue.intermediate_queue_key, queue.started_job_registry.key,
-                  queue.scheduled_job_registry.key, shared.key, pool.lane_workers, pool.lane_load(worker_id)],
-            args=[worker_id, shared.name, Job.redis_job_namespace_prefix]))
+        # Each item goes to the front, newest first, so that the oldest ends up first: a list's
+        # newest item is at its left end, and the items taken (in flight) are older than the lane's.
+        for source in (pool.turn_lane(worker_id), pool.turn_lane_in_flight(worker_id)):
+            for raw in conn.lrange(source, 0, -1):
+                item = LaneItem.decode(raw)
+                job = item.rq_job(shared)
+                job.enqueued_at = now()
+                fields = [part if isinstance(part, bytes | str) else str(part)  # a str enum: its value
+                          for pair in job.to_dict().items() for part in pair]
+                moved += int(move(keys=[source, job_key(item.job_id), shared.key, Queue.redis_queues_keys,
+                                        *(keys.turn_job(t) for t in item.turn_ids)],
+                                  args=[raw, item.job_id, shared.key, 2 * item.timeout_s, *fields]))
+        forget(keys=[pool.turn_lane(worker_id), pool.turn_lane_in_flight(worker_id), pool.lane_workers,
+                     pool.lane_load(worker_id)], args=[worker_id])
     return moved
 
 
-def rescue_popped(conn: redis.Redis, pool: keys.PoolKeys, job_id: str, live: set[str]) -> bool:
-    """Requeue on the shared lane a job still `queued` in the lane of a dead worker but in no list:
-    the worker popped it and died before starting it. True if it did."""
-    origin = read_origin(conn, job_id)
-    prefix = pool.worker_lane_queue_name("")
-    if origin is None or not origin.decode().startswith(prefix) or origin.decode()[len(prefix):] in live:
-        return False
-    shared = Queue(pool.lane_queue_name, connection=conn, serializer=JSONSerializer)
-    dead = Queue(origin.decode(), connection=conn, serializer=JSONSerializer)
-    return bool(conn.eval(_RESCUE, 3, job_key(job_id), dead.key, shared.key, job_id, shared.name,
-                          origin.decode()))
+def new_item(job_id: str, payload: dict[str, Any], needs: dict[str, Any], description: str, *, timeout_s: int,
+             retries: int) -> LaneItem:
+    return LaneItem(job_id, payload, needs, description, timeout_s, retries, time.time())

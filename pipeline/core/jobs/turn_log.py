@@ -69,3 +69,11 @@ def logged_turn(conn: redis.Redis, run: str, turn_id: str) -> pa.Table | None:
 def unflushed(conn: redis.Redis, run: str) -> list[pa.Table]:
     """Every turn of the run still in its log, oldest first."""
     return [entry_rows(fields) for _, fields in conn.xrange(keys.turn_log(run))]
+
+
+def is_logged(conn: redis.Redis, run: str, turn_id: str) -> bool:
+    """Whether the turn's rows were logged (still in the run's log, or flushed to a shard)."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hexists(keys.turn_log_jobs(run), turn_id)
+        pipe.exists(keys.turn_shard(turn_id))
+        return any(pipe.execute())

@@ -17,6 +17,7 @@ import pipeline
 from pipeline.core.broker import commit_log, keys
 from pipeline.core.shards import read_rollouts
 from pipeline.read.trajectories import turn_rows
+from tests.helpers.processes import wait_until
 from tests.pipeline.serve.conftest import Script, run_agent
 
 ADD_TOOL = {"type": "function", "function": {
@@ -89,7 +90,9 @@ def test_a_tool_calling_episode_is_one_exact_trajectory(redis_client: redis.Redi
         assert item["token_weight_version"][position] == (0 if position in sampled else -1)
     assert item["turn_starts"] == [len(r["prompt_token_ids"]) for r in rows]
     assert item["reward"] == 1.0 and item["segments"] == 1
-    assert redis_client.hgetall(keys.run_turn_stats(stack.run)) == {b"turns": b"2"}
+    # The server writes the run's turn count every half second (`pipeline.serve.turn_counts`).
+    wait_until(lambda: redis_client.hgetall(keys.run_turn_stats(stack.run)) == {b"turns": b"2"}, timeout=10,
+               what="the run's turn count")
 
 
 def test_a_rewritten_history_is_a_counted_prefix_break(redis_client: redis.Redis, serve: Any,

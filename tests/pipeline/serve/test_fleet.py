@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from rq.job import Job
 
 from pipeline.audit import status
 from pipeline.core.broker import keys, registry
+from pipeline.core.jobs import lanes
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.processes import stop_all, wait_until
@@ -89,7 +89,9 @@ def test_a_sessions_turns_stay_home_and_find_their_prefix_cached(
     for row in rows:
         if row["turn"] > 0:
             assert row["cached_tokens"] >= row["prompt_tokens"] - len(TOOL_RESULT) - 16, row["turn"]
-    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.pool(None).lane_stats).items()}
+    # The server writes the pool's counts every half second (`pipeline.serve.turn_counts`).
+    wait_until(lambda: _lane_stats(redis_client).get("turns") == 32, timeout=10, what="the turn counts")
+    stats = _lane_stats(redis_client)
     assert stats["turns"] == 32 and stats["homed_turns"] == 24 and stats["home_turns"] == 24
     assert stats["cached_tokens"] == sum(r["cached_tokens"] for r in rows)
     # What `pipeline status` shows of it.
@@ -123,9 +125,11 @@ def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
                                                                 timeout=120)))
     call.start()
 
-    def running_at_home() -> bool:
-        job_id = redis_client.get(keys.turn_job(_pending_turn_id(redis_client, session)) or "none")
-        return job_id is not None and redis_client.hget(Job.key_for(job_id.decode()), "status") == b"started"
+    def running_at_home() -> bool:  # taken from its own lane: in its in-flight list
+        turn_id = _pending_turn_id(redis_client, session)
+        return turn_id is not None and any(
+            turn_id in lanes.LaneItem.decode(raw).turn_ids
+            for raw in redis_client.lrange(keys.pool(None).turn_lane_in_flight(home), 0, -1))
 
     wait_until(running_at_home, timeout=30, what="turn 1 to start on its home worker")
     os.kill(home_process.pid, signal.SIGKILL)
@@ -139,12 +143,15 @@ def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
     served = _served_by(redis_client, stack.run)
     assert len(served[(session, 1)]) == 1  # one row for the turn
     assert served[(session, 1)][0] != home
-    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.pool(None).lane_stats).items()}
-    assert stats.get("moves:gone") == 1
+    wait_until(lambda: _lane_stats(redis_client).get("moves:gone") == 1, timeout=10, what="the move counted")
     # The session's next turn goes to its new home.
     third = prompt + answers[0]["choices"][0]["token_ids"] + TOOL_RESULT
     _turn(stack.url, session, third, max_tokens=4)
     assert _served_by(redis_client, stack.run)[(session, 2)] == served[(session, 1)]
+
+
+def _lane_stats(conn: redis.Redis) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in conn.hgetall(keys.pool(None).lane_stats).items()}
 
 
 def _pending_turn_id(conn: redis.Redis, session: str) -> str | None:

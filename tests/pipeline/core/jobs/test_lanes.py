@@ -1,5 +1,6 @@
-"""Workers' own lanes: a dead worker's lane jobs move to the shared lane, a live one's stay
-(a real redis-server: the moves are Lua scripts)."""
+"""Workers' own lanes: items taken into an in-flight list, handed back, retried, failed; a dead
+worker's items become RQ jobs at the front of the shared lane, a live one's stay (a real
+redis-server: the moves are Lua scripts)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,9 @@ from rq.serializers import JSONSerializer
 from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import lanes
 from schemas.worker_info import WorkerInfo
+from tests.helpers.lanes import item, push
 
 POOL = keys.pool(None)
-
-
-def _enqueue(conn: redis.Redis, queue: Queue, job_id: str) -> Job:
-    return queue.enqueue_call("workers.jobs.batch_job.run_batch", args=({},), job_id=job_id)
 
 
 def _alive(conn: redis.Redis, worker_id: str) -> None:
@@ -27,39 +25,86 @@ def _alive(conn: redis.Redis, worker_id: str) -> None:
                                       started_at=now, heartbeat_at=now))
 
 
-def test_a_dead_workers_lane_jobs_move_to_the_front_of_the_shared_lane(redis_client: redis.Redis) -> None:
+def test_a_taken_item_is_in_flight_until_done_and_its_turns_know_their_worker(redis_client: redis.Redis) -> None:
+    first, second = item("lane-1", "t1", "t2"), item("lane-2", "t3")
+    push(redis_client, "w", first)
+    push(redis_client, "w", second)
+    assert lanes.parse_turn_job(redis_client.get(keys.turn_job("t2"))) == ("lane-1", "w")
+    assert lanes.queued(redis_client, POOL, "w") == 2
+
+    raw = lanes.take(redis_client, POOL, "w", 1)
+    assert raw is not None and lanes.LaneItem.decode(raw) == first  # first in, first out
+    assert redis_client.lrange(POOL.turn_lane_in_flight("w"), 0, -1) == [raw]
+    lanes.done(redis_client, POOL, "w", raw)
+    assert redis_client.llen(POOL.turn_lane_in_flight("w")) == 0
+    assert lanes.LaneItem.decode(lanes.take(redis_client, POOL, "w", 1)) == second
+    assert lanes.take(redis_client, POOL, "w", 0.05) is None  # empty: waits, then None
+
+
+def test_a_handed_back_item_is_taken_next_and_a_retried_one_waits_its_turn(redis_client: redis.Redis) -> None:
+    push(redis_client, "w", item("lane-1", "t1"))
+    push(redis_client, "w", item("lane-2", "t2"))
+    raw = lanes.take(redis_client, POOL, "w", 1)
+    assert lanes.hand_back(redis_client, POOL, "w", raw, lanes.LaneItem.decode(raw))
+    again = lanes.LaneItem.decode(lanes.take(redis_client, POOL, "w", 1))
+    assert (again.job_id, again.attempts, again.retries_left) == ("lane-1", 1, 1)  # no retry spent
+
+    raw = redis_client.lindex(POOL.turn_lane_in_flight("w"), 0)
+    assert lanes.retry(redis_client, POOL, "w", raw, again)
+    assert not lanes.retry(redis_client, POOL, "w", raw, again)  # no longer in flight: not queued twice
+    assert lanes.LaneItem.decode(lanes.take(redis_client, POOL, "w", 1)).job_id == "lane-2"
+    retried = lanes.LaneItem.decode(lanes.take(redis_client, POOL, "w", 1))
+    assert (retried.job_id, retried.attempts, retried.retries_left) == ("lane-1", 2, 0)
+
+
+def test_a_failed_item_answers_each_turn_with_its_reason(redis_client: redis.Redis) -> None:
+    failing = item("lane-1", "t1", "t2")
+    push(redis_client, "w", failing)
+    raw = lanes.take(redis_client, POOL, "w", 1)
+    lanes.fail(redis_client, POOL, "w", raw, failing, "UnsupportedRequestError: top 5 logprobs, this engine serves 0")
+    for turn_id in ("t1", "t2"):
+        assert lanes.read_error(redis_client.lpop(keys.turn_reply(turn_id))) == (
+            "UnsupportedRequestError: top 5 logprobs, this engine serves 0", 400)
+        assert lanes.turn_failure(redis_client, turn_id)[1] == 400
+    assert redis_client.llen(POOL.turn_lane_in_flight("w")) == 0
+    assert lanes.turn_failure(redis_client, "t3") is None
+    assert lanes.failure_status("WorkerError: the shard write failed") == 500
+
+
+def test_a_dead_workers_items_become_rq_jobs_at_the_front_of_the_shared_lane(redis_client: redis.Redis) -> None:
     _alive(redis_client, "alive")
     for worker in ("alive", "dead"):
         lanes.register(redis_client, POOL, worker)
     shared = Queue(POOL.lane_queue_name, connection=redis_client, serializer=JSONSerializer)
-    _enqueue(redis_client, shared, "waiting-already")
-    dead = lanes.worker_queue(redis_client, POOL, "dead")
-    queued = _enqueue(redis_client, dead, "queued-on-dead")
-    running = _enqueue(redis_client, dead, "running-on-dead")
-    redis_client.lrem(dead.key, 1, running.id)  # the dead worker had taken and started it
-    redis_client.zadd(dead.started_job_registry.key, {f"{running.id}:exec1": time.time() + 60})
-    redis_client.hset(running.key, "status", "started")
-    mine = _enqueue(redis_client, lanes.worker_queue(redis_client, POOL, "alive"), "queued-on-alive")
+    shared.enqueue_call("workers.jobs.batch_job.run_rollout_batch", args=({},), job_id="waiting-already")
+    for job_id in ("taken-first", "taken-next", "queued"):
+        push(redis_client, "dead", item(job_id, f"turn-of-{job_id}"))
+    lanes.take(redis_client, POOL, "dead", 1)
+    lanes.take(redis_client, POOL, "dead", 1)  # the dead worker had taken two
+    push(redis_client, "alive", mine := item("mine", "turn-of-mine"))
     redis_client.zadd(POOL.lane_load("dead"), {"s1": time.time() + 60})
 
-    assert lanes.rehome_orphans(redis_client, POOL) == 2
-    assert set(shared.get_job_ids()[:2]) == {queued.id, running.id}  # ahead of what waited there
-    assert shared.get_job_ids()[2] == "waiting-already"
-    for job_id in (queued.id, running.id):
-        assert redis_client.hget(Job.key_for(job_id), "status") == b"queued"
-        assert redis_client.hget(Job.key_for(job_id), "origin").decode() == shared.name
-    assert not redis_client.exists(dead.key, dead.started_job_registry.key, POOL.lane_load("dead"))
+    assert lanes.rehome_orphans(redis_client, POOL) == 3
+    # Oldest first, ahead of what waited there.
+    assert shared.get_job_ids() == ["taken-first", "taken-next", "queued", "waiting-already"]
+    job = Job.fetch("taken-first", connection=redis_client, serializer=JSONSerializer)
+    assert job.get_status() == "queued" and job.origin == shared.name
+    assert job.func_name == "workers.jobs.batch_job.run_rollout_batch"
+    assert job.args[0]["turns"][0]["turn_id"] == "turn-of-taken-first" and job.retries_left == 1
+    assert redis_client.get(keys.turn_job("turn-of-taken-first")) == b"taken-first"  # an RQ job from now on
+    assert not redis_client.exists(POOL.turn_lane("dead"), POOL.turn_lane_in_flight("dead"), POOL.lane_load("dead"))
     assert redis_client.smembers(POOL.lane_workers) == {b"alive"}
-    assert lanes.worker_queue(redis_client, POOL, "alive").get_job_ids() == [mine.id]
+    assert lanes.LaneItem.decode(lanes.take(redis_client, POOL, "alive", 1)) == mine
     assert lanes.rehome_orphans(redis_client, POOL) == 0  # nothing twice
 
 
-def test_a_job_popped_by_a_worker_that_died_before_starting_it_is_rescued(redis_client: redis.Redis) -> None:
-    dead = lanes.worker_queue(redis_client, POOL, "dead")
-    popped = _enqueue(redis_client, dead, "popped")
-    redis_client.lrem(dead.key, 1, popped.id)  # BLPOP took it; the worker died before starting it
-    assert not lanes.rescue_popped(redis_client, POOL, popped.id, live={"dead"})  # its worker lives: not ours
-    assert lanes.rescue_popped(redis_client, POOL, popped.id, live=set())
-    shared = Queue(POOL.lane_queue_name, connection=redis_client, serializer=JSONSerializer)
-    assert shared.get_job_ids() == [popped.id]
-    assert not lanes.rescue_popped(redis_client, POOL, popped.id, live=set())  # once
+def test_an_item_finished_while_a_rehome_read_it_is_not_moved(redis_client: redis.Redis) -> None:
+    """A rehome reads a lane, then moves item by item: an item its worker finished meanwhile (a
+    partition ended) stays done, not run again."""
+    push(redis_client, "late", done := item("done-meanwhile", "t1"))
+    raw = lanes.take(redis_client, POOL, "late", 1)
+    script = redis_client.register_script(lanes._MOVE)
+    lanes.done(redis_client, POOL, "late", raw)
+    assert script(keys=[POOL.turn_lane_in_flight("late"), Job.key_for(done.job_id), "rq:queue:x", "rq:queues"],
+                  args=[raw, done.job_id, "rq:queue:x", 60, "status", "queued"]) == 0
+    assert not redis_client.exists(Job.key_for(done.job_id), "rq:queue:x")
