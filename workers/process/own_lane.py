@@ -134,7 +134,7 @@ class OwnLane:
                     self._stop.wait(NOT_READY_S)
                     continue
                 self.feeder.wait_for_room(self._stop.is_set)
-                raw = lanes.take(self.conn, self.pool, self.worker_id, self.block_s)
+                raw = lanes.take(self.conn, self.pool, self.worker_id, self._block_s())
                 if raw is not None:
                     self._admit(raw)
             except redis.RedisError as exc:
@@ -143,6 +143,13 @@ class OwnLane:
             except Exception:  # never let the lane stop for one bad item
                 log.exception("worker %s: taking from its own lane failed", self.worker_id)
                 self._stop.wait(REDIS_RETRY_S)
+
+    def _block_s(self) -> float:
+        """How long a take blocks: half the connection's read timeout at most (RQ sets one on the
+        worker's pool: 11 s with a 1 s maintenance interval), so that a reply read late by a busy
+        worker process is no TimeoutError."""
+        read_timeout = self.conn.connection_pool.connection_kwargs.get("socket_timeout")
+        return self.block_s if not read_timeout else max(0.1, min(self.block_s, read_timeout / 2))
 
     def _admit(self, raw: bytes) -> None:
         try:

@@ -124,3 +124,12 @@ def test_a_paused_pools_worker_takes_no_turn_until_resumed(redis_client: redis.R
         rows_from_ipc(_reply(redis_client, "t1"))
 
     _serve(redis_client, worker, driver)
+
+
+def test_a_quiet_lane_blocks_within_the_connections_read_timeout(redis_url: str) -> None:
+    """RQ gives the worker's connections a read timeout (11 s with a 1 s maintenance interval): a take
+    on a quiet lane blocks for half of it at most, so a busy worker's late read is no TimeoutError."""
+    conn = redis.Redis.from_url(redis_url)
+    worker = RolloutWorker(conn, FakeEngine(), worker_id="w1", maintenance_interval_s=1)
+    read_timeout = conn.connection_pool.connection_kwargs["socket_timeout"]
+    assert worker.own_lane._block_s() == min(10.0, read_timeout / 2)
