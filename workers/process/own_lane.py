@@ -21,6 +21,7 @@ RQ's would mean, on the two lists:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -43,7 +44,7 @@ from workers.process.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 BLOCK_S = 10.0  # how long one take blocks (0.1 commands/s for an idle worker); pauses are checked after it
-STOP_WAIT_S = 1.0  # how long stopping waits for the thread (an item it takes after that goes back)
+STOP_WAIT_S = 10.0  # how long stopping waits for the thread (its take is ended at once; Redis may be away)
 NOT_READY_S = 0.2  # how often a worker not ready for turns looks again
 REDIS_RETRY_S = 1.0
 
@@ -116,6 +117,9 @@ class OwnLane:
         self.ready = ready
         self.block_s = block_s
         self.shared_lane = Queue(pool.lane_queue_name, connection=conn, serializer=JSONSerializer)
+        # The takes' own connection, so that `stop` can end a take at once (CLIENT UNBLOCK).
+        self._taker = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
+        self._taker_id: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="own-lane", daemon=True)
 
@@ -123,8 +127,12 @@ class OwnLane:
         self._thread.start()
 
     def stop(self) -> None:
-        """Take nothing more: an item being admitted still is, one taken from now on goes back."""
+        """Take nothing more: a take under way ends at once; an item being admitted still is."""
         self._stop.set()
+        taker = self._taker_id
+        if taker is not None:
+            with contextlib.suppress(redis.RedisError):  # Redis gone: the take fails on its own
+                self.conn.client_unblock(taker)
         self._thread.join(timeout=STOP_WAIT_S)
 
     def _loop(self) -> None:
@@ -134,15 +142,40 @@ class OwnLane:
                     self._stop.wait(NOT_READY_S)
                     continue
                 self.feeder.wait_for_room(self._stop.is_set)
-                raw = lanes.take(self.conn, self.pool, self.worker_id, self._block_s())
+                if self._taker_id is None:
+                    self._taker_id = self._taker.client_id()
+                if self._stop.is_set():  # asked before its id was known: no take to end
+                    break
+                raw = lanes.take(self._taker, self.pool, self.worker_id, self._block_s())
                 if raw is not None:
                     self._admit(raw)
             except redis.RedisError as exc:
+                self._taker_id = None  # a new connection, a new id
+                if self._stop.is_set():
+                    break
                 log.warning("worker %s: its own lane is unreachable (%s); trying again", self.worker_id, exc)
                 self._stop.wait(REDIS_RETRY_S)
+                self._reclaim()
             except Exception:  # never let the lane stop for one bad item
                 log.exception("worker %s: taking from its own lane failed", self.worker_id)
                 self._stop.wait(REDIS_RETRY_S)
+        with contextlib.suppress(redis.RedisError):
+            self._taker.close()
+
+    def _reclaim(self) -> None:
+        """After a take whose reply was lost (a read that timed out, a dropped connection), Redis may
+        have moved an item into the in-flight list that reached no one: every item there that the
+        feeder does not hold goes back to the front of the lane. Only this thread takes, so an item
+        in flight and not held is such an item (a finished one leaves the list before the feeder)."""
+        try:
+            held = {job.raw for job, _ in self.feeder.jobs() if isinstance(job, LaneJob)}
+            for raw in self.conn.lrange(self.pool.turn_lane_in_flight(self.worker_id), 0, -1):
+                if raw not in held:
+                    lanes.hand_back(self.conn, self.pool, self.worker_id, raw, lanes.LaneItem.decode(raw))
+                    log.warning("worker %s: an item of its own lane taken as a read failed was put back",
+                                self.worker_id)
+        except Exception as exc:  # Redis still away (looked at again after the next failure), or an odd item
+            log.warning("worker %s: its in-flight list not looked at (%s)", self.worker_id, exc)
 
     def _block_s(self) -> float:
         """How long a take blocks: half the connection's read timeout at most (RQ sets one on the
@@ -161,4 +194,8 @@ class OwnLane:
         if self._stop.is_set() or not self.ready():  # paused (or stopping) while the take blocked
             lanes.hand_back(self.conn, self.pool, self.worker_id, raw, job.item)
             return
-        self.feeder.admit(job, self.shared_lane)
+        try:
+            self.feeder.admit(job, self.shared_lane)  # a failure once it is in flight ends it there
+        except Exception as exc:  # before it was in flight: nothing else would end it
+            lanes.fail(self.conn, self.pool, self.worker_id, raw, job.item, failure_text(exc))
+            raise

@@ -133,3 +133,15 @@ def test_a_quiet_lane_blocks_within_the_connections_read_timeout(redis_url: str)
     worker = RolloutWorker(conn, FakeEngine(), worker_id="w1", maintenance_interval_s=1)
     read_timeout = conn.connection_pool.connection_kwargs["socket_timeout"]
     assert worker.own_lane._block_s() == min(10.0, read_timeout / 2)
+
+
+def test_an_item_moved_as_the_takes_reply_was_lost_goes_back_to_the_lane(redis_client: redis.Redis) -> None:
+    """A take whose reply never came (a read timeout, a dropped connection) after Redis moved the
+    item: the item is in the in-flight list, held by no job; the lane thread puts it back."""
+    worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1")
+    push(redis_client, "w1", item("lane-1", "t1"))
+    lanes.take(redis_client, POOL, "w1", 1)  # moved; its reply "lost": nothing admitted it
+    worker.own_lane._reclaim()
+    assert redis_client.llen(POOL.turn_lane_in_flight("w1")) == 0
+    back = lanes.LaneItem.decode(redis_client.lindex(POOL.turn_lane("w1"), -1))
+    assert (back.job_id, back.attempts) == ("lane-1", 1)
