@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import commit_log, control_channel, keys, registry, reward_log
 from pipeline.core.errors import UnknownRunError
-from pipeline.core.jobs import episodes
+from pipeline.core.jobs import episodes, lanes
 from pipeline.core.jobs.queue import rollout_queue
 from pipeline.core.jobs.status import failure_reason
 from pipeline.core.suggest import did_you_mean, listing
@@ -107,7 +107,7 @@ def routed_turns(conn: redis.Redis, pool: keys.PoolKeys) -> dict[str, int]:
     owners = sorted(m.decode() for m in conn.smembers(pool.lane_workers))
     with conn.pipeline(transaction=False) as pipe:
         for worker in owners:
-            pipe.llen(pool.turn_lane(worker))
+            lanes.queued(pipe, pool, worker)
             pipe.llen(pool.turn_lane_in_flight(worker))
         counts = pipe.execute()
     return {"routed": sum(counts[0::2]), "taken": sum(counts[1::2])}
