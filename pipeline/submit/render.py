@@ -278,10 +278,14 @@ class ChatRenderer:
         )
 
     def _render_text_and_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
-    ) -> tuple[str, list[int]]:
-        def once(tools_now: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], *,
+        ids: bool = True,
+    ) -> tuple[str, list[int] | None]:
+        """The template's text and (when `ids`) its token ids; without `ids` nothing is tokenized."""
+        def once(tools_now: list[dict[str, Any]] | None) -> tuple[str, list[int] | None]:
             text = self._apply(messages, tools_now, kwargs, tokenize=False)
+            if not ids:
+                return text, None
             if self.round_trip_lossy:
                 return text, list(self._apply(messages, tools_now, kwargs, tokenize=True))
             return text, self._encode_prompt(text)
@@ -302,13 +306,14 @@ class ChatRenderer:
         source = request.messages if messages is None else messages
         return [_for_template(_message_dict(m, i), self.content_format) for i, m in enumerate(source or [])]
 
-    def _render_messages(self, request: ChatRequest, messages: Sequence[ChatMessage]) -> tuple[str, list[int], str]:
-        """(template text, its ids, the continued assistant prefix or "")."""
+    def _render_messages(self, request: ChatRequest, messages: Sequence[ChatMessage], *,
+                         ids: bool = True) -> tuple[str, list[int] | None, str]:
+        """(template text, its ids (None unless `ids`), the continued assistant prefix or "")."""
         prepared = self.template_messages(request, messages)
         prepared, prefix = _split_final_assistant(prepared, request.continue_final_message)
         kwargs = dict(request.chat_template_kwargs or {})
-        text, ids = self._render_text_and_ids(prepared, _template_tools(request), kwargs)
-        return text, ids, prefix or ""
+        text, token_ids = self._render_text_and_ids(prepared, _template_tools(request), kwargs, ids=ids)
+        return text, token_ids, prefix or ""
 
     def render(self, request: ChatRequest) -> Rendered:
         """Token ids and prompt text for a validated chat or prompt request."""
@@ -318,6 +323,7 @@ class ChatRenderer:
         if request.continue_from is not None:
             return self._render_continuation(request)
         text, ids, prefix = self._render_messages(request, request.messages or [])
+        assert ids is not None
         if prefix:
             ids = ids + self._prefix_ids(prefix)
         return Rendered(ids, text + prefix)
@@ -348,7 +354,7 @@ class ChatRenderer:
                 "prompt ids; give the whole conversation: the earlier turn's messages, its reply as an assistant "
                 "message, then the new messages",
             )
-        full_text, _, prefix = self._render_messages(request, messages)
+        full_text, _, prefix = self._render_messages(request, messages, ids=False)
         if not full_text.startswith(earlier_text):
             at = next(i for i, (a, b) in enumerate(zip(full_text, earlier_text, strict=False)) if a != b) \
                 if any(a != b for a, b in zip(full_text, earlier_text, strict=False)) else len(full_text)
@@ -389,7 +395,7 @@ class ChatRenderer:
         assert request.messages is not None
         messages = list(request.messages)
         marked = [*messages[:boundary], ChatMessage(role="assistant", content=_REPLY_MARK), *messages[boundary + 1:]]
-        text, _, prefix = self._render_messages(request, marked)
+        text, _, prefix = self._render_messages(request, marked, ids=False)
         at = text.find(_REPLY_MARK)
         if at < 0 or text.find(_REPLY_MARK, at + 1) >= 0:
             raise RenderError(f"messages[{boundary}]", "the chat template does not render the earlier reply's "
