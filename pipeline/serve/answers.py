@@ -44,8 +44,14 @@ def _call_id(turn_id: str, choice: int, index: int) -> str:
     return "call_" + hashlib.sha256(f"{turn_id}:{choice}:{index}".encode()).hexdigest()[:24]
 
 
-def _rows(table: pa.Table) -> list[dict[str, Any]]:
-    rows = table.to_pylist()
+def turn_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """A turn's rows as dicts, by sample index, with each row's prompt ids as a list made through
+    numpy (the prompt is most of a row, and pyarrow makes Python objects of a list one by one)."""
+    prompts = table.column("prompt_token_ids").combine_chunks()
+    rows = table.drop_columns(["prompt_token_ids"]).to_pylist()
+    offsets, values = prompts.offsets.to_numpy(), prompts.values.to_numpy()
+    for k, row in enumerate(rows):
+        row["prompt_token_ids"] = values[offsets[k]:offsets[k + 1]].tolist()
     return sorted(rows, key=lambda r: r["sample_index"])
 
 
@@ -72,10 +78,9 @@ def _chat_logprobs(row: dict[str, Any], token_text: TokenText) -> dict[str, Any]
     return {"content": content, "refusal": None}
 
 
-def chat_answer(table: pa.Table, *, turn_id: str, model: str, session_id: str, turn: int, rules: ParseRules,
+def chat_answer(rows: list[dict[str, Any]], *, turn_id: str, model: str, session_id: str, turn: int, rules: ParseRules,
                 text_of: Any, token_text: TokenText, logprobs: bool) -> dict[str, Any]:
-    """The `chat.completion` object for a turn's rows. `text_of(row)` is the completion text to parse."""
-    rows = _rows(table)
+    """The `chat.completion` object for a turn's rows (`turn_rows`). `text_of(row)` is the completion text to parse."""
     choices = []
     for row in rows:
         finish = row["finish_reason"]
@@ -106,10 +111,9 @@ def chat_answer(table: pa.Table, *, turn_id: str, model: str, session_id: str, t
             "choices": choices, "usage": usage(rows), "session_id": session_id, "turn": turn}
 
 
-def text_answer(table: pa.Table, *, turn_id: str, model: str, session_id: str, turn: int, text_of: Any,
+def text_answer(rows: list[dict[str, Any]], *, turn_id: str, model: str, session_id: str, turn: int, text_of: Any,
                 token_text: TokenText, logprobs: int | None) -> dict[str, Any]:
-    """The `text_completion` object for a turn's rows (`/v1/completions`)."""
-    rows = _rows(table)
+    """The `text_completion` object for a turn's rows (`turn_rows`; `/v1/completions`)."""
     choices = []
     for row in rows:
         lp = None

@@ -65,6 +65,20 @@ def digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+class ConversationDigests:
+    """Digests of a conversation and of each of its beginnings, each message encoded once: the
+    digest of the first `n` messages is the digest of their `n` digests."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self._each = [digest(m) for m in messages]
+
+    def first(self, n: int) -> str:
+        return digest(self._each[:n])
+
+    def whole(self) -> str:
+        return self.first(len(self._each))
+
+
 def pack_ids(ids: Any) -> str:
     return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
 

@@ -34,11 +34,20 @@ from pipeline.core.errors import APIError, RenderError
 from pipeline.core.jobs import lanes, turn_log
 from pipeline.core.jobs.status import read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
-from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer
+from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
 from pipeline.serve.lane import Lane
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
-from pipeline.serve.sessions import Choice, Pending, Placed, Session, SessionStore, TurnRecord, digest
+from pipeline.serve.sessions import (
+    Choice,
+    ConversationDigests,
+    Pending,
+    Placed,
+    Session,
+    SessionStore,
+    TurnRecord,
+    digest,
+)
 from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
 from pipeline.submit.render import ChatRenderer
@@ -75,7 +84,7 @@ class InFlight:
     session: Session
     pending: Pending
     started: float
-    answer: Callable[[pa.Table, Pending], dict[str, Any]]
+    answer: Callable[[list[dict[str, Any]], Pending], dict[str, Any]]  # the turn's rows (`turn_rows`)
     assistant_of: Callable[[dict[str, Any]], dict[str, Any]]
     settled: Callable[[], dict[str, Any] | None]
     live: Callable[[str], LiveTurn]  # the SSE events (given the turn id) of a streamed call (`pipeline.serve.live`)
@@ -209,15 +218,17 @@ class Turns:
         session = self.open_session(session_id, create=create)
         with self._ended_if_refused(session):
             messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
-            request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"},
-                                                    exclude_none=True))
+            digests = ConversationDigests(messages)
+            # The call's digest (a client's retry is the same call): the conversation's and the rest's.
+            request_digest = digest({"messages": digests.whole(), **body.model_dump(
+                mode="json", exclude={"stream", "stream_options", "messages"}, exclude_none=True)})
             rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
                                self.settings.tool_call_parser,
                                [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []] or None,
                                body.tool_choice == "none", body.chat_template_kwargs)
 
             def prompt(last: TurnRecord | None) -> Prompt:
-                return self._chat_prompt(body, messages, last)
+                return self._chat_prompt(body, messages, digests, last)
 
             # SGLang keeps special tokens in the text when tools may be called (tool-call markers often are).
             keep_specials = bool(rules.tools) and not rules.tool_choice_none
@@ -229,13 +240,13 @@ class Turns:
                                 rules=rules, include_usage=body.include_usage,
                                 head=self._head(f"chatcmpl-{turn_id}", "chat.completion.chunk"))
 
-            def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
-                return chat_answer(table, turn_id=pending.turn_id, model=self.settings.model,
+            def answer(rows: list[dict[str, Any]], pending: Pending) -> dict[str, Any]:
+                return chat_answer(rows, turn_id=pending.turn_id, model=self.settings.model,
                                    session_id=session.session_id, turn=pending.turn, rules=rules,
                                    token_text=self.token_text, logprobs=body.logprobs,
                                    text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
-            return self._turn(session, body, request_digest, digest(messages), len(messages), prompt, answer,
+            return self._turn(session, body, request_digest, digests.whole(), len(messages), prompt, answer,
                               assistant_of=lambda choice: choice["message"], live=live)
 
     def _chat_request(self, body: ChatCompletionBody, messages: list[dict[str, Any]]) -> ChatRequest:
@@ -249,13 +260,13 @@ class Turns:
             data["chat_template_kwargs"] = body.chat_template_kwargs
         return ChatRequest.model_validate(data)
 
-    def _chat_prompt(self, body: ChatCompletionBody, messages: list[dict[str, Any]],
+    def _chat_prompt(self, body: ChatCompletionBody, messages: list[dict[str, Any]], digests: ConversationDigests,
                      last: TurnRecord | None) -> Prompt:
         assert self.renderer is not None
         request = self._chat_request(body, messages)
         try:
             if last is not None and last.n_messages + 1 < len(messages) \
-                    and digest(messages[: last.n_messages]) == last.messages_digest \
+                    and digests.first(last.n_messages) == last.messages_digest \
                     and messages[last.n_messages].get("role") == "assistant":
                 reply = canonical_assistant(messages[last.n_messages])
                 choice = next((c for c in last.choices if c.assistant == reply), None)
@@ -289,8 +300,8 @@ class Turns:
                     and len(ids) > len(last.prompt_ids) + len(c.completion_ids) for c in last.choices)
                 return Prompt(ids, text, last is not None and not extends)
 
-            def answer(table: pa.Table, pending: Pending) -> dict[str, Any]:
-                return text_answer(table, turn_id=pending.turn_id, model=self.settings.model,
+            def answer(rows: list[dict[str, Any]], pending: Pending) -> dict[str, Any]:
+                return text_answer(rows, turn_id=pending.turn_id, model=self.settings.model,
                                    session_id=session.session_id, turn=pending.turn, text_of=self._text_of,
                                    token_text=self.token_text, logprobs=body.logprobs)
 
@@ -306,7 +317,7 @@ class Turns:
 
     def _turn(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
               messages_digest: str, n_messages: int, prompt_of: Callable[[TurnRecord | None], Prompt],
-              answer: Callable[[pa.Table, Pending], dict[str, Any]],
+              answer: Callable[[list[dict[str, Any]], Pending], dict[str, Any]],
               assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
               live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
@@ -358,8 +369,9 @@ class Turns:
         """The answer of a turn from its rows, recorded in its session."""
         if isinstance(got, dict):
             return got
-        response = call.answer(got, call.pending)
-        self._record(call, got, response)
+        rows = turn_rows(got)
+        response = call.answer(rows, call.pending)
+        self._record(call, rows, response)
         return response
 
     def _recorded(self, session_id: str, request_digest: str) -> dict[str, Any] | None:
@@ -400,9 +412,8 @@ class Turns:
             raise
         return pending, route
 
-    def _record(self, call: InFlight, table: pa.Table, response: dict[str, Any]) -> None:
+    def _record(self, call: InFlight, rows: list[dict[str, Any]], response: dict[str, Any]) -> None:
         session, pending, assistant_of = call.session, call.pending, call.assistant_of
-        rows = sorted(table.to_pylist(), key=lambda r: r["sample_index"])
         choices = [Choice(row["completion_token_ids"], self._special_text(row["completion_token_ids"]),
                           canonical_assistant(assistant_of(choice)))
                    for row, choice in zip(rows, response["choices"], strict=True)]
