@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+import orjson
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound, rank
 from schemas.request import RolloutRequest
@@ -52,6 +53,23 @@ logs.demote_to_debug("httpx")
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
               httpx.ReadError, httpx.WriteError)
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _encoded(payload: Any) -> bytes:
+    """A call's JSON body, encoded by orjson (a long prompt's ids are most of it)."""
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _decoded(response: httpx.Response) -> Any:
+    """An answer's JSON body; raises ValueError when it is not JSON. orjson first; Python's parser for
+    what only it reads (NaN, Infinity)."""
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return response.json()
 
 
 class Call(Protocol):
@@ -251,7 +269,7 @@ class GenerateClient:
                     f"{error_message(response)}"
                 )
             try:
-                return url, response.json()
+                return url, _decoded(response)
             except ValueError as exc:
                 raise ContractViolation(
                     f"{who}: {self.wire.server} server {url} answered {self.wire.path} with a body that is not JSON: "
@@ -265,10 +283,12 @@ class GenerateClient:
     async def _post(self, url: str, call: Call, headers: dict[str, str] | None,
                     sink: StreamSink | None) -> httpx.Response:
         """The call's answer; streamed into `sink` when given, then answered as the sink assembles it."""
+        headers = _JSON_HEADERS if headers is None else {**_JSON_HEADERS, **headers}
         if sink is None:
-            return await self.client.post(f"{url}{self.wire.path}", json=call.payload, headers=headers)
+            return await self.client.post(f"{url}{self.wire.path}", content=_encoded(call.payload), headers=headers)
         body = {**call.payload, "stream": True, **sink.fields}
-        async with self.client.stream("POST", f"{url}{self.wire.path}", json=body, headers=headers) as response:
+        async with self.client.stream("POST", f"{url}{self.wire.path}", content=_encoded(body),
+                                      headers=headers) as response:
             if response.status_code >= 400:
                 await response.aread()
                 return response
