@@ -532,7 +532,8 @@ class Feeder:
                 self._continue(entry)
                 return
             decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]
-            summary = commit_batch(entry.batch, progress.outputs(decode), self.connection, datetime.now(UTC))
+            summary = commit_batch(entry.batch, progress.outputs(decode), self.connection, datetime.now(UTC),
+                                   first_run=not getattr(entry.job, "ran_before", True))
             if progress.continued:
                 summary.update(continued=progress.continued, restarted=progress.restarted)
             if progress.resumed:

@@ -41,6 +41,7 @@ from workers.runtime.periodic import Periodic
 log = logging.getLogger(__name__)
 
 COMMIT_SHA = hashlib.sha1(turn_log_format.COMMIT_SCRIPT.encode()).hexdigest()
+COMMIT_FIRST_SHA = hashlib.sha1(turn_log_format.COMMIT_FIRST_SCRIPT.encode()).hexdigest()
 REPLY_TTL_S = 600  # a reply nobody took (the server gave up or died) expires
 TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`keys.turn_shard`)
 DEFAULT_SHARD_TURNS = 256
@@ -66,11 +67,12 @@ return 0
 
 
 def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.Table,
-                 conn: redis.Redis) -> dict[str, Any]:
+                 conn: redis.Redis, *, first_run: bool = False) -> dict[str, Any]:
     """Log each turn's rows (once per turn id) and answer its server; return the job's summary.
 
     The table holds the job's rows in request order, `n` rows per request; each turn's slice is
-    logged and answered by the one script, all turns in one round trip."""
+    logged and answered by the one script, all turns in one round trip. `first_run`: no run of the
+    job began before this one (nothing of it can be logged), so the lookups are skipped."""
     assert job.turns is not None
     slices, start = [], 0
     for request in requests:
@@ -82,9 +84,15 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
         # a Redis without the script (restarted, failed over) says so, and it is loaded and sent again.
         with conn.pipeline(transaction=False) as pipe:
             for turn, rows in zip(job.turns, slices, strict=True):
-                pipe.evalsha(COMMIT_SHA, 5, keys.turn_log(job.run), keys.turn_log_jobs(job.run),
-                             keys.turn_reply(turn.turn_id), keys.TURN_RUNS, keys.turn_shard(turn.turn_id),
-                             turn.turn_id, rows, job.run, REPLY_TTL_S)
+                log_keys = (keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(turn.turn_id))
+                if first_run:
+                    pipe.evalsha(COMMIT_FIRST_SHA, 3, *log_keys, turn.turn_id, rows, REPLY_TTL_S)
+                else:
+                    pipe.evalsha(COMMIT_SHA, 4, *log_keys, keys.turn_shard(turn.turn_id), turn.turn_id, rows,
+                                 REPLY_TTL_S)
+            # After the log's entries: a flusher that finds the run's log empty forgets the run
+            # (`_FORGET_IF_EMPTY`); this puts it back once the entries are there.
+            pipe.sadd(keys.TURN_RUNS, job.run)
             for turn in job.turns:  # after the replies: a server reading the stream finds the rows at its end
                 if turn.stream:
                     turn_stream.end(pipe, turn.turn_id)
@@ -94,6 +102,7 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
         logged = commit()
     except redis.exceptions.NoScriptError:  # no turn was logged (a streamed turn's end marker twice: read once)
         conn.script_load(turn_log_format.COMMIT_SCRIPT)
+        conn.script_load(turn_log_format.COMMIT_FIRST_SCRIPT)
         logged = commit()
     if start != table.num_rows:
         raise WorkerError(f"job {job.job_id}: {table.num_rows} rows for {start} samples of its turns")

@@ -20,19 +20,18 @@ from schemas.shard import rows_from_ipc
 TURN = b"turn"
 ROWS = b"rows"
 
-# KEYS: turn log, turn index, reply list, TURN_RUNS, the turn's shard key. ARGV: turn id, rows
-# (IPC), run, reply ttl. Logs the rows once per turn id; answers with the rows logged first (a
-# duplicate run of the job answers what the log holds; nothing once that entry was flushed: its
-# waiter reads the shard).
+# KEYS: turn log, turn index, reply list, the turn's shard key. ARGV: turn id, rows (IPC), reply
+# ttl. Logs the rows once per turn id; answers with the rows logged first (a duplicate run of the
+# job answers what the log holds; nothing once that entry was flushed: its waiter reads the shard).
+# The run goes into TURN_RUNS beside it (`workers.jobs.turn_log.commit_turns`), once a job.
 COMMIT_SCRIPT = """
-if redis.call('EXISTS', KEYS[5]) == 1 then return {0, 'flushed'} end
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'flushed'} end
 local logged = redis.call('HGET', KEYS[2], ARGV[1])
 if not logged then
   local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[1], 'rows', ARGV[2])
   redis.call('HSET', KEYS[2], ARGV[1], id)
-  redis.call('SADD', KEYS[4], ARGV[3])
   redis.call('RPUSH', KEYS[3], ARGV[2])
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
   return {1, id}
 end
 local entry = redis.call('XRANGE', KEYS[1], logged, logged)
@@ -41,11 +40,22 @@ if #entry == 1 then
   for i = 1, #fields, 2 do
     if fields[i] == 'rows' then
       redis.call('RPUSH', KEYS[3], fields[i + 1])
-      redis.call('EXPIRE', KEYS[3], ARGV[4])
+      redis.call('EXPIRE', KEYS[3], ARGV[3])
     end
   end
 end
 return {0, logged}
+"""
+
+# `COMMIT_SCRIPT` for the first run of a job no run of which began before (an own-lane item never
+# handed back, retried or moved): its turns, new ids, cannot be logged yet, so nothing is looked up.
+# KEYS: turn log, turn index, reply list. ARGV: turn id, rows (IPC), reply ttl.
+COMMIT_FIRST_SCRIPT = """
+local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[1], 'rows', ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], id)
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return {1, id}
 """
 
 

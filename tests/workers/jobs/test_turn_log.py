@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import redis
 
@@ -50,6 +51,21 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     # The job run again (its worker looked dead) logs nothing new: the turn has one row.
     assert commit_turns(job, requests, table, redis_client)["logged"] == 0
     assert redis_client.xlen(keys.turn_log("agents")) == 0
+
+
+def test_a_first_run_logs_and_answers_and_its_rerun_answers_the_rows_logged_first(
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    turn_id = "s-1-00002-abcdef"
+    job, requests, table = _turn(redis_client, tmp_path, turn_id)
+    assert commit_turns(job, requests, table, redis_client, first_run=True)["logged"] == 1
+    assert redis_client.sismember(keys.TURN_RUNS, "agents")  # so a flusher looks at the run's log
+    first = redis_client.lpop(keys.turn_reply(turn_id))
+    assert first is not None and redis_client.ttl(keys.turn_reply(turn_id)) == -2  # the reply, taken
+    # The item handed back after its commit and run again (not a first run): the same rows, nothing new.
+    again = table.set_column(table.schema.get_field_index("worker_id"), "worker_id", pa.array(["w2"]))
+    assert commit_turns(job, requests, again, redis_client)["logged"] == 0
+    assert redis_client.lpop(keys.turn_reply(turn_id)) == first
+    assert redis_client.xlen(keys.turn_log("agents")) == 1
 
 
 def test_turn_rows_read_during_a_flush_see_each_turn_once(redis_client: redis.Redis, tmp_path: Path,
