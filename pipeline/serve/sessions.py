@@ -27,20 +27,22 @@ from pipeline.core.errors import APIError
 from pipeline.serve.turn_counts import TurnCounts
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires a week after its last turn
-# KEYS: the session. ARGV: the lowest and highest weight version of a turn. Widens the session's range.
+SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires 6-7 days after its last turn:
+TTL_REFRESH_S = 24 * 3600  # its expiry is pushed back by a turn once it was set this long ago
 # KEYS: the session, the run's turn counts. ARGV: the turn record (`last`), the session's turns, its
-# home, the lowest and highest weight version of the turn, the session's TTL, 1 if the turn broke
-# the session's prefix. The turn becomes `last`, the pending mark goes, the weight versions the
-# session's turns used widen, a prefix break is counted: one script, atomic.
+# home, the lowest and highest weight version of the session's turns with this one, the session's
+# TTL, 1 if the turn broke the session's prefix, the time (ms) to note the TTL as set at, or 0 to
+# leave it (set less than `TTL_REFRESH_S` ago). The turn becomes `last`, the pending mark goes, a
+# prefix break is counted: one script, atomic.
 _RECORD = """
-local low, high = tonumber(ARGV[4]), tonumber(ARGV[5])
-local now = redis.call('HMGET', KEYS[1], 'min_version', 'max_version')
-if now[1] then low = math.min(low, tonumber(now[1])) end
-if now[2] then high = math.max(high, tonumber(now[2])) end
-redis.call('HSET', KEYS[1], 'last', ARGV[1], 'turns', ARGV[2], 'home', ARGV[3], 'min_version', low, 'max_version', high)
+local fields = {'last', ARGV[1], 'turns', ARGV[2], 'home', ARGV[3], 'min_version', ARGV[4], 'max_version', ARGV[5]}
+if ARGV[8] ~= '0' then
+  table.insert(fields, 'ttl_set_ms')
+  table.insert(fields, ARGV[8])
+  redis.call('EXPIRE', KEYS[1], ARGV[6])
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('HDEL', KEYS[1], 'pending')
-redis.call('EXPIRE', KEYS[1], ARGV[6])
 if ARGV[7] == '1' then
   redis.call('HINCRBY', KEYS[2], 'prefix_breaks', 1)
   redis.call('HINCRBY', KEYS[1], 'prefix_breaks', 1)
@@ -197,6 +199,7 @@ class Session:
     max_version: int | None = None
     ephemeral: bool = False
     home: str | None = None  # the worker that served its last turn (`pipeline.core.affinity`)
+    ttl_set_ms: int = 0  # when its expiry was last set (`TTL_REFRESH_S`)
 
     def public(self) -> dict[str, Any]:
         """The session as `GET /sessions/<id>` shows it."""
@@ -221,8 +224,9 @@ class SessionStore:
         session_id = check_session_id(session_id) if session_id else new_session_id("call" if ephemeral else "s")
         where = keys.pool(pool)
         key = keys.session(session_id)
+        now_ms = int(time.time() * 1000)
         fields = {"run": run, "pool": where.name, "output": output, "state": "open", "turns": 0,
-                  "metadata": json.dumps(metadata or {}), "created_ms": int(time.time() * 1000),
+                  "metadata": json.dumps(metadata or {}), "created_ms": now_ms, "ttl_set_ms": now_ms,
                   "ephemeral": int(ephemeral)}
         if not self.conn.hsetnx(key, "run", run):
             raise APIError(409, f"session {session_id!r} exists already; create it once, or use another id",
@@ -235,7 +239,8 @@ class SessionStore:
             pipe.sadd(keys.POOLS, where.name)
             pipe.setnx(keys.turn_log_output(run), output)
             pipe.execute()
-        return Session(session_id, run, where.name, output, "open", 0, metadata or {}, ephemeral=ephemeral)
+        return Session(session_id, run, where.name, output, "open", 0, metadata or {}, ephemeral=ephemeral,
+                       ttl_set_ms=now_ms)
 
     def get_or_create(self, session_id: str, *, run: str, pool: str, output: str) -> Session:
         """The session, created (open, no metadata) if unknown."""
@@ -255,9 +260,9 @@ class SessionStore:
         """The session, or 404."""
         raw = self.conn.hgetall(keys.session(check_session_id(session_id)))
         if not raw or b"pool" not in raw:
+            days = f"{(SESSION_TTL_S - TTL_REFRESH_S) // 86400}-{SESSION_TTL_S // 86400}"
             raise APIError(404, f"no session {session_id!r}: create it with POST /sessions (it may have expired "
-                                f"{SESSION_TTL_S // 86400} days after its last turn)", param="session_id",
-                           code="session_not_found")
+                                f"{days} days after its last turn)", param="session_id", code="session_not_found")
         data = {k.decode(): v.decode() for k, v in raw.items()}
         return Session(
             session_id, data["run"], data["pool"], data["output"], data["state"], int(data["turns"]),
@@ -269,6 +274,7 @@ class SessionStore:
             int(data["max_version"]) if "max_version" in data else None,
             data.get("ephemeral") == "1",
             data.get("home"),
+            int(data.get("ttl_set_ms") or 0),
         )
 
     def claim(self, session: Session, pending: Pending) -> bool:
@@ -289,10 +295,17 @@ class SessionStore:
                placed: Placed) -> None:
         """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move, the
         weight versions its turns used widen, and the worker that served it becomes the session's
-        home (the pool's affinity counts move with it, at once or in `counts`' next batch)."""
+        home (the pool's affinity counts move with it, at once or in `counts`' next batch). `session`
+        is the session as read when the turn began (its weight versions and expiry are taken from it)."""
+        # The session's range as read when its turn began: no other turn of it ran since (its pending mark).
+        low, high = versions
+        if session.min_version is not None and session.max_version is not None:
+            low, high = min(low, session.min_version), max(high, session.max_version)
+        now_ms = int(time.time() * 1000)
+        ttl_set = now_ms if now_ms - session.ttl_set_ms >= TTL_REFRESH_S * 1000 else 0
         self._record(keys=[keys.session(session.session_id), keys.run_turn_stats(session.run)],
-                     args=[record.to_json(), pending.turn + 1, placed.served_by, *versions, SESSION_TTL_S,
-                           int(pending.prefix_break)])
+                     args=[record.to_json(), pending.turn + 1, placed.served_by, low, high, SESSION_TTL_S,
+                           int(pending.prefix_break), ttl_set])
         self.counts.add(keys.pool(session.pool), session.run, placed.increments(session.home))
 
     def reward(self, session_id: str, body: Any) -> Session:

@@ -81,7 +81,9 @@ def test_jobs_waiting_out_their_retry_backoff_are_shown(redis_client: redis.Redi
 
 def _turn(store: SessionStore, session: Session, turn: int, versions: tuple[int, int],
           prefix_break: bool = False) -> None:
-    """Record one turn of `session` as a server does once its rows are back."""
+    """Record one turn of `session` as a server does once its rows are back (the session as read when
+    the turn began)."""
+    session = store.get(session.session_id)
     pending = Pending(turn, f"{session.session_id}-t{turn}", "req", "msgs", 1 + turn, prefix_break)
     assert store.claim(session, pending)
     record = TurnRecord(turn, pending.turn_id, "req", "msgs", 1 + turn, [1, 2, 3], None, [], {})
