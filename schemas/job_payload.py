@@ -73,6 +73,8 @@ class TurnTag(BaseModel):
     # The call asked for `stream=True`: the worker publishes the turn's tokens as they are generated
     # (`pipeline.core.jobs.turn_stream`), not only its rows at the end.
     stream: StrictBool = False
+    # The server waiting for the answer: its inbox (`keys.serve_inbox`) is where the rows go.
+    reply_to: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class JobHeader(TypedDict):

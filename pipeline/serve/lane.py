@@ -10,9 +10,9 @@ Each turn goes to a worker chosen by the router (`routing`: its session's home w
 alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's own lane
 (a plain list, `pipeline.core.jobs.lanes`: no RQ job); with no such worker it waits as an RQ job in
 the pool's shared lane for any.
-Turns reaching a server together share a lane job (`turn_batching`); a server waits for each
-turn's answer on its reply list and moves dead workers' turns back to the shared lane
-(`turn_wait`). A failed job fails each of its turns (RQ retries it once first).
+Turns reaching a server together share a lane job (`turn_batching`); workers answer them in the
+server's inbox (`inbox`); a server's waiter looks elsewhere between blocks and moves dead workers'
+turns back to the shared lane (`turn_wait`). A failed job fails each of its turns (RQ retries it once first).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.broker import keys
 from pipeline.core.errors import APIError, CapabilityError
 from pipeline.core.jobs.turn_stream import TokenDelta
+from pipeline.serve.inbox import Inbox
 from pipeline.serve.routing import Router
 from pipeline.serve.turn_batching import MAX_TURNS_PER_JOB, TurnBatcher, WaitingTurn
 from pipeline.serve.turn_wait import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S, Answered, TurnWaiter
@@ -52,7 +53,11 @@ class Lane:
         self.queue = Queue(self.keys.lane_queue_name, connection=conn, serializer=JSONSerializer)
         self.router = Router(conn, self.keys, affinity=affinity, load_factor=load_factor)
         self.batcher = TurnBatcher(conn, self.router, self.queue, max_turns_per_job=max_turns_per_job)
-        self.waiter = TurnWaiter(conn, self.router, self.batcher.answered, turn_timeout_s=turn_timeout_s)
+        self.inbox = Inbox(conn)  # where workers answer this server's turns (`TurnTag.reply_to`)
+        self.waiter = TurnWaiter(conn, self.router, self.inbox, self.batcher.answered, turn_timeout_s=turn_timeout_s)
+
+    def close(self) -> None:
+        self.inbox.close()
 
     def live_workers(self) -> list[WorkerInfo]:
         return self.router.live_workers()

@@ -138,7 +138,7 @@ class Server:
         try:
             self.uvicorn.run()
         finally:
-            self.turns.counts.close()
+            self.turns.close()
 
     def start(self, timeout: float = 30.0) -> Server:
         """Serve from a daemon thread; return once it accepts connections."""
@@ -155,4 +155,4 @@ class Server:
         self.uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.turns.counts.close()
+        self.turns.close()

@@ -1,4 +1,5 @@
-"""Waiting for a turn's answer: the reply list its worker pushes the rows to, checked between blocks.
+"""Waiting for a turn's answer: the server's inbox hands it over (`pipeline.serve.inbox`); between
+blocks the waiter looks elsewhere.
 
 Between blocks a waiter looks for the answer another server's waiter recorded, the rows in the turn
 log or the shard they were flushed to (the reply went to a waiter that is gone), a failed job, and
@@ -11,6 +12,8 @@ instead of generating it twice.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -28,17 +31,18 @@ from pipeline.core.errors import APIError, PipelineError
 from pipeline.core.jobs import lanes, turn_log, turn_stream
 from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
+from pipeline.serve.inbox import Inbox
 from pipeline.serve.routing import Router
 from schemas.shard import rows_from_ipc
 
 DEFAULT_TURN_TIMEOUT_S = 600.0
-ASYNC_CONNECTIONS = 4096  # calls waiting on the event loop at once, a socket each
+ASYNC_CONNECTIONS = 4096  # streamed calls reading their tokens at once, a socket each
 BLOCK_S = 1.0  # how long one wait blocks before checking the job's state
 Answered = pa.Table | dict[str, Any]  # a turn's rows, or its answer recorded by another waiter
 
 
 def _rows(reply: bytes) -> pa.Table:
-    """A reply list's entry: the turn's rows, or `APIError` when its worker failed it (`lanes.fail`)."""
+    """An answer from the inbox: the turn's rows, or `APIError` when its worker failed it (`lanes.fail`)."""
     failure = lanes.read_error(reply)
     if failure is not None:
         raise _failed(*failure)
@@ -52,15 +56,16 @@ def _failed(reason: str, status: int) -> APIError:
 class TurnWaiter:
     """Waits for one pool's turns on behalf of a server."""
 
-    def __init__(self, conn: redis.Redis, router: Router, answered: Callable[[str], None], *,
+    def __init__(self, conn: redis.Redis, router: Router, inbox: Inbox, answered: Callable[[str], None], *,
                  turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S) -> None:
         self.conn = conn
         self.router = router
+        self.inbox = inbox
         self.keys = router.keys
         self.turn_timeout_s = turn_timeout_s
         self._answered = answered  # the turn is answered or given up: its job counts down
         self._aconn: redis.asyncio.Redis | bool | None = False  # made on first use, in the server's loop
-        self._wait_threads: anyio.CapacityLimiter | None = None
+        self._read_threads: anyio.CapacityLimiter | None = None
 
     def job_of(self, turn_id: str) -> tuple[str | None, str | None]:
         """The turn's job id, and the worker whose own lane holds it (None: an RQ job of the shared lane)."""
@@ -70,57 +75,67 @@ class TurnWaiter:
              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
         """The turn's rows, once its worker answers; or the answer `settled()` finds recorded (another
         server's waiter took the rows and recorded the turn); `APIError` for a failed or late turn."""
+        answer = self.inbox.expect(turn_id)
         try:
-            return self._wait(turn_id, run, started, settled)
+            while True:
+                left = self.turn_timeout_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise self._late(turn_id)
+                with contextlib.suppress(TimeoutError):
+                    return _rows(answer.result(timeout=min(BLOCK_S, left)))
+                found = self._between_blocks(turn_id, run, settled)
+                if found is not None:
+                    return found
         finally:
+            self.inbox.forget(turn_id, answer)
             self._answered(turn_id)
 
     async def wait_async(self, turn_id: str, run: str, started: float,
                          settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
-        """`wait` on the event loop: the reply's BLPOP on an asyncio Redis client (one socket per call
-        waiting, no thread); the checks between blocks in a thread. Where this Redis has no asyncio
-        twin (Sentinel, TLS), `wait` in a thread."""
-        aconn = self._async_conn()
-        if aconn is None:
-            return await anyio.to_thread.run_sync(self.wait, turn_id, run, started, settled,
-                                                  limiter=self._threads())
+        """`wait` on the event loop: no thread and no socket while the turn is generated; the checks
+        between blocks in a thread."""
+        answer = self.inbox.expect(turn_id)
+        waiting = asyncio.wrap_future(answer)
         try:
-            reply = keys.turn_reply(turn_id)
             while True:
                 left = self.turn_timeout_s - (time.monotonic() - started)
                 if left <= 0:
                     raise await anyio.to_thread.run_sync(self._late, turn_id)
-                popped = await aconn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
-                if popped is not None:
-                    return _rows(popped[1])
+                done, _ = await asyncio.wait([waiting], timeout=min(BLOCK_S, left))
+                if done:
+                    return _rows(waiting.result())
                 found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
                 if found is not None:
                     return found
         finally:
+            self.inbox.forget(turn_id, answer)
+            waiting.cancel()
             self._answered(turn_id)
 
     async def stream_async(self, turn_id: str, run: str, started: float,
                            settled: Callable[[], dict[str, Any] | None]) -> AsyncIterator[list[TokenDelta] | Answered]:
         """A streamed turn: batches of its tokens as its worker publishes them (`pipeline.core.jobs.
         turn_stream`), then, last, what `wait` returns. The token stream is read from its start and
-        not consumed; the rows come from the reply list once the stream's end entry is read, with
-        the same checks as `wait` whenever a block passes without an entry. Where this Redis has no
+        not consumed; the rows come from the inbox (pushed before the stream's end entry), with the
+        same checks as `wait` whenever a block passes without an entry. Where this Redis has no
         asyncio twin (Sentinel, TLS), each read blocks a thread instead."""
         aconn = self._async_conn()
 
-        async def command(name: str, *args: Any, **kwargs: Any) -> Any:
+        async def xread(*args: Any, **kwargs: Any) -> Any:
             if aconn is not None:
-                return await getattr(aconn, name)(*args, **kwargs)
-            return await anyio.to_thread.run_sync(partial(getattr(self.conn, name), *args, **kwargs),
+                return await aconn.xread(*args, **kwargs)
+            return await anyio.to_thread.run_sync(partial(self.conn.xread, *args, **kwargs),
                                                   limiter=self._threads())
 
+        answer = self.inbox.expect(turn_id)
+        waiting = asyncio.wrap_future(answer)
         try:
-            stream, reply, last = keys.turn_stream(turn_id), keys.turn_reply(turn_id), b"0-0"
+            stream, last = keys.turn_stream(turn_id), b"0-0"
             while True:
                 left = self.turn_timeout_s - (time.monotonic() - started)
                 if left <= 0:
                     raise await anyio.to_thread.run_sync(self._late, turn_id)
-                read = await command("xread", {stream: last}, block=max(10, int(min(BLOCK_S, left) * 1000)))
+                read = await xread({stream: last}, block=max(10, int(min(BLOCK_S, left) * 1000)))
                 deltas, ended = [], False
                 for _, entries in read or []:
                     for entry_id, fields in entries:
@@ -132,31 +147,20 @@ class TurnWaiter:
                             deltas.append(delta)
                 if deltas:
                     yield deltas
+                if ended:  # the rows were pushed before the end entry: the inbox hands them over now
+                    await asyncio.wait([waiting], timeout=min(BLOCK_S, max(0.0, left)))
+                if waiting.done():
+                    yield _rows(waiting.result())
+                    return
                 if ended or not read:
-                    popped = await command("lpop", reply)
-                    if popped is not None:
-                        yield _rows(popped)
-                        return
                     found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
                     if found is not None:
                         yield found
                         return
         finally:
+            self.inbox.forget(turn_id, answer)
+            waiting.cancel()
             self._answered(turn_id)
-
-    def _wait(self, turn_id: str, run: str, started: float,
-              settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
-        reply = keys.turn_reply(turn_id)
-        while True:
-            left = self.turn_timeout_s - (time.monotonic() - started)
-            if left <= 0:
-                raise self._late(turn_id)
-            popped = self.conn.blpop([reply], timeout=max(0.01, min(BLOCK_S, left)))
-            if popped is not None:
-                return _rows(popped[1])
-            found = self._between_blocks(turn_id, run, settled)
-            if found is not None:
-                return found
 
     def _between_blocks(self, turn_id: str, run: str,
                         settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any] | None:
@@ -192,10 +196,10 @@ class TurnWaiter:
         return None
 
     def _threads(self) -> anyio.CapacityLimiter:
-        """Threads for waits on a Redis without an asyncio twin, as many as the sockets of one with it."""
-        if self._wait_threads is None:
-            self._wait_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
-        return self._wait_threads
+        """Threads for stream reads on a Redis without an asyncio twin, as many as the sockets of one with it."""
+        if self._read_threads is None:
+            self._read_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
+        return self._read_threads
 
     def _async_conn(self) -> redis.asyncio.Redis | None:
         if self._aconn is False:

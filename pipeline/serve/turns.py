@@ -112,6 +112,11 @@ class Turns:
         self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s, affinity=settings.affinity,
                          load_factor=settings.load_factor)
 
+    def close(self) -> None:
+        """Write the turn counts held here, stop taking answers."""
+        self.counts.close()
+        self.lane.close()
+
     # -- sessions -----------------------------------------------------------------------------
 
     def open_session(self, session_id: str | None, *, create: bool = False) -> Session:
@@ -406,7 +411,8 @@ class Turns:
         try:
             route = self.lane.enqueue(request, run=session.run, output=session.output, home=session.home,
                                       turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
-                                                   prefix_break=prompt.prefix_break, stream=body.stream))
+                                                   prefix_break=prompt.prefix_break, stream=body.stream,
+                                                   reply_to=self.lane.inbox.server_id))
         except BaseException:
             self.sessions.release(session, pending)
             raise

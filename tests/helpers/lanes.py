@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.core.jobs import lanes
+from pipeline.core.jobs import lanes, replies
 from pipeline.core.jobs.queue import job_args
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
+
+SERVER = "test-server"  # the server the items' turns are answered to
+
+
+def answers(conn: redis.Redis, count: int = 1, timeout: float = 30) -> dict[str, bytes]:
+    """The next `count` answers in `SERVER`'s inbox, by turn id."""
+    got: dict[str, bytes] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        popped = conn.blpop([keys.serve_inbox(SERVER)], timeout=max(0.01, deadline - time.monotonic()))
+        assert popped is not None, f"{len(got)} of {count} answers came within {timeout} s"
+        turn_id, answer = replies.parse(popped[1])
+        got[turn_id] = answer
+    return got
 
 
 def item(job_id: str, *turn_ids: str, retries: int = 1) -> lanes.LaneItem:
@@ -16,7 +32,8 @@ def item(job_id: str, *turn_ids: str, retries: int = 1) -> lanes.LaneItem:
     requests = [RolloutRequest.model_validate({"id": f"{t}:0", "input_ids": [1, 2, 3]}) for t in turn_ids]
     payload = JobPayload.pack(requests, run="r", job_id=job_id, batch_id=job_id, output="file:///tmp/out",
                               submitted_at_ms=0,
-                              turns=[TurnTag(turn_id=t, session_id=f"s-{t}", turn=0) for t in turn_ids])
+                              turns=[TurnTag(turn_id=t, session_id=f"s-{t}", turn=0, reply_to=SERVER)
+                                     for t in turn_ids])
     return lanes.new_item(job_id, job_args(payload), {}, f"{len(turn_ids)} agent turn(s) of run r",
                           timeout_s=60, retries=retries)
 

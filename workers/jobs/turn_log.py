@@ -3,14 +3,15 @@
 A turn is one request of a job in the pool's interactive lane (a server puts the turns that
 reach it together in one job). Its rows are not a shard of their own (a shard per turn would
 leave thousands of tiny files per run): `commit_turns` appends each turn's rows, as Arrow IPC,
-to the run's turn log (a Redis stream) and pushes them to the reply list its server waits on,
-in one script per turn, at most once per turn id (a retried job answers with the rows logged
-first). `flush_turns` writes the oldest turns of a run's log to one shard (at most
-`turns` turns, or whatever is there once the oldest is `max_age_s` old), appends it to the run's
-commit log like any shard, then deletes those entries. Every worker runs a `TurnFlusher`; a
-lock per run lets one flush at a time. A flush that dies before its delete leaves the entries
-in the log: the next one writes them again to the same shard path (named by the first entry's
-id), so each turn's rows land in exactly one committed shard; readers dedupe commits by job id.
+to the run's turn log (a Redis stream) and pushes them to the inbox of the server waiting for
+them (`pipeline.core.jobs.replies`), in one script per turn (per job on its first run), at most
+once per turn id (a retried job answers with the rows logged first). `flush_turns` writes the
+oldest turns of a run's log to one shard (at most `turns` turns, or whatever is there once the
+oldest is `max_age_s` old), appends it to the run's commit log like any shard, then deletes
+those entries. Every worker runs a `TurnFlusher`; a lock per run lets one flush at a time. A
+flush that dies before its delete leaves the entries in the log: the next one writes them again
+to the same shard path (named by the first entry's id), so each turn's rows land in exactly one
+committed shard; readers dedupe commits by job id.
 
 Until flushed, a turn's rows are read from the log (`pipeline.read.trajectories`).
 """
@@ -29,8 +30,8 @@ import pyarrow.compute as pc
 import redis
 
 from pipeline.core.broker import commit_log, keys
+from pipeline.core.jobs import replies, turn_stream
 from pipeline.core.jobs import turn_log as turn_log_format
-from pipeline.core.jobs import turn_stream
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from schemas.shard import rows_to_ipc
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 
 COMMIT_SHA = hashlib.sha1(turn_log_format.COMMIT_SCRIPT.encode()).hexdigest()
 COMMIT_FIRST_SHA = hashlib.sha1(turn_log_format.COMMIT_FIRST_SCRIPT.encode()).hexdigest()
-REPLY_TTL_S = 600  # a reply nobody took (the server gave up or died) expires
 TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`keys.turn_shard`)
 DEFAULT_SHARD_TURNS = 256
 DEFAULT_SHARD_AGE_S = 10.0
@@ -79,24 +79,31 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
         slices.append(rows_to_ipc(table.slice(start, request.sampling_params.n)))
         start += request.sampling_params.n
 
+    one_server = len({turn.reply_to for turn in job.turns}) == 1
+    log_keys = (keys.turn_log(job.run), keys.turn_log_jobs(job.run))
+
     def commit() -> list[Any]:
         # EVALSHA straight, not redis-py's script in a pipeline (which asks SCRIPT EXISTS every time):
         # a Redis without the script (restarted, failed over) says so, and it is loaded and sent again.
         with conn.pipeline(transaction=False) as pipe:
-            for turn, rows in zip(job.turns, slices, strict=True):
-                log_keys = (keys.turn_log(job.run), keys.turn_log_jobs(job.run), keys.turn_reply(turn.turn_id))
-                if first_run:
-                    pipe.evalsha(COMMIT_FIRST_SHA, 3, *log_keys, turn.turn_id, rows, REPLY_TTL_S)
-                else:
-                    pipe.evalsha(COMMIT_SHA, 4, *log_keys, keys.turn_shard(turn.turn_id), turn.turn_id, rows,
-                                 REPLY_TTL_S)
+            if first_run and one_server:
+                pipe.evalsha(COMMIT_FIRST_SHA, 3, *log_keys, keys.serve_inbox(job.turns[0].reply_to),
+                             replies.INBOX_TTL_S, *(v for turn, rows in zip(job.turns, slices, strict=True)
+                                                    for v in (turn.turn_id, rows)))
+            else:
+                for turn, rows in zip(job.turns, slices, strict=True):
+                    pipe.evalsha(COMMIT_SHA, 4, *log_keys, keys.serve_inbox(turn.reply_to),
+                                 keys.turn_shard(turn.turn_id), turn.turn_id, rows, replies.INBOX_TTL_S)
             # After the log's entries: a flusher that finds the run's log empty forgets the run
             # (`_FORGET_IF_EMPTY`); this puts it back once the entries are there.
             pipe.sadd(keys.TURN_RUNS, job.run)
-            for turn in job.turns:  # after the replies: a server reading the stream finds the rows at its end
+            for turn in job.turns:  # after the answers: a server reading the stream finds the rows at its end
                 if turn.stream:
                     turn_stream.end(pipe, turn.turn_id)
-            return pipe.execute()[: len(job.turns)]
+            results = pipe.execute()
+        if first_run and one_server:
+            return [1] * len(job.turns)
+        return [first for first, _ in results[: len(job.turns)]]
 
     try:
         logged = commit()
@@ -109,7 +116,7 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
     rows = table.num_rows
     tokens = int(pc.sum(table.column("completion_tokens")).as_py() or 0) if rows else 0
     oldest = int(pc.min(table.column("weight_version")).as_py()) if rows else None
-    return {"turns": len(job.turns), "logged": sum(int(first) for first, _ in logged), "rows": rows,
+    return {"turns": len(job.turns), "logged": sum(int(first) for first in logged), "rows": rows,
             "tokens": tokens, "weight_version": oldest}
 
 

@@ -246,9 +246,10 @@ def session_turns(session_id: str) -> str:
     return f"{PREFIX}:session:{session_id}:turns"
 
 
-def turn_reply(turn_id: str) -> str:
-    """A list a worker pushes a finished turn's rows to (Arrow IPC); the server waits on it."""
-    return f"{PREFIX}:turn:{turn_id}:reply"
+def serve_inbox(server_id: str) -> str:
+    """A server's inbox: a list workers push its turns' answers to (`pipeline.core.jobs.replies`),
+    which the server takes in batches and hands to each turn's waiters (`pipeline.serve.inbox`)."""
+    return f"{PREFIX}:serve:{server_id}:inbox"
 
 
 def turn_stream(turn_id: str) -> str:

@@ -6,7 +6,7 @@ a `LaneItem` (the job's payload as JSON, no RQ job) onto that worker's lane list
 (`keys.PoolKeys.turn_lane`). The worker moves each item atomically into its in-flight list when
 it takes it (`take`: one BLMOVE, so an item is always in one of the two lists until it is done),
 runs it like any job, and removes it once its turns are logged and answered (`done`), puts it
-back (`hand_back`, `retry`) or fails its turns (`fail`: an error on each turn's reply list, and
+back (`hand_back`, `retry`) or fails its turns (`fail`: an error for each turn in its server's inbox, and
 a failure mark the server reads, `turn_failure`). A turn so costs a push, a move and a remove
 instead of RQ's job lifecycle (hash, registries, executions, results: ~60 commands a job).
 
@@ -33,6 +33,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from pipeline.core.broker import keys, registry
+from pipeline.core.jobs import replies
 from pipeline.core.jobs.queue import JOB_FUNCTION, RESULT_TTL_S, retry_intervals
 from pipeline.core.jobs.status import job_key
 
@@ -157,14 +158,14 @@ def read_error(reply: bytes) -> tuple[str, int] | None:
 
 
 def fail(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: LaneItem, reason: str) -> None:
-    """The item failed for good: each turn's server gets `reason` (its reply, and `turn_failure`)."""
+    """The item failed for good: each turn's server gets `reason` (in its inbox, and `turn_failure`)."""
     status = failure_status(reason)
+    error = error_reply(reason, status)
     with conn.pipeline(transaction=True) as pipe:
         done(pipe, pool, worker, raw)
         for turn_id in item.turn_ids:
-            pipe.set(keys.turn_failed(turn_id), error_reply(reason, status), ex=FAILED_TTL_S)
-            pipe.rpush(keys.turn_reply(turn_id), error_reply(reason, status))
-            pipe.expire(keys.turn_reply(turn_id), FAILED_TTL_S)
+            pipe.set(keys.turn_failed(turn_id), error, ex=FAILED_TTL_S)
+        replies.push(pipe, ((turn["reply_to"], turn["turn_id"], error) for turn in item.payload.get("turns") or []))
         pipe.execute()
 
 

@@ -229,9 +229,10 @@ def turn_shard(out: Path, run: str, job_id: str, turns: list[tuple[TurnTag | Non
 def test_report_counts_agent_turns_sessions_and_prefix_breaks(redis_client: redis.Redis, tmp_path: Path) -> None:
     run = "agents"
     url, table = turn_shard(tmp_path, run, "turns-1", [
-        (TurnTag(turn_id="a0", session_id="sa", turn=0), 2),
-        (TurnTag(turn_id="a1", session_id="sa", turn=1, prefix_break=True), 2),  # n=2: two rows, one turn
-        (TurnTag(turn_id="b0", session_id="sb", turn=0), 1),
+        (TurnTag(turn_id="a0", session_id="sa", turn=0, reply_to="srv"), 2),
+        # n=2: two rows, one turn
+        (TurnTag(turn_id="a1", session_id="sa", turn=1, reply_to="srv", prefix_break=True), 2),
+        (TurnTag(turn_id="b0", session_id="sb", turn=0, reply_to="srv"), 1),
     ])
     commit_log.append(redis_client, run, commit_log.Commit(job_id="turns-1", batch_id="turns", url=url, rows=5,
                                                            tokens=15, weight_version=2))

@@ -16,6 +16,7 @@ from pipeline.core.broker import keys
 from pipeline.serve.lane import Lane
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
+from tests.helpers.lanes import SERVER, answers
 from workers.engines.fake import FakeEngine
 from workers.jobs.turn_log import commit_turns, flush_turns
 from workers.rows.table import RowContext, build_table
@@ -23,7 +24,7 @@ from workers.rows.table import RowContext, build_table
 
 def _turn(conn: redis.Redis, tmp_path: Path, turn_id: str) -> tuple[JobPayload, list[RolloutRequest], object]:
     request = RolloutRequest(id="s-1:2", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
-    tag = TurnTag(turn_id=turn_id, session_id="s-1", turn=2, prefix_break=False)
+    tag = TurnTag(turn_id=turn_id, session_id="s-1", turn=2, prefix_break=False, reply_to=SERVER)
     job = JobPayload.pack([request], run="agents", job_id="lane-1", batch_id="lane-1",
                           output=f"file://{tmp_path}/shards", submitted_at_ms=int(time.time() * 1000), turns=[tag])
     now = datetime.now(UTC)
@@ -39,7 +40,7 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     turn_id = "s-1-00002-abcdef"
     job, requests, table = _turn(redis_client, tmp_path, turn_id)
     assert commit_turns(job, requests, table, redis_client)["logged"] == 1
-    redis_client.delete(keys.turn_reply(turn_id))  # the reply went to a waiter that is gone
+    redis_client.delete(keys.serve_inbox(SERVER))  # the answer went to a server that is gone
     assert flush_turns(redis_client, "agents", force=True) is not None  # then the log was flushed
     # The job finished; a waiter (the agent's retry) finds the rows in the shard the turn went to.
     redis_client.set(keys.turn_job(turn_id), "lane-1")
@@ -59,12 +60,12 @@ def test_a_first_run_logs_and_answers_and_its_rerun_answers_the_rows_logged_firs
     job, requests, table = _turn(redis_client, tmp_path, turn_id)
     assert commit_turns(job, requests, table, redis_client, first_run=True)["logged"] == 1
     assert redis_client.sismember(keys.TURN_RUNS, "agents")  # so a flusher looks at the run's log
-    first = redis_client.lpop(keys.turn_reply(turn_id))
-    assert first is not None and redis_client.ttl(keys.turn_reply(turn_id)) == -2  # the reply, taken
+    first = answers(redis_client)[turn_id]
+    assert redis_client.llen(keys.serve_inbox(SERVER)) == 0
     # The item handed back after its commit and run again (not a first run): the same rows, nothing new.
     again = table.set_column(table.schema.get_field_index("worker_id"), "worker_id", pa.array(["w2"]))
     assert commit_turns(job, requests, again, redis_client)["logged"] == 0
-    assert redis_client.lpop(keys.turn_reply(turn_id)) == first
+    assert answers(redis_client)[turn_id] == first
     assert redis_client.xlen(keys.turn_log("agents")) == 1
 
 

@@ -25,7 +25,8 @@ def _sample(ids: list[int], finished: bool = False) -> SampleOutput:
 
 def test_tokens_are_published_once_across_a_continuation() -> None:
     requests = [_request("a"), _request("b")]
-    turns = [TurnTag(turn_id="ta", session_id="s", turn=0, stream=True), TurnTag(turn_id="tb", session_id="s", turn=0)]
+    turns = [TurnTag(turn_id="ta", session_id="s", turn=0, reply_to="srv", stream=True),
+             TurnTag(turn_id="tb", session_id="s", turn=0, reply_to="srv")]
     streams = TurnStreams.of(requests, turns, attempt=3)
     assert streams is not None
     progress = Progress(requests)
@@ -42,7 +43,8 @@ def test_tokens_are_published_once_across_a_continuation() -> None:
 
 def test_a_failed_publish_is_sent_again() -> None:
     requests = [_request("a")]
-    streams = TurnStreams.of(requests, [TurnTag(turn_id="ta", session_id="s", turn=0, stream=True)], attempt=1)
+    tags = [TurnTag(turn_id="ta", session_id="s", turn=0, reply_to="srv", stream=True)]
+    streams = TurnStreams.of(requests, tags, attempt=1)
     assert streams is not None
     progress = Progress(requests)
     first = progress.first(0)
@@ -52,7 +54,8 @@ def test_a_failed_publish_is_sent_again() -> None:
 
 
 def test_samples_with_penalties_and_turns_not_streamed_get_no_streams() -> None:
-    tag = TurnTag(turn_id="ta", session_id="s", turn=0, stream=True)
+    tag = TurnTag(turn_id="ta", session_id="s", turn=0, reply_to="srv", stream=True)
     assert TurnStreams.of([_request("a", repetition_penalty=1.1)], [tag], attempt=1) is None
-    assert TurnStreams.of([_request("a")], [TurnTag(turn_id="ta", session_id="s", turn=0)], attempt=1) is None
+    tags = [TurnTag(turn_id="ta", session_id="s", turn=0, reply_to="srv")]
+    assert TurnStreams.of([_request("a")], tags, attempt=1) is None
     assert TurnStreams.of([_request("a")], None, attempt=1) is None

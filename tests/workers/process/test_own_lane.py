@@ -19,7 +19,7 @@ from pipeline.core.jobs.queue import job_args
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc
-from tests.helpers.lanes import item, push
+from tests.helpers.lanes import SERVER, answers, item, push
 from tests.helpers.processes import wait_until
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
@@ -53,9 +53,7 @@ def _serve(conn: redis.Redis, worker: RolloutWorker, driver: Callable[[], None])
 
 
 def _reply(conn: redis.Redis, turn_id: str) -> bytes:
-    popped = conn.blpop([keys.turn_reply(turn_id)], timeout=30)
-    assert popped is not None, f"no reply for turn {turn_id}"
-    return popped[1]
+    return answers(conn)[turn_id]
 
 
 def test_a_turn_in_a_workers_own_lane_is_answered_with_no_rq_record(redis_client: redis.Redis) -> None:
@@ -77,7 +75,7 @@ def test_a_request_the_worker_cannot_serve_fails_its_turn_at_once_with_400(redis
     worker = RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0), worker_id="w1", control_poll_s=0.1)
     request = RolloutRequest.model_validate({"id": "s:0", "input_ids": [1, 2], "logprobs": 5})
     payload = JobPayload.pack([request], run="r", job_id="lane-1", batch_id="lane-1", output="file:///tmp/out",
-                              submitted_at_ms=0, turns=[TurnTag(turn_id="t1", session_id="s", turn=0)])
+                              submitted_at_ms=0, turns=[TurnTag(turn_id="t1", session_id="s", turn=0, reply_to=SERVER)])
 
     def driver() -> None:
         push(redis_client, "w1", lanes.new_item("lane-1", job_args(payload), {}, "1 turn", timeout_s=60, retries=1))
@@ -96,7 +94,7 @@ def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_cli
     # Its prompt ids live beside the job in Redis, and are gone: the job fails each time it runs.
     payload, _ = JobPayload.pack_beside([request], prompt_key=keys.prompts("lane-1"), run="r", job_id="lane-1",
                                         batch_id="lane-1", output="file:///tmp/out", submitted_at_ms=0,
-                                        turns=[TurnTag(turn_id="t1", session_id="s", turn=0)])
+                                        turns=[TurnTag(turn_id="t1", session_id="s", turn=0, reply_to=SERVER)])
 
     def driver() -> None:
         push(redis_client, "w1", lanes.new_item("lane-1", job_args(payload), {}, "1 turn", timeout_s=60, retries=1))
@@ -118,7 +116,7 @@ def test_a_paused_pools_worker_takes_no_turn_until_resumed(redis_client: redis.R
 
     def driver() -> None:
         push(redis_client, "w1", item("lane-1", "t1"))
-        assert redis_client.blpop([keys.turn_reply("t1")], timeout=1.5) is None  # paused: not taken
+        assert redis_client.blpop([keys.serve_inbox(SERVER)], timeout=1.5) is None  # paused: not taken
         assert redis_client.llen(POOL.turn_lane("w1")) == 1
         client.resume()
         rows_from_ipc(_reply(redis_client, "t1"))

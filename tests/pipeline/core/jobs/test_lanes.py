@@ -14,7 +14,7 @@ from rq.serializers import JSONSerializer
 from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import lanes
 from schemas.worker_info import WorkerInfo
-from tests.helpers.lanes import item, push
+from tests.helpers.lanes import answers, item, push
 
 POOL = keys.pool(None)
 
@@ -62,8 +62,9 @@ def test_a_failed_item_answers_each_turn_with_its_reason(redis_client: redis.Red
     push(redis_client, "w", failing)
     raw = lanes.take(redis_client, POOL, "w", 1)
     lanes.fail(redis_client, POOL, "w", raw, failing, "UnsupportedRequestError: top 5 logprobs, this engine serves 0")
+    answered = answers(redis_client, 2)
     for turn_id in ("t1", "t2"):
-        assert lanes.read_error(redis_client.lpop(keys.turn_reply(turn_id))) == (
+        assert lanes.read_error(answered[turn_id]) == (
             "UnsupportedRequestError: top 5 logprobs, this engine serves 0", 400)
         assert lanes.turn_failure(redis_client, turn_id)[1] == 400
     assert redis_client.llen(POOL.turn_lane_in_flight("w")) == 0
