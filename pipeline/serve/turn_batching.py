@@ -3,8 +3,7 @@ when it comes round as one lane job (per run, output, worker class and target wo
 
 While the server's lane jobs in flight already keep the pool's live workers busy (two jobs each),
 new turns wait for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost
-is paid once for many turns; a turn reaching an idle pool is enqueued at once, by the thread that
-serves its call (no hand-off). A job goes to its
+is paid once for many turns; a turn reaching an idle pool is enqueued at once. A job goes to its
 chosen worker's own lane (`pipeline.core.jobs.lanes`), or to the pool's shared lane for any worker.
 """
 
@@ -67,18 +66,13 @@ class TurnBatcher:
         self._job_of_turn: dict[str, str] = {}
 
     def enqueue(self, waiting: WaitingTurn) -> None:
-        """Hand the turn to the flusher and return once its job is enqueued; raise what the enqueue raised.
-        A turn reaching an idle pool with nothing else waiting is enqueued at once, by its own thread."""
+        """Hand the turn to the flusher and return once its job is enqueued; raise what the enqueue raised."""
         with self._ready:
-            alone = not self._waiting and not self._busy()
-            if not alone:
-                if self._flusher is None:
-                    self._flusher = threading.Thread(target=self._flush_loop, name="lane-flusher", daemon=True)
-                    self._flusher.start()
-                self._waiting.append(waiting)
-                self._ready.notify()
-        if alone:
-            self._enqueue_job([waiting])
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, name="lane-flusher", daemon=True)
+                self._flusher.start()
+            self._waiting.append(waiting)
+            self._ready.notify()
         waiting.done.wait()
         if waiting.error is not None:
             raise waiting.error
