@@ -44,15 +44,17 @@ def _call_id(turn_id: str, choice: int, index: int) -> str:
     return "call_" + hashlib.sha256(f"{turn_id}:{choice}:{index}".encode()).hexdigest()[:24]
 
 
+# What answers and session records read of a turn's rows; the rest of a row is the shard's.
+ANSWER_COLUMNS = ("sample_index", "rollout_id", "worker_id", "prompt_token_ids", "prompt_text", "prompt_tokens",
+                  "cached_tokens", "completion_token_ids", "completion_logprobs", "completion_top_logprobs",
+                  "completion_text", "completion_tokens", "finish_reason", "stop_reason_text", "stop_reason_token",
+                  "weight_version", "weight_version_segments")
+
+
 def turn_rows(table: pa.Table) -> list[dict[str, Any]]:
-    """A turn's rows as dicts, by sample index, with each row's prompt ids as a list made through
-    numpy (the prompt is most of a row, and pyarrow makes Python objects of a list one by one)."""
-    prompts = table.column("prompt_token_ids").combine_chunks()
-    rows = table.drop_columns(["prompt_token_ids"]).to_pylist()
-    offsets, values = prompts.offsets.to_numpy(), prompts.values.to_numpy()
-    for k, row in enumerate(rows):
-        row["prompt_token_ids"] = values[offsets[k]:offsets[k + 1]].tolist()
-    return sorted(rows, key=lambda r: r["sample_index"])
+    """A turn's rows as dicts of `ANSWER_COLUMNS`, by sample index (pyarrow makes Python objects
+    column by column: the columns nobody reads here cost as much as the long prompt)."""
+    return sorted(table.select(ANSWER_COLUMNS).to_pylist(), key=lambda r: r["sample_index"])
 
 
 def usage(rows: list[dict[str, Any]]) -> dict[str, Any]:
