@@ -77,10 +77,9 @@ def check_not_canceled(conn: redis.Redis | None, job: JobPayload) -> None:
 
 def commit_batch(
     batch: PreparedBatch, outputs: list[list[SampleOutput]], conn: redis.Redis | None,
-    finished_at: datetime | None = None, *, first_run: bool = False,
+    finished_at: datetime | None = None,
 ) -> dict[str, Any]:
-    """Rows (contracts checked), the shard (atomic), the commit-log entry; return the job's summary.
-    `first_run`: no run of the job began before (agent turns skip their duplicate lookups)."""
+    """Rows (contracts checked), the shard (atomic), the commit-log entry; return the job's summary."""
     job = batch.job
     description = batch.engine.description
     finished_at = finished_at or datetime.now(UTC)
@@ -104,7 +103,7 @@ def commit_batch(
     if job.turns is not None:  # agent turns: each logged with many others, answered at once (`turn_log`)
         if conn is None:
             raise WorkerError(f"job {job.job_id}: agent turns need a Redis connection to answer")
-        return commit_turns(job, batch.requests, table, conn, first_run=first_run)
+        return commit_turns(job, batch.requests, table, conn)
     rows = table.num_rows
     tokens = int(table.column("completion_tokens").to_numpy().sum()) if rows else 0
     prompt_tokens = int(table.column("prompt_tokens").to_numpy().sum()) if rows else 0

@@ -532,8 +532,7 @@ class Feeder:
                 self._continue(entry)
                 return
             decode = self.engine.decode if self.can_interrupt else None  # type: ignore[attr-defined]
-            summary = commit_batch(entry.batch, progress.outputs(decode), self.connection, datetime.now(UTC),
-                                   first_run=not getattr(entry.job, "ran_before", True))
+            summary = commit_batch(entry.batch, progress.outputs(decode), self.connection, datetime.now(UTC))
             if progress.continued:
                 summary.update(continued=progress.continued, restarted=progress.restarted)
             if progress.resumed:

@@ -4,14 +4,14 @@ A turn is one request of a job in the pool's interactive lane (a server puts the
 reach it together in one job). Its rows are not a shard of their own (a shard per turn would
 leave thousands of tiny files per run): `commit_turns` appends each turn's rows, as Arrow IPC,
 to the run's turn log (a Redis stream) and pushes them to the inbox of the server waiting for
-them (`pipeline.core.jobs.replies`), in one script per turn (per job on its first run), at most
-once per turn id (a retried job answers with the rows logged first). `flush_turns` writes the
-oldest turns of a run's log to one shard (at most `turns` turns, or whatever is there once the
-oldest is `max_age_s` old), appends it to the run's commit log like any shard, then deletes
-those entries. Every worker runs a `TurnFlusher`; a lock per run lets one flush at a time. A
-flush that dies before its delete leaves the entries in the log: the next one writes them again
-to the same shard path (named by the first entry's id), so each turn's rows land in exactly one
-committed shard; readers dedupe commits by job id.
+them (`pipeline.core.jobs.replies`), one script for the job's turns, at most once per turn id (a
+job run twice answers with the rows logged first). `flush_turns` writes the oldest turns of a
+run's log to one shard (at most `turns` turns, or whatever is there once the oldest is
+`max_age_s` old), appends it to the run's commit log like any shard, then deletes those entries.
+Every worker runs a `TurnFlusher`; a lock per run lets one flush at a time. A flush that dies
+before its delete leaves the entries in the log: the next one writes them again to the same
+shard path (named by the first entry's id), so each turn's rows land in exactly one committed
+shard; readers dedupe commits by job id.
 
 Until flushed, a turn's rows are read from the log (`pipeline.read.trajectories`).
 """
@@ -42,7 +42,6 @@ from workers.runtime.periodic import Periodic
 log = logging.getLogger(__name__)
 
 COMMIT_SHA = hashlib.sha1(turn_log_format.COMMIT_SCRIPT.encode()).hexdigest()
-COMMIT_FIRST_SHA = hashlib.sha1(turn_log_format.COMMIT_FIRST_SCRIPT.encode()).hexdigest()
 TURN_SHARD_TTL_S = 4 * 3600  # how long a flushed turn's shard is remembered (`keys.turn_shard`)
 DEFAULT_SHARD_TURNS = 256
 DEFAULT_SHARD_AGE_S = 10.0
@@ -67,49 +66,40 @@ return 0
 
 
 def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.Table,
-                 conn: redis.Redis, *, first_run: bool = False) -> dict[str, Any]:
+                 conn: redis.Redis) -> dict[str, Any]:
     """Log each turn's rows (once per turn id) and answer its server; return the job's summary.
 
-    The table holds the job's rows in request order, `n` rows per request; each turn's slice is
-    logged and answered by the one script, all turns in one round trip. `first_run`: no run of the
-    job began before this one (nothing of it can be logged), so the lookups are skipped."""
+    The table holds the job's rows in request order, `n` rows per request; the turns answered to one
+    server are logged and answered by one script, all of them in one round trip."""
     assert job.turns is not None
     slices, start = [], 0
     for request in requests:
         slices.append(rows_to_ipc(table.slice(start, request.sampling_params.n)))
         start += request.sampling_params.n
-
-    one_server = len({turn.reply_to for turn in job.turns}) == 1
-    log_keys = (keys.turn_log(job.run), keys.turn_log_jobs(job.run))
+    by_server: dict[str, list[tuple[str, bytes]]] = {}
+    for turn, rows in zip(job.turns, slices, strict=True):
+        by_server.setdefault(turn.reply_to, []).append((turn.turn_id, rows))
 
     def commit() -> list[Any]:
         # EVALSHA straight, not redis-py's script in a pipeline (which asks SCRIPT EXISTS every time):
         # a Redis without the script (restarted, failed over) says so, and it is loaded and sent again.
         with conn.pipeline(transaction=False) as pipe:
-            if first_run and one_server:
-                pipe.evalsha(COMMIT_FIRST_SHA, 3, *log_keys, keys.serve_inbox(job.turns[0].reply_to),
-                             replies.INBOX_TTL_S, *(v for turn, rows in zip(job.turns, slices, strict=True)
-                                                    for v in (turn.turn_id, rows)))
-            else:
-                for turn, rows in zip(job.turns, slices, strict=True):
-                    pipe.evalsha(COMMIT_SHA, 4, *log_keys, keys.serve_inbox(turn.reply_to),
-                                 keys.turn_shard(turn.turn_id), turn.turn_id, rows, replies.INBOX_TTL_S)
+            for server_id, turns in by_server.items():
+                pipe.evalsha(COMMIT_SHA, 3 + len(turns), keys.turn_log(job.run), keys.turn_log_jobs(job.run),
+                             keys.serve_inbox(server_id), *(keys.turn_shard(turn_id) for turn_id, _ in turns),
+                             replies.INBOX_TTL_S, *(v for turn in turns for v in turn))
             # After the log's entries: a flusher that finds the run's log empty forgets the run
             # (`_FORGET_IF_EMPTY`); this puts it back once the entries are there.
             pipe.sadd(keys.TURN_RUNS, job.run)
             for turn in job.turns:  # after the answers: a server reading the stream finds the rows at its end
                 if turn.stream:
                     turn_stream.end(pipe, turn.turn_id)
-            results = pipe.execute()
-        if first_run and one_server:
-            return [1] * len(job.turns)
-        return [first for first, _ in results[: len(job.turns)]]
+            return [first for firsts in pipe.execute()[: len(by_server)] for first in firsts]
 
     try:
         logged = commit()
     except redis.exceptions.NoScriptError:  # no turn was logged (a streamed turn's end marker twice: read once)
         conn.script_load(turn_log_format.COMMIT_SCRIPT)
-        conn.script_load(turn_log_format.COMMIT_FIRST_SCRIPT)
         logged = commit()
     if start != table.num_rows:
         raise WorkerError(f"job {job.job_id}: {table.num_rows} rows for {start} samples of its turns")

@@ -21,48 +21,44 @@ from schemas.shard import rows_from_ipc
 TURN = b"turn"
 ROWS = b"rows"
 
-# KEYS: turn log, turn index, the server's inbox, the turn's shard key. ARGV: turn id, rows (IPC),
-# inbox ttl. Logs the rows once per turn id; answers (an inbox entry, `pipeline.core.jobs.replies`)
-# with the rows logged first (a duplicate run of the job answers what the log holds; nothing once
-# that entry was flushed: its waiter reads the shard). The run goes into TURN_RUNS beside it
-# (`workers.jobs.turn_log.commit_turns`), once a job.
+# KEYS: turn log, turn index, the server's inbox, then each turn's shard key. ARGV: the inbox's
+# ttl, then each turn's id and rows (IPC). Each turn's rows are logged once per turn id, and its
+# server is answered with the rows logged first: a duplicate run of the job (an item moved to the
+# shared lane while its worker still ran it) answers what the log holds, and nothing for a turn
+# whose entry was flushed already (its waiter reads the shard). The lookups are one HMGET and one
+# EXISTS for all the turns, and all the answers one push. Returns, per turn, 1 if logged now.
 COMMIT_SCRIPT = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'flushed'} end
-local logged = redis.call('HGET', KEYS[2], ARGV[1])
-if not logged then
-  local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[1], 'rows', ARGV[2])
-  redis.call('HSET', KEYS[2], ARGV[1], id)
-  redis.call('RPUSH', KEYS[3], ARGV[1] .. '\\n' .. ARGV[2])
-  redis.call('EXPIRE', KEYS[3], ARGV[3])
-  return {1, id}
-end
-local entry = redis.call('XRANGE', KEYS[1], logged, logged)
-if #entry == 1 then
-  local fields = entry[1][2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'rows' then
-      redis.call('RPUSH', KEYS[3], ARGV[1] .. '\\n' .. fields[i + 1])
-      redis.call('EXPIRE', KEYS[3], ARGV[3])
+local n = math.floor(#ARGV / 2)
+local turn_ids = {}
+for i = 1, n do turn_ids[i] = ARGV[2 * i] end
+local logged = redis.call('HMGET', KEYS[2], unpack(turn_ids))
+local any_flushed = redis.call('EXISTS', unpack(KEYS, 4, 3 + n)) > 0
+local entries, firsts = {}, {}
+for i = 1, n do
+  local turn, rows = ARGV[2 * i], ARGV[2 * i + 1]
+  firsts[i] = 0
+  if any_flushed and redis.call('EXISTS', KEYS[3 + i]) == 1 then
+    -- flushed: nothing to answer here
+  elseif logged[i] then
+    local entry = redis.call('XRANGE', KEYS[1], logged[i], logged[i])
+    if #entry == 1 then
+      local fields = entry[1][2]
+      for j = 1, #fields, 2 do
+        if fields[j] == 'rows' then entries[#entries + 1] = turn .. '\\n' .. fields[j + 1] end
+      end
     end
+  else
+    local id = redis.call('XADD', KEYS[1], '*', 'turn', turn, 'rows', rows)
+    redis.call('HSET', KEYS[2], turn, id)
+    entries[#entries + 1] = turn .. '\\n' .. rows
+    firsts[i] = 1
   end
 end
-return {0, logged}
-"""
-
-# `COMMIT_SCRIPT` for all the turns of a job no run of which began before (an own-lane item never
-# handed back, retried or moved), all answered to one server: the turns, new ids, cannot be logged
-# yet, so nothing is looked up, and their answers go to the inbox in one push.
-# KEYS: turn log, turn index, the server's inbox. ARGV: inbox ttl, then each turn's id and rows.
-COMMIT_FIRST_SCRIPT = """
-local entries = {}
-for i = 2, #ARGV, 2 do
-  local id = redis.call('XADD', KEYS[1], '*', 'turn', ARGV[i], 'rows', ARGV[i + 1])
-  redis.call('HSET', KEYS[2], ARGV[i], id)
-  entries[#entries + 1] = ARGV[i] .. '\\n' .. ARGV[i + 1]
+if #entries > 0 then
+  redis.call('RPUSH', KEYS[3], unpack(entries))
+  redis.call('EXPIRE', KEYS[3], ARGV[1])
 end
-redis.call('RPUSH', KEYS[3], unpack(entries))
-redis.call('EXPIRE', KEYS[3], ARGV[1])
-return #entries
+return firsts
 """
 
 

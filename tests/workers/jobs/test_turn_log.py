@@ -54,15 +54,15 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     assert redis_client.xlen(keys.turn_log("agents")) == 0
 
 
-def test_a_first_run_logs_and_answers_and_its_rerun_answers_the_rows_logged_first(
+def test_a_job_run_twice_at_once_logs_each_turn_once_and_both_runs_answer_the_rows_logged_first(
         redis_client: redis.Redis, tmp_path: Path) -> None:
     turn_id = "s-1-00002-abcdef"
     job, requests, table = _turn(redis_client, tmp_path, turn_id)
-    assert commit_turns(job, requests, table, redis_client, first_run=True)["logged"] == 1
+    assert commit_turns(job, requests, table, redis_client)["logged"] == 1
     assert redis_client.sismember(keys.TURN_RUNS, "agents")  # so a flusher looks at the run's log
     first = answers(redis_client)[turn_id]
     assert redis_client.llen(keys.serve_inbox(SERVER)) == 0
-    # The item handed back after its commit and run again (not a first run): the same rows, nothing new.
+    # The same item, moved to the shared lane while its worker still ran it, run again elsewhere.
     again = table.set_column(table.schema.get_field_index("worker_id"), "worker_id", pa.array(["w2"]))
     assert commit_turns(job, requests, again, redis_client)["logged"] == 0
     assert answers(redis_client)[turn_id] == first
