@@ -150,7 +150,7 @@ def error_reply(reason: str, status: int) -> bytes:
 
 
 def read_error(reply: bytes) -> tuple[str, int] | None:
-    """(reason, HTTP status) when a reply list's entry is a failure (`fail`), else None."""
+    """(reason, HTTP status) when an answer (an inbox entry's) is a failure (`fail`), else None."""
     if not reply.startswith(ERROR_PREFIX):
         return None
     error = json.loads(reply)
