@@ -2,12 +2,12 @@
 blocks the waiter looks elsewhere.
 
 Between blocks a waiter looks for the answer another server's waiter recorded, the rows in the turn
-log or the shard they were flushed to (the reply went to a waiter that is gone), a failed job, and
-dead workers' turns to move to the shared lane (`Router.rehome`), so a turn whose worker was killed
-runs again elsewhere within the registry's expiry (three heartbeats) and a second. Past the turn
-timeout it says 503 (`Retry-After`) when no live worker of the pool could take the turn or the pool
-is paused, else 504. The job stays queued: the agent's retry of the same call waits for it again
-instead of generating it twice.
+log or the shard they were flushed to (the answer went to another server, or a waiter that is
+gone), a failed job, and dead workers' turns to move to the shared lane (`Router.rehome`), so a
+turn whose worker was killed runs again elsewhere within the registry's expiry (three heartbeats)
+and a second. Past the turn timeout it says 503 (`Retry-After`) when no live worker of the pool
+could take the turn or the pool is paused, else 504. The job stays queued: the agent's retry of
+the same call waits for it again instead of generating it twice.
 """
 
 from __future__ import annotations
@@ -147,12 +147,12 @@ class TurnWaiter:
                             deltas.append(delta)
                 if deltas:
                     yield deltas
-                if ended:  # the rows were pushed before the end entry: the inbox hands them over now
-                    await asyncio.wait([waiting], timeout=min(BLOCK_S, max(0.0, left)))
-                if waiting.done():
-                    yield _rows(waiting.result())
-                    return
-                if ended or not read:
+                if ended or not read:  # every token read (or none came): the rows, else the checks
+                    if ended:  # the rows were pushed before the end entry: the inbox hands them over now
+                        await asyncio.wait([waiting], timeout=min(BLOCK_S, max(0.0, left)))
+                    if waiting.done():
+                        yield _rows(waiting.result())
+                        return
                     found = await anyio.to_thread.run_sync(self._between_blocks, turn_id, run, settled)
                     if found is not None:
                         yield found
@@ -164,8 +164,9 @@ class TurnWaiter:
 
     def _between_blocks(self, turn_id: str, run: str,
                         settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any] | None:
-        """After a block without a reply: the answer recorded by another waiter, the rows from the
-        turn log (the reply went to a waiter that is gone), None to wait on, or `APIError`."""
+        """After a block without an answer: the answer recorded by another waiter, the rows from the
+        turn log (the answer went to another server's inbox, or a waiter that is gone), None to wait
+        on, or `APIError`."""
         answered = settled()
         if answered is not None:
             return answered
@@ -175,14 +176,14 @@ class TurnWaiter:
             failure = lanes.turn_failure(self.conn, turn_id)
             if failure is not None:
                 raise _failed(*failure)
-            logged = self._logged(run, turn_id)  # answered, but the reply went to a waiter that is gone
+            logged = self._logged(run, turn_id)  # answered, but the answer went to another server or a waiter gone
             if logged is None and worker not in {w.worker_id for w in self.router.live_workers()}:
                 # Routed to a worker that died before the push (its lane already moved and forgotten):
                 # known again, so the next rehome moves it.
                 lanes.register(self.conn, self.keys, worker)
             return logged
         status = None if job_id is None else read_status(self.conn, job_id)
-        if status == b"finished":  # answered, but the reply went to a waiter that is gone
+        if status == b"finished":  # answered, but the answer went to another server or a waiter gone
             logged = self._logged(run, turn_id)
             if logged is not None:
                 return logged
@@ -207,8 +208,8 @@ class TurnWaiter:
         return self._aconn or None
 
     def _logged(self, run: str, turn_id: str) -> pa.Table | None:
-        """A turn's rows from the run's turn log, or from the shard it was flushed to (the reply was
-        lost: a waiter gone, or a read that timed out as the reply came)."""
+        """A turn's rows from the run's turn log, or from the shard it was flushed to (its answer went
+        to another server's inbox, or to a waiter that is gone)."""
         logged = turn_log.logged_turn(self.conn, run, turn_id)
         if logged is not None:
             return logged
