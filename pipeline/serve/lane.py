@@ -57,6 +57,7 @@ class Lane:
         self.waiter = TurnWaiter(conn, self.router, self.inbox, self.batcher.answered, turn_timeout_s=turn_timeout_s)
 
     def close(self) -> None:
+        """Stop taking this server's answers."""
         self.inbox.close()
 
     def live_workers(self) -> list[WorkerInfo]:
@@ -80,10 +81,6 @@ class Lane:
         self.batcher.enqueue(WaitingTurn(request, turn, run, output, needs, (run, output, group, route.worker),
                                       route.worker, home))
         return route
-
-    def wait(self, turn_id: str, run: str, started: float,
-             settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
-        return self.waiter.wait(turn_id, run, started, settled)
 
     def stream_async(self, turn_id: str, run: str, started: float,
                      settled: Callable[[], dict[str, Any] | None]) -> AsyncIterator[list[TokenDelta] | Answered]:

@@ -13,7 +13,6 @@ the same call waits for it again instead of generating it twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -71,29 +70,12 @@ class TurnWaiter:
         """The turn's job id, and the worker whose own lane holds it (None: an RQ job of the shared lane)."""
         return lanes.parse_turn_job(self.conn.get(keys.turn_job(turn_id)))
 
-    def wait(self, turn_id: str, run: str, started: float,
-             settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
-        """The turn's rows, once its worker answers; or the answer `settled()` finds recorded (another
-        server's waiter took the rows and recorded the turn); `APIError` for a failed or late turn."""
-        answer = self.inbox.expect(turn_id)
-        try:
-            while True:
-                left = self.turn_timeout_s - (time.monotonic() - started)
-                if left <= 0:
-                    raise self._late(turn_id)
-                with contextlib.suppress(TimeoutError):
-                    return _rows(answer.result(timeout=min(BLOCK_S, left)))
-                found = self._between_blocks(turn_id, run, settled)
-                if found is not None:
-                    return found
-        finally:
-            self.inbox.forget(turn_id, answer)
-            self._answered(turn_id)
-
     async def wait_async(self, turn_id: str, run: str, started: float,
                          settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
-        """`wait` on the event loop: no thread and no socket while the turn is generated; the checks
-        between blocks in a thread."""
+        """The turn's rows, once its worker answers (the inbox hands them over: no thread and no
+        socket while the turn is generated); or the answer `settled()` finds recorded (another
+        server's waiter took the rows and recorded the turn); `APIError` for a failed or late turn.
+        The checks between blocks run in a thread."""
         answer = self.inbox.expect(turn_id)
         waiting = asyncio.wrap_future(answer)
         try:
@@ -115,9 +97,9 @@ class TurnWaiter:
     async def stream_async(self, turn_id: str, run: str, started: float,
                            settled: Callable[[], dict[str, Any] | None]) -> AsyncIterator[list[TokenDelta] | Answered]:
         """A streamed turn: batches of its tokens as its worker publishes them (`pipeline.core.jobs.
-        turn_stream`), then, last, what `wait` returns. The token stream is read from its start and
+        turn_stream`), then, last, what `wait_async` returns. The token stream is read from its start and
         not consumed; the rows come from the inbox (pushed before the stream's end entry), with the
-        same checks as `wait` whenever a block passes without an entry. Where this Redis has no
+        same checks as `wait_async` whenever a block passes without an entry. Where this Redis has no
         asyncio twin (Sentinel, TLS), each read blocks a thread instead."""
         aconn = self._async_conn()
 

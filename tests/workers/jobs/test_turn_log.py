@@ -3,6 +3,7 @@ whose reply was lost (real redis-server, real Parquet)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     redis_client.set(keys.turn_job(turn_id), "lane-1")
     redis_client.hset("rq:job:lane-1", "status", "finished")
     lane = Lane(redis_client, "default", turn_timeout_s=10)
-    got = lane.wait(turn_id, "agents", time.monotonic(), settled=lambda: None)
+    got = asyncio.run(lane.wait_async(turn_id, "agents", time.monotonic(), settled=lambda: None))
     assert got.column("completion_token_ids").to_pylist() == table.column("completion_token_ids").to_pylist()
     assert got.column("session_id").to_pylist() == ["s-1"] and got.column("turn").to_pylist() == [2]
     # The job run again (its worker looked dead) logs nothing new: the turn has one row.
