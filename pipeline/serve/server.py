@@ -97,8 +97,8 @@ def check_config(config: ServeConfig) -> None:
 
 def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
     check_config(config)
-    # Each thread holds a connection at most; where calls wait in threads (no asyncio twin of this
-    # Redis: Sentinel, TLS) each waiting call holds one too.
+    # Each thread holds a connection at most (the inbox's taker one); where streamed calls read their
+    # tokens in threads (no asyncio twin of this Redis: Sentinel, TLS) each such call holds one too.
     conn = conn or connect_redis(config.redis_url, max_connections=THREADS + ASYNC_CONNECTIONS)
     renderer = ChatRenderer(config.tokenizer) if config.tokenizer else None
     context = config.context_length
