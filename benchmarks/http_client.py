@@ -33,10 +33,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import free_port  # noqa: E402
-from schemas.request import RolloutRequest  # noqa: E402
-from workers.engines.sglang.client import SGLangClient  # noqa: E402
-from workers.engines.sglang.mapping import generate_calls  # noqa: E402
+from benchmarks.common import free_port
+from schemas.request import RolloutRequest
+from workers.engines.sglang.client import SGLangClient
+from workers.engines.sglang.mapping import generate_calls
 
 PROMPT = list(range(3000))
 _ANSWER = json.dumps({
