@@ -139,7 +139,9 @@ class ServerPool:
         candidates = [u for u in self.urls if self._down_until[u] <= now and u != avoid]
         candidates = candidates or [u for u in self.urls if u != avoid] or self.urls
         least = min(self.in_flight[u] for u in candidates)
-        if key is not None:
+        if len(candidates) == 1:
+            url = candidates[0]
+        elif key is not None:
             total = sum(self.in_flight[u] for u in candidates)
             limit = max(bound(total, len(candidates), DEFAULT_LOAD_FACTOR), least + DEFAULT_SLACK)
             url = max((u for u in candidates if self.in_flight[u] + 1 <= limit), key=lambda u: rank(key, u))
