@@ -112,9 +112,10 @@ def commit_turns(job: JobPayload, requests: Sequence[RolloutRequest], table: pa.
 
 def _unify(tables: list[pa.Table]) -> pa.Table:
     """One table of turns whose routed-experts columns may differ in width (uint8/uint16)."""
-    schemas = {t.schema for t in tables}
-    if len(schemas) == 1:
-        return pa.concat_tables(tables)
+    try:
+        return pa.concat_tables(tables)  # one schema, the usual case (hashing each table's schema costs more)
+    except pa.ArrowInvalid:
+        pass
     wide = tables[0].schema
     index = wide.get_field_index("routed_experts")
     wide = wide.set(index, wide.field(index).with_type(pa.list_(pa.uint16())))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import redis
 
@@ -23,15 +24,16 @@ from workers.jobs.turn_log import commit_turns, flush_turns
 from workers.rows.table import RowContext, build_table
 
 
-def _turn(conn: redis.Redis, tmp_path: Path, turn_id: str) -> tuple[JobPayload, list[RolloutRequest], object]:
-    request = RolloutRequest(id="s-1:2", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
-    tag = TurnTag(turn_id=turn_id, session_id="s-1", turn=2, prefix_break=False, reply_to=SERVER)
+def _turn(conn: redis.Redis, tmp_path: Path, turn_id: str, *, session: str = "s-1",
+          num_experts: int | None = None) -> tuple[JobPayload, list[RolloutRequest], pa.Table]:
+    request = RolloutRequest(id=f"{session}:2", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
+    tag = TurnTag(turn_id=turn_id, session_id=session, turn=2, prefix_break=False, reply_to=SERVER)
     job = JobPayload.pack([request], run="agents", job_id="lane-1", batch_id="lane-1",
                           output=f"file://{tmp_path}/shards", submitted_at_ms=int(time.time() * 1000), turns=[tag])
     now = datetime.now(UTC)
     outputs = FakeEngine().generate([request])
     table = build_table([request], outputs, RowContext("agents", "lane-1", "fake", "m", "w1", 0, now, now, now,
-                                                       turns=[tag]))
+                                                       num_experts=num_experts, turns=[tag]))
     conn.set(keys.turn_log_output("agents"), f"file://{tmp_path}/shards")
     return job, [request], table
 
@@ -87,3 +89,18 @@ def test_turn_rows_read_during_a_flush_see_each_turn_once(redis_client: redis.Re
     assert trajectories.turn_rows("agents", redis_client).num_rows == 1
     monkeypatch.setattr(trajectories, "read_rollouts", real_read)
     assert trajectories.turn_rows("agents", redis_client).num_rows == 1  # now from the shard alone
+
+
+def test_turns_whose_workers_store_routed_experts_at_different_widths_share_one_shard(
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    narrow = _turn(redis_client, tmp_path, "s-1-00002-abcdef", session="s-1", num_experts=8)  # uint8 ids
+    wide = _turn(redis_client, tmp_path, "s-2-00002-abcdef", session="s-2")  # expert count unknown: uint16
+    assert narrow[2].schema != wide[2].schema
+    for job, requests, table in (narrow, wide):
+        assert commit_turns(job, requests, table, redis_client)["logged"] == 1
+    shard = flush_turns(redis_client, "agents", force=True)
+    assert shard is not None
+    [path] = list(Path(tmp_path, "shards").rglob("*.parquet"))
+    written = pq.read_table(path)
+    assert written.num_rows == 2 and sorted(written.column("session_id").to_pylist()) == ["s-1", "s-2"]
+    assert written.schema.field("routed_experts").type == pa.list_(pa.uint16())
