@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pyarrow as pa
 
 SCHEMA_VERSION = "1"
@@ -85,6 +87,7 @@ ROW_FIELDS: list[pa.Field] = [
 ]
 
 
+@functools.cache
 def shard_schema(routed_experts_type: pa.DataType | None = None) -> pa.Schema:
     """The shard schema with file metadata; routed experts in the given unsigned type (uint16)."""
     routed_experts_type = routed_experts_type or pa.uint16()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -81,12 +83,12 @@ def build_table(
     """
     if len(outputs) != len(requests):
         raise ContractViolation(f"engine returned {len(outputs)} outputs for {len(requests)} requests")
-    cols: dict[str, list] = {name: [] for name in _PER_ROW}
+    per_row: list[tuple[Any, ...]] = []  # one tuple a row, in `_PER_ROW`'s order
     prompts: list[np.ndarray] = []
     completions: list[np.ndarray] = []
     logprobs: list[np.ndarray | None] = []
     routed_rows: list[np.ndarray | None] = []
-    any_top = any_prompt_lp = any_routed = False
+    any_routed = False
     turns: Sequence[TurnTag | None] = ctx.turns if ctx.turns is not None else [None] * len(requests)
     if len(turns) != len(requests):
         raise ContractViolation(f"{len(turns)} agent turns for {len(requests)} requests")
@@ -111,12 +113,10 @@ def build_table(
                 else None
             )
             prompt_lp = sample.prompt_logprobs if request.prompt_logprobs is not None else None
-            any_top |= top is not None
-            any_prompt_lp |= prompt_lp is not None
             any_routed |= routed is not None
             routed_rows.append(
                 None if routed is None else canonical_routed_experts(routed, who=f"request {request.id!r}"))
-            values = (
+            per_row.append((
                 f"{request.id}:{index}", request.id, index, top, prompt_lp,
                 trim_stop_text(sample.text, stop.stop_reason_text, params.no_stop_trim),
                 stop.finish_reason, stop.stop_reason_text, stop.stop_reason_token,
@@ -129,20 +129,19 @@ def build_table(
                 sample.resumed_at or None,
                 None if turn is None else turn.session_id, None if turn is None else turn.turn,
                 None if turn is None else turn.prefix_break,
-            )
-            for name, value in zip(_PER_ROW, values, strict=True):
-                cols[name].append(value)
+            ))
     rows = len(completions)
-    schema = shard_schema(_routed_type(ctx.num_experts))
+    routed_type = _routed_type(ctx.num_experts)
+    schema = shard_schema(routed_type)
     arrays: dict[str, pa.Array] = {
         "prompt_token_ids": _list_array(prompts, pa.int32()),
         "completion_token_ids": _list_array(completions, pa.int32()),
         "completion_logprobs": _list_array(logprobs, pa.float32()),
     }
-    if not any_top:
-        cols["completion_top_logprobs"] = [None] * rows
-    if not any_prompt_lp:
-        cols["prompt_logprobs"] = [None] * rows
+    # The per-row columns in one conversion (a struct array's children): one call into Arrow, not
+    # one a column (three times faster for the one-turn jobs of agent lanes, the same for large jobs).
+    converted = pa.array(per_row, type=_per_row_type(routed_type)).flatten()
+    arrays.update(zip(_PER_ROW, converted, strict=True))
     if any_routed:
         arrays["routed_experts"] = pa.array(
             [None if r is None else r.reshape(-1) for r in routed_rows], type=schema.field("routed_experts").type)
@@ -156,15 +155,8 @@ def build_table(
         "submitted_at": ctx.submitted_at, "started_at": ctx.started_at,
         "finished_at": ctx.finished_at,
     }
-    columns = []
-    for field in schema:
-        name = field.name
-        if name in arrays:
-            columns.append(arrays[name])
-        elif name in constants:
-            columns.append(pa.repeat(pa.scalar(constants[name], type=field.type), rows))
-        else:
-            columns.append(pa.array(cols[name], type=field.type))
+    columns = [pa.repeat(pa.scalar(constants[field.name], type=field.type), rows) if field.name in constants
+               else arrays[field.name] for field in schema]
     table = pa.Table.from_arrays(columns, schema=schema)
     for field, column in zip(schema, columns, strict=True):
         if not field.nullable and column.null_count:
@@ -183,6 +175,13 @@ _PER_ROW = (
 )
 
 
+@functools.cache
+def _per_row_type(routed_type: pa.DataType) -> pa.StructType:
+    """The per-row columns as one struct, each field nullable (`build_table` checks the nulls)."""
+    schema = shard_schema(routed_type)
+    return pa.struct([schema.field(name).with_nullable(True) for name in _PER_ROW])
+
+
 def _list_array(rows: list[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
     """One list per row from numpy arrays (None: a null row), by a single concatenation."""
     lengths = np.fromiter((0 if r is None else len(r) for r in rows), dtype=np.int64, count=len(rows))
@@ -192,7 +191,8 @@ def _list_array(rows: list[np.ndarray | None], value_type: pa.DataType) -> pa.Ar
     dtype = value_type.to_pandas_dtype()
     values = np.concatenate(present).astype(dtype, copy=False) if present else np.empty(0, dtype=dtype)
     mask = None if len(present) == len(rows) else pa.array([r is None for r in rows], type=pa.bool_())
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type), mask=mask)
+    # Typed: Arrow infers an int32 array's type slowly (~90 µs, against 1.5 typed; pyarrow 26).
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(values, type=value_type), mask=mask)
 
 
 def utc_from_ms(ms: int) -> datetime:
