@@ -181,6 +181,27 @@ def register(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> None:
     conn.sadd(pool.lane_workers, worker_id)
 
 
+# KEYS: the lane, the in-flight list. ARGV: a turn id as an item's JSON holds it. Whether either list
+# holds an item with that turn (a plain substring search: turn ids are letters, digits, '.', '_', '-').
+_HOLDS = """
+for _, key in ipairs(KEYS) do
+  for _, raw in ipairs(redis.call('LRANGE', key, 0, -1)) do
+    if string.find(raw, ARGV[1], 1, true) then return 1 end
+  end
+end
+return 0
+"""
+
+
+def holds(conn: redis.Redis, pool: keys.PoolKeys, worker: str, turn_id: str) -> bool:
+    """Whether `worker`'s lane or in-flight list holds the item of turn `turn_id`. From its push until
+    it is done, failed or moved, an item is always in one of them (every move between them is
+    atomic), so an item in neither that is not answered, failed or moved was lost: a Redis failover
+    that lost the latest writes (replication is asynchronous) can lose a push."""
+    needle = json.dumps({"turn_id": turn_id}, separators=(",", ":"))[1:-1]
+    return bool(conn.eval(_HOLDS, 2, pool.turn_lane(worker), pool.turn_lane_in_flight(worker), needle))
+
+
 # KEYS: the list holding the item, the job's hash, the shared lane's queue, RQ's set of queues, then
 # each turn's `turn_job` key. ARGV: the item, the job id, the shared lane's key, the turn keys' TTL,
 # then the job hash's fields and values. The item leaves its list and becomes a queued RQ job, or
