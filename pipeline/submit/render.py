@@ -28,7 +28,6 @@ Nothing here imports transformers until a tokenizer is loaded.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -272,8 +271,10 @@ class ChatRenderer:
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any], *, tokenize: bool) -> Any:
+        # Not copied: `template_messages` built these dicts for this render, and transformers hands the
+        # template dicts of its own (`_normalize_chat_messages`) in an immutable sandbox.
         return self.tokenizer.apply_chat_template(
-            copy.deepcopy(messages), tokenize=tokenize, add_generation_prompt=True, tools=tools,
+            messages, tokenize=tokenize, add_generation_prompt=True, tools=tools,
             return_dict=False, **kwargs,
         )
 
