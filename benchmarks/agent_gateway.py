@@ -30,12 +30,13 @@ The peer harness of issue 43 (`../shared/bench/agent_gateway_bench.py`), carried
 with its imports following the package layout. Run (the project's venv has openai, httpx,
 transformers and `pipeline`):
 
-    HOME=SCRATCH/home PROJECT/.venv/bin/python benchmarks/agent_gateway.py \\
-        --project PROJECT --rllm-venv RLLM_VENV --tokenizer MODEL_DIR \\
+    .venv/bin/python benchmarks/agent_gateway.py \\
         [--sessions 64 --turns 8 --repeats 3 --systems direct,rllm,pipeline1,pipeline2,pipelinesim] \\
-        [--out results.json] [--profile]
+        [--out results.json] [--profile] [--project PROJECT --rllm-venv RLLM_VENV --tokenizer MODEL_DIR]
 
-rllm venv: `python3 -m venv V && V/bin/pip install rllm-model-gateway==0.1.0`. --profile adds a
+Every process runs with a fresh HOME (`--home` to choose one). The rllm venv is built on first use
+(`rllm-model-gateway==0.1.0`, pinned, under ~/.cache/rollout-pipeline/bench; PyPI reachable once);
+the tokenizer is the demo model's (`pipeline demo` converts it once). --profile adds a
 pass (not timed) that runs `pipeline serve`, one worker and the rllm gateway under cProfile and
 prints each one's top functions (main thread only; the .prof files are kept beside --out).
 --fsync-ab R adds R alternating rounds of pipeline1 with the embedded Redis's appendfsync `always`
@@ -63,6 +64,7 @@ import httpx
 from openai import AsyncOpenAI
 
 HERE = Path(__file__).resolve().parent
+RLLM_GATEWAY = "rllm-model-gateway==0.1.0"  # the peer, pinned
 USED_PORTS: set[int] = set()
 
 
@@ -658,12 +660,35 @@ def summarize(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _demo_model() -> str:
+    """The demo model's directory (`pipeline demo` converts it once)."""
+    sys.path.insert(0, str(HERE.parent))
+    from pipeline.core.demo_model import resolve
+
+    return resolve("demo")
+
+
+def _rllm_venv() -> str:
+    """The peer's venv, built once with the pinned `rllm-model-gateway` (it needs the network once)."""
+    venv = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollout-pipeline" / "bench" / \
+        RLLM_GATEWAY.replace("==", "-")
+    if not (venv / "bin" / "rllm-model-gateway").exists():
+        print(f"building the peer's venv at {venv} ({RLLM_GATEWAY}) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", RLLM_GATEWAY], check=True)
+    return str(venv)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--project", required=True, help="rollout-pipeline checkout with its .venv")
-    ap.add_argument("--rllm-venv", required=True, help="venv with rllm-model-gateway installed")
-    ap.add_argument("--tokenizer", required=True, help="model/tokenizer directory both systems load")
-    ap.add_argument("--home", default=os.environ.get("HOME"), help="HOME of every process (embedded Redis state)")
+    ap.add_argument("--project", default=str(HERE.parent), help="rollout-pipeline checkout with its .venv "
+                    "(default: this one)")
+    ap.add_argument("--rllm-venv", default=None, help="venv with rllm-model-gateway installed (default: built "
+                    f"once, pinned to {RLLM_GATEWAY}, under the benchmark cache)")
+    ap.add_argument("--tokenizer", default=None, help="model/tokenizer directory both systems load (default: the "
+                    "demo model, converted by `pipeline demo`)")
+    ap.add_argument("--home", default=None, help="HOME of every process (the embedded Redis's state; default: a "
+                    "fresh one for the run)")
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -679,9 +704,14 @@ def main() -> None:
                          "everysec (CONFIG SET on the same server), ROUNDS alternating rounds")
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
     args = ap.parse_args()
-    os.environ["HOME"] = args.home
+    args.tokenizer = args.tokenizer or _demo_model()
+    args.rllm_venv = args.rllm_venv or (_rllm_venv() if "rllm" in args.systems.split(",") else "")
     os.environ.pop("PIPELINE_REDIS_URL", None)
     with tempfile.TemporaryDirectory(prefix="gwbench-") as tmp:
+        if args.home is None:
+            args.home = str(Path(tmp) / "home")
+            Path(args.home).mkdir()
+        os.environ["HOME"] = args.home
         bench = Bench(args, Path(tmp))
         try:
             results = bench.run()
