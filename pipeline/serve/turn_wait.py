@@ -159,15 +159,11 @@ class TurnWaiter:
             if failure is not None:
                 raise _failed(*failure)
             logged = self._logged(run, turn_id)  # answered, but the answer went to another server or a waiter gone
-            if logged is not None:
-                return logged
-            if worker not in {w.worker_id for w in self.router.live_workers()}:
+            if logged is None and worker not in {w.worker_id for w in self.router.live_workers()}:
                 # Routed to a worker that died before the push (its lane already moved and forgotten):
                 # known again, so the next rehome moves it.
                 lanes.register(self.conn, self.keys, worker)
-            elif not lanes.holds(self.conn, self.keys, worker, turn_id):
-                return self._gone_from_lane(turn_id, run, job_id, worker)
-            return None
+            return logged
         status = None if job_id is None else read_status(self.conn, job_id)
         if status == b"finished":  # answered, but the answer went to another server or a waiter gone
             logged = self._logged(run, turn_id)
@@ -178,25 +174,9 @@ class TurnWaiter:
                                 "again", code="turn_failed")
         if status in (b"failed", b"stopped", b"canceled") or status is None:
             reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
-                "its job is gone from Redis"
+                "its job is gone from Redis (a Redis failover or restart loses the latest writes); call again to run it"
             raise _failed(reason, lanes.failure_status(reason))
         return None
-
-    def _gone_from_lane(self, turn_id: str, run: str, job_id: str | None, worker: str) -> pa.Table | None:
-        """A turn whose item is in neither of its worker's lists: answered, failed or moved since the
-        checks before (each of those takes it out), else lost (a Redis failover that lost the push):
-        a 503 that releases the session's turn, so the client's retry of the call runs it again."""
-        logged = self._logged(run, turn_id)
-        if logged is not None:
-            return logged
-        failure = lanes.turn_failure(self.conn, turn_id)
-        if failure is not None:
-            raise _failed(*failure)
-        if self.job_of(turn_id) != (job_id, worker):
-            return None  # moved to the shared lane: waited for there
-        raise APIError(503, f"the turn's job {job_id} is no longer in worker {worker}'s lane, and was neither "
-                            "answered nor failed (a Redis failover can lose the latest writes); call again to "
-                            "run the turn again", code="turn_failed", headers={"Retry-After": "1"})
 
     def _threads(self) -> anyio.CapacityLimiter:
         """Threads for stream reads on a Redis without an asyncio twin, as many as the sockets of one with it."""

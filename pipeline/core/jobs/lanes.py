@@ -96,12 +96,17 @@ def parse_turn_job(value: bytes | None) -> tuple[str | None, str | None]:
 
 
 def push(pipe: Pipeline, pool: keys.PoolKeys, worker: str, item: LaneItem) -> None:
-    """Queue `item` on `worker`'s lane, and note where its turns are (in a pipeline)."""
-    for turn_id in item.turn_ids:
-        pipe.set(keys.turn_job(turn_id), turn_job_value(item.job_id, worker), ex=2 * item.timeout_s)
+    """Queue `item` on `worker`'s lane, then note where its turns are (in a pipeline).
+
+    The item first: a failover (replication is asynchronous) or a restart from the append-only file
+    loses a suffix of the writes, so a turn whose job key survives has its item too, and a waiter
+    that finds no job key fails the turn at once (`pipeline.serve.turn_wait`: the client's retry
+    runs it again) instead of waiting for an item that is gone."""
     # The worker registered its lane when it started (`register`); one that died after it was chosen
     # and whose lane was moved and forgotten since is registered again by the turn's waiter.
     pipe.lpush(pool.turn_lane(worker), item.encode())
+    for turn_id in item.turn_ids:
+        pipe.set(keys.turn_job(turn_id), turn_job_value(item.job_id, worker), ex=2 * item.timeout_s)
 
 
 def take(conn: redis.Redis, pool: keys.PoolKeys, worker: str, timeout_s: float) -> bytes | None:
@@ -179,27 +184,6 @@ def turn_failure(conn: redis.Redis, turn_id: str) -> tuple[str, int] | None:
 def register(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> None:
     """A worker's lane exists from now on (so its items are moved once it is gone)."""
     conn.sadd(pool.lane_workers, worker_id)
-
-
-# KEYS: the lane, the in-flight list. ARGV: a turn id as an item's JSON holds it. Whether either list
-# holds an item with that turn (a plain substring search: turn ids are letters, digits, '.', '_', '-').
-_HOLDS = """
-for _, key in ipairs(KEYS) do
-  for _, raw in ipairs(redis.call('LRANGE', key, 0, -1)) do
-    if string.find(raw, ARGV[1], 1, true) then return 1 end
-  end
-end
-return 0
-"""
-
-
-def holds(conn: redis.Redis, pool: keys.PoolKeys, worker: str, turn_id: str) -> bool:
-    """Whether `worker`'s lane or in-flight list holds the item of turn `turn_id`. From its push until
-    it is done, failed or moved, an item is always in one of them (every move between them is
-    atomic), so an item in neither that is not answered, failed or moved was lost: a Redis failover
-    that lost the latest writes (replication is asynchronous) can lose a push."""
-    needle = json.dumps({"turn_id": turn_id}, separators=(",", ":"))[1:-1]
-    return bool(conn.eval(_HOLDS, 2, pool.turn_lane(worker), pool.turn_lane_in_flight(worker), needle))
 
 
 # KEYS: the list holding the item, the job's hash, the shared lane's queue, RQ's set of queues, then
