@@ -1,10 +1,10 @@
 """An httpx transport that sends over aiohttp: httpx's API and seam, aiohttp's cost per call.
 
 The HTTP engines speak httpx (requests, responses, exceptions, and `httpx.MockTransport` in tests),
-but httpx's own connection pool costs ~0.7-1 ms of CPU a call here, most of it re-checking every
-idle connection's socket before each request, which grows with the pool (a worker holds one
-connection per call in flight: hundreds on a big batch); aiohttp's pool hands out an idle
-connection without looking at the others. `benchmarks/http_client.py` measures both.
+but httpx costs ~0.7-1.4 ms of CPU a call here: its client layers, and a connection pool that
+re-checks every idle connection's socket before each request, a cost that grows with the pool (a
+worker holds one connection per call in flight: hundreds on a big batch); aiohttp's pool hands out
+an idle connection without looking at the others. `benchmarks/http_client.py` measures both.
 
 aiohttp's failures become httpx's, so that the callers' retry rule holds: a call that may have
 reached the server (`RemoteProtocolError`, `ReadError`) is distinguished from one that never left
