@@ -87,6 +87,9 @@ def test_a_stream_that_cannot_go_on_ends_with_an_error_and_the_retry_gets_the_re
         start_worker: Callable[..., subprocess.Popen]) -> None:
     got: dict[str, Any] = {}
     stack, sid, victim, client = _start(serve, tiny_model_dir, start_worker, "3600", got)
+    # Enough of the held tokens sent that the run again cannot repeat them by chance (a token or two
+    # of this tiny model's small vocabulary it can, as happened on a loaded machine).
+    wait_until(lambda: len(got.get("text", "")) >= HELD // 2, 300, "half the held tokens streamed")
     kill(victim)
     start_worker("--checkpoint-every", "3600", *FAST)
     client.join(300)
