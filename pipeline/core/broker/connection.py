@@ -61,7 +61,7 @@ def is_unavailable(error: BaseException) -> bool:
     retried (`ReconnectRetry`), and a process reports Redis unavailable instead of failing."""
     if isinstance(error, AuthenticationError | AuthorizationError):
         return False
-    if isinstance(error, redis.ConnectionError | redis.TimeoutError | socket.timeout):
+    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
         return True
     if not isinstance(error, ResponseError):
         return False
@@ -123,7 +123,9 @@ class ReconnectRetry(Retry):
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
         def retryable(error: Exception) -> bool:
-            if not is_unavailable(error):
+            # A bare socket timeout (redis-py's default retries it) is Python's TimeoutError: not named
+            # by `is_unavailable`, whose callers see every other kind of error too.
+            if not (is_unavailable(error) or isinstance(error, socket.timeout)):
                 return False
             if time.monotonic() >= self._give_up.at:
                 return False

@@ -44,6 +44,12 @@ def test_a_wrong_command_is_not(reply: str) -> None:
     assert not is_unavailable(BaseParser.parse_error(reply))
 
 
+def test_a_lost_connection_is_unavailable_a_refused_password_or_another_timeout_is_not() -> None:
+    assert is_unavailable(redis.ConnectionError("Connection refused")) and is_unavailable(redis.TimeoutError())
+    assert not is_unavailable(redis.AuthenticationError("invalid password"))
+    assert not is_unavailable(TimeoutError("a wait ran out"))  # Python's own (an asyncio wait's): not Redis
+
+
 @pytest.mark.parametrize("how", ["command", "script", "transaction"])
 def test_a_write_refused_for_want_of_replicas_goes_through_once_they_are_back(
         redis_client: redis.Redis, redis_url: str, how: str) -> None:
