@@ -23,7 +23,7 @@ from tests.helpers.processes import free_port, log_tail, stop_all, wait_healthy,
 from tests.helpers.refusing_redis import allow_writes, refusals, refuse_writes
 
 AGENT = "tests.helpers.agents:solve"
-TASKS, TURNS = 6, 4
+TASKS, TURNS = 9, 4  # three rounds of three: seconds of episodes still to run when writes are refused
 
 
 REWARDS = "length=tests.helpers.reward_functions:length"
@@ -66,7 +66,7 @@ def test_every_process_waits_out_a_redis_that_refuses_writes(pipeline_env: dict[
                        120, "episodes and rewards under way")
             before = refusals(admin)
             refuse_writes(admin)
-            assert run.counts()["finished"] < TASKS  # refused with episodes in flight (a second round: seconds)
+            assert run.counts()["finished"] < TASKS  # refused with episodes still to run
             wait_until(lambda: refusals(admin) >= before + 40
                        or any(p.poll() is not None for p in processes.values()), 60, "forty refusals")
             assert {name: p.poll() for name, p in processes.items()} == dict.fromkeys(processes)
