@@ -13,6 +13,7 @@ import pytest
 import redis
 
 import pipeline
+from pipeline.audit.report_episodes import episodes_section
 from pipeline.core.broker import keys
 from pipeline.core.errors import APIError
 from pipeline.core.jobs import episodes
@@ -21,6 +22,7 @@ from pipeline.core.jobs.turn_log import ROWS, TURN
 from pipeline.serve.sessions import Pending, SessionStore
 from schemas.episode import EpisodeOutcome
 from schemas.shard import SHARD_SCHEMA, rows_to_ipc
+from tests.pipeline.audit.test_report import Page
 
 AGENT = "tests.helpers.agents:solve"
 
@@ -102,3 +104,7 @@ def test_after_take_every_reader_returns_the_taken_groups_whole_and_nothing_canc
     # The raw turns stay visible for inspection: every attempt's session was served and logged.
     served = pipeline.read_trajectories(pipeline.read.trajectories.turn_rows("late", redis_client))
     assert sorted(served.column("session_id").to_pylist()) == sorted(sessions.values())
+    # The report's episodes section counts what the readers return.
+    (overview,) = Page(episodes_section(redis_client, "late") or "").table_with("in training")
+    assert (overview["in training"], overview["finished"], overview["canceled"], overview["duplicates"]) == (
+        "2", "3", "3", "0")

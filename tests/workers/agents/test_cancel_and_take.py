@@ -15,8 +15,8 @@ import redis
 import pipeline
 from pipeline.core import agents as agent_paths
 from pipeline.core.jobs import episodes
-from pipeline.serve.sessions import SessionStore
 from pipeline.serve.server import Server
+from pipeline.serve.sessions import SessionStore
 from tests.conftest import PIPELINE
 from tests.helpers.agents import events
 from tests.helpers.processes import drive_worker, wait_until
