@@ -53,7 +53,8 @@ READ_BLOCK_MS = 1000
 
 
 class RunCanceled(Exception):
-    """The episode's run was canceled while its attempt ran: the attempt failed because its session ended."""
+    """The episode was canceled while its attempt ran (its run's cancel): the attempt failed because its
+    session ended with the cancel."""
 
 
 @dataclass
@@ -325,7 +326,7 @@ class AgentWorker:
                 reward, info = await attempt.run(agent, job.task, episode, serve, job.limits.timeout_s)
             except EpisodeError as exc:
                 reason = exc.reason
-                if await asyncio.to_thread(episodes.canceled_runs, self.conn, {job.run}):
+                if await asyncio.to_thread(episodes.is_canceled, self.conn, job.run, job.episode_id):
                     raise RunCanceled(job.run) from None  # its session ended with the cancel: not retried
                 if exc.retry:
                     failures = await asyncio.to_thread(episodes.count_failure, self.conn, job, self.worker_id)

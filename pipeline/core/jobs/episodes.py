@@ -299,5 +299,11 @@ def canceled_runs(conn: redis.Redis, runs: set[str]) -> set[str]:
     return {run for run, flag in zip(ordered, flags, strict=True) if flag}
 
 
+def is_canceled(conn: redis.Redis, run: str, episode: str) -> bool:
+    """Whether the episode's outcome is `canceled` (`cancel_run`)."""
+    raw = conn.hget(keys.episode_outcomes(run), episode)
+    return raw is not None and EpisodeOutcome.model_validate_json(raw).status == "canceled"
+
+
 def discarded_sessions(conn: redis.Redis, run: str) -> set[str]:
     return {s.decode() for s in conn.smembers(keys.episode_discarded(run))}
