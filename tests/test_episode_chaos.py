@@ -2,7 +2,7 @@
 GPU workers, two `pipeline agent-worker`s, the real `openai` SDK inside the agents). One agent worker
 is SIGKILLed with episodes in flight, `pipeline serve` is SIGKILLed and restarted, a GPU worker is
 SIGKILLed mid-turn: every task × sample still yields exactly one trajectory, the abandoned sessions
-are counted and none of their turns reaches training."""
+are counted and none of their turns reaches training, through any reader (plain, grouped, torch)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,13 @@ def test_every_episode_ends_once_though_an_agent_worker_the_server_and_a_gpu_wor
     for row in rows:
         per_session.setdefault(row["session_id"], []).append(row["turn"])
     assert {s: sorted(t) for s, t in per_session.items()} == {s: list(range(TURNS)) for s in committed}
+    # Every reader, not only the grouped one, returns exactly the committed episodes: never a partial
+    # attempt of the SIGKILLed worker's (its turns were served and logged all the same).
+    assert discarded & {r["session_id"] for r in turn_rows("chaos", redis_client).to_pylist()}
+    plain = pipeline.read_trajectories("chaos", conn=redis_client)
+    assert sorted(plain.column("session_id").to_pylist()) == sorted(committed)
+    batches = pipeline.RolloutBatches("chaos", conn=redis_client, trajectories=True, batch_size=8)
+    assert sorted(s for batch in batches for s in batch["session_id"]) == sorted(committed)
     for group in groups:
         for item in group.to_pylist():
             assert item["turns"] == list(range(TURNS)) and item["segments"] == 1

@@ -1,7 +1,8 @@
 """The episodes section of `pipeline report` (a run of agent episodes, `pipeline submit --agent`):
-how many finished, failed, were retried or abandoned; the reward by the number of turns an
-episode took; how long episodes took; why they failed. Read from the run's committed outcomes
-(`pipeline.core.jobs.episodes`), so it holds whether or not the turns are in shards yet."""
+how many finished, failed, were canceled, retried or abandoned, and how many reach training (what
+every trajectory reader returns, by `pipeline.core.jobs.episodes.trained`); the reward by the number
+of turns an episode took; how long episodes took; why they failed. Read from the run's committed
+outcomes (`pipeline.core.jobs.episodes`), so it holds whether or not the turns are in shards yet."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ def episodes_section(conn: redis.Redis, run: str) -> str | None:
     if info is None:
         return None
     outcomes = list(episodes.outcomes(conn, run).values())
+    trained = episodes.trained(outcomes, info.get("failed_reward"))
     counts = info["counts"]
     overview = html_table(
-        ["episodes", "finished", "failed", "canceled", "queued", "running", "retried", "abandoned", "duplicates"],
-        [[counts["submitted"], counts["finished"], counts["failed"], counts["canceled"], counts["queued"],
-          counts["running"],
-          counts["retried"], counts["abandoned"], counts["duplicates"]]])
+        ["episodes", "in training", "finished", "failed", "canceled", "queued", "running", "retried", "abandoned",
+         "duplicates"],
+        [[counts["submitted"], len(trained), counts["finished"], counts["failed"], counts["canceled"],
+          counts["queued"], counts["running"], counts["retried"], counts["abandoned"], counts["duplicates"]]])
     by_turns: dict[int, list[float]] = defaultdict(list)
-    for outcome in outcomes:
+    for outcome in trained:
         if outcome.status == "finished" and outcome.reward is not None:
             by_turns[outcome.turns].append(outcome.reward)
     turns_rows = [[turns, len(rewards), statistics.fmean(rewards)] for turns, rewards in sorted(by_turns.items())]
@@ -50,8 +52,10 @@ def episodes_section(conn: redis.Redis, run: str) -> str | None:
         image = png(fig)
     table = (overview + html_table(["turns", "finished episodes", "mean reward"], turns_rows) + durations
              + failures)
-    note = (f"agent {info['agent']}, {len(info['tasks'])} tasks x {info['n']}; failed episodes are left out of "
-            "training" + ("" if info.get("failed_reward") is None else f" unless given reward {info['failed_reward']}")
-            + "; retried and abandoned attempts' sessions never reach training")
+    note = (f"agent {info['agent']}, {len(info['tasks'])} tasks x {info['n']}; in training: the episodes every "
+            "trajectory reader returns; failed episodes are left out"
+            + ("" if info.get("failed_reward") is None else f" unless given reward {info['failed_reward']}")
+            + ", and so is every episode of a task with a canceled one; retried, abandoned, duplicate and canceled "
+            "attempts' sessions never reach training")
     return html_section("Agent episodes", image, table, note=note)
 

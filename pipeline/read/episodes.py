@@ -1,12 +1,13 @@
 """Agent episodes into training: one trajectory per task × sample, grouped by task for GRPO.
 
-`episode_trajectories(run)` is `read_trajectories(run)` cut to the episodes' committed attempts: an
-attempt that was retried, or abandoned by a worker that died, left a session whose turns never
-reach training (`pipeline.core.jobs.episodes`); each committed episode's trajectory comes with its
-task id, sample, status, attempts, trace id and reward (the outcome's). Failed episodes are left
-out, unless the run was submitted with `failed_reward` (`--failed-reward 0`): then they come with
-that reward (and an empty sequence when they never reached the model). Canceled episodes
-(`pipeline cancel`, `EpisodeRun.take`) never are.
+`episode_trajectories(run)` (what `read_trajectories(run)` returns for a run of episodes) is the
+run's sessions cut to the attempts that reach training, by the one rule of
+`pipeline.core.jobs.episodes.trained`: an attempt that was retried, abandoned by a worker that died,
+or run twice left a session whose turns never reach training; failed episodes are left out unless
+the run was submitted with `failed_reward` (`--failed-reward 0`: then they come with that reward, and
+an empty sequence when they never reached the model); a task with a canceled episode (`pipeline
+cancel`, `EpisodeRun.take`) is left out whole, even its episodes that finished. Each trajectory comes
+with its task id, sample, status, attempts, trace id and reward (the outcome's).
 
 `episode_groups(run)` yields a task's n episodes together once all n are finished, failed or
 canceled, in task order (a group left with no episode is not yielded); with `follow=True` it waits
@@ -22,13 +23,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import redis
 
 from pipeline.core.broker import keys, registry
 from pipeline.core.errors import UnknownRunError, WaitTimeoutError
 from pipeline.core.jobs import episodes
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.read.trajectories import TRAJECTORY_SCHEMA, read_trajectories
+from pipeline.read.trajectories import TRAJECTORY_SCHEMA, read_trajectories, session_rewards, turn_rows
 from schemas.episode import EpisodeOutcome
 
 EPISODE_FIELDS = [
@@ -70,9 +72,7 @@ def _empty_item(outcome: EpisodeOutcome) -> dict[str, Any]:
 def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]],
           failed_reward: float | None) -> list[dict[str, Any]]:
     rows = []
-    for outcome in outcomes:
-        if outcome.status == "canceled" or (outcome.status == "failed" and failed_reward is None):
-            continue
+    for outcome in episodes.trained(outcomes, failed_reward):
         reward = outcome.reward if outcome.status == "finished" else failed_reward
         base = {"task_id": outcome.task_id, "sample": outcome.sample, "status": outcome.status,
                 "reason": outcome.reason, "attempts": outcome.attempts, "episode_turns": outcome.turns,
@@ -86,24 +86,31 @@ def _table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA)
 
 
-def _trajectories(conn: redis.Redis, run: str, outcomes: list[EpisodeOutcome]) -> dict[str, list[dict[str, Any]]]:
-    wanted = {o.session_id for o in outcomes if o.session_id}
+def _trajectories(conn: redis.Redis, run: str, outcomes: list[EpisodeOutcome],
+                  failed_reward: float | None) -> dict[str, list[dict[str, Any]]]:
+    """The trajectories of the sessions the rule (`episodes.trained`) keeps, by session; no other is stitched."""
+    wanted = sorted({o.session_id for o in episodes.trained(outcomes, failed_reward) if o.session_id})
     if not wanted:
         return {}
+    rows = turn_rows(run, conn)
+    if not rows.num_rows:
+        return {}
+    rows = rows.filter(pc.is_in(rows.column("session_id"), pa.array(wanted, pa.string())))
     items: dict[str, list[dict[str, Any]]] = {}
-    for item in read_trajectories(run, conn=conn).to_pylist():
-        if item["session_id"] in wanted:
-            items.setdefault(item["session_id"], []).append(item)
+    for item in read_trajectories(rows, rewards=session_rewards(conn, wanted)).to_pylist():
+        items.setdefault(item["session_id"], []).append(item)
     return items
 
 
 def episode_trajectories(run: str, *, conn: redis.Redis | None = None) -> pa.Table:
-    """Every committed episode of `run` with its trajectory (see the module docstring), in task order."""
+    """Every episode of `run` that reaches training with its trajectory (see the module docstring), in task
+    order."""
     conn = _connection(conn)
     spec = _spec(conn, run)
     order = {task: i for i, task in enumerate(spec["tasks"])}
     outcomes = sorted(episodes.outcomes(conn, run).values(), key=lambda o: (order.get(o.task_id, 1 << 30), o.sample))
-    return _table(_rows(outcomes, _trajectories(conn, run, outcomes), spec.get("failed_reward")))
+    failed_reward = spec.get("failed_reward")
+    return _table(_rows(outcomes, _trajectories(conn, run, outcomes, failed_reward), failed_reward))
 
 
 def episode_groups(run: str, *, conn: redis.Redis | None = None, follow: bool = False,
@@ -122,7 +129,7 @@ def episode_groups(run: str, *, conn: redis.Redis | None = None, follow: bool = 
         ready = [t for t in spec["tasks"] if t not in yielded and len(by_task.get(t, [])) >= n]
         if ready:
             outcomes = [o for t in ready for o in sorted(by_task[t], key=lambda o: o.sample)]
-            items = _trajectories(conn, run, outcomes)
+            items = _trajectories(conn, run, outcomes, spec.get("failed_reward"))
             for task in ready:
                 yielded.add(task)
                 group = _table(_rows(sorted(by_task[task], key=lambda o: o.sample), items, spec.get("failed_reward")))

@@ -24,6 +24,12 @@ and its retry logged it again) counts once: its latest row.
 
 With a run name (read through Redis), turns not yet written to a shard are read from the run's
 turn log too, so an episode is complete as soon as its last turn is answered.
+
+A run of agent episodes (`pipeline submit --agent`) read by name gives its episodes that reach
+training, and only those (`pipeline.read.episodes.episode_trajectories`, by the rule of
+`pipeline.core.jobs.episodes.trained`): never a retried, abandoned, duplicate or canceled attempt's
+session. A URL or a Table of rows has no outcomes to go by: every session served comes back
+(`turn_rows` gives a run's raw turn rows the same way).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import redis
 
 from pipeline.core.broker import keys, registry
 from pipeline.core.errors import UnknownRunError
-from pipeline.core.jobs import turn_log
+from pipeline.core.jobs import episodes, turn_log
 from pipeline.core.shards import is_location, read_rollouts
 from pipeline.core.suggest import did_you_mean, listing
 
@@ -186,9 +192,10 @@ def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None
     shards, or a Table of rows. Rewards come from `rewards` (session id → {"reward": x, ...}),
     else from Redis when there is a connection.
 
-    `groups=True` (a run of agent episodes, `pipeline submit --agent`): the committed episodes only,
-    one table per task holding its n episodes, for the tasks whose episodes have all ended
-    (`pipeline.read.episodes.episode_groups`, which also follows a run as its groups end).
+    A run of agent episodes (`pipeline submit --agent`) by name: its episodes that reach training only
+    (`pipeline.read.episodes.episode_trajectories`, with their task ids, statuses and rewards);
+    `groups=True`: the same, one table per task holding its n episodes, for the tasks whose episodes
+    have all ended (`pipeline.read.episodes.episode_groups`, which also follows a run as its groups end).
     """
     if groups:
         if not isinstance(source, str):
@@ -196,6 +203,15 @@ def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None
         from pipeline.read.episodes import episode_groups
 
         return list(episode_groups(source, conn=conn))
+    if isinstance(source, str) and not is_location(source):
+        if conn is None:
+            from pipeline.core.broker.connection import connect_redis
+
+            conn = connect_redis()
+        if episodes.is_episode_run(conn, source):
+            from pipeline.read.episodes import episode_trajectories
+
+            return episode_trajectories(source, conn=conn)
     table = source if isinstance(source, pa.Table) else turn_rows(source, conn)
     if isinstance(source, pa.Table) and "session_id" in table.column_names:
         table = table.filter(pc.is_valid(table.column("session_id")))

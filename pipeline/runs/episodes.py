@@ -5,8 +5,10 @@
         ...
 
 Over-sampling, as `Batch.take` does for requests: submit more tasks than a step needs, then
-`run.take(N, keep=pipeline.rewards_differ)` returns the first N groups the filter keeps, as they
-end, and cancels the run's episodes still queued or running (`pipeline.core.jobs.episodes.cancel_run`).
+`run.take(N, keep=pipeline.rewards_differ)` returns the first N whole groups the filter keeps, as they
+end, and cancels the run's episodes still queued or running (`pipeline.core.jobs.episodes.cancel_run`):
+the groups not ended are taken off whole (no reader returns a task with a canceled episode,
+`pipeline.core.jobs.episodes.trained`).
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ class EpisodeRun:
 
     def take(self, groups: int, keep: Callable[[pa.Table], bool] | None = None, *, timeout: float | None = None,
              cancel_rest: bool = True) -> EpisodeTake:
-        """The first `groups` task groups that end and `keep` accepts; then, with `cancel_rest`, cancel the
-        episodes still queued or running (their turns never reach training)."""
+        """The first `groups` task groups that end whole and `keep` accepts; then, with `cancel_rest`, cancel
+        the episodes still queued or running: their tasks' groups never reach training, finished members
+        included."""
         if groups < 1:
             raise PipelineError(f"take {groups} groups: at least 1")
         result = EpisodeTake([])

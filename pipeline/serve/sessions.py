@@ -49,6 +49,19 @@ if ARGV[7] == '1' then
 end
 """
 
+# KEYS: the session. ARGV: the pending turn. -1 when the session is no longer open, else HSETNX's answer:
+# a turn is claimed only while its session is open, so a session ended meanwhile starts no turn.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'open' then return -1 end
+return redis.call('HSETNX', KEYS[1], 'pending', ARGV[1])
+"""
+
+
+def ended(session_id: str) -> APIError:
+    """The refusal of a turn of a session that has ended."""
+    return APIError(409, f"session {session_id!r} has ended; open a new one with POST /sessions",
+                    param="session_id", code="session_ended")
+
 
 def new_session_id(prefix: str = "s") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:20]}"
@@ -217,6 +230,7 @@ class SessionStore:
         # The pool's turn counts: written in batches by a server, with each turn by default.
         self.counts = counts or TurnCounts(conn, every_s=0)
         self._record = conn.register_script(_RECORD)
+        self._claim = conn.register_script(_CLAIM)
 
     def create(self, *, run: str, pool: str, output: str, metadata: dict[str, Any] | None = None,
                session_id: str | None = None, ephemeral: bool = False) -> Session:
@@ -278,8 +292,12 @@ class SessionStore:
         )
 
     def claim(self, session: Session, pending: Pending) -> bool:
-        """Mark `pending` in flight; False if another turn got there first."""
-        return bool(self.conn.hsetnx(keys.session(session.session_id), "pending", pending.to_json()))
+        """Mark `pending` in flight; False if another turn got there first; 409 if the session has ended
+        since it was read (its episode was canceled: `pipeline.core.jobs.episodes.cancel_run`)."""
+        claimed = int(self._claim(keys=[keys.session(session.session_id)], args=[pending.to_json()]))
+        if claimed < 0:
+            raise ended(session.session_id)
+        return bool(claimed)
 
     def release(self, session: Session, pending: Pending) -> None:
         """Drop a pending turn that will not be recorded (its job failed or could not be enqueued)."""

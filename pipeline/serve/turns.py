@@ -47,6 +47,7 @@ from pipeline.serve.sessions import (
     SessionStore,
     TurnRecord,
     digest,
+    ended,
 )
 from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
@@ -130,8 +131,7 @@ class Turns:
         else:
             session = self.sessions.get(session_id)
         if session.state != "open":
-            raise APIError(409, f"session {session_id!r} has ended; open a new one with POST /sessions",
-                           param="session_id", code="session_ended")
+            raise ended(session_id)
         if session.pool != self.settings.pool:
             raise APIError(409, f"session {session_id!r} belongs to pool {session.pool!r}; this server serves pool "
                                 f"{self.settings.pool!r}", param="session_id", code="wrong_pool")

@@ -104,6 +104,24 @@ def solve_sync(task: dict[str, Any], client: Any, episode: Any) -> float:
     return 1.0
 
 
+def calls_until_refused(task: dict[str, Any], client: Any, episode: Any) -> float:
+    """A harness with a client of its own (as a CLI agent has, on `episode.base_url`), in a plain function
+    (a thread: nothing can cancel it), calling the model until a call is refused."""
+    import openai
+
+    own = openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
+    prompt = list(task.get("prompt", [1, 2, 3]))
+    while True:
+        try:
+            answer = own.completions.create(model="m", prompt=prompt, max_tokens=4)
+        except Exception as exc:
+            _event(kind="refused", session=episode.session_id, status=getattr(exc, "status_code", None),
+                   error=type(exc).__name__)
+            raise
+        _event(kind="turn", session=episode.session_id)
+        prompt = prompt + answer.choices[0].token_ids + TOOL_RESULT
+
+
 @contextlib.asynccontextmanager
 async def sandbox(task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """An environment: set up before the first turn, torn down however the episode ends."""

@@ -52,6 +52,11 @@ DEFAULT_GRACE_S = 30.0
 READ_BLOCK_MS = 1000
 
 
+class RunCanceled(Exception):
+    """The episode was canceled while its attempt ran (its run's cancel): the attempt failed because its
+    session ended with the cancel."""
+
+
 @dataclass
 class WorkerStats:
     finished: int = 0
@@ -282,10 +287,11 @@ class AgentWorker:
             else:
                 log.warning("episode %s of run %s was taken over by another worker; this run of it is discarded",
                             job.episode_id, job.run)
-        except asyncio.CancelledError:
-            if claimed.entry_id not in self._canceled:
-                raise  # shutting down: left pending for another worker
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        except (asyncio.CancelledError, RunCanceled) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if claimed.entry_id not in self._canceled:
+                    raise  # shutting down: left pending for another worker
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
             self.stats.canceled += 1
             log.info("episode %s of run %s stopped: the run was canceled", job.episode_id, job.run)
             with contextlib.suppress(redis.RedisError):
@@ -320,6 +326,8 @@ class AgentWorker:
                 reward, info = await attempt.run(agent, job.task, episode, serve, job.limits.timeout_s)
             except EpisodeError as exc:
                 reason = exc.reason
+                if await asyncio.to_thread(episodes.is_canceled, self.conn, job.run, job.episode_id):
+                    raise RunCanceled(job.run) from None  # its session ended with the cancel: not retried
                 if exc.retry:
                     failures = await asyncio.to_thread(episodes.count_failure, self.conn, job, self.worker_id)
                     if failures <= job.limits.retries:

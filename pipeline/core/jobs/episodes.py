@@ -17,12 +17,18 @@ take-over after a crash): those turns never reach training (`keys.episode_discar
 if no outcome exists for the episode and the committing worker holds the attempt in flight, and
 acknowledges the entry in the same step; a worker whose episode was taken over commits nothing
 (its session is discarded, counted as `duplicates`).
+
+Which attempts reach training is decided in one place, `trained`: the committed attempt of each
+finished episode (and of each failed one when the run gives failed episodes a reward), of the tasks
+none of whose episodes was canceled. A cancel (`cancel_run`, `EpisodeRun.take`) so takes whole
+groups off, never half of one; every trajectory reader and the report apply this rule.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +95,9 @@ if first == 1 then
   redis.call('HINCRBY', KEYS[4], ARGV[5], 1)
   redis.call('HDEL', KEYS[2], ARGV[1])
 else
-  redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+  if cjson.decode(redis.call('HGET', KEYS[1], ARGV[1])).status ~= 'canceled' then
+    redis.call('HINCRBY', KEYS[4], 'duplicates', 1)  -- an attempt stopped by a cancel is counted there
+  end
   if ARGV[6] ~= '' then redis.call('SADD', KEYS[5], ARGV[6]) end
 end
 redis.call('XACK', KEYS[3], ARGV[3], ARGV[4])
@@ -98,19 +106,26 @@ return first
 """
 
 
-# KEYS: outcomes, attempts, run hash, discarded. ARGV: pairs of episode id, canceled outcome JSON. Every
-# episode with no outcome yet gets the canceled one; an attempt in flight is forgotten (its session
-# discarded: its worker's commit will find the outcome and count a duplicate). Returns how many.
+# KEYS: outcomes, attempts, run hash, discarded, the pool's open sessions. ARGV: the session key prefix,
+# then pairs of episode id, canceled outcome JSON. Every episode with no outcome yet gets the canceled
+# one; an attempt in flight is forgotten: its session discarded and ended (`pipeline serve` starts no
+# further turn of it; its worker's late commit finds the outcome and counts nothing). Returns how many.
 _CANCEL = """
 redis.call('HSET', KEYS[3], 'canceled_run', '1')
 local canceled = 0
-for i = 1, #ARGV, 2 do
+for i = 2, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     canceled = canceled + 1
     local attempt = redis.call('HGET', KEYS[2], ARGV[i])
     if attempt then
       local session = cjson.decode(attempt).session_id
-      if session then redis.call('SADD', KEYS[4], session) end
+      if session then
+        redis.call('SADD', KEYS[4], session)
+        if redis.call('EXISTS', ARGV[1] .. session) == 1 then
+          redis.call('HSET', ARGV[1] .. session, 'state', 'ended')
+          redis.call('SREM', KEYS[5], session)
+        end
+      end
       redis.call('HDEL', KEYS[2], ARGV[i])
     end
   end
@@ -221,6 +236,21 @@ def outcomes(conn: redis.Redis, run: str) -> dict[str, EpisodeOutcome]:
     return {k.decode(): EpisodeOutcome.model_validate_json(v) for k, v in raw.items()}
 
 
+def trained(outcomes: Iterable[EpisodeOutcome], failed_reward: float | None) -> list[EpisodeOutcome]:
+    """The outcomes whose attempts reach training (each holds its committed session): finished ones, and
+    failed ones when `failed_reward` is given, of tasks none of whose episodes was canceled. Retried,
+    abandoned and duplicate attempts never are (their sessions are no outcome's)."""
+    ended = list(outcomes)
+    canceled = {o.task_id for o in ended if o.status == "canceled"}
+    return [o for o in ended if o.task_id not in canceled
+            and (o.status == "finished" or (o.status == "failed" and failed_reward is not None))]
+
+
+def is_episode_run(conn: redis.Redis, run: str) -> bool:
+    """Whether `run` holds agent episodes (`pipeline submit --agent`)."""
+    return bool(conn.exists(keys.episode_run(run)))
+
+
 def run_info(conn: redis.Redis, run: str) -> dict[str, Any] | None:
     """What submit recorded of a run's episodes (agent, pool, n, task ids, limits), with its counts;
     None for a run with no episodes."""
@@ -238,9 +268,10 @@ def run_info(conn: redis.Redis, run: str) -> dict[str, Any] | None:
 
 
 def cancel_run(conn: redis.Redis, run: str, info: dict[str, Any] | None = None) -> int:
-    """Cancel every episode of `run` that has no outcome yet: the queued ones never start, the ones in
-    flight are stopped by their agent workers (within a keep-alive interval) and their turns never
-    reach training. Returns how many were canceled (0 for a run with none left, or no episodes)."""
+    """Cancel every episode of `run` that has no outcome yet: the queued ones never start, the sessions of
+    the ones in flight end at once (no further turn starts), their agent workers stop them (within a
+    keep-alive interval), and their tasks' groups never reach training (`trained`). Returns how many
+    were canceled (0 for a run with none left, or no episodes)."""
     info = info or run_info(conn, run)  # `info`: the run's `run_info`, when the caller has read it
     if info is None:
         return 0
@@ -253,8 +284,9 @@ def cancel_run(conn: redis.Redis, run: str, info: dict[str, Any] | None = None) 
                 reason="the run was canceled (pipeline cancel)", attempts=0, trace_id="", worker_id="",
                 started_at_ms=now, finished_at_ms=now)
             pairs += [outcome.episode_id, outcome.model_dump_json()]
-    return int(conn.eval(_CANCEL, 4, keys.episode_outcomes(run), keys.episode_attempts(run), keys.episode_run(run),
-                         keys.episode_discarded(run), *pairs))
+    return int(conn.eval(_CANCEL, 5, keys.episode_outcomes(run), keys.episode_attempts(run), keys.episode_run(run),
+                         keys.episode_discarded(run), keys.pool(info["pool"]).open_sessions, keys.session(""),
+                         *pairs))
 
 
 def canceled_runs(conn: redis.Redis, runs: set[str]) -> set[str]:
@@ -265,6 +297,12 @@ def canceled_runs(conn: redis.Redis, runs: set[str]) -> set[str]:
             pipe.hexists(keys.episode_run(run), "canceled_run")
         flags = pipe.execute()
     return {run for run, flag in zip(ordered, flags, strict=True) if flag}
+
+
+def is_canceled(conn: redis.Redis, run: str, episode: str) -> bool:
+    """Whether the episode's outcome is `canceled` (`cancel_run`)."""
+    raw = conn.hget(keys.episode_outcomes(run), episode)
+    return raw is not None and EpisodeOutcome.model_validate_json(raw).status == "canceled"
 
 
 def discarded_sessions(conn: redis.Redis, run: str) -> set[str]:

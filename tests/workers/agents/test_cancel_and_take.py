@@ -16,6 +16,7 @@ import pipeline
 from pipeline.core import agents as agent_paths
 from pipeline.core.jobs import episodes
 from pipeline.serve.server import Server
+from pipeline.serve.sessions import SessionStore
 from tests.conftest import PIPELINE
 from tests.helpers.agents import events
 from tests.helpers.processes import drive_worker, wait_until
@@ -101,3 +102,38 @@ def test_take_keeps_the_first_groups_the_filter_accepts_and_cancels_the_rest(
     assert result.table.num_rows == 4  # type: ignore[attr-defined]
     counts = run.counts()
     assert counts["finished"] == 6 and counts["canceled"] == 4 and counts["running"] == 0
+
+
+def test_a_canceled_episode_starts_no_turn_after_the_cancel(
+        redis_client: redis.Redis, server: Server, events_file: Path) -> None:
+    client = pipeline.Client(redis_client)
+    # Plain function agents calling the model in a loop: their threads go on after the worker stops them.
+    run = client.submit_episodes([{"id": "x"}], agent=agent("calls_until_refused"), run="stopped", n=2,
+                                 timeout_s=3600)
+    store = SessionStore(redis_client)
+    at_cancel: dict[str, int] = {}
+
+    def turns_of(kind: str) -> dict[str, int]:
+        seen: dict[str, int] = {}
+        for event in events(events_file):
+            if event["kind"] == kind:
+                seen[event["session"]] = seen.get(event["session"], 0) + 1
+        return seen
+
+    def trainer() -> None:
+        wait_until(lambda: len(turns_of("turn")) == 2 and min(turns_of("turn").values()) >= 2, 60,
+                   "two episodes calling the model")
+        run.cancel()
+        for session_id in turns_of("turn"):
+            # The turns it started before the cancel: those committed, and the one in flight (if any).
+            session = store.get(session_id)
+            at_cancel[session_id] = session.turns + (session.pending is not None)
+        wait_until(lambda: len(turns_of("refused")) == 2, 60, "each agent's next call refused")
+
+    worker, alive = _with_agent_worker(redis_client, server, "calls_until_refused", 2, trainer)
+    assert alive is False and worker.stats.canceled == 2
+    assert {e["status"] for e in events(events_file) if e["kind"] == "refused"} == {409}
+    assert {s: store.get(s).turns for s in at_cancel} == at_cancel  # no turn started after the cancel
+    counts = run.counts()
+    assert (counts["canceled"], counts["duplicates"], counts["running"]) == (2, 0, 0)
+    assert pipeline.read_trajectories("stopped", conn=redis_client).num_rows == 0
