@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -147,5 +148,5 @@ def build_chat_model(path: Path, reply: str) -> Path:
     assert tokenizer.convert_tokens_to_ids(IM_END) == IM_END_ID
     tokenizer.chat_template = CHAT_TEMPLATE
     chain = ":" + reply
-    transitions = {a: b for a, b in zip(chain, chain[1:], strict=False)} | {reply[-1]: IM_END}
+    transitions = {a: b for a, b in itertools.pairwise(chain)} | {reply[-1]: IM_END}
     return build_scripted_model(path, transitions, eos_ids=(0, IM_END_ID), config_eos_ids=(0,), tokenizer=tokenizer)

@@ -12,6 +12,7 @@ Its input is SGLang's own normalised `SamplingParams` object (see `tests.helpers
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,8 @@ class Generator:
         # ids, both), then `Req._check_token_based_finish`: the tokenizer's EOS and its additional
         # stop tokens (`hf_transformers/common.py: attach_additional_stop_token_ids`).
         declared = [self.config.eos_token_id]
-        try:
+        with contextlib.suppress(OSError):
             declared.append(GenerationConfig.from_pretrained(path).eos_token_id)
-        except OSError:
-            pass
         eos: set[int] = set()
         for ids in declared:
             eos.update([ids] if isinstance(ids, int) else ids or [])
