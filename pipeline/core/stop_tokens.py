@@ -38,14 +38,30 @@ def _declared_eos(path: Path) -> set[int]:
     return set()
 
 
-def model_stop_ids(model_dir: str | Path | None, tokenizer: Any | None) -> frozenset[int]:
+def _model_file(model: str | Path, name: str) -> Path | None:
+    """`name` of a local model directory, or of a Hugging Face repository where the local cache has
+    it (no network: a server's start does not wait on one); None where there is none."""
+    if Path(model).is_dir():
+        return Path(model) / name
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(model), name)
+    except Exception:  # not a repository id
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def model_stop_ids(model: str | Path | None, tokenizer: Any | None) -> frozenset[int]:
     """The ids that end any call of this model (user stop ids aside): the EOS ids its config.json and
-    generation_config.json declare (read when `model_dir` is a local directory), the tokenizer's EOS
-    and its additional stop tokens."""
+    generation_config.json declare (`model`: its directory, or a Hugging Face repository's cached
+    files), the tokenizer's EOS and its additional stop tokens."""
     ids: set[int] = set()
-    if model_dir is not None and Path(model_dir).is_dir():
-        ids |= _declared_eos(Path(model_dir) / "config.json")
-        ids |= _declared_eos(Path(model_dir) / "generation_config.json")
+    if model is not None:
+        for name in ("config.json", "generation_config.json"):
+            path = _model_file(model, name)
+            if path is not None:
+                ids |= _declared_eos(path)
     if tokenizer is not None:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             ids.add(int(tokenizer.eos_token_id))
