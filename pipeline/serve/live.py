@@ -4,9 +4,10 @@ The worker publishes each sample's tokens as it generates them (`pipeline.core.j
 `LiveTurn` turns them into `chat.completion.chunk` (or `text_completion`) events. It sends only
 text the finished answer will begin with:
 
-- the last token is held while it could be a stop token (a special token or a `stop_token_ids`
-  entry: the answer's text leaves a matched stop token out), and a trailing incomplete UTF-8
-  sequence until its next token;
+- the last token is held while it could be a matched stop token (the answer's text leaves one out):
+  one of the ids `pipeline.core.stop_tokens` names, the rule the engines stop by (the model's EOS
+  ids from its config.json and generation_config.json, the tokenizer's EOS and additional stop
+  tokens, the call's `stop_token_ids`); and a trailing incomplete UTF-8 sequence until its next token;
 - text from a stop string on is never sent (the answer ends before it), and a tail that could
   still become one is held;
 - with a reasoning parser, text goes out as `reasoning_content` or `content` as the parser splits

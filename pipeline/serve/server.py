@@ -22,6 +22,7 @@ from pipeline.core.affinity import DEFAULT_LOAD_FACTOR
 from pipeline.core.broker import keys
 from pipeline.core.broker.connection import connect_redis
 from pipeline.core.errors import PipelineError
+from pipeline.core.stop_tokens import model_stop_ids
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -111,6 +112,7 @@ def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
         reasoning_parser=config.reasoning_parser, context_length=context,
         default_max_tokens=config.default_max_tokens, turn_timeout_s=config.turn_timeout_s,
         affinity=config.affinity, load_factor=config.load_factor,
+        stop_ids=model_stop_ids(config.tokenizer, renderer.tokenizer) if renderer is not None else frozenset(),
     )
     return Turns(conn, settings, renderer)
 

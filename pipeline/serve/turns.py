@@ -34,6 +34,7 @@ from pipeline.core.errors import APIError, RenderError
 from pipeline.core.jobs import lanes, turn_log
 from pipeline.core.jobs.status import read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
+from pipeline.core.stop_tokens import matched_stop_ids
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
 from pipeline.serve.lane import Lane
 from pipeline.serve.live import LiveTurn, TextRules
@@ -76,6 +77,7 @@ class TurnSettings:
     turn_timeout_s: float = 600.0
     affinity: bool = True  # a session's turns go to its home worker (`pipeline.core.affinity`)
     load_factor: float = DEFAULT_LOAD_FACTOR
+    stop_ids: frozenset[int] = frozenset()  # the model's matched-stop ids (`pipeline.core.stop_tokens`)
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,8 @@ class Turns:
         tokenizer = self.renderer.tokenizer
         stops = () if body.no_stop_trim or body.stop is None else \
             ((body.stop,) if isinstance(body.stop, str) else tuple(body.stop))
-        return TextRules(functools.partial(_decode, tokenizer, skip_special_tokens),
-                         frozenset(tokenizer.all_special_ids) | frozenset(body.stop_token_ids or ()), stops)
+        held = matched_stop_ids(self.settings.stop_ids, body.stop_token_ids, ignore_eos=bool(body.ignore_eos))
+        return TextRules(functools.partial(_decode, tokenizer, skip_special_tokens), held, stops)
 
     def _head(self, answer_id: str, kind: str) -> dict[str, Any]:
         return {"id": answer_id, "object": kind, "created": int(time.time()), "model": self.settings.model}

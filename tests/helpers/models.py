@@ -5,15 +5,22 @@
 - `build_scripted_model`: a Llama whose weights make it follow a fixed token transition
   table (attention and MLP zeroed, one-hot embeddings, lm_head = transition matrix), so tests
   can force exact outputs: EOS, token stops, string stops, branching for n > 1.
+- `build_chat_model`: a scripted model that answers one fixed reply to any chat and ends it with
+  `<|im_end|>`, an EOS its generation_config.json declares that is not its tokenizer's EOS nor in
+  its special-tokens map (as in Qwen-style checkpoints).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?:;-"
 EOS = "<eos>"
+IM_END = "<|im_end|>"  # id 71 in `build_chat_model`'s tokenizer: an added special token
+IM_END_ID = 71
 
 
 def _char_tokenizer():  # type: ignore[no-untyped-def]
@@ -28,7 +35,9 @@ def _char_tokenizer():  # type: ignore[no-untyped-def]
 
 
 def token_id(char: str) -> int:
-    """The scripted/char tokenizer's id of one character."""
+    """The scripted/char tokenizer's id of one character (or of `EOS`, `IM_END`)."""
+    if char == IM_END:
+        return IM_END_ID
     return 0 if char == EOS else CHARS.index(char) + 1
 
 
@@ -86,11 +95,12 @@ def build_random_moe_model(
 
 def build_scripted_model(
     path: Path, transitions: Mapping[str, str | Sequence[str]], *, eos_ids: Sequence[int] = (0,),
-    strength: float = 12.0,
+    strength: float = 12.0, tokenizer: Any = None, config_eos_ids: Sequence[int] | None = None,
 ) -> Path:
     """Greedy next token of char c is transitions[c] (equal odds when several are given).
 
-    Characters with no entry go to EOS.
+    Characters with no entry go to EOS. `tokenizer`: the char tokenizer unless given; `config_eos_ids`:
+    config.json's EOS ids where they differ from generation_config.json's (`eos_ids`).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,8 +109,8 @@ def build_scripted_model(
     config = LlamaConfig(
         vocab_size=v, hidden_size=v, intermediate_size=8, num_hidden_layers=1,
         num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        tie_word_embeddings=False, eos_token_id=list(eos_ids), bos_token_id=None, pad_token_id=0,
-        rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=list(eos_ids if config_eos_ids is None else config_eos_ids),
+        bos_token_id=None, pad_token_id=0, rms_norm_eps=1e-6,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -121,4 +131,22 @@ def build_scripted_model(
             for target in targets:
                 head[token_id(target), source] = strength
         model.lm_head.weight.copy_(head)
-    return _save(model, _char_tokenizer(), path, eos_ids)
+    return _save(model, tokenizer or _char_tokenizer(), path, eos_ids)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}:{% endif %}")
+
+
+def build_chat_model(path: Path, reply: str) -> Path:
+    """Answers `reply` then `IM_END` to any chat (its template ends the prompt with ":"); `reply`'s
+    characters must differ from each other and from ":". config.json names only `<eos>` as EOS,
+    generation_config.json `IM_END` too (SGLang stops on both)."""
+    assert len(set(reply)) == len(reply) and ":" not in reply
+    tokenizer = _char_tokenizer()
+    tokenizer.add_tokens([IM_END], special_tokens=True)
+    assert tokenizer.convert_tokens_to_ids(IM_END) == IM_END_ID
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chain = ":" + reply
+    transitions = {a: b for a, b in itertools.pairwise(chain)} | {reply[-1]: IM_END}
+    return build_scripted_model(path, transitions, eos_ids=(0, IM_END_ID), config_eos_ids=(0,), tokenizer=tokenizer)

@@ -43,8 +43,9 @@ calls fail: `503`, `drop` (close the connection without answering), `truncated` 
 body), `no_meta`, `unknown_finish`, `short_logprobs` (only rids starting with `fault_prefix`,
 when given); `{"delay_s": x}` delays each generation, `{"delays": {"rid-prefix": x}}` (replacing
 earlier ones) some; `{"reset_max_in_flight": true}` restarts the peak count;
-`{"hold_streams_after": k}` holds every streamed answer after k tokens (aborts are not seen
-there) until `{"release_streams": true}` (or a minute).
+`{"hold_streams_after": k}` holds every streamed answer after its chunk of k tokens (after the
+last chunk, before `[DONE]`, when it has k; aborts are not seen there) until
+`{"release_streams": true}` (or a minute).
 `GET /_standin/stats` returns counters (`http_generate`: /generate calls
 received; `generate`: those that passed validation; `answered`, `answered_aborted`; `in_flight`
 and its peak `max_in_flight`: admitted calls not yet answered), received rids, `answer_order`
@@ -484,7 +485,11 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             if k == standin.hold_streams_after:
                 standin.streams_released.wait(60)
-        self.wfile.write(b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n")
+        self.wfile.write(b"data: " + json.dumps(answer).encode() + b"\n\n")
+        self.wfile.flush()
+        if len(ids) == standin.hold_streams_after:  # the last chunk out, the answer not yet ended
+            standin.streams_released.wait(60)
+        self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
 

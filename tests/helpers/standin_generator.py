@@ -12,6 +12,7 @@ Its input is SGLang's own normalised `SamplingParams` object (see `tests.helpers
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,14 +48,21 @@ class Generator:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError):
             self.tokenizer = None
+        # SGLang's `model_config._get_hf_eos_token_id` (config.json's and generation_config.json's EOS
+        # ids, both), then `Req._check_token_based_finish`: the tokenizer's EOS and its additional
+        # stop tokens (`hf_transformers/common.py: attach_additional_stop_token_ids`).
+        declared = [self.config.eos_token_id]
+        with contextlib.suppress(OSError):
+            declared.append(GenerationConfig.from_pretrained(path).eos_token_id)
         eos: set[int] = set()
-        try:
-            declared = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:
-            declared = self.config.eos_token_id
-        eos.update([declared] if isinstance(declared, int) else declared or [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
+        for ids in declared:
+            eos.update([ids] if isinstance(ids, int) else ids or [])
+        if self.tokenizer is not None:
+            if self.tokenizer.eos_token_id is not None:
+                eos.add(int(self.tokenizer.eos_token_id))
+            added = self.tokenizer.get_added_vocab()
+            eos.update(added[t] for t in ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
+                       if t in added)
         self.eos = frozenset(eos)
 
     def _next_logits(self, ids: list[int]) -> np.ndarray:

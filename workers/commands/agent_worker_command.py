@@ -9,7 +9,8 @@ from pipeline.core.command import Command
 
 class AgentWorkerCommand(Command):
     name = "agent-worker"
-    help = "run agent episodes: up to --concurrency at once, each in a fresh session of `pipeline serve`"
+    help = ("run agent episodes: up to --concurrency at once in all (across its agents), each in a fresh "
+            "session of `pipeline serve`")
     connects = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,8 @@ class AgentWorkerCommand(Command):
                             help="an agent this worker runs (the one `pipeline submit --agent` named); repeatable. "
                                  "A worker imports only these, never a name read from Redis")
         parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="C",
-                            help=f"episodes run at once (default {DEFAULT_CONCURRENCY})")
+                            help="the most episodes this worker runs at once, all its --agent's together (two agents "
+                                 f"and C 4: 4 in all, not 4 each; default {DEFAULT_CONCURRENCY})")
         parser.add_argument("--serve", default=None, metavar="URL",
                             help=f"the `pipeline serve` to open sessions on (default ${settings.SERVE_URL.name}, "
                                  f"else {settings.SERVE_URL.default})")

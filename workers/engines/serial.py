@@ -63,7 +63,7 @@ def _resolve(future: Future, outputs: list[list[SampleOutput]]) -> None:
 
 
 class SerialBatches:
-    """Mixin: `capacity`, `load()` and `submit()` over `_run_batch`."""
+    """Mixin: `capacity`, `load()`, `batches_waiting()` and `submit()` over `_run_batch`."""
 
     _feed_capacity: int
 
@@ -89,6 +89,13 @@ class SerialBatches:
         with cond:
             running = self._feed_running.samples if self._feed_running is not None else 0
             return running + sum(item.samples for item in queue)
+
+    def batches_waiting(self) -> int:
+        """Batches submitted that have not started: they wait for the running one (a worker feeds
+        such an engine one batch ahead, `workers.jobs.feeder.Feeder.has_room`)."""
+        cond, queue = self._feed_state()
+        with cond:
+            return sum(1 for item in queue if not item.future.done())
 
     def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
         cond, queue = self._feed_state()

@@ -63,6 +63,10 @@ from workers.runtime import logs
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_JOBS_IN_FLIGHT = 64
+# Batches a worker feeds an engine that runs one batch at a time (`batches_waiting()`, the hf engine)
+# beyond the running one: its next job is in the engine when the running one ends, and the run's
+# other jobs stay queued for other workers.
+PREFETCH_BATCHES = 1
 WAKE = "wake"
 
 
@@ -229,14 +233,20 @@ class Feeder:
 
     def has_room(self, batch: bool = False) -> bool:
         """Whether the engine can take another job: an agent turn's while its load is under capacity +
-        headroom; a batch job's, while the pool serves agent turns (`lane_active`), only while it
+        headroom (on an engine that runs one batch at a time, while at most `PREFETCH_BATCHES - 1`
+        wait for the running one); a batch job's, while the pool serves agent turns (`lane_active`), only while it
         leaves `lane_reserve` slots and one job free, so that a turn never waits behind a batch run
         for a slot (the engine's queue is first come, first served)."""
         jobs, limit = self.max_jobs_in_flight, self.engine.capacity + self.headroom
         if batch and self.lane_active():  # the next batch job's sequences too must leave the reserve free
             jobs = max(1, jobs - 1)
             limit = max(1, self.engine.capacity - self.lane_reserve - self._batch_job_samples + 1)
-        return len(self._entries) < jobs and self.engine.load() < limit
+        return len(self._entries) < jobs and self.engine.load() < limit and self._waiting() < PREFETCH_BATCHES
+
+    def _waiting(self) -> int:
+        """Batches waiting in the engine for the running one (0 for an engine that runs them together)."""
+        waiting = getattr(self.engine, "batches_waiting", None)
+        return waiting() if callable(waiting) else 0
 
     def wait_for_room(self, stop: Callable[[], bool], batch: bool = False) -> None:
         """Return once the engine can take more (a batch job, if `batch`), or a stop is requested."""

@@ -27,6 +27,7 @@ groups off, never half of one; every trajectory reader and the report apply this
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -223,11 +224,38 @@ def take_over(conn: redis.Redis, stream: str, consumer: str, idle_ms: int, count
 
 
 def read_new(conn: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None) -> list[Claimed]:
-    """Up to `count` entries no worker has had yet, blocking up to `block_ms` for the first (None: not at
-    all; never 0, which blocks forever)."""
-    answer = conn.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms)
-    return [decode(stream.decode() if isinstance(stream, bytes) else stream, entry_id, fields)
-            for stream, entries in answer or [] for entry_id, fields in entries if fields]
+    """Up to `count` entries no worker has had yet, across all `streams` together, blocking up to
+    `block_ms` for the first (None: not at all; never 0, which blocks forever).
+
+    XREADGROUP's COUNT bounds each stream, not the read: one read of several streams would hand this
+    consumer up to `count` of each. So the streams are read one by one (from a random one, so that
+    no agent's backlog starves another's) until `count` are had; with none had, the wait is a plain
+    XREAD from each group's last delivered entry, which hands out nothing, then the streams are read
+    again."""
+    claimed = _read_each(conn, streams, consumer, count)
+    if claimed or block_ms is None:
+        return claimed
+    with conn.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        infos = pipe.execute()
+    delivered = {stream: next((g["last-delivered-id"] for g in groups if g["name"] in (GROUP, GROUP.encode())), "0")
+                 for stream, groups in zip(streams, infos, strict=True)}
+    if conn.xread(delivered, count=1, block=block_ms):
+        claimed = _read_each(conn, streams, consumer, count)
+    return claimed
+
+
+def _read_each(conn: redis.Redis, streams: list[str], consumer: str, count: int) -> list[Claimed]:
+    claimed: list[Claimed] = []
+    start = random.randrange(len(streams))
+    for stream in streams[start:] + streams[:start]:
+        if len(claimed) >= count:
+            break
+        answer = conn.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(claimed))
+        claimed += [decode(stream, entry_id, fields) for _, entries in answer or [] for entry_id, fields in entries
+                    if fields]
+    return claimed
 
 
 def outcomes(conn: redis.Redis, run: str) -> dict[str, EpisodeOutcome]:

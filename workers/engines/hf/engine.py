@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.stop_tokens import matched_stop_ids, model_stop_ids
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
 from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
@@ -60,7 +61,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._torch = torch
         self.max_batch_sequences = max(1, max_batch_sequences)
@@ -74,7 +75,7 @@ class HFEngine(SerialFeed, EngineIdentity):
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError):
             self.tokenizer = None
-        self.hidden_stop_ids = self._hidden_stop_ids(path, GenerationConfig)
+        self.hidden_stop_ids = model_stop_ids(path, self.tokenizer)  # SGLang's rule (`pipeline.core.stop_tokens`)
         self.vocab_size = int(self.model.config.vocab_size)
         self._routing = RoutingCapture.attach(self.model)
         self._weight_version = weight_version
@@ -93,21 +94,6 @@ class HFEngine(SerialFeed, EngineIdentity):
             num_experts=self._routing.layout.num_experts if self._routing is not None else None,
             has_tokenizer=self.tokenizer is not None,
         )
-
-    def _hidden_stop_ids(self, path: Path, generation_config_cls: type) -> frozenset[int]:
-        """The model's own end tokens: generation config EOS ids and the tokenizer's EOS."""
-        ids: set[int] = set()
-        try:
-            eos = generation_config_cls.from_pretrained(path).eos_token_id
-        except OSError:
-            eos = self.model.config.eos_token_id
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return frozenset(ids)
 
     @property
     def routing(self) -> RoutingCapture | None:
@@ -438,7 +424,7 @@ class SamplingRows:
         self.token_stops: list[frozenset[int]] = []
         for request in requests:
             params = request.sampling_params
-            stops = frozenset() if params.ignore_eos else hidden_stops | set(params.user_stop_token_ids)
+            stops = matched_stop_ids(hidden_stops, params.user_stop_token_ids, ignore_eos=params.ignore_eos)
             self.first_row.append(len(self.request_of))
             for i in range(params.n):
                 self.request_of.append(request)
