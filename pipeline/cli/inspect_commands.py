@@ -9,7 +9,6 @@ from pathlib import Path
 
 from pipeline.core import settings
 from pipeline.core.command import EXIT_FAILED, Command
-from pipeline.core.errors import PipelineError
 
 
 class StatusCommand(Command):
@@ -24,13 +23,8 @@ class StatusCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.status import collect, format_status
         from pipeline.core.broker.connection import connect_redis
-        from pipeline.core.broker.registry import unknown_pool
 
-        conn, pool = connect_redis(args.redis), args.pool or settings.pool()
-        why = None if pool is None else unknown_pool(conn, pool)
-        if why is not None:
-            raise PipelineError(why)
-        status = collect(conn, run=args.run, pool=pool)
+        status = collect(connect_redis(args.redis), run=args.run, pool=self.pool(args))
         print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
         return 0
 
@@ -47,6 +41,7 @@ class ShowCommand(Command):
     name = "show"
     help = "print the rows of a run (by name), a run directory or a shard"
     connects = True
+    pool_use = ""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("source", metavar="RUN_OR_URL",
@@ -79,6 +74,7 @@ class ReportCommand(Command):
     help = ("one self-contained HTML page of a run: rewards, lengths, finishes, logprobs, workers, throughput, "
             "staleness, agent turns, verify")
     connects = True
+    pool_use = ""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("source", metavar="RUN_OR_URL",

@@ -79,6 +79,7 @@ class PoolsCommand(_ListOrDelete):
     name = "pools"
     help = "the pools that exist; `pools delete NAME` forgets one: its desired weights, queues and runs"
     noun = "pool"
+    pool_use = ""
 
     def listing(self, conn: redis.Redis, args: argparse.Namespace) -> str:
         from pipeline.core.broker import registry

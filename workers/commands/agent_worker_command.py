@@ -11,6 +11,7 @@ class AgentWorkerCommand(Command):
     name = "agent-worker"
     help = "run agent episodes: up to --concurrency at once, each in a fresh session of `pipeline serve`"
     connects = True
+    pool_use = "names"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from pipeline.core import settings

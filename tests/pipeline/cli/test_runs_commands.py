@@ -122,10 +122,13 @@ def test_show_takes_a_run_name_with_did_you_mean_and_cancel_of_a_run_name_points
 def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_missing(
         redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pipeline.Client(redis_client, pool="tour").submit(REQUESTS[:1], run="t", output=f"file://{tmp_path}")
-    code, out, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor")
+    code, _, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor")
+    assert code == EXIT_USAGE and "did you mean 'tour'?" in err and "--new-pool" in err  # a typo: nothing pushed
+    assert control_channel.read_state(redis_client, "tuor").weight_version == 0
+    code, out, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor",
+                          "--new-pool")
     assert code == 0 and "pool tuor: weights v1" in out, err
-    assert ("warning: no worker has ever served pool 'tuor' and nothing was submitted to it (pools here: default, "
-            "tour; did you mean 'tour'?)") in err
+    assert "warning: no worker has ever served pool 'tuor' and nothing was submitted to it" in err
 
     # A sim worker takes any path (so do HTTP engines' servers, wherever they run): a warning only.
     now = time.time()
