@@ -136,6 +136,7 @@ class WeightsStatusCommand(Command):
     name = "status"
     help = "the pool's desired weights and each live worker's; exit 1 if any worker does not serve them"
     connects = True
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON")

@@ -15,6 +15,7 @@ class StatusCommand(Command):
     name = "status"
     help = "per pool: queue and agent lane, open agent sessions, workers, weight versions, runs, failures"
     connects = True
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run", default=None)
@@ -41,7 +42,6 @@ class ShowCommand(Command):
     name = "show"
     help = "print the rows of a run (by name), a run directory or a shard"
     connects = True
-    pool_use = ""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("source", metavar="RUN_OR_URL",
@@ -74,7 +74,6 @@ class ReportCommand(Command):
     help = ("one self-contained HTML page of a run: rewards, lengths, finishes, logprobs, workers, throughput, "
             "staleness, agent turns, verify")
     connects = True
-    pool_use = ""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("source", metavar="RUN_OR_URL",

@@ -171,6 +171,7 @@ class CancelCommand(Command):
     name = "cancel"
     help = "cancel a run or jobs: queued ones removed, running ones aborted"
     connects = True
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run", default=None, help="every job submitted to this run")

@@ -53,6 +53,7 @@ class RunsCommand(_ListOrDelete):
     name = "runs"
     help = "the runs that exist, newest first, with their jobs and rows; `runs delete NAME` forgets one"
     noun = "run"
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         super().add_arguments(parser)
@@ -79,7 +80,6 @@ class PoolsCommand(_ListOrDelete):
     name = "pools"
     help = "the pools that exist; `pools delete NAME` forgets one: its desired weights, queues and runs"
     noun = "pool"
-    pool_use = ""
 
     def listing(self, conn: redis.Redis, args: argparse.Namespace) -> str:
         from pipeline.core.broker import registry

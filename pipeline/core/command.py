@@ -44,8 +44,8 @@ class Command:
     # With `connects`, what the command does with its pool (`check_pool` guards it before `run()`):
     # "names": it may be the first to name the pool (a submit, a worker, a weight push); it takes
     # `--new-pool`, and a never-named pool close to a known one's name is refused as a typo without it.
-    # "reads": the pool must have been named (a never-named one is refused). "": it takes no pool.
-    pool_use: ClassVar[str] = "reads"
+    # "reads": the pool must have been named (a never-named one is refused). "" (the default): not checked.
+    pool_use: ClassVar[str] = ""
 
     def pool(self, args: argparse.Namespace) -> str | None:
         """The pool the command works in (None: every pool, or none)."""

@@ -18,7 +18,6 @@ class VerifyCommand(Command):
     name = "verify"
     help = "recompute stored completion logprobs with a reference model and report the mismatch"
     connects = True
-    pool_use = ""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from workers.audit.recompute import DEFAULT_MEMORY_MB, DEFAULT_THRESHOLD
