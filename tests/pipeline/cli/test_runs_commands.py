@@ -197,3 +197,25 @@ def test_a_mistyped_demo_model_name_is_refused_with_the_name_it_meant(
         redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(capsys, redis_url, "weights", "push", "demo-perturbd", "--version", "1")
     assert code == EXIT_USAGE and "did you mean 'demo-perturbed'?" in err and "nothing was pushed" in err
+
+
+def test_runs_counts_an_agent_runs_shards_as_status_does_and_says_where_they_are(
+        redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run of agent turns (`pipeline serve`) has no batch output: its shards and where they are come
+    from its committed turn shards and the output its sessions write to."""
+    from pipeline.audit.status import collect
+    from pipeline.core.broker import commit_log
+    from pipeline.serve.sessions import SessionStore
+
+    SessionStore(redis_client).create(run="ep-0", pool="default", output="file:///data/out")
+    for index in range(7):
+        commit_log.append(redis_client, "ep-0", commit_log.Commit(
+            job_id=f"turns-{index}", batch_id="turns", url=f"file:///data/out/ep-0/turns-{index}.parquet", rows=2,
+            tokens=10, weight_version=0))
+    assert collect(redis_client, pool="default")["pools"]["default"]["runs"]["ep-0"]["shards"] == 7
+    code, out, _ = _cli(capsys, redis_url, "runs")
+    header, line = out.splitlines()
+    assert code == 0 and header.split()[6:] == ["shards", "where"]
+    assert line.split()[-2:] == ["7", "file:///data/out/ep-0"]
+    code, out, _ = _cli(capsys, redis_url, "runs", "--json")
+    assert json.loads(out)[0]["shards"] == 7 and json.loads(out)[0]["outputs"] == ["file:///data/out/ep-0"]
