@@ -24,10 +24,11 @@ def episodes_section(conn: redis.Redis, run: str) -> str | None:
     outcomes = list(episodes.outcomes(conn, run).values())
     counts = info["counts"]
     overview = html_table(
-        ["episodes", "finished", "failed", "canceled", "queued", "running", "retried", "abandoned", "duplicates"],
+        ["episodes", "finished", "failed", "canceled", "queued", "running", "retried", "abandoned", "handed back",
+         "duplicates"],
         [[counts["submitted"], counts["finished"], counts["failed"], counts["canceled"], counts["queued"],
           counts["running"],
-          counts["retried"], counts["abandoned"], counts["duplicates"]]])
+          counts["retried"], counts["abandoned"], counts["handed_back"], counts["duplicates"]]])
     by_turns: dict[int, list[float]] = defaultdict(list)
     for outcome in outcomes:
         if outcome.status == "finished" and outcome.reward is not None:

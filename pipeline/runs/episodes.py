@@ -64,7 +64,7 @@ class EpisodeRun:
 
     def counts(self) -> dict[str, int]:
         """submitted, queued, running, finished, failed, canceled, retried, abandoned (a worker died),
-        duplicates."""
+        handed_back (a worker shut down), duplicates."""
         info = episodes.run_info(self.conn, self.run)
         return dict(info["counts"]) if info else {}
 
