@@ -97,8 +97,10 @@ def check_pool(command: Command, args: argparse.Namespace) -> None:
     from pipeline.core.broker.registry import unknown_pool
     from pipeline.core.errors import PipelineError
 
+    if not command.connects or not command.pool_use:
+        return
     pool = command.pool(args)
-    if not command.connects or not command.pool_use or pool is None:
+    if pool is None:
         return
     why = unknown_pool(connect_redis(args.redis), pool)
     if why is None:
