@@ -14,6 +14,7 @@ either lists every pool). Option abbreviations are off everywhere (`--engin` is 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -123,9 +124,12 @@ def _chosen(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(only=_chosen(argv)).parse_args(argv)
     try:
+        args = build_parser(only=_chosen(argv)).parse_args(argv)
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of its output went away (`pipeline show RUN | head`): done, quietly
+        _drop_stdout()
+        return 0
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_code(exc)
@@ -139,6 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush meets no broken pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":
