@@ -210,7 +210,7 @@ def test_status_shows_a_runs_episodes_and_the_reasons_they_failed(redis_client: 
 
 
 def test_the_report_has_an_episodes_section(redis_client: redis.Redis, server: Server) -> None:
-    from tests.pipeline.audit.test_report import Page
+    from tests.pipeline.audit.test_report import Page, assert_self_contained
     from workers.jobs.turn_log import flush_turns
 
     _submit(redis_client, "rejects", [{"id": "a", "question": "?", "turns": 2}, {"id": "b"}], n=2, retries=1)
@@ -220,6 +220,12 @@ def test_the_report_has_an_episodes_section(redis_client: redis.Redis, server: S
     assert "Agent episodes" in page.titles
     (overview,) = page.table_with("abandoned")
     assert (overview["episodes"], overview["finished"], overview["failed"], overview["retried"]) == ("4", "2", "2", "2")
-    assert page.table_with("mean reward") == [{"turns": "2", "finished episodes": "2", "mean reward": "1"}]
+    assert page.table_with("turns") == [{"turns": "2", "finished episodes": "2", "mean reward": "1"}]
+    # Every episode took 2 turns: the plot is the reward distribution and the reward over the run, not
+    # one bar of reward by turns; their tables say the same.
+    assert page.table_with("reward") == [{"reward": "1", "finished episodes": "2"}]
+    over_run = page.table_with("ended (tenth of the run)")
+    assert sum(int(r["finished episodes"]) for r in over_run) == 2 and {r["mean reward"] for r in over_run} == {"1"}
+    assert_self_contained(page)
     (failed,) = page.table_with("reason")
     assert failed == {"failed": "2", "reason": "the agent raised KeyError: \"task 'b' has no 'question'\""}
