@@ -390,14 +390,14 @@ class Bench:
         for w in range(workers):
             if upstream:
                 argv = ["worker", "--engine", "sglang-http", "--url", upstream, "--model", self.args.tokenizer,
-                        "--pool", pool]
+                        "--pool", pool, "--new-pool"]
             else:
-                argv = ["worker", "--engine", "sim", "--pool", pool, "--sim-step-ms", "0", "--sim-median-tokens",
-                        str(self.args.reply_tokens), "--sim-p99-tokens", str(self.args.reply_tokens),
-                        "--sim-prefill-tokens-per-s", "0", "--model", self.args.tokenizer]
+                argv = ["worker", "--engine", "sim", "--pool", pool, "--new-pool", "--sim-step-ms", "0",
+                        "--sim-median-tokens", str(self.args.reply_tokens), "--sim-p99-tokens",
+                        str(self.args.reply_tokens), "--sim-prefill-tokens-per-s", "0", "--model", self.args.tokenizer]
             procs.append(self.start(f"worker{w}-{tag}", prof(profile[1] if profile else None) + argv, env))
         serve = ["serve", "--host", "127.0.0.1", "--port", str(port), "--tokenizer", self.args.tokenizer, "--run", run,
-                 "--pool", pool, "--output", f"file://{self.tmp}/shards", "--turn-timeout", "120"]
+                 "--pool", pool, "--new-pool", "--output", f"file://{self.tmp}/shards", "--turn-timeout", "120"]
         procs.append(self.start(f"serve-{tag}", prof(profile[0] if profile else None) + serve, env))
         base = f"http://127.0.0.1:{port}"
         wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json().get("live_workers", 0) >= workers,

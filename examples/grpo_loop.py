@@ -99,7 +99,7 @@ def train_step(model: Any, optimizer: Any, batch: pipeline.Batch, conn: Any) -> 
 def start_workers(model: str, pool: str, redis_url: str | None) -> list[subprocess.Popen]:
     """A rollout worker on `model` and a reward worker, in `pool`; their output goes to this terminal."""
     command = [sys.executable, "-m", "pipeline.cli.main"]
-    where = ["--pool", pool, *(["--redis", redis_url] if redis_url else [])]
+    where = ["--pool", pool, "--new-pool", *(["--redis", redis_url] if redis_url else [])]  # the loop's own pool
     return [subprocess.Popen([*command, "worker", "--model", model, "--log-level", "WARNING", *where]),
             subprocess.Popen([*command, "reward-worker", "--log-level", "WARNING", *where])]
 

@@ -219,7 +219,7 @@ def start_processes(redis_url: str, pool: str, model: str, log_dir: Path) -> tup
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cli = [sys.executable, "-m", "pipeline.cli.main"]
-    common = ["--redis", redis_url, "--pool", pool]
+    common = ["--redis", redis_url, "--pool", pool, "--new-pool"]  # a pool of its own, named like the last one
     commands = {
         "worker": [*cli, "worker", "--model", model, *common],
         "serve": [*cli, "serve", "--tokenizer", model, "--port", str(port), *common],

@@ -332,7 +332,7 @@ def plot(results: list[Result], path: str) -> None:
 def start_worker(redis_url: str, pool: str, model: str) -> subprocess.Popen:
     """A `pipeline worker` process on `model` in `pool`."""
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", "worker", "--model", model,
-                             "--redis", redis_url, "--pool", pool, "--log-level", "WARNING"])
+                             "--redis", redis_url, "--pool", pool, "--new-pool", "--log-level", "WARNING"])
 
 
 def start_reward_worker(redis_url: str) -> subprocess.Popen:

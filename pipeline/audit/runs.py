@@ -23,7 +23,8 @@ class RunSummary:
     committed_jobs: int
     rows: int
     tokens: int
-    outputs: list[str]
+    outputs: list[str]  # where its shards are: its batches' output and its agent turns' (`pipeline serve`)
+    shards: int = 0  # committed, one per job or flushed turn shard (as `pipeline status` counts them)
     turns: int = 0  # agent turns committed (`pipeline serve`)
     episodes: tuple[int, int] | None = None  # agent episodes (ended, submitted), for a run of episodes
 
@@ -41,6 +42,7 @@ def list_runs(conn: redis.Redis, pool: str | None = None) -> list[RunSummary]:
         stamps = [int(b["submitted_at_ms"]) / 1000 for b in batches if b.get("submitted_at_ms")]
         totals = commit_log.totals(conn, run)
         info = episodes.run_info(conn, run)
+        turns_output = conn.get(keys.turn_log_output(run))
         ended = None if info is None else (sum(info["counts"][s] for s in episodes.ENDED), info["counts"]["submitted"])
         if info is not None:
             stamps.append(int(info["submitted_at_ms"]) / 1000)
@@ -48,7 +50,9 @@ def list_runs(conn: redis.Redis, pool: str | None = None) -> list[RunSummary]:
             run=run, pools=sorted(in_pools), submitted_at=max(stamps) if stamps else None,
             jobs=sum(len([j for j in b.get("job_ids", "").split(",") if j]) for b in batches),
             committed_jobs=conn.hlen(keys.run_jobs(run)), rows=totals.rows, tokens=totals.tokens,
-            outputs=sorted({f"{b['output']}/{run}" for b in batches if b.get("output")}),
+            outputs=sorted({f"{b['output']}/{run}" for b in batches if b.get("output")}
+                           | ({f"{turns_output.decode()}/{run}"} if turns_output else set())),
+            shards=totals.shards,
             turns=int(conn.hget(keys.run_turn_stats(run), "turns") or 0), episodes=ended,
         ))
     return sorted(summaries, key=lambda s: (-(s.submitted_at or 0), s.run))
@@ -66,14 +70,14 @@ def _work(run: RunSummary) -> str:
 
 def format_runs(runs: list[RunSummary]) -> str:
     """A table: run, pool, submitted (local time), batch jobs committed/submitted (and agent episodes
-    ended/submitted, agent turns), rows, tokens, shards' URL."""
+    ended/submitted, agent turns), rows, tokens, shards committed, where they are."""
     if not runs:
         return "no runs in this Redis (`pipeline submit FILE --run NAME` makes one)"
-    header = ("run", "pool", "submitted", "jobs", "rows", "tokens", "shards")
+    header = ("run", "pool", "submitted", "jobs", "rows", "tokens", "shards", "where")
     lines = [header] + [
         (r.run, ",".join(r.pools),
          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at)) if r.submitted_at else "-",
-         _work(r), str(r.rows), str(r.tokens), " ".join(r.outputs) or "-")
+         _work(r), str(r.rows), str(r.tokens), str(r.shards), " ".join(r.outputs) or "-")
         for r in runs
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]

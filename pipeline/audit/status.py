@@ -340,7 +340,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
             lines.append(f"    episodes ({e['tasks']} tasks x {e['n']}, agent {e['agent']}): {e['queued']} queued, "
                          f"{e['running']} running, {e['finished']} finished, {e['failed']} failed"
                          + (f", {e['canceled']} canceled" if e["canceled"] else "") + f"; {e['retried']} "
-                         f"retried, {e['abandoned']} abandoned by a worker that died"
+                         f"retried, {e['abandoned']} abandoned by a worker that died, {e['handed_back']} handed "
+                         "back by a worker shutting down"
                          + (f", {e['duplicates']} duplicate runs discarded" if e["duplicates"] else ""))
             lines += [f"      failed x{count}: {reason}" for reason, count in e["failure_reasons"].items()]
     if desired.get("error"):

@@ -20,6 +20,7 @@ class _DesiredStateCommand(Command):
     """`pause` and `resume`: the `Client` method of the command's name; prints the new generation."""
 
     connects = True
+    pool_use = "names"
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.client import connect
@@ -44,6 +45,11 @@ class WeightsPushCommand(Command):
     name = "push"
     help = "make every worker load new weights; wait for all acknowledgements"
     connects = True
+    pool_use = "names"
+
+    def new_pool(self, pool: str) -> None:
+        print(f"warning: no worker has ever served pool {pool!r} and nothing was submitted to it; the push is "
+              "recorded for workers that join it", file=sys.stderr)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="checkpoint directory, as the workers see it (`demo`, `demo-perturbed`: "
@@ -103,15 +109,9 @@ def _check_target(conn: redis.Redis, pool: str, path: str, *, read_here: bool) -
     """Before a push: refuse a local path that does not exist when this command reads it (`read_here`:
     a store push writes the checkpoint into the store) or when every live worker of the pool runs
     here and loads weights from this disk (the hf engine; HTTP engines' servers and the sim read paths
-    of their own); warn when it is missing here only, and when no worker ever named the pool."""
+    of their own); warn when it is missing here only."""
     from pipeline.core.broker import registry
-    from pipeline.core.suggest import did_you_mean, listing
 
-    known = registry.pools(conn)
-    if pool not in known:
-        print(f"warning: no worker has ever served pool {pool!r} and nothing was submitted to it (pools here: "
-              f"{listing(known)}{did_you_mean(pool, known)}); the push is recorded for workers that join it",
-              file=sys.stderr)
     if "://" in path or os.path.exists(path):
         return
     from pipeline.core.demo_model import NAMES
@@ -136,6 +136,7 @@ class WeightsStatusCommand(Command):
     name = "status"
     help = "the pool's desired weights and each live worker's; exit 1 if any worker does not serve them"
     connects = True
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON")

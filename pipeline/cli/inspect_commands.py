@@ -9,13 +9,13 @@ from pathlib import Path
 
 from pipeline.core import settings
 from pipeline.core.command import EXIT_FAILED, Command
-from pipeline.core.errors import PipelineError
 
 
 class StatusCommand(Command):
     name = "status"
     help = "per pool: queue and agent lane, open agent sessions, workers, weight versions, runs, failures"
     connects = True
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run", default=None)
@@ -24,13 +24,8 @@ class StatusCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.audit.status import collect, format_status
         from pipeline.core.broker.connection import connect_redis
-        from pipeline.core.broker.registry import unknown_pool
 
-        conn, pool = connect_redis(args.redis), args.pool or settings.pool()
-        why = None if pool is None else unknown_pool(conn, pool)
-        if why is not None:
-            raise PipelineError(why)
-        status = collect(conn, run=args.run, pool=pool)
+        status = collect(connect_redis(args.redis), run=args.run, pool=self.pool(args))
         print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
         return 0
 

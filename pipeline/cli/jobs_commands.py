@@ -19,6 +19,10 @@ class SubmitCommand(Command):
     name = "submit"
     help = "validate a JSONL file or a dataset of requests and enqueue all of it"
     connects = True
+    pool_use = "names"
+
+    def new_pool(self, pool: str) -> None:
+        print(f"note: pool {pool!r} is new: no worker serves it yet (`pipeline worker --pool {pool}`)", file=sys.stderr)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
@@ -79,8 +83,6 @@ class SubmitCommand(Command):
         episodes.add_argument("--groups-per-step", type=int, default=None, metavar="B",
                               help="with --max-staleness K: tasks a training step takes; step s's tasks start "
                                    "once the trainer has pushed the version K steps before it")
-        add("--new-pool", action="store_true",
-            help="the pool is new on purpose: submit even though its name is close to an existing pool's")
         add("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
         add("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
 
@@ -89,7 +91,6 @@ class SubmitCommand(Command):
         from pipeline.core.demo_model import resolve
 
         client = connect(args.redis, pool=args.pool)
-        _check_pool(client, new=args.new_pool)
         if args.agent is not None:
             return self._episodes(client, args)
         episode_only = [flag for flag, value in (("--episode-timeout", args.episode_timeout),
@@ -166,24 +167,11 @@ class SubmitCommand(Command):
         return 0
 
 
-def _check_pool(client: Any, *, new: bool) -> None:
-    """A submit into a pool never named before: refused when its name is close to a known pool's (a
-    typo would queue work no worker serves), else said on stderr with how to serve it."""
-    from pipeline.core.broker.registry import unknown_pool
-
-    why = unknown_pool(client.conn, client.pool)
-    if why is None:
-        return
-    if "did you mean" in why and not new:
-        raise PipelineError(f"{why}; a new pool of that name: add --new-pool")
-    print(f"note: pool {client.pool!r} is new: no worker serves it yet (`pipeline worker --pool {client.pool}`)",
-          file=sys.stderr)
-
-
 class CancelCommand(Command):
     name = "cancel"
     help = "cancel a run or jobs: queued ones removed, running ones aborted"
     connects = True
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run", default=None, help="every job submitted to this run")

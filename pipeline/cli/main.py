@@ -14,6 +14,7 @@ either lists every pool). Option abbreviations are off everywhere (`--engin` is 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from pipeline.core.errors import (
     WaitTimeoutError,
     WeightPushError,
 )
-from pipeline.core.suggest import did_you_mean
+from pipeline.core.suggest import OTHER_NAMES, did_you_mean
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TIMEOUT", "EXIT_UNREACHABLE", "EXIT_USAGE", "build_parser",
            "commands", "exit_code", "main"]
@@ -75,20 +76,34 @@ class Parser(argparse.ArgumentParser):
         if invalid:
             message += did_you_mean(invalid.group(1), re.findall(r"'([^']*)'", invalid.group(2)))
         unknown = re.match(r"unrecognized arguments: (.*)$", message)
-        if unknown:
-            message += self._closest_options(unknown.group(1).split())
+        if unknown:  # found by the top parser, about the command's options: the command's usage
+            command = self._command_parser()
+            message += _closest_option(unknown.group(1).split(), command)
+            argparse.ArgumentParser.error(command, message)
         super().error(message)
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_args(args, namespace)
 
-    def _closest_options(self, words: list[str]) -> str:
-        """"did you mean" for the first unknown option, among the chosen command's options."""
-        subparsers = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
-        command = subparsers[0].choices.get(_chosen(getattr(self, "_argv", []))) if subparsers else None
-        known = [o for a in (command or self)._actions for o in a.option_strings]
-        return next((did_you_mean(w.split("=")[0], known) for w in words if w.startswith("-")), "")
+    def _command_parser(self) -> argparse.ArgumentParser:
+        """The parser of the command named on the command line, the innermost (`weights push`'s), else this one."""
+        parser: argparse.ArgumentParser = self
+        for word in (w for w in getattr(self, "_argv", []) if not w.startswith("-")):
+            subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            if not subparsers or word not in subparsers[0].choices:
+                break
+            parser = subparsers[0].choices[word]
+        return parser
+
+
+def _closest_option(words: list[str], parser: argparse.ArgumentParser) -> str:
+    """"did you mean" for the first unknown option among `parser`'s, other tools' names included
+    (`--n-samples`: `--n`)."""
+    known = [o for a in parser._actions for o in a.option_strings]
+    flags = {f"--{other}".replace("_", "-"): f"--{ours}".replace("_", "-") for other, ours in OTHER_NAMES.items()}
+    aliases = {flag: ours for flag, ours in flags.items() if ours in known}
+    return next((did_you_mean(w.split("=")[0], known, aliases=aliases) for w in words if w.startswith("-")), "")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -110,9 +125,12 @@ def _chosen(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(only=_chosen(argv)).parse_args(argv)
     try:
+        args = build_parser(only=_chosen(argv)).parse_args(argv)
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of its output went away (`pipeline show RUN | head`): done, quietly
+        _drop_stdout()
+        return 0
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_code(exc)
@@ -133,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush meets no broken pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

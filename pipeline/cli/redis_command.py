@@ -1,8 +1,10 @@
-"""`pipeline redis start | stop | url`: the embedded Redis server."""
+"""`pipeline redis start | stop | url`: the embedded Redis server. `start` prints its URL with the
+password redacted (a terminal's scrollback, a CI log); `url` prints it whole, for a script."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import redis
 
@@ -16,7 +18,9 @@ class RedisCommand(Command):
     help = "the embedded Redis server"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("action", choices=["start", "stop", "url"])
+        parser.add_argument("action", choices=["start", "stop", "url"],
+                            help="start (prints the URL, password redacted), stop, or url (the URL whole, "
+                                 "password included: `export PIPELINE_REDIS_URL=$(pipeline redis url)`)")
         parser.add_argument("--force", action="store_true",
                             help="stop: even while workers are registered on it (they lose their Redis)")
 
@@ -25,7 +29,11 @@ class RedisCommand(Command):
 
         server = embedded_server()
         if args.action == "start":
-            print(server.ensure_started())
+            from pipeline.core.broker.connection import redacted
+
+            print(redacted(server.ensure_started()))
+            print("the URL with its password: `pipeline redis url` (commands on this machine need none of it: "
+                  "they find the embedded server themselves)", file=sys.stderr)
         elif args.action == "url":
             print(server.url if server.is_running() else "not running")
         elif args.action == "stop":

@@ -53,6 +53,7 @@ class RunsCommand(_ListOrDelete):
     name = "runs"
     help = "the runs that exist, newest first, with their jobs and rows; `runs delete NAME` forgets one"
     noun = "run"
+    pool_use = "reads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         super().add_arguments(parser)

@@ -11,6 +11,7 @@ class ServeCommand(Command):
     name = "serve"
     help = "serve agents: OpenAI's Chat Completions over the queue, sessions, token-exact trajectories"
     connects = True
+    pool_use = "names"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--host", default="127.0.0.1",

@@ -1,6 +1,7 @@
 """The demo model by name: `demo` (SmolLM2-135M-Instruct, converted by `pipeline demo`) and
 `demo-perturbed` (the demo's "next checkpoint") stand for their cached directories wherever the
-command line takes a model or tokenizer path (`--tokenizer`, `verify --model`, `weights push`).
+command line takes a model or tokenizer path (`--tokenizer`, `worker --model`, `verify --model`,
+`weights push`, `report --verify-model`): `resolve` is the one resolver every command uses.
 
 Only where they are is known here (`settings.model_cache()`); converting the model is
 `workers.engines.hf.demo_model`'s job, so the trainer side loads nothing to resolve a name.

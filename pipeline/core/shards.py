@@ -37,7 +37,9 @@ __all__ = [
 
 def is_location(source: str) -> bool:
     """A URL, an existing path, or what no run name can be (a '/' in it, a `.parquet` file): a missing
-    path then says what is there instead. Anything else names a run (read through its commit log)."""
+    path then says what is there instead. Anything else names a run (read through its commit log).
+    The one rule of every reader (`read_rollouts`, `rollouts_dataset`, `RolloutBatches`,
+    `read_trajectories`, `pipeline show`, `verify`, `report`)."""
     return "://" in source or os.path.exists(source) or "/" in source or source.endswith(".parquet")
 
 
@@ -92,7 +94,7 @@ def rollouts_dataset(
     conn: redis.Redis | None = None,
     missing_ok: bool = False,
 ) -> pads.Dataset:
-    """A pyarrow Dataset over shards: a run directory, an output root plus `run`, or shard URLs.
+    """A pyarrow Dataset over shards: a run name, a run directory, an output root plus `run`, or shard URLs.
 
     With `conn` and `run`, the shards are those of the run's commit log (one per job id, the
     latest commit wins) instead of a directory listing; `urls` is then not listed.
@@ -104,6 +106,12 @@ def rollouts_dataset(
 def _shard_files(
     urls: str | Sequence[str], run: str | None, conn: redis.Redis | None, *, missing_ok: bool = False,
 ) -> tuple[fsspec.AbstractFileSystem | None, list[str]]:
+    if run is None and isinstance(urls, str) and not is_location(urls):  # a run name, as every reader takes
+        urls, run = [], urls
+        if conn is None:
+            from pipeline.core.broker.connection import connect_redis
+
+            conn = connect_redis()
     if conn is not None:
         if run is None:
             raise PipelineError("reading through the commit log needs the run name (run=...)")
@@ -176,7 +184,8 @@ def read_rollouts(
     rewards: bool = False,
     missing_ok: bool = False,
 ) -> pa.Table:
-    """The rows of the shards under a URL (or of the given shard URLs) as one Table.
+    """The rows of a run (by name: its commit log, on `conn` or the default Redis), of the shards under
+    a URL (plus `run`: that run's directory under an output root), or of the given shard URLs, as one Table.
 
     `columns` projects, `filter` (see `weight_version_between`, `finish_reason_in`,
     `request_id_in`, combinable with `&`) is pushed down; `conn` dedupes through the commit log.

@@ -6,6 +6,13 @@ import difflib
 from collections.abc import Iterable
 
 SHOWN = 10
+# Names from OpenAI's and other engines' APIs (and their flags), and the name a request field (or
+# `pipeline submit`'s flag, `--n-samples` for `n_samples`) has here.
+OTHER_NAMES = {
+    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+    "stop_sequences": "stop", "top_logprobs": "logprobs", "prompt_token_ids": "input_ids",
+    "prompt_ids": "input_ids", "num_samples": "n", "n_samples": "n", "num_return_sequences": "n",
+}
 
 
 def did_you_mean(name: str, known: Iterable[str], *, aliases: dict[str, str] | None = None) -> str:

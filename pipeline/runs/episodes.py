@@ -55,9 +55,18 @@ class EpisodeRun:
     def run(self) -> str:
         return self.plan.run
 
+    def __repr__(self) -> str:
+        """Run, pool, agent and the episodes' counts (the non-zero ones), not the connection."""
+        try:
+            counts: Any = {status: count for status, count in self.counts().items() if count}
+        except redis.RedisError as exc:
+            counts = f"unavailable ({type(exc).__name__})"
+        return (f"EpisodeRun(run={self.run!r}, pool={self.plan.pool!r}, agent={self.plan.agent!r}, "
+                f"episodes={self.plan.episodes}, counts={counts})")
+
     def counts(self) -> dict[str, int]:
         """submitted, queued, running, finished, failed, canceled, retried, abandoned (a worker died),
-        duplicates."""
+        handed_back (a worker shut down), duplicates."""
         info = episodes.run_info(self.conn, self.run)
         return dict(info["counts"]) if info else {}
 

@@ -20,7 +20,7 @@ import simdjson
 from pydantic import ValidationError
 
 from pipeline.core.errors import LineError, PipelineError, RequestFileError
-from pipeline.core.suggest import did_you_mean
+from pipeline.core.suggest import OTHER_NAMES, did_you_mean
 from schemas import request as request_schema
 from schemas.chat import CHAT_INPUTS
 from schemas.request import (
@@ -48,12 +48,6 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-# Names from OpenAI's and other engines' APIs, and the field this schema calls them.
-OTHER_NAMES = {
-    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-    "stop_sequences": "stop", "top_logprobs": "logprobs", "prompt_token_ids": "input_ids",
-    "prompt_ids": "input_ids", "num_samples": "n",
-}
 _TOP_FIELDS = tuple(RolloutRequest.model_fields)
 _SAMPLING_FIELDS = tuple(SamplingParams.model_fields)
 # Where pydantic places a chat line's input (`pipeline.submit.render` renders it, given a tokenizer).

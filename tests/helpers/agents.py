@@ -165,3 +165,12 @@ async def solve_or_hang(task: dict[str, Any], client: Any, episode: Any) -> floa
         await _turns(task, client, episode, turns=1)
         await asyncio.sleep(3600)
     return (await solve(task, client, episode))["reward"]
+
+
+async def hangs_first(task: dict[str, Any], client: Any, episode: Any) -> float:
+    """Hangs after one turn in its first attempt (until its worker stops it); `solve` in the next."""
+    if episode.attempt == 1:
+        await _turns(task, client, episode, turns=1)
+        _event(hung=episode.session_id)
+        await asyncio.sleep(3600)
+    return (await solve(task, client, episode))["reward"]

@@ -9,9 +9,10 @@ agent with an OpenAI client bound to it, and ends the session recording the rewa
 call); then the outcome is committed once (`episodes.commit`).
 
 SIGTERM (or SIGINT) stops taking episodes; those in flight get `grace_s` to finish, then are
-cancelled (their environments torn down) and left to another worker, which runs them again in fresh
-sessions. A second signal cancels at once. After a SIGKILL nothing is torn down: an environment
-living outside the process (a container, a cloud sandbox) outlives it until its own expiry.
+cancelled (their environments torn down) and handed back (`episodes.hand_back`): another worker
+takes them at once and runs them again in fresh sessions (counted as handed back, not abandoned).
+A second signal cancels at once. After a SIGKILL nothing is torn down: an environment living
+outside the process (a container, a cloud sandbox) outlives it until its own expiry.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class AgentWorker:
         self._running: set[asyncio.Task[None]] = set()  # the episodes in flight
         self._tasks: dict[str, asyncio.Task[None]] = {}  # entry id → its episode's task
         self._canceled: set[str] = set()  # entries whose run was canceled: their tasks are being cancelled
+        self._handed_back: list[Claimed] = []  # entries stopped by the shutdown, left to another worker
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._kept = threading.Event()  # set: the keep-alive thread ends
@@ -149,6 +151,9 @@ class AgentWorker:
         finally:
             self._kept.set()
             keeper.join(timeout=10)
+            if self._handed_back:
+                with contextlib.suppress(redis.RedisError):  # else they are taken over after claim_after_s
+                    await asyncio.to_thread(episodes.hand_back, self.conn, self.worker_id, self._handed_back)
             await serve.close()
             await asyncio.to_thread(self._unregister)
         log.info("agent worker %s stopped: %d finished, %d failed, %d retried, %d taken over", self.worker_id,
@@ -271,7 +276,8 @@ class AgentWorker:
             if agent is None:  # its stream is one of this worker's agents': cannot happen unless renamed
                 raise RuntimeError(f"episode {job.episode_id} names agent {job.agent!r}, not one of this worker's")
             if not await self.admission.wait(job, self._stopping):
-                return  # stopping while it waited: left pending for another worker
+                self._handed_back.append(claimed)  # stopping while it waited: left to another worker
+                return
             with episode_span(job) as trace_id:
                 outcome = await self._attempts(claimed, agent, serve, trace_id)
             if outcome is None:
@@ -290,7 +296,8 @@ class AgentWorker:
         except (asyncio.CancelledError, RunCanceled) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 if claimed.entry_id not in self._canceled:
-                    raise  # shutting down: left pending for another worker
+                    self._handed_back.append(claimed)  # shutting down: left to another worker
+                    raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
             self.stats.canceled += 1
             log.info("episode %s of run %s stopped: the run was canceled", job.episode_id, job.run)

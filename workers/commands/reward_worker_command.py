@@ -11,6 +11,7 @@ class RewardWorkerCommand(Command):
     name = "reward-worker"
     help = "score committed shards with their run's reward function"
     connects = True
+    pool_use = "names"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from workers.process.metrics import DEFAULT_METRICS_HOST

@@ -20,6 +20,7 @@ class WorkerCommand(Command):
     name = "worker"
     help = "run a worker process around one engine"
     connects = True
+    pool_use = "names"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from workers.commands.worker_options import (

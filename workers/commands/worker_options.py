@@ -11,7 +11,8 @@ from workers.engines.factory import ENGINES, EngineOptions
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="hf")
     parser.add_argument("--model", default=None,
-                        help="model directory (default: the demo model); for the HTTP engines, the directory "
+                        help="model directory (default: the demo model; `demo`, `demo-perturbed`: the demo model's); "
+                             "for the HTTP engines, the directory "
                              "the servers load (read for its vocabulary size)")
     parser.add_argument("--device", default="cpu", help="torch device for the hf engine")
     parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
@@ -80,9 +81,12 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
+    from pipeline.core.demo_model import resolve
+
     return EngineOptions(
-        engine=args.engine, model=args.model, device=args.device, max_top_logprobs=args.max_top_logprobs,
-        max_batch_sequences=args.max_batch_sequences, urls=tuple(args.urls), routed_experts=args.routed_experts,
+        engine=args.engine, model=args.model and resolve(args.model), device=args.device,
+        max_top_logprobs=args.max_top_logprobs, max_batch_sequences=args.max_batch_sequences, urls=tuple(args.urls),
+        routed_experts=args.routed_experts,
         experts_layout=args.experts_layout,
         sim={
             "capacity": args.sim_capacity, "step_s": args.sim_step_ms / 1000,

@@ -12,6 +12,15 @@ class DemoCommand(Command):
     help = ("run the whole loop on the embedded default with the demo model, in a pool of its own (`demo`, or "
             "--pool; not $PIPELINE_POOL) whose weights it resets first")
     connects = True
+    pool_use = "names"
+
+    def pool(self, args: argparse.Namespace) -> str | None:
+        from workers.demo.run import DEMO_POOL
+
+        return args.pool or DEMO_POOL
+
+    def new_pool(self, pool: str) -> None:
+        """Nothing to say: the demo makes its pool on purpose."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--requests", default="examples/rollouts.jsonl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from workers.engines.base import Engine
 from workers.errors import EngineUnavailableError
@@ -61,7 +62,7 @@ def _vocab_size(options: EngineOptions) -> int | None:
 
 def build_engine(options: EngineOptions) -> Engine:
     if options.engine == "hf":
-        from workers.engines.hf.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+        from workers.engines.hf.demo_model import DEMO_MODEL_NAME, cache_dir, ensure_demo_model
         from workers.engines.hf.engine import HFEngine
 
         path = options.model or ensure_demo_model()
@@ -70,7 +71,7 @@ def build_engine(options: EngineOptions) -> Engine:
             device=options.device,
             max_top_logprobs=options.max_top_logprobs,
             weight_version=options.weight_version,
-            model_name=None if options.model else DEMO_MODEL_NAME,
+            model_name=DEMO_MODEL_NAME if Path(path) == cache_dir() else None,  # `--model demo` too
             max_batch_sequences=options.max_batch_sequences,
         )
     if options.engine == "sim":

@@ -13,7 +13,8 @@ what.
 Each attempt is recorded before it starts (`start_attempt`): its session, worker and number. A
 new attempt discards the session of the one before it (a retry after an error or timeout, or a
 take-over after a crash): those turns never reach training (`keys.episode_discarded`, counted as
-`retried` and `abandoned`). An outcome is committed by one script (`commit`) that writes it only
+`retried`, `abandoned` (its worker died) and `handed_back` (its worker shut down: `hand_back`)), and
+the discarded session no longer counts as open. An outcome is committed by one script (`commit`) that writes it only
 if no outcome exists for the episode and the committing worker holds the attempt in flight, and
 acknowledges the entry in the same step; a worker whose episode was taken over commits nothing
 (its session is discarded, counted as `duplicates`).
@@ -40,10 +41,12 @@ from schemas.episode import EpisodeJob, EpisodeOutcome, episode_id
 
 GROUP = keys.EPISODE_GROUP
 JOB_FIELD = b"job"
-COUNTS = ("submitted", "finished", "failed", "canceled", "retried", "abandoned", "duplicates")
+COUNTS = ("submitted", "finished", "failed", "canceled", "retried", "abandoned", "handed_back", "duplicates")
+HANDED_BACK_IDLE_MS = 10**9  # a handed-back entry looks idle this long: any worker takes it over at once
 ENDED = ("finished", "failed", "canceled")  # the statuses of an outcome
 
-# KEYS: attempts, discarded, run hash, outcomes. ARGV: episode id, attempt JSON, session id, worker id.
+# KEYS: attempts, discarded, run hash, outcomes, the pool's open sessions. ARGV: episode id, attempt JSON,
+# session id, worker id.
 # Returns 0 when the episode has an outcome already (a leftover entry: acknowledge it), else 1 and the
 # attempt number to use (one past the last recorded, whoever ran it).
 _START = """
@@ -57,7 +60,10 @@ if previous then
   failures = prev.failures or 0
   if prev.session_id and prev.session_id ~= ARGV[3] then
     redis.call('SADD', KEYS[2], prev.session_id)
-    if prev.worker_id == ARGV[4] then
+    redis.call('SREM', KEYS[5], prev.session_id)
+    if prev.handed_back then
+      redis.call('HINCRBY', KEYS[3], 'handed_back', 1)
+    elseif prev.worker_id == ARGV[4] then
       redis.call('HINCRBY', KEYS[3], 'retried', 1)
     else
       redis.call('HINCRBY', KEYS[3], 'abandoned', 1)
@@ -69,6 +75,18 @@ attempt.attempt = number
 attempt.failures = failures
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(attempt))
 return {1, number, failures}
+"""
+
+# KEYS: attempts. ARGV: episode id, worker id. An attempt its worker stopped on shutdown: marked, so the
+# next attempt counts it as handed back, not abandoned.
+_HAND_BACK = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local attempt = cjson.decode(raw)
+if attempt.worker_id ~= ARGV[2] then return 0 end
+attempt.handed_back = true
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(attempt))
+return 1
 """
 
 # KEYS: attempts. ARGV: episode id, worker id. A failed attempt that will be retried: counted.
@@ -175,8 +193,9 @@ def start_attempt(conn: redis.Redis, job: EpisodeJob, *, session_id: str, worker
     episode already has an outcome."""
     attempt = {"session_id": session_id, "worker_id": worker_id, "trace_id": trace_id, "started_at_ms": started_at_ms}
     started, number, *failures = conn.eval(
-        _START, 4, keys.episode_attempts(job.run), keys.episode_discarded(job.run), keys.episode_run(job.run),
-        keys.episode_outcomes(job.run), job.episode_id, json.dumps(attempt), session_id, worker_id)
+        _START, 5, keys.episode_attempts(job.run), keys.episode_discarded(job.run), keys.episode_run(job.run),
+        keys.episode_outcomes(job.run), keys.pool(job.pool).open_sessions, job.episode_id, json.dumps(attempt),
+        session_id, worker_id)
     return Attempt(int(number), int(failures[0]) if failures else 0) if started else None
 
 
@@ -211,6 +230,16 @@ def keep_claimed(conn: redis.Redis, consumer: str, held: list[Claimed]) -> None:
     with conn.pipeline(transaction=False) as pipe:
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GROUP, consumer, 0, ids, justid=True)
+        pipe.execute()
+
+
+def hand_back(conn: redis.Redis, consumer: str, stopped: list[Claimed]) -> None:
+    """Episodes this worker stopped on shutdown: their attempts marked handed back, their entries made
+    idle so that any worker takes them over at once (`take_over`), not after `claim_after_s`."""
+    with conn.pipeline(transaction=False) as pipe:
+        for claimed in stopped:
+            pipe.eval(_HAND_BACK, 1, keys.episode_attempts(claimed.job.run), claimed.job.episode_id, consumer)
+            pipe.xclaim(claimed.stream, GROUP, consumer, 0, [claimed.entry_id], idle=HANDED_BACK_IDLE_MS, justid=True)
         pipe.execute()
 
 

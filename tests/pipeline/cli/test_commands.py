@@ -103,18 +103,23 @@ def test_a_mistyped_command_or_choice_is_a_usage_error_that_suggests_the_closest
     assert f"invalid choice: '{typo}'" in err and err.rstrip().endswith(f"; did you mean {suggested!r}?")
 
 
-@pytest.mark.parametrize(("argv", "suggested"), [
-    (["submit", "r.jsonl", "--rn", "x"], "--run"),
-    (["status", "--jsn"], "--json"),
-    (["cancel", "--run=x", "--pol=a"], "--pool"),
+@pytest.mark.parametrize(("argv", "suggested", "usage_of"), [
+    (["submit", "r.jsonl", "--rn", "x"], "--run", "pipeline submit"),
+    (["status", "--jsn"], "--json", "pipeline status"),
+    (["cancel", "--run=x", "--pol=a"], "--pool", "pipeline cancel"),
+    (["submit", "r.jsonl", "--n-samples", "2"], "--n", "pipeline submit"),  # other tools' names, as for fields
+    (["submit", "r.jsonl", "--max-tokens", "8"], "--max-new-tokens", "pipeline submit"),
+    (["weights", "push", "/ckpt", "--version", "3", "--forse"], "--force", "pipeline weights push"),
 ])
 def test_a_mistyped_option_is_a_usage_error_that_suggests_the_commands_closest(
-        argv: list[str], suggested: str, capsys: pytest.CaptureFixture[str]) -> None:
+        argv: list[str], suggested: str, usage_of: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """...and prints the usage of the command it was given to, not the top level's list of commands."""
     with pytest.raises(SystemExit) as usage:
         cli.main(argv)
     assert usage.value.code == EXIT_USAGE
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and err.rstrip().endswith(f"; did you mean {suggested!r}?")
+    assert err.startswith(f"usage: {usage_of} [-h]") and f"\n{usage_of}: error: " in err
 
 
 def test_the_worker_usage_error_from_the_command_line(tmp_path: Path) -> None:

@@ -122,10 +122,13 @@ def test_show_takes_a_run_name_with_did_you_mean_and_cancel_of_a_run_name_points
 def test_a_push_to_a_pool_nobody_named_warns_and_a_missing_path_is_refused_as_missing(
         redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pipeline.Client(redis_client, pool="tour").submit(REQUESTS[:1], run="t", output=f"file://{tmp_path}")
-    code, out, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor")
+    code, _, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor")
+    assert code == EXIT_USAGE and "did you mean 'tour'?" in err and "--new-pool" in err  # a typo: nothing pushed
+    assert control_channel.read_state(redis_client, "tuor").weight_version == 0
+    code, out, err = _cli(capsys, redis_url, "weights", "push", str(tmp_path), "--version", "1", "--pool", "tuor",
+                          "--new-pool")
     assert code == 0 and "pool tuor: weights v1" in out, err
-    assert ("warning: no worker has ever served pool 'tuor' and nothing was submitted to it (pools here: default, "
-            "tour; did you mean 'tour'?)") in err
+    assert "warning: no worker has ever served pool 'tuor' and nothing was submitted to it" in err
 
     # A sim worker takes any path (so do HTTP engines' servers, wherever they run): a warning only.
     now = time.time()
@@ -194,3 +197,25 @@ def test_a_mistyped_demo_model_name_is_refused_with_the_name_it_meant(
         redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(capsys, redis_url, "weights", "push", "demo-perturbd", "--version", "1")
     assert code == EXIT_USAGE and "did you mean 'demo-perturbed'?" in err and "nothing was pushed" in err
+
+
+def test_runs_counts_an_agent_runs_shards_as_status_does_and_says_where_they_are(
+        redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run of agent turns (`pipeline serve`) has no batch output: its shards and where they are come
+    from its committed turn shards and the output its sessions write to."""
+    from pipeline.audit.status import collect
+    from pipeline.core.broker import commit_log
+    from pipeline.serve.sessions import SessionStore
+
+    SessionStore(redis_client).create(run="ep-0", pool="default", output="file:///data/out")
+    for index in range(7):
+        commit_log.append(redis_client, "ep-0", commit_log.Commit(
+            job_id=f"turns-{index}", batch_id="turns", url=f"file:///data/out/ep-0/turns-{index}.parquet", rows=2,
+            tokens=10, weight_version=0))
+    assert collect(redis_client, pool="default")["pools"]["default"]["runs"]["ep-0"]["shards"] == 7
+    code, out, _ = _cli(capsys, redis_url, "runs")
+    header, line = out.splitlines()
+    assert code == 0 and header.split()[6:] == ["shards", "where"]
+    assert line.split()[-2:] == ["7", "file:///data/out/ep-0"]
+    code, out, _ = _cli(capsys, redis_url, "runs", "--json")
+    assert json.loads(out)[0]["shards"] == 7 and json.loads(out)[0]["outputs"] == ["file:///data/out/ep-0"]

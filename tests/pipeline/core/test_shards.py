@@ -178,6 +178,24 @@ def test_dedupes_through_the_commit_log(tmp_path: Path, redis_client: redis.Redi
         read_rollouts(output, conn=redis_client)
 
 
+def test_every_reader_takes_a_run_name_as_read_trajectories_does(
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`read_rollouts("step-1")` is the run's committed rows (its commit log, on `conn` or the default
+    Redis), not a path of that name; the same for `rollouts_dataset`; a misspelled run says "did you mean"."""
+    url, table = write_job(str(tmp_path / "out"), "b-00000", 1, seed=1)
+    write_job(str(tmp_path / "out"), "b-00001", 1, seed=2)  # never committed: not the run's
+    commit_log.append(redis_client, RUN, commit_log.Commit(job_id="b-00000", batch_id="b", url=url,
+                                                           rows=table.num_rows, tokens=0, weight_version=1))
+    redis_client.sadd(keys.pool(None).runs, RUN)
+    assert sort_rows(read_rollouts(RUN, conn=redis_client)) == sort_rows(table)
+    assert rollouts_dataset(RUN, conn=redis_client).count_rows() == table.num_rows
+    monkeypatch.setenv("PIPELINE_REDIS_URL", redis_url)
+    monkeypatch.chdir(tmp_path)
+    assert sort_rows(read_rollouts(RUN)) == sort_rows(table)
+    with pytest.raises(NoShardsError, match=f"did you mean {RUN!r}"):
+        read_rollouts("step-2")
+
+
 def test_run_totals_count_each_job_once_at_its_latest_commit(redis_client: redis.Redis) -> None:
     def commit(job: str, rows: int, version: int) -> None:
         commit_log.append(redis_client, "totals", commit_log.Commit(

@@ -36,7 +36,7 @@ def test_each_task_sample_is_one_exact_trajectory_and_a_task_one_group(redis_cli
     stats = run_episodes(redis_client, server, "solve")
     assert (stats.finished, stats.failed, stats.retried) == (6, 0, 0)
     assert run.counts() | {} == {"submitted": 6, "finished": 6, "failed": 0, "canceled": 0, "retried": 0,
-                                 "abandoned": 0, "duplicates": 0, "running": 0, "queued": 0}
+                                 "abandoned": 0, "handed_back": 0, "duplicates": 0, "running": 0, "queued": 0}
 
     groups = pipeline.read_trajectories("ep", conn=redis_client, groups=True)
     assert [g.column("task_id").to_pylist() for g in groups] == [["add-1"] * 2, ["1"] * 2, ["17"] * 2]
@@ -205,12 +205,12 @@ def test_status_shows_a_runs_episodes_and_the_reasons_they_failed(redis_client: 
     done = subprocess.run([*PIPELINE, "status"], env=pipeline_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert ("episodes (2 tasks x 2, agent tests.helpers.agents:rejects): 0 queued, 0 running, 2 finished, 2 failed; "
-            "2 retried, 0 abandoned by a worker that died") in done.stdout
+            "2 retried, 0 abandoned by a worker that died, 0 handed back by a worker shutting down") in done.stdout
     assert "failed x2: the agent raised KeyError: \"task 'b' has no 'question'\"" in done.stdout
 
 
 def test_the_report_has_an_episodes_section(redis_client: redis.Redis, server: Server) -> None:
-    from tests.pipeline.audit.test_report import Page
+    from tests.pipeline.audit.test_report import Page, assert_self_contained
     from workers.jobs.turn_log import flush_turns
 
     _submit(redis_client, "rejects", [{"id": "a", "question": "?", "turns": 2}, {"id": "b"}], n=2, retries=1)
@@ -220,6 +220,12 @@ def test_the_report_has_an_episodes_section(redis_client: redis.Redis, server: S
     assert "Agent episodes" in page.titles
     (overview,) = page.table_with("abandoned")
     assert (overview["episodes"], overview["finished"], overview["failed"], overview["retried"]) == ("4", "2", "2", "2")
-    assert page.table_with("mean reward") == [{"turns": "2", "finished episodes": "2", "mean reward": "1"}]
+    assert page.table_with("turns") == [{"turns": "2", "finished episodes": "2", "mean reward": "1"}]
+    # Every episode took 2 turns: the plot is the reward distribution and the reward over the run, not
+    # one bar of reward by turns; their tables say the same.
+    assert page.table_with("reward") == [{"reward": "1", "finished episodes": "2"}]
+    over_run = page.table_with("ended (tenth of the run)")
+    assert sum(int(r["finished episodes"]) for r in over_run) == 2 and {r["mean reward"] for r in over_run} == {"1"}
+    assert_self_contained(page)
     (failed,) = page.table_with("reason")
     assert failed == {"failed": "2", "reason": "the agent raised KeyError: \"task 'b' has no 'question'\""}

@@ -39,3 +39,22 @@ def test_cli_flags_reach_the_options() -> None:
     options = engine_options(args)
     assert options.urls == ("http://a:1", "http://b:2") and options.routed_experts
     assert options.experts_layout == "4,2,16"
+
+
+def test_worker_model_takes_the_demo_names_as_every_command_does(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pipeline worker --model demo` (or `demo-perturbed`) is the demo model's directory, as for
+    `--tokenizer`, `verify --model` and `weights push`; one not converted yet says how to make it."""
+    from pipeline.cli.main import build_parser
+    from pipeline.core.demo_model import demo_dir
+    from pipeline.core.errors import PipelineError
+
+    monkeypatch.setenv("PIPELINE_MODEL_CACHE", str(tmp_path))
+    parse = build_parser().parse_args
+    with pytest.raises(PipelineError, match="run `pipeline demo`"):
+        engine_options(parse(["worker", "--model", "demo"]))
+    for name in ("demo", "demo-perturbed"):
+        demo_dir(name).mkdir(parents=True)
+        (demo_dir(name) / "config.json").write_text("{}")
+        assert engine_options(parse(["worker", "--model", name])).model == str(demo_dir(name))
+    assert engine_options(parse(["worker", "--model", str(tmp_path)])).model == str(tmp_path)

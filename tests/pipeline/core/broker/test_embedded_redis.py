@@ -17,10 +17,15 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
     env = {**os.environ, "PIPELINE_HOME": str(tmp_path / "home")}
     env.pop("PIPELINE_REDIS_URL", None)
     started = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
-    url = started.stdout.strip()
     assert started.stderr.count("started the embedded Redis server") == 1  # said once, on stderr
     directory = tmp_path / "home" / "redis"
     password = (directory / "password").read_text().strip()
+    # `start` never prints the password (a terminal's scrollback, a CI log); it says where the whole URL is.
+    assert password not in started.stdout + started.stderr
+    assert started.stdout.strip() == f"unix://{directory / 'redis.sock'}?password=***"
+    assert "`pipeline redis url`" in started.stderr
+    url = subprocess.run([*PIPELINE, "redis", "url"], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
     assert url == f"unix://{directory / 'redis.sock'}?password={password}"
     # The password is private to its owner, and the server refuses anyone without it.
     assert (directory / "password").stat().st_mode & 0o777 == 0o600
@@ -36,7 +41,7 @@ def test_commands_share_one_embedded_server(tmp_path: Path) -> None:
         client.set("marker", "1")
         # A second command reuses the same server instead of starting another.
         again = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True, check=True)
-        assert again.stdout.strip() == url and "embedded Redis" not in again.stderr
+        assert again.stdout == started.stdout and "embedded Redis" not in again.stderr
         assert client.get("marker") == b"1"
         status = subprocess.run([*PIPELINE, "status"], env=env, capture_output=True, text=True, check=True)
         assert "workers: 0 live" in status.stdout and status.stderr == ""
@@ -64,7 +69,8 @@ def test_stopping_the_embedded_server_under_live_workers_is_refused_unless_force
 
     env = {**os.environ, "PIPELINE_HOME": str(tmp_path / "home")}
     env.pop("PIPELINE_REDIS_URL", None)
-    url = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True,
+    subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, check=True)
+    url = subprocess.run([*PIPELINE, "redis", "url"], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     log = tmp_path / "worker.log"
     worker = subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", "--heartbeat-interval", "1"], env=env,
@@ -99,7 +105,8 @@ def test_the_fsync_policy_is_chosen_when_the_server_starts_and_a_typo_is_refused
     assert refused.returncode != 0 and "PIPELINE_REDIS_APPENDFSYNC='sometimes'" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "home" / "redis" / "redis.sock").exists()
     env["PIPELINE_REDIS_APPENDFSYNC"] = "always"
-    url = subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, text=True,
+    subprocess.run([*PIPELINE, "redis", "start"], env=env, capture_output=True, check=True)
+    url = subprocess.run([*PIPELINE, "redis", "url"], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     try:
         assert redis.Redis.from_url(url).config_get("appendfsync")["appendfsync"] == "always"
