@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import redis
 
+from pipeline.core import settings
 from pipeline.core.command import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -111,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(only=_chosen(argv)).parse_args(argv)
     try:
+        settings.control_secret()  # a control key file that is not there: an error now, not at the first control read
         return int(args.func(args) or 0)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
