@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import pipeline
+from pipeline.core.broker import connection
 from tests.conftest import PIPELINE
 from tests.helpers import netns_fleet
 from tests.helpers.netns_fleet import Fleet, redis_binary
@@ -33,23 +34,25 @@ pytestmark = pytest.mark.skipif(netns_fleet.unavailable() is not None, reason=ne
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+def fleet(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """The fleet, Redis's group up; a test marked `redis_args(...)` gives its servers those settings."""
+    marker = request.node.get_closest_marker("redis_args")
     fleet = Fleet(HOSTS).up()
     try:
-        _redis_group(fleet, tmp_path)
+        _redis_group(fleet, tmp_path, list(marker.args) if marker else [])
         yield fleet
     finally:
         fleet.down()
 
 
-def _redis_group(fleet: Fleet, tmp_path: Path) -> None:
+def _redis_group(fleet: Fleet, tmp_path: Path, extra: list[str]) -> None:
     master = fleet.ip("redis-a")
     for host in ("redis-a", "redis-b"):
         data = tmp_path / host
         data.mkdir()
         command = [redis_binary("redis-server"), "--port", "6379", "--bind", "0.0.0.0", "--protected-mode", "no",
                    "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data),
-                   "--replica-announce-ip", fleet.ip(host)]
+                   "--replica-announce-ip", fleet.ip(host), *extra]
         if host != "redis-a":
             command += ["--replicaof", master, "6379"]
         fleet.start(host, command, log=tmp_path / f"{host}-redis.log")
@@ -160,3 +163,33 @@ def test_the_masters_host_cut_off_fails_over_and_rejoins_as_a_replica(fleet: Fle
     fleet.heal("redis-a")
     wait_until(lambda: _in_sync(fleet, "redis-a"), 60, "the old master to rejoin as a replica, in sync")
     _check_rows_and_stop(fleet, tmp_path, trainer)
+
+
+def _refused_writes(fleet: Fleet) -> int:
+    """Writes the master refused with NOREPLICAS so far."""
+    info = fleet.run("redis-a", [redis_binary("redis-cli"), "info", "errorstats"])
+    for line in info.splitlines():
+        if line.startswith("errorstat_NOREPLICAS:count="):
+            return int(line.split("=")[1].split(",")[0])
+    return 0
+
+
+@pytest.mark.skipif(not hasattr(connection, "is_unavailable"),
+                    reason="needs workers that wait out NOREPLICAS (the redisretry change, issue 58)")
+@pytest.mark.redis_args("--min-replicas-to-write", "1", "--min-replicas-max-lag", "2")
+def test_the_masters_replica_cut_off_is_waited_out(fleet: Fleet, tmp_path: Path) -> None:
+    """The master cannot reach a replica: it refuses writes (NOREPLICAS) and, the sentinels seeing it
+    alive, no failover happens. The workers wait, and carry on once the replica is back."""
+    trainer = _start_work(fleet, tmp_path, ("gpu-1", "gpu-2"))
+    wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
+    fleet.cut("redis-b")
+    wait_until(lambda: _refused_writes(fleet) >= 20, 120, "the master to refuse writes")
+    workers = [p for p in fleet.processes if "worker" in p.args]
+    assert all(p.poll() is None for p in workers), "a worker quit on NOREPLICAS"
+    fleet.heal("redis-b")
+    wait_until(lambda: trainer.poll() is not None, 300, "the trainer's submit to finish")  # type: ignore[attr-defined]
+    assert _master(fleet) == fleet.ip("redis-a"), "a failover happened"
+    _check_rows_and_stop(fleet, tmp_path, trainer)
+    for host in ("gpu-1", "gpu-2"):
+        errors = [line for line in (tmp_path / f"{host}-worker.log").read_text().splitlines() if " ERROR " in line]
+        assert errors == [], f"{host}: a refused write failed work instead of being waited out: {errors[:3]}"
