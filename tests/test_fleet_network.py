@@ -124,18 +124,16 @@ def _shards(tmp_path: Path) -> int:
     return len(list((tmp_path / "shards").rglob("*.parquet"))) if (tmp_path / "shards").exists() else 0
 
 
-def _check_rows_and_stop(fleet: Fleet, tmp_path: Path, trainer: object) -> list[str]:
-    """Every request one row, every process stopped within 20 s of SIGTERM; the rows' workers."""
+def _check_rows_and_stop(fleet: Fleet, tmp_path: Path, trainer: object) -> None:
+    """Every request one row, every process stopped within 20 s of SIGTERM."""
     wait_until(lambda: trainer.poll() is not None, 300, "the trainer's submit to finish")  # type: ignore[attr-defined]
     assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()  # type: ignore[attr-defined]
-    rows = pipeline.read_rollouts(str(tmp_path / "shards"), "net")
-    ids = rows.column("request_id").to_pylist()
+    ids = pipeline.read_rollouts(str(tmp_path / "shards"), "net").column("request_id").to_pylist()
     assert sorted(ids) == sorted(f"q{i}" for i in range(REQUESTS)), "a request missing or run twice"
     # Pipeline processes first (they leave Redis's registry on the way out), then Redis.
     stuck = stop_all([p for p in fleet.processes if "pipeline.cli.main" in p.args], timeout=20)
     stuck += fleet.down()
     assert stuck == [], f"{len(stuck)} process(es) did not stop within 20 s of SIGTERM: {[p.args for p in stuck]}"
-    return rows.column("worker_id").to_pylist()
 
 
 def test_a_workers_host_cut_off_past_its_lease_then_healed(fleet: Fleet, tmp_path: Path) -> None:
@@ -150,8 +148,9 @@ def test_a_workers_host_cut_off_past_its_lease_then_healed(fleet: Fleet, tmp_pat
     fleet.heal("gpu-1")
     # Back on the network, gpu-1 drops the jobs it held (others ran them) and takes work again.
     wait_until(lambda: _worker_states(fleet, tmp_path).get("gpu-1") == "idle", 120, "gpu-1 back and idle")
-    workers = _check_rows_and_stop(fleet, tmp_path, trainer)
-    assert "gpu-2" in workers, "the cut-off worker's jobs did not move"
+    # (The run finished while gpu-1 was cut off: its jobs ran on gpu-2. gpu-1's late copies rewrite the
+    # same shards, so which worker a row names is whichever wrote last.)
+    _check_rows_and_stop(fleet, tmp_path, trainer)
 
 
 def test_the_masters_host_cut_off_fails_over_and_rejoins_as_a_replica(fleet: Fleet, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import redis
 
 from pipeline.core import settings
+from pipeline.core.broker.connection import is_unavailable
 from pipeline.core.command import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -56,7 +57,7 @@ def exit_code(exc: BaseException) -> int:
         return EXIT_FAILED
     if isinstance(exc, WaitTimeoutError):
         return EXIT_TIMEOUT
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    if is_unavailable(exc):
         return EXIT_UNREACHABLE
     return EXIT_USAGE
 
@@ -120,6 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         print(f"error: cannot reach Redis ({exc}); start the embedded one with `pipeline redis start`, "
               "or pass --redis URL / set PIPELINE_REDIS_URL; nothing was done", file=sys.stderr)
+        return exit_code(exc)
+    except redis.ResponseError as exc:
+        if not is_unavailable(exc):
+            raise
+        print(f"error: Redis refused the command for PIPELINE_REDIS_RECONNECT_S ({exc}): it is without its "
+              "replicas, its master or its data (docs/failover.md); run the command again once it has them",
+              file=sys.stderr)
         return exit_code(exc)
     except OSError as exc:  # a file named on the command line
         where = f"{exc.filename}: " if exc.filename else ""

@@ -81,7 +81,8 @@ REDIS_WAIT_REPLICAS = _define("PIPELINE_REDIS_WAIT_REPLICAS", str, "auto",
 REDIS_WAIT_TIMEOUT_MS = _define("PIPELINE_REDIS_WAIT_TIMEOUT_MS", int, 10_000,
                                 "how long, in all, a write waits for its replicas (milliseconds)")
 REDIS_RECONNECT_S = _define("PIPELINE_REDIS_RECONNECT_S", float, 60.0,
-                            "how long commands retry, with backoff, while Redis is unreachable")
+                            "how long commands retry, with backoff, while Redis is unreachable or refuses "
+                            "them (NOREPLICAS, READONLY, MASTERDOWN, LOADING, TRYAGAIN)")
 STOPPING_RECONNECT_S = _define("PIPELINE_STOPPING_RECONNECT_S", float, 5.0,
                                "after a worker's first shutdown signal, how long a command keeps trying an "
                                "unreachable Redis (none after the second)")

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pipeline.core.broker.connection import is_unavailable, ping_within
 from pipeline.core.errors import APIError, PipelineError
 from pipeline.serve.live import answered_events, error_event
 from pipeline.serve.metrics import CONTENT_TYPE as METRICS_TYPE
@@ -114,13 +115,13 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
             except ValidationError as exc:
                 error = from_validation(exc)
                 return JSONResponse(error.body(), status_code=error.status)
-            except redis.ConnectionError as exc:
-                error = APIError(503, f"Redis is unreachable: {exc}", code="redis_unreachable",
-                                 headers={"Retry-After": "5"})
-                return JSONResponse(error.body(), status_code=503, headers=error.headers)
             except PipelineError as exc:
                 return JSONResponse(APIError(400, str(exc)).body(), status_code=400)
-            except Exception:
+            except Exception as exc:
+                if is_unavailable(exc):  # down, or refusing writes, past PIPELINE_REDIS_RECONNECT_S
+                    error = APIError(503, f"Redis is unavailable: {exc}; call again later", code="redis_unreachable",
+                                     headers={"Retry-After": "5"})
+                    return JSONResponse(error.body(), status_code=503, headers=error.headers)
                 log.exception("unexpected error serving %s %s", request.method, request.url.path)
                 return JSONResponse(APIError(500, "internal error; see the server's log").body(), status_code=500)
         return endpoint
@@ -196,8 +197,8 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
             {"id": turns.settings.model, "object": "model", "created": 0, "owned_by": "rollout-pipeline"}]})
 
     async def health(request: Request) -> Response:
-        try:
-            await in_thread(turns.conn.ping)
+        try:  # not `turns.conn`'s retries: a Redis down answers 503 within about PROBE_TIMEOUT_S
+            await in_thread(ping_within, turns.conn)
         except redis.RedisError as exc:
             return JSONResponse({"status": "unhealthy", "redis": str(exc)}, status_code=503)
         workers = await in_thread(turns.lane.live_workers)

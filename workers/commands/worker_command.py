@@ -10,6 +10,7 @@ import sys
 
 import redis
 
+from pipeline.core.broker.connection import is_unavailable
 from pipeline.core.command import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, Command
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,12 @@ class WorkerCommand(Command):
         except WorkerError as exc:  # e.g. the pool's weights do not load here: the worker does not join
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        except (redis.ConnectionError, redis.TimeoutError) as exc:  # gone for good, or while stopping
-            print(f"error: Redis unreachable ({exc}); worker {worker.worker_id} stopped. A job it held runs again "
+        except redis.RedisError as exc:  # gone (or refusing) for good, or while stopping
+            if not is_unavailable(exc):
+                raise
+            lost = isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+            state = "unreachable" if lost else "refusing commands"
+            print(f"error: Redis {state} ({exc}); worker {worker.worker_id} stopped. A job it held runs again "
                   "on another worker once its lease expires.", file=sys.stderr)
             # Told twice to stop: it exits as it would with Redis up, though a Redis write of RQ's
             # teardown failed after the second signal (and took the place of its exit).

@@ -134,6 +134,8 @@ class RolloutWorker(EngineWorker):
         if isinstance(self._failing.exception, JobCanceledError):
             log.info("worker %s: job %s canceled", self.worker_id, job.id)  # not an error: no traceback
             return
+        if self.shutdown.handback_reason(self._failing.exception):
+            return  # aborted by a second signal, not failed: `handle_job_failure` hands it back, in one line
         super().handle_exception(job, *exc_info)
 
     def _take_job_exception(self) -> BaseException | None:

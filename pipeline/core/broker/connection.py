@@ -14,13 +14,21 @@ replica answers. Outside the URL:
 - `PIPELINE_REDIS_SENTINEL_PASSWORD`: the sentinels' own password, for sentinels started with
   `requirepass` (the URL's password is the master's and replicas');
 - `PIPELINE_REDIS_RECONNECT_S` (default 60): how long a command keeps retrying, with
-  exponential backoff and jitter, while Redis is down or restarting, before it raises.
+  exponential backoff and jitter, while Redis is unavailable, before it raises.
+
+Unavailable (`is_unavailable`) is a lost or refused connection, a timeout, and the replies with which
+a Redis refuses a command it has not run: `NOREPLICAS` (a master with fewer replicas than its
+`min-replicas-to-write`), `READONLY` (a master demoted to a replica), `MASTERDOWN` (a replica cut off
+from its master), `LOADING` (a Redis reading its data at start), `TRYAGAIN`; also when a Lua script's
+write got one of them (a refused write aborts the script before it wrote anything).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import re
+import socket
 import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -40,6 +48,24 @@ from pipeline.core.errors import RedisURLError
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
+# A Redis refusing a command it has not run, until its replicas, its master or its data are back.
+UNAVAILABLE_CODES = frozenset({"NOREPLICAS", "READONLY", "MASTERDOWN", "LOADING", "TRYAGAIN"})
+# The same refusal of a write inside a Lua script, wrapped in the script's error (Redis 6: `… -NOREPLICAS …`).
+_SCRIPT_REFUSAL = re.compile(r"^Error running script .*: -(" + "|".join(sorted(UNAVAILABLE_CODES)) + r") ")
+PROBE_TIMEOUT_S = 1.0
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether `error` means Redis cannot run commands now (down, unreachable, or refusing them until its
+    replicas, master or data are back) rather than that this command is wrong: such a command is
+    retried (`ReconnectRetry`), and a process reports Redis unavailable instead of failing."""
+    if isinstance(error, AuthenticationError | AuthorizationError):
+        return False
+    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
+        return True
+    if not isinstance(error, ResponseError):
+        return False
+    return getattr(error, "status_code", None) in UNAVAILABLE_CODES or bool(_SCRIPT_REFUSAL.match(str(error)))
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -71,14 +97,19 @@ def redacted(url: str) -> str:
 
 
 class ReconnectRetry(Retry):
-    """redis-py's `Retry`, except that a refused password or permission is raised at once, and that a
-    process shutting down can stop retrying (`stop_reconnecting`).
+    """redis-py's `Retry` of the errors `is_unavailable` names (a refused password or permission is
+    raised at once), which a process shutting down can stop retrying (`stop_reconnecting`).
+
+    A retried command is one Redis did not run (refused) or may have run (the connection dropped
+    before its reply): the same as a lost connection, so writes retried this way must be
+    idempotent, as the pipeline's are (the commit log's append replaces a job's earlier commit).
 
     redis-py deep-copies the retry into every connection of a pool; the copies share one give-up
     time, so stopping the client's retry stops every connection's, pub/sub ones included."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, backoff: Any, retries: int) -> None:
+        super().__init__(backoff, retries, supported_errors=(redis.ConnectionError, redis.TimeoutError,
+                                                             socket.timeout, ResponseError))
         self._give_up = _GiveUp()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReconnectRetry:
@@ -92,7 +123,9 @@ class ReconnectRetry(Retry):
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
         def retryable(error: Exception) -> bool:
-            if isinstance(error, AuthenticationError | AuthorizationError):
+            # A bare socket timeout (redis-py's default retries it) is Python's TimeoutError: not named
+            # by `is_unavailable`, whose callers see every other kind of error too.
+            if not (is_unavailable(error) or isinstance(error, socket.timeout)):
                 return False
             if time.monotonic() >= self._give_up.at:
                 return False
@@ -114,6 +147,21 @@ def stop_reconnecting(conn: redis.Redis, within_s: float = 0.0) -> None:
     retry = conn.get_retry()
     if isinstance(retry, ReconnectRetry):
         retry.stop_retrying(within_s)
+
+
+def ping_within(conn: redis.Redis, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """PING `conn`'s Redis once on a connection of its own, each step (connect, reply) bounded by
+    `timeout_s`, no retry: a health check's answer in about that time, where `conn`'s commands would
+    retry for `PIPELINE_REDIS_RECONNECT_S`. Raises what `conn` would (`is_unavailable` says which mean down)."""
+    pool = conn.connection_pool
+    connection = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": timeout_s,
+                                          "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0),
+                                          "retry_on_error": []})
+    try:
+        connection.send_command("PING")
+        connection.read_response()
+    finally:
+        connection.disconnect()
 
 
 def retry_policy(reconnect_for_s: float | None = None) -> Retry:
@@ -140,7 +188,6 @@ def client_kwargs(url: str, *, reconnect_for_s: float | None = None) -> dict[str
     kwargs: dict[str, Any] = {
         "health_check_interval": 30,
         "retry": retry_policy(reconnect_for_s),
-        "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
     }
     if scheme != "unix":  # TCP only
         kwargs.update(socket_keepalive=True, socket_connect_timeout=10)
@@ -172,25 +219,15 @@ class FailoverConnection(SentinelManagedConnection):
     """A master connection that asks the sentinels again on every reconnect.
 
     redis-py's own reconnects inside a command's retries go straight back to the last address,
-    the dead master's, so a command never reaches the promoted replica; this one rediscovers.
+    the dead master's, so a command never reaches the promoted replica; this one rediscovers. (A
+    demoted master's `READONLY`, in a script's error too, is retried as unavailable: the retry drops
+    the connection, and the reconnect asks the sentinels.)
     """
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         if self._sock or not retry_socket_connect:  # `connect_to` (after discovery) comes back here
             return super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
         return self.connect()
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        """A write refused inside a Lua script because the master was demoted (`-READONLY` wrapped in
-        a script error, which redis-py does not recognise) is a failover too: reconnect and retry."""
-        try:
-            return super().read_response(*args, **kwargs)
-        except ResponseError as error:
-            if self.connection_pool.is_master and "READONLY" in str(error) and "script" in str(error):
-                self.disconnect()
-                raise redis.ConnectionError("the previous master is now a replica (a script's write was refused)") \
-                    from error
-            raise
 
 
 class FailoverSSLConnection(FailoverConnection, SSLConnection):

@@ -14,6 +14,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker import keys
 from tests.conftest import PIPELINE
+from tests.helpers.refusing_redis import allow_writes, refuse_writes
 
 GOOD = {"id": "q0", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 
@@ -180,3 +181,16 @@ def test_max_staleness_travels_in_every_job_and_a_negative_one_is_refused(
     assert result.returncode == 0, result.stderr
     jobs = Queue(keys.pool().queue_name, connection=redis_client, serializer=JSONSerializer).get_jobs()
     assert [job.args[0]["max_staleness"] for job in jobs] == [2, 2]
+
+
+def test_a_redis_refusing_writes_past_the_reconnect_time_is_a_clear_error(
+        tmp_path: Path, pipeline_env: dict[str, str], redis_client: redis.Redis) -> None:
+    path = write_lines(tmp_path / "rollouts.jsonl", good_lines(2))
+    refuse_writes(redis_client)
+    try:
+        refused = subprocess.run([*PIPELINE, "submit", str(path)], capture_output=True, text=True,
+                                 env={**pipeline_env, "PIPELINE_REDIS_RECONNECT_S": "1"})
+    finally:
+        allow_writes(redis_client)
+    assert refused.returncode == 4 and "Traceback" not in refused.stderr, refused.stderr
+    assert "Redis refused the command" in refused.stderr and "NOREPLICAS" in refused.stderr
