@@ -106,7 +106,7 @@ def _start_work(fleet: Fleet, tmp_path: Path, workers: tuple[str, ...]) -> objec
         _start_worker(fleet, tmp_path, host)
     requests = tmp_path / "requests.jsonl"
     requests.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": [5, 6, 7],
-                                            "sampling_params": {"max_new_tokens": 24}}) + "\n"
+                                            "sampling_params": {"max_new_tokens": 64}}) + "\n"
                                 for i in range(REQUESTS)))
     trainer = fleet.start("trainer", [*PIPELINE, "submit", str(requests), "--run", "net", "--batch-size", str(BATCH),
                                       "--wait", "--timeout", "300"], env=env, log=tmp_path / "trainer.log")
@@ -142,6 +142,7 @@ def test_a_workers_host_cut_off_past_its_lease_then_healed(fleet: Fleet, tmp_pat
     # gpu-1 holds the rest of the run (the sim takes every job at once); gpu-2 joins and gpu-1 is cut off.
     _start_worker(fleet, tmp_path, "gpu-2")
     fleet.cut("gpu-1")
+    assert trainer.poll() is None, "the run ended before the fault"  # type: ignore[attr-defined]
     # The run finishes without gpu-1: its jobs in hand are taken for abandoned once its lease ran out
     # and run again on gpu-2.
     wait_until(lambda: trainer.poll() is not None, 300, "the run to finish on the host still connected")
@@ -157,6 +158,7 @@ def test_the_masters_host_cut_off_fails_over_and_rejoins_as_a_replica(fleet: Fle
     trainer = _start_work(fleet, tmp_path, ("gpu-1", "gpu-2"))
     wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
     fleet.cut("redis-a")
+    assert trainer.poll() is None, "the run ended before the fault"  # type: ignore[attr-defined]
     wait_until(lambda: _master(fleet) == fleet.ip("redis-b"), 60, "the sentinels to promote the replica")
     wait_until(lambda: _shards(tmp_path) >= 6, 120, "work committing on the new master")
     fleet.heal("redis-a")
@@ -182,6 +184,7 @@ def test_the_masters_replica_cut_off_is_waited_out(fleet: Fleet, tmp_path: Path)
     trainer = _start_work(fleet, tmp_path, ("gpu-1", "gpu-2"))
     wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
     fleet.cut("redis-b")
+    assert trainer.poll() is None, "the run ended before the fault"  # type: ignore[attr-defined]
     wait_until(lambda: _refused_writes(fleet) >= 20, 120, "the master to refuse writes")
     workers = [p for p in fleet.processes if "worker" in p.args]
     assert all(p.poll() is None for p in workers), "a worker quit on NOREPLICAS"
@@ -192,3 +195,29 @@ def test_the_masters_replica_cut_off_is_waited_out(fleet: Fleet, tmp_path: Path)
     for host in ("gpu-1", "gpu-2"):
         errors = [line for line in (tmp_path / f"{host}-worker.log").read_text().splitlines() if " ERROR " in line]
         assert errors == [], f"{host}: a refused write failed work instead of being waited out: {errors[:3]}"
+
+
+def test_a_partition_that_outlasts_every_lease_waits_and_resumes(fleet: Fleet, tmp_path: Path) -> None:
+    """Both workers' hosts cut off until their registry entries expired: the work waits, and once healed
+    it resumes and finishes, each request one row."""
+    trainer = _start_work(fleet, tmp_path, ("gpu-1", "gpu-2"))
+    wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
+    fleet.cut("gpu-1")
+    fleet.cut("gpu-2")
+    wait_until(lambda: _worker_states(fleet, tmp_path) == {}, 120, "every worker's lease to run out")
+    assert trainer.poll() is None  # type: ignore[attr-defined]
+    fleet.heal("gpu-1")
+    fleet.heal("gpu-2")
+    _check_rows_and_stop(fleet, tmp_path, trainer)
+
+
+def test_the_trainers_host_cut_off_mid_submit(fleet: Fleet, tmp_path: Path) -> None:
+    """The trainer (and one sentinel) cut off while its `submit --wait` waits: the workers carry on, and
+    the submit, back on the network, finishes with every row."""
+    trainer = _start_work(fleet, tmp_path, ("gpu-1", "gpu-2"))
+    wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
+    fleet.cut("trainer")
+    assert trainer.poll() is None, "the run ended before the fault"  # type: ignore[attr-defined]
+    wait_until(lambda: _shards(tmp_path) >= REQUESTS // BATCH, 120, "the run to finish while its trainer is away")
+    fleet.heal("trainer")
+    _check_rows_and_stop(fleet, tmp_path, trainer)
