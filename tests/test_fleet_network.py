@@ -19,12 +19,12 @@ import pytest
 import pipeline
 from pipeline.core.broker import connection
 from tests.conftest import PIPELINE
-from tests.helpers import netns_fleet
+from tests.helpers import agents, netns_fleet
 from tests.helpers.netns_fleet import Fleet, redis_binary
 from tests.helpers.processes import stop_all, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-HOSTS = ["redis-a", "redis-b", "trainer", "gpu-1", "gpu-2"]
+HOSTS = ["redis-a", "redis-b", "trainer", "gpu-1", "gpu-2", "serve"]
 SENTINELS = ["redis-a", "redis-b", "trainer"]
 REQUESTS, BATCH = 160, 8
 # A lease: a worker's job is taken for abandoned 3 heartbeats + 1 s after its last heartbeat.
@@ -221,3 +221,55 @@ def test_the_trainers_host_cut_off_mid_submit(fleet: Fleet, tmp_path: Path) -> N
     wait_until(lambda: _shards(tmp_path) >= REQUESTS // BATCH, 120, "the run to finish while its trainer is away")
     fleet.heal("trainer")
     _check_rows_and_stop(fleet, tmp_path, trainer)
+
+
+AGENT = "tests.helpers.agents:solve"
+TASKS, SAMPLES = 8, 2
+EPISODES_PROBE = """
+import json, pipeline
+from pipeline.core.jobs import episodes
+conn = pipeline.connect().conn
+groups = pipeline.read_trajectories("eps", conn=conn, groups=True)
+print(json.dumps({"outcomes": sorted(episodes.outcomes(conn, "eps")),
+                  "groups": [g.column("task_id").to_pylist() for g in groups]}))
+"""
+
+
+def _agent_worker_registered(fleet: Fleet) -> bool:
+    out = fleet.run("trainer", [redis_binary("redis-cli"), "-h", _master(fleet), "--scan", "--pattern",
+                                "*agent-worker:serve-agent"])
+    return bool(out.strip())
+
+
+def test_serves_host_cut_off_mid_episode(fleet: Fleet, tmp_path: Path) -> None:
+    """`pipeline serve` and its agent worker on one host, cut off from Redis and the GPU workers with
+    episodes in flight until the agent worker's registry entry expired, then healed: every episode
+    ends once, one trajectory each."""
+    env = _env(fleet, tmp_path)
+    events = tmp_path / "events.jsonl"
+    env.update(PIPELINE_TEST_AGENT_EVENTS=str(events), PIPELINE_SERVE_API_KEY="fleet-key")
+    for host in ("gpu-1", "gpu-2"):
+        _start_worker(fleet, tmp_path, host)
+    serve_url = f"http://{fleet.ip('serve')}:8000"
+    fleet.start("serve", [*PIPELINE, "serve", "--host", "0.0.0.0", "--port", "8000", "--api-key", "fleet-key",
+                          "--run", "eps", "--turn-timeout", "60"], env=env, log=tmp_path / "serve.log")
+    fleet.start("serve", [*PIPELINE, "agent-worker", "--agent", AGENT, "--serve", serve_url, "--concurrency", "4",
+                          "--claim-after", "2", "--worker-id", "serve-agent"], env=env, log=tmp_path / "agent.log")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": [5 + i, 6, 7], "turns": 4, "answer": i % 2,
+                                         "turn_s": 0.2}) + "\n" for i in range(TASKS)))
+    trainer = fleet.start("trainer", [*PIPELINE, "submit", str(tasks), "--agent", AGENT, "--n", str(SAMPLES),
+                                      "--run", "eps", "--retries", "5", "--wait", "--timeout", "300"],
+                          env=env, log=tmp_path / "trainer.log")
+    wait_until(lambda: sum(e["kind"] == "end" for e in agents.events(events)) >= 3, 180, "episodes under way")
+    assert trainer.poll() is None, "the run ended before the fault"
+    fleet.cut("serve")
+    wait_until(lambda: not _agent_worker_registered(fleet), 120, "the agent worker's entry to expire")
+    fleet.heal("serve")
+    wait_until(lambda: trainer.poll() is not None, 300, "the episodes to finish")
+    assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()
+    result = json.loads(fleet.run("trainer", [sys.executable, "-c", EPISODES_PROBE], env=env, timeout=60))
+    assert result["outcomes"] == sorted(f"t{i}:{s}" for i in range(TASKS) for s in range(SAMPLES))
+    assert result["groups"] == [[f"t{i}"] * SAMPLES for i in range(TASKS)], "an episode missing or twice"
+    stuck = stop_all([p for p in fleet.processes if "pipeline.cli.main" in p.args], timeout=20)
+    assert stuck == [], f"did not stop within 20 s of SIGTERM: {[p.args for p in stuck]}"
