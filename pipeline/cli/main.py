@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import redis
 
+from pipeline.core import settings
 from pipeline.core.broker.connection import is_unavailable
 from pipeline.core.command import (
     EXIT_FAILED,
@@ -127,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser(only=_chosen(argv)).parse_args(argv)
+        settings.control_secret()  # a control key file that is not there: an error now, not at the first control read
         return int(args.func(args) or 0)
     except BrokenPipeError:  # the reader of its output went away (`pipeline show RUN | head`): done, quietly
         _drop_stdout()

@@ -13,6 +13,7 @@
     ├── AgentImportError               an agent or environment path that does not import as a callable
     ├── CapabilityError                no live worker can serve what the requests ask for
     ├── ControlAuthError               the stored control state is malformed, unsigned or forged
+    ├── ControlSecretError             $PIPELINE_CONTROL_SECRET_FILE names a file that cannot be read, or is empty
     ├── WeightVersionError             a push named a version not newer than the current one
     ├── WeightPushError                workers failed to load pushed weights or did not acknowledge
     ├── JobsFailedError                some jobs of a batch failed (`failures`: job id -> reason)
@@ -174,6 +175,11 @@ class CapabilityError(PipelineError):
 
 class ControlAuthError(PipelineError):
     """The stored desired state is malformed, unsigned or forged; it is not obeyed."""
+
+
+class ControlSecretError(PipelineError):
+    """`$PIPELINE_CONTROL_SECRET_FILE` names a file that cannot be read, or an empty one: signing with
+    no key would run the deployment unsigned, so nothing starts."""
 
 
 class WeightVersionError(PipelineError):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import ControlSecretError
 from schemas.request import LIMITS
 
 
@@ -244,12 +245,22 @@ XDG_CACHE_HOME = _define("XDG_CACHE_HOME", str, None,
 
 
 def control_secret() -> str | None:
-    """The shared control secret (from the variable, else from the file it names), None when unset."""
+    """The shared control secret (from the variable, else from the file it names), None when unset;
+    `ControlSecretError` when the file named cannot be read or is empty."""
     value = CONTROL_SECRET.raw()
     path = CONTROL_SECRET_FILE.text()
-    if not value and path:
+    if value or not path:
+        return value or None
+    try:
         value = Path(path).read_text().strip()
-    return value or None
+    except OSError as exc:
+        raise ControlSecretError(f"${CONTROL_SECRET_FILE.name} names {path}, which cannot be read "
+                                 f"({exc.strerror or exc}): mount the control key there (on Kubernetes, the "
+                                 f"Secret's key), or set ${CONTROL_SECRET.name}; nothing was done") from None
+    if not value:
+        raise ControlSecretError(f"${CONTROL_SECRET_FILE.name} names {path}, which is empty: write the control key "
+                                 "there; nothing was done")
+    return value
 
 
 def allowed_weight_prefixes() -> list[str]:

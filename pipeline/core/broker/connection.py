@@ -38,7 +38,7 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.connection import SSLConnection
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 
 from pipeline.core import settings
 from pipeline.core.broker.redis_server import embedded_server
@@ -234,6 +234,33 @@ class FailoverSSLConnection(FailoverConnection, SSLConnection):
     """`FailoverConnection` over TLS."""
 
 
+class NamedSentinels(Sentinel):
+    """Sentinels asked for a master: a name that no sentinel in reach watches is the URL's mistake, said
+    at once (`RedisURLError`), not retried as an outage for `PIPELINE_REDIS_RECONNECT_S`."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        try:
+            return super().discover_master(service_name)
+        except MasterNotFoundError:
+            watched: set[str] | None = None
+            for sentinel in self.sentinels:
+                try:
+                    names = set(sentinel.sentinel_masters())
+                except redis.RedisError:
+                    continue
+                if service_name in names:
+                    raise  # watched, but down or not yet elected: an outage, retried
+                watched = (watched or set()) | names
+            if watched is None:
+                raise  # no sentinel answered
+            hosts = ",".join(f"{c.connection_pool.connection_kwargs['host']}:"
+                             f"{c.connection_pool.connection_kwargs['port']}" for c in self.sentinels)
+            raise RedisURLError(
+                f"the sentinels at {hosts} watch no master named {service_name!r} (they watch: "
+                f"{', '.join(repr(n) for n in sorted(watched)) or 'none'}): put the name from their "
+                f"`sentinel monitor NAME ...` in the URL, redis+sentinel://{hosts}/NAME/DB; nothing was done") from None
+
+
 def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.Redis:
     """A client of the master the sentinels name now; every new connection asks them again."""
     data = dict(data_kwargs, db=parsed.db)
@@ -247,7 +274,7 @@ def sentinel_client(parsed: SentinelURL, data_kwargs: dict[str, Any]) -> redis.R
     sentinel_password = settings.redis_sentinel_password()
     if sentinel_password:
         probe["password"] = sentinel_password
-    manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=probe)
+    manager = NamedSentinels(list(parsed.sentinels), sentinel_kwargs=probe)
     return manager.master_for(parsed.master, **data)
 
 
