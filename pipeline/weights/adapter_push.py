@@ -10,6 +10,7 @@ worker that joins later, or evicted the adapter, reads the same bits.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Mapping
@@ -22,8 +23,8 @@ from pipeline.core import adapters
 from pipeline.core.broker import keys, registry
 from pipeline.core.broker.security import check_weight_path
 from pipeline.core.errors import AdapterError
-from pipeline.core.weights.store import WeightStore, checksum
-from pipeline.weights.adapter_check import Adapter, base_shapes_of_dir, check_fits
+from pipeline.core.weights.store import WeightStore, checksum, version_dir
+from pipeline.weights.adapter_check import CONFIG_FILE, Adapter, base_shapes_of_dir, check_fits
 from pipeline.weights.push import store_url
 from schemas.adapters import ADAPTER_NAME_PATTERN, AdapterRecord
 
@@ -75,7 +76,9 @@ def push_adapter_tensors(
     version = adapters.next_version(conn, pool, name)
     url = adapter_url(store, pool, name)
     check_weight_path(url)
-    out = WeightStore(url).writer(version, "full", None, version)
+    weights = WeightStore(url)
+    out = weights.writer(version, "full", None, version)
+    weights.fs.pipe_file(f"{weights.root}/{version_dir(version)}/{CONFIG_FILE}", json.dumps(adapter.config).encode())
     for tensor in adapter.tensors:
         out.add(tensor, "plain", b"", checksum(tensor.words))
     manifest = out.commit()
@@ -84,6 +87,21 @@ def push_adapter_tensors(
                            stored_bytes=manifest.stored_bytes)
     current = adapters.publish(conn, pool, record)
     return AdapterPushResult(name, version, manifest.stored_bytes, time.monotonic() - started, current, url)
+
+
+def stored_record(url: str, name: str, version: int) -> AdapterRecord:
+    """The record of any stored version of an adapter (its config is stored beside its tensors): what
+    `pipeline verify` loads an old version by."""
+    weights = WeightStore(url)
+    manifest = weights.manifest(version)
+    try:
+        config = json.loads(weights.fs.cat_file(f"{weights.root}/{version_dir(version)}/{CONFIG_FILE}"))
+    except FileNotFoundError:
+        raise AdapterError(f"{url}: version {version} has no {CONFIG_FILE}; it is not an adapter's store") from None
+    targets = config.get("target_modules") or []
+    return AdapterRecord(name=name, version=version, url=url, rank=int(config["r"]),
+                         target_modules=[targets] if isinstance(targets, str) else sorted(targets), config=config,
+                         stored_bytes=manifest.stored_bytes)
 
 
 def check_name(name: str) -> None:

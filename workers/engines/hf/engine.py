@@ -208,11 +208,11 @@ class HFEngine(SerialFeed, EngineIdentity):
     def _unload_adapter(self, key: str) -> None:
         self._peft.delete_adapter(key)
 
-    def _forward(self, requests: Sequence[RolloutRequest], **kwargs: Any) -> Any:
-        """The model's forward over a batch, each row through its request's adapter (or the base alone)."""
+    def forward(self, adapters: Sequence[str | None], **kwargs: Any) -> Any:
+        """The model's forward over a batch, each row through its pinned adapter (None: the base alone)."""
         if self._peft is None:
             return self.model(**kwargs)
-        return self._peft(**kwargs, adapter_names=[r.adapter or BASE for r in requests])
+        return self._peft(**kwargs, adapter_names=[a or BASE for a in adapters])
 
     def install_store_version(self, staged: Any) -> Any:
         """Put a staged version in (the engine paused: between batches, or interrupted); `Applied`."""
@@ -291,7 +291,8 @@ class HFEngine(SerialFeed, EngineIdentity):
             mask[row, width - len(ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt_logprobs = any(r.prompt_logprobs is not None for r in requests)
-        out = self._forward(rows.request_of, input_ids=prompt, attention_mask=mask, position_ids=positions,
+        adapters = [r.adapter for r in rows.request_of]
+        out = self.forward(adapters, input_ids=prompt, attention_mask=mask, position_ids=positions,
                             use_cache=True, logits_to_keep=0 if want_prompt_logprobs else 1)
         prompt_logprobs = [
             self._prompt_logprobs(request, out.logits[rows.first_row[index], width - len(request.input_ids):])
@@ -347,7 +348,7 @@ class HFEngine(SerialFeed, EngineIdentity):
                 break
             mask = torch.cat([mask, torch.ones((rows.count, 1), dtype=mask.dtype, device=device)], dim=1)
             last_position = last_position + 1
-            out = self._forward(rows.request_of, input_ids=chosen[:, None], attention_mask=mask,
+            out = self.forward(adapters, input_ids=chosen[:, None], attention_mask=mask,
                                 position_ids=last_position, cache=past, use_cache=True)
             logits = out.logits[:, -1, :].float()
             past = out.cache
