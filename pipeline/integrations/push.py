@@ -34,7 +34,8 @@ def push_model(client: Client, model: Any, *, mode: SwapMode = "partial", store:
 
 
 def push_adapter(client: Client, model: Any, name: str, *, adapter_name: str = "default",
-                 store: str | None = None) -> AdapterPushResult:
+                 base: str | None = None, store: str | None = None) -> AdapterPushResult:
     """A peft model's LoRA adapter (`adapter_name`) to the pool as the next version of adapter `name`
-    (`Client.push_adapter`): megabytes, not the model; requests naming `name` take it from their next job."""
-    return client.push_adapter(name, model, adapter_name=adapter_name, store=store)
+    (`Client.push_adapter`, `base` as there): megabytes, not the model; requests naming `name` take it
+    from their next job."""
+    return client.push_adapter(name, model, adapter_name=adapter_name, base=base, store=store)
