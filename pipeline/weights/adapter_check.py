@@ -19,10 +19,10 @@ from typing import Any
 
 import fsspec
 
+from pipeline.core.adapters import CONFIG_FILE, target_modules
 from pipeline.core.errors import AdapterError, WeightStoreError
 from pipeline.core.weights.safetensors_io import TensorBits, read_checkpoint, read_header
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _LORA_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 
@@ -40,8 +40,7 @@ class Adapter:
 
     @property
     def target_modules(self) -> list[str]:
-        targets = self.config.get("target_modules") or []
-        return [targets] if isinstance(targets, str) else sorted(targets)
+        return target_modules(self.config)
 
     @property
     def nbytes(self) -> int:

@@ -20,11 +20,12 @@ from pathlib import Path
 import redis
 
 from pipeline.core import adapters
+from pipeline.core.adapters import CONFIG_FILE, adapter_url
 from pipeline.core.broker import keys, registry
 from pipeline.core.broker.security import check_weight_path
 from pipeline.core.errors import AdapterError
 from pipeline.core.weights.store import WeightStore, checksum, version_dir
-from pipeline.weights.adapter_check import CONFIG_FILE, Adapter, base_shapes_of_dir, check_fits
+from pipeline.weights.adapter_check import Adapter, base_shapes_of_dir, check_fits
 from pipeline.weights.push import store_url
 from schemas.adapters import ADAPTER_NAME_PATTERN, AdapterRecord
 
@@ -40,11 +41,6 @@ class AdapterPushResult:
     seconds: float
     current: bool
     url: str
-
-
-def adapter_url(store: str | None, pool: str | None, name: str) -> str:
-    """Where the versions of adapter `name` are stored."""
-    return f"{store_url(store, pool)}/adapters/{name}"
 
 
 def base_shapes(conn: redis.Redis, pool: str | None, base: str | None, store: str | None
@@ -87,21 +83,6 @@ def push_adapter_tensors(
                            stored_bytes=manifest.stored_bytes)
     current = adapters.publish(conn, pool, record)
     return AdapterPushResult(name, version, manifest.stored_bytes, time.monotonic() - started, current, url)
-
-
-def stored_record(url: str, name: str, version: int) -> AdapterRecord:
-    """The record of any stored version of an adapter (its config is stored beside its tensors): what
-    `pipeline verify` loads an old version by."""
-    weights = WeightStore(url)
-    manifest = weights.manifest(version)
-    try:
-        config = json.loads(weights.fs.cat_file(f"{weights.root}/{version_dir(version)}/{CONFIG_FILE}"))
-    except FileNotFoundError:
-        raise AdapterError(f"{url}: version {version} has no {CONFIG_FILE}; it is not an adapter's store") from None
-    targets = config.get("target_modules") or []
-    return AdapterRecord(name=name, version=version, url=url, rank=int(config["r"]),
-                         target_modules=[targets] if isinstance(targets, str) else sorted(targets), config=config,
-                         stored_bytes=manifest.stored_bytes)
 
 
 def check_name(name: str) -> None:

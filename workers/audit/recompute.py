@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import redis
 
+from pipeline.core.adapters import adapter_url, stored_record
 from pipeline.core.errors import PipelineError
 from pipeline.core.routed_experts import ROUTED_EXPERTS_COLUMNS, routed_experts
 from pipeline.core.shards import is_location, rollouts_dataset
@@ -267,8 +268,6 @@ class _Checker:
 
     def _load_adapters(self, adapters: Sequence[str | None]) -> None:
         """The adapter versions of a group resident in the reference engine, read from their store."""
-        from pipeline.weights.adapter_push import adapter_url, stored_record
-
         cache = self.engine.adapters
         wanted = {a for a in adapters if a is not None}
         for key in wanted:

@@ -85,7 +85,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused_naming_the_module(
 def test_a_directory_that_is_not_a_peft_adapter_is_refused(redis_client: redis.Redis, tiny_model_dir: Path,
                                                            tmp_path: Path, home: Path) -> None:
     client = pipeline.Client(redis_client)
-    with pytest.raises(AdapterError, match="no adapter_config.json and no adapter_model.safetensors"):
+    with pytest.raises(AdapterError, match=r"no adapter_config\.json and no adapter_model\.safetensors"):
         client.push_adapter("sql", tmp_path, base=tiny_model_dir)
     adapter = build_adapter(tiny_model_dir, tmp_path / "a", seed=1)
     config = json.loads((adapter / "adapter_config.json").read_text())
