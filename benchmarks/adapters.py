@@ -67,12 +67,13 @@ def main() -> None:
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         full_bits = list(state_dict_bits(base.state_dict()))
         shapes = base_shapes_of_dir(model_dir)
-        adapters = []
-        for seed in range(16):
-            torch.manual_seed(seed)
-            fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            adapters.append(from_model(get_peft_model(fresh, LoraConfig(r=args.rank, target_modules=TARGETS,
-                                                                        init_lora_weights=False))))
+        config = LoraConfig(r=args.rank, target_modules=TARGETS, init_lora_weights=False)
+        torch.manual_seed(0)
+        lora = get_peft_model(base, config)
+        for index in range(1, 16):
+            lora.add_adapter(f"a{index}", config)
+        adapters = [from_model(lora, "default"), *(from_model(lora, f"a{i}") for i in range(1, 16))]
+        del lora, base
         full_s, adapter_s, full_bytes, adapter_bytes = [], [], 0, 0
         for repeat in range(args.repeats):
             store = WeightStore(f"file://{root}/full-{repeat}")
