@@ -274,7 +274,6 @@ class _Checker:
             name, version = split_pinned(key)
             assert version is not None
             cache.note(stored_record(adapter_url(self.store, None, name), name, version))
-        cache.capacity = max(cache.capacity, len(wanted))
         cache.ensure(wanted)
 
 

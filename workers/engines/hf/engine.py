@@ -202,7 +202,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         loaded = set_peft_model_state_dict(self._peft, state, adapter_name=key)
         if loaded.unexpected_keys:
             self._peft.delete_adapter(key)
-            raise EngineUnavailableError(f"tensors that fit no module of the model: {loaded.unexpected_keys[:3]}")
+            raise ValueError(f"tensors that fit no module of the model: {loaded.unexpected_keys[:3]}")
         self._peft.eval()
 
     def _unload_adapter(self, key: str) -> None:
