@@ -118,8 +118,8 @@ def _push_adapter(client: Client, args: argparse.Namespace) -> int:
     given = [flag for flag, value in (("--version", args.version), ("--delta", args.delta),
                                        ("--full-every", args.full_every), ("--force", args.force)) if value]
     if given:
-        raise PipelineError(f"{', '.join(given)} apply to base weight pushes, not to --adapter (an adapter's "
-                            "versions are numbered by the pool, each stored in full)")
+        raise PipelineError(f"{', '.join(given)}: options of base weight pushes, not of --adapter (an adapter's "
+                            "versions are numbered by the pool, each stored in full); drop them")
     base = None if args.base is None else resolve(args.base)
     result = client.push_adapter(args.adapter, args.path, base=base, store=args.store)
     status = "current" if result.current else "stored, but a newer version pushed at the same time is current"
