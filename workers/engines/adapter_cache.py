@@ -25,10 +25,6 @@ DEFAULT_MAX_ADAPTERS = 8
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
 
-class AdapterUnavailableError(UnsupportedRequestError):
-    """A job names an adapter this worker cannot load: it is handed back, never run on the base weights."""
-
-
 Load = Callable[[str, AdapterRecord, list[TensorBits]], None]
 
 
@@ -54,7 +50,7 @@ class AdapterCache:
 
     def ensure(self, keys: Iterable[str]) -> None:
         """Every adapter of `keys` resident (loaded from its store if not), most recently used; then
-        evict past the capacity, never one of `keys`. `AdapterUnavailableError` if one cannot load."""
+        evict past the capacity, never one of `keys`. `UnsupportedRequestError` if one cannot load."""
         wanted = list(dict.fromkeys(k for k in keys if k != BASE))
         for key in wanted:
             if key in self.resident:
@@ -63,12 +59,12 @@ class AdapterCache:
             with self._lock:
                 record = self._records.get(key)
             if record is None:
-                raise AdapterUnavailableError(f"adapter {key}: this worker was never told where it is stored")
+                raise UnsupportedRequestError(f"adapter {key}: this worker was never told where it is stored")
             tensors = read_version(record)
             try:
                 self._load(key, record, tensors)
             except Exception as exc:  # peft's own checks: the adapter does not fit this engine's model
-                raise AdapterUnavailableError(f"adapter {key} does not load on this worker: {exc}") from exc
+                raise UnsupportedRequestError(f"adapter {key} does not load on this worker: {exc}") from exc
             self.resident[key] = None
             self.loads += 1
         for key in [k for k in self.resident if k not in wanted][: max(0, len(self.resident) - self.capacity)]:
@@ -86,18 +82,14 @@ def read_version(record: AdapterRecord) -> list[TensorBits]:
     where = f"adapter {record.name!r} v{record.version} ({record.url})"
     try:
         store = WeightStore(record.url)
-        manifest = store.manifest(record.version)
-        tensors = []
-        for entry in manifest.tensors:
-            bits = store.tensor(record.version, entry.name)
-            if bits is None or checksum(bits.words) != entry.xxh3:
-                raise AdapterUnavailableError(f"{where}: tensor {entry.name} does not match its checksum")
-            tensors.append(bits)
+        entries = store.manifest(record.version).tensors
+        tensors = [store.tensor(record.version, entry.name) for entry in entries]
     except (PipelineError, OSError) as exc:
-        if isinstance(exc, AdapterUnavailableError):
-            raise
-        raise AdapterUnavailableError(f"{where} cannot be read here: {exc}") from exc
-    return tensors
+        raise UnsupportedRequestError(f"{where} cannot be read here: {exc}") from exc
+    for entry, bits in zip(entries, tensors, strict=True):
+        if bits is None or checksum(bits.words) != entry.xxh3:
+            raise UnsupportedRequestError(f"{where}: tensor {entry.name} does not match its checksum")
+    return [bits for bits in tensors if bits is not None]
 
 
 def serves_adapters(engine: object) -> bool:

@@ -16,9 +16,9 @@ import redis
 from pipeline.core import adapters
 from schemas.adapters import pinned
 from schemas.request import RolloutRequest
-from workers.engines.adapter_cache import AdapterUnavailableError, serves_adapters
+from workers.engines.adapter_cache import serves_adapters
 from workers.engines.base import Engine
-from workers.errors import WorkerError
+from workers.errors import UnsupportedRequestError, WorkerError
 
 
 def pin_adapters(requests: Sequence[RolloutRequest], engine: Engine, conn: redis.Redis | None,
@@ -28,7 +28,7 @@ def pin_adapters(requests: Sequence[RolloutRequest], engine: Engine, conn: redis
     if not named:
         return list(requests)
     if not serves_adapters(engine):
-        raise AdapterUnavailableError(
+        raise UnsupportedRequestError(
             f"request {named[0].id!r} names adapter {named[0].adapter!r}; the {engine.description.name} engine "
             "serves no LoRA adapters (the hf and sim engines do)")
     if conn is None:
@@ -42,7 +42,7 @@ def pin_adapters(requests: Sequence[RolloutRequest], engine: Engine, conn: redis
             continue
         record = found.get(name)
         if record is None:
-            raise AdapterUnavailableError(f"request {request.id!r}: {adapters.unknown(name, found, pool)}")
+            raise UnsupportedRequestError(f"request {request.id!r}: {adapters.unknown(name, found, pool)}")
         engine.adapters.note(record)  # type: ignore[attr-defined]
         versions[name] = record.version
     return [r.model_copy(update={"adapter": pinned(r.adapter, versions[r.adapter])}) if r.adapter is not None else r
