@@ -43,6 +43,7 @@ _EXPORTS = {
     "RolloutBatches": "pipeline.read.torch_data",
     # weights from a trainer's memory, TRL
     "push_model": "pipeline.integrations.push",
+    "push_adapter": "pipeline.integrations.push",
     "pipeline_rollout": "pipeline.integrations.trl",
     # checking what was generated
     "verify": "pipeline.audit.verify",
@@ -63,9 +64,11 @@ _EXPORTS = {
     "WeightPushError": "pipeline.core.errors",
     "WeightVersionError": "pipeline.core.errors",
     "WeightStoreError": "pipeline.core.errors",
+    "AdapterError": "pipeline.core.errors",
 }
 
 __all__ = [
+    "AdapterError",
     "Batch",
     "CapabilityError",
     "ChatRenderer",
@@ -88,6 +91,7 @@ __all__ = [
     "connect",
     "finish_reason_in",
     "pipeline_rollout",
+    "push_adapter",
     "push_model",
     "read_rollouts",
     "read_trajectories",
@@ -106,6 +110,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing of it runs
     from pipeline.audit.verify import verify
     from pipeline.client import Client, connect
     from pipeline.core.errors import (
+        AdapterError,
         CapabilityError,
         DatasetError,
         IncompleteBatchError,
@@ -130,7 +135,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing of it runs
         weight_version_between,
     )
     from pipeline.core.verify_stats import VerifyReport
-    from pipeline.integrations.push import push_model
+    from pipeline.integrations.push import push_adapter, push_model
     from pipeline.integrations.trl import pipeline_rollout
     from pipeline.read.torch_data import RolloutBatches
     from pipeline.read.trajectories import read_trajectories

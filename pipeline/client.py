@@ -6,11 +6,13 @@ pool-scoped call also takes `pool=` to address another one for that call."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Unpack
 
 import redis
 from pydantic import ValidationError
 
+from pipeline.core import adapters as adapter_registry
 from pipeline.core.broker import control_channel, keys, registry
 from pipeline.core.broker.connection import connect_redis
 from pipeline.core.errors import REQUESTS, LineError, PipelineError, RequestFileError
@@ -23,6 +25,8 @@ from pipeline.submit.dataset_source import is_dataset_path
 from pipeline.submit.enqueue import DEFAULT_BATCH_SIZE, SubmitOptions, submit_dataset, submit_file, submit_requests
 from pipeline.submit.episodes import read_tasks, submit_episodes
 from pipeline.submit.request_file import ParsedRequest, validation_errors, with_sampling_defaults
+from pipeline.weights.adapter_push import AdapterPushResult
+from schemas.adapters import AdapterRecord
 from schemas.control import DesiredState, SwapMode
 from schemas.episode import DEFAULT_EPISODE_RETRIES, DEFAULT_EPISODE_TIMEOUT_S, EpisodeLimits
 from schemas.request import RolloutRequest
@@ -241,6 +245,29 @@ class Client:
         return push_via_store(self.conn, tensors, version, store=store, delta=delta,
                               full_every=full_every or DEFAULT_FULL_EVERY, timeout=timeout, force=force, mode=mode,
                               pool=self._pool(pool))
+
+    def push_adapter(
+        self, name: str, source: str | Path | Any, *, base: str | Path | None = None, store: str | None = None,
+        adapter_name: str = "default", pool: str | None = None,
+    ) -> AdapterPushResult:
+        """Store a LoRA adapter as the next version of `name` and make it the pool's current one
+        (docs/adapters.md). `source`: a PEFT adapter directory (what peft's `save_pretrained` writes), or
+        a peft model in memory (its adapter `adapter_name`). It is checked against the base model
+        (`base`, a model directory; default: the pool's weight store, else a live worker's model
+        directory) and refused naming the module that does not fit (`AdapterError`). Requests naming
+        `name` run on this version from their next job; rows record it (`adapter_version`)."""
+        from pipeline.weights import adapter_check
+        from pipeline.weights.adapter_push import base_shapes, push_adapter_tensors
+
+        adapter = (adapter_check.read_dir(source) if isinstance(source, str | Path)
+                   else adapter_check.from_model(source, adapter_name))
+        pool = self._pool(pool)
+        shapes = base_shapes(self.conn, pool, None if base is None else str(base), store)
+        return push_adapter_tensors(self.conn, name, adapter, base=shapes, pool=pool, store=store)
+
+    def adapters(self, *, pool: str | None = None) -> dict[str, AdapterRecord]:
+        """The pool's adapters by name: each one's current version, rank, target modules and store."""
+        return adapter_registry.records(self.conn, self._pool(pool))
 
     def cancel(
         self, run: str | None = None, *, job_ids: Sequence[str] | None = None, pool: str | None = None,

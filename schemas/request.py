@@ -32,6 +32,8 @@ from pydantic import (
     field_validator,
 )
 
+from schemas.adapters import AdapterName
+
 # Token ids travel as int32 in job payloads and shards; seeds as int64.
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**63 - 1
@@ -220,6 +222,7 @@ class RolloutRequest(_Strict):
                     "overloaded (so they find each other's prefix in its KV cache); 1-128 visible ASCII "
                     "characters. `pipeline serve` sets it to the session id.",
     )] | None = None
+    adapter: AdapterName | None = None
 
     @field_validator("input_ids")
     @classmethod

@@ -54,6 +54,9 @@ ROW_FIELDS: list[pa.Field] = [
     # after its worker died (`workers.jobs.checkpoint`): tokens before offset t came from the dead
     # worker(s). Null when never resumed, and in shards written before this column.
     pa.field("resumed_at", values_of(pa.int32())),
+    # The LoRA adapter the row was generated with and its version (`docs/adapters.md`); null on the base.
+    pa.field("adapter", pa.string()),
+    pa.field("adapter_version", pa.int64()),
     pa.field("temperature", pa.float32(), nullable=False),
     pa.field("top_p", pa.float32(), nullable=False),
     pa.field("top_k", pa.int32(), nullable=False),

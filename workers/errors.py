@@ -10,7 +10,8 @@ class WorkerError(PipelineError):
 
 
 class UnsupportedRequestError(WorkerError):
-    """A job asks for something this worker cannot serve (top-k, routed experts, stop strings)."""
+    """A job asks for something this worker cannot serve (top-k, routed experts, stop strings, a LoRA
+    adapter it cannot load): handed back for another worker, never served without it."""
 
 
 class ContractViolation(WorkerError):

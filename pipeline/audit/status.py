@@ -14,6 +14,7 @@ from rq.queue import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from pipeline.core import adapters
 from pipeline.core.broker import commit_log, control_channel, keys, registry, reward_log
 from pipeline.core.errors import UnknownRunError
 from pipeline.core.jobs import episodes, lanes
@@ -233,6 +234,9 @@ def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
         from pipeline.core.weights.store import describe
 
         status["store"] = describe(desired["weight_path"])
+    status["adapters"] = [{"name": r.name, "version": r.version, "rank": r.rank, "target_modules": r.target_modules,
+                           "stored_bytes": r.stored_bytes}
+                          for r in sorted(adapters.records(conn, name).values(), key=lambda r: r.name)]
     return status
 
 
@@ -249,6 +253,10 @@ def format_weights(status: dict[str, Any]) -> str:
     for w in status["workers"]:
         lines.append(f"  {w['worker_id']}  v{w['weight_version']}  {w['state']:<9} "
                      + ("ok" if w["converged"] else f"BEHIND: {w['error'] or 'not loaded yet'}"))
+    if status.get("adapters"):
+        lines.append(f"adapters: {len(status['adapters'])} (loaded by workers when a job names one)")
+        lines.extend(f"  {a['name']}  v{a['version']}  rank {a['rank']} on {', '.join(a['target_modules'])}  "
+                     f"{a['stored_bytes'] / 1e6:.2f} MB" for a in status["adapters"])
     return "\n".join(lines)
 
 

@@ -7,12 +7,16 @@ import json
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 import redis
 
 from pipeline.core import settings
 from pipeline.core.command import EXIT_FAILED, Command, CommandGroup
 from pipeline.core.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.client import Client
 from schemas.control import SWAP_MODES
 
 
@@ -53,9 +57,16 @@ class WeightsPushCommand(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="checkpoint directory, as the workers see it (`demo`, `demo-perturbed`: "
-                                         "the demo model's)")
-        parser.add_argument("--version", type=int, required=True,
-                            help="the new weight version (newer than the current)")
+                                         "the demo model's); with --adapter, a PEFT adapter directory")
+        parser.add_argument("--version", type=int,
+                            help="the new weight version (newer than the current); required without --adapter")
+        parser.add_argument("--adapter", metavar="NAME",
+                            help="push a LoRA adapter (the directory peft's save_pretrained wrote) as the next "
+                                 "version of NAME; requests naming NAME take it from their next job "
+                                 "(docs/adapters.md)")
+        parser.add_argument("--base", metavar="DIR",
+                            help="with --adapter: the base model directory the adapter is checked against "
+                                 "(default: the pool's weight store, else a live worker's model directory)")
         parser.add_argument("--timeout", type=float, default=600.0,
                             help="seconds to wait for acknowledgements (default 600)")
         parser.add_argument("--force", action="store_true",
@@ -82,6 +93,11 @@ class WeightsPushCommand(Command):
         from pipeline.weights.push import StorePushResult, store_url
 
         client = connect(args.redis, pool=args.pool)
+        if args.adapter is not None:
+            return _push_adapter(client, args)
+        if args.version is None:
+            raise PipelineError("pipeline weights push PATH needs --version N (the new weight version), or "
+                                "--adapter NAME for a LoRA adapter")
         path = resolve(args.path)
         store = store_url(args.store, client.pool) if args.delta or args.store is not None else None
         _check_target(client.conn, client.pool, path, read_here=store is not None)
@@ -99,6 +115,23 @@ class WeightsPushCommand(Command):
             read = f"read in {ack.prepare_seconds:.2f} s while generating, then " if ack.prepare_seconds else ""
             print(f"  {ack.worker}: ok ({read}paused {ack.seconds:.2f} s, {ack.mode}{how}){detail}")
         return 0
+
+
+def _push_adapter(client: Client, args: argparse.Namespace) -> int:
+    """`pipeline weights push --adapter NAME DIR`: the adapter's next version, stored and current."""
+    from pipeline.core.demo_model import resolve
+
+    given = [flag for flag, value in (("--version", args.version), ("--delta", args.delta),
+                                       ("--full-every", args.full_every), ("--force", args.force)) if value]
+    if given:
+        raise PipelineError(f"{', '.join(given)}: options of base weight pushes, not of --adapter (an adapter's "
+                            "versions are numbered by the pool, each stored in full); drop them")
+    base = None if args.base is None else resolve(args.base)
+    result = client.push_adapter(args.adapter, args.path, base=base, store=args.store)
+    status = "current" if result.current else "stored, but a newer version pushed at the same time is current"
+    print(f"pool {client.pool}: adapter {result.name} v{result.version} from {args.path} "
+          f"({_size(result.stored_bytes)} stored at {result.url}, {result.seconds:.2f} s): {status}")
+    return 0
 
 
 def _size(count: int) -> str:

@@ -16,6 +16,7 @@
     ├── ControlSecretError             $PIPELINE_CONTROL_SECRET_FILE names a file that cannot be read, or is empty
     ├── WeightVersionError             a push named a version not newer than the current one
     ├── WeightPushError                workers failed to load pushed weights or did not acknowledge
+    ├── AdapterError                   a LoRA adapter that cannot be pushed or named (not PEFT, misfit, unknown)
     ├── JobsFailedError                some jobs of a batch failed (`failures`: job id -> reason)
     ├── WaitTimeoutError               a wait ran out of time before the batch finished
     ├── NoShardsError                  a run or URL has no shards; names what is there ("did you mean")
@@ -288,6 +289,11 @@ class APIError(PipelineError):
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": _API_ERROR_TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code or str(self.status)}}
+
+
+class AdapterError(PipelineError):
+    """A LoRA adapter that cannot be pushed (not a PEFT adapter, or not fitting the base model: names the
+    module) or named (no such adapter in the pool: names those that exist, "did you mean")."""
 
 
 class WeightStoreError(PipelineError, ValueError):

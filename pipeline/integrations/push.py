@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.client import Client
 from pipeline.core.broker.control_channel import DEFAULT_PUSH_TIMEOUT_S, PushResult
+from pipeline.weights.adapter_push import AdapterPushResult
 from schemas.control import SwapMode
 
 
@@ -30,3 +31,11 @@ def push_model(client: Client, model: Any, *, mode: SwapMode = "partial", store:
     version = next_version(client) if version is None else version
     return client.push_weights(state_dict=model.state_dict(), version=version, mode=mode, store=store,
                                timeout=timeout)
+
+
+def push_adapter(client: Client, model: Any, name: str, *, adapter_name: str = "default",
+                 base: str | None = None, store: str | None = None) -> AdapterPushResult:
+    """A peft model's LoRA adapter (`adapter_name`) to the pool as the next version of adapter `name`
+    (`Client.push_adapter`, `base` as there): megabytes, not the model; requests naming `name` take it
+    from their next job."""
+    return client.push_adapter(name, model, adapter_name=adapter_name, base=base, store=store)

@@ -16,12 +16,12 @@ from typing import Any, TypedDict, Unpack
 import numpy as np
 import redis
 
-from pipeline.core import rewards, settings
+from pipeline.core import adapters, rewards, settings
 from pipeline.core.broker import keys, registry, reward_log
 from pipeline.core.broker.redis_server import state_dir
 from pipeline.core.broker.replication import Proof, replicated
 from pipeline.core.broker.security import check_output_url
-from pipeline.core.errors import PipelineError, SubmitLostError, WriteLostError
+from pipeline.core.errors import AdapterError, PipelineError, SubmitLostError, WriteLostError
 from pipeline.core.jobs.queue import PROMPTS_TTL_S, job_data, rollout_queue
 from pipeline.submit import run_ids
 from pipeline.submit.dataset_input import ColumnMapping, RequestColumns, dataset_blocks
@@ -209,7 +209,7 @@ def submit_blocks(
     workers = registry.live_workers(conn, where.name)
     jobs = _Jobs(run=run, batch_id=uuid.uuid4().hex[:12], output=output, submitted_at_ms=int(time.time() * 1000),
                  min_weight_version=min_weight_version, max_staleness=max_staleness, job_timeout_s=job_timeout_s,
-                 retries=retries)
+                 retries=retries, adapters=AdapterCheck(conn, where.name))
     stager = PromptStager(conn)
     try:
         # Requests the same worker classes can serve share jobs (`pipeline.submit.placement`).
@@ -367,6 +367,27 @@ class _Packer:
 
 
 @dataclass
+class AdapterCheck:
+    """The adapters a submit's requests name, checked against the pool's (read once, at the first)."""
+
+    conn: redis.Redis
+    pool: str
+    known: set[str] | None = None
+
+    def check(self, job_fields: Sequence[Mapping[str, Any]]) -> None:
+        """`AdapterError` for a request naming an adapter never pushed to the pool."""
+        for fields in job_fields:
+            name = fields.get("adapter")
+            if name is None:
+                continue
+            if self.known is None:
+                self.known = set(adapters.records(self.conn, self.pool))
+            if name not in self.known:
+                raise AdapterError(f"request {fields.get('id')!r}: {adapters.unknown(name, self.known, self.pool)}; "
+                                   "nothing was enqueued")
+
+
+@dataclass
 class _Jobs:
     """The jobs of one submit as they fill: RQ job data, ids, counts; prompt ids staged as each is packed."""
 
@@ -378,6 +399,8 @@ class _Jobs:
     max_staleness: int | None
     job_timeout_s: int
     retries: int
+    # The pool's adapters (`pipeline.core.adapters`): a request naming another is refused, nothing enqueued.
+    adapters: AdapterCheck
     datas: list[Any] = field(default_factory=list)
     job_ids: list[str] = field(default_factory=list)
     requests: int = 0
@@ -425,6 +448,7 @@ class _Jobs:
 
     def _enqueue(self, job_id: str, payload: JobPayload, prompt_bytes: bytes, samples: int, stager: PromptStager,
                  needs: Needs) -> None:
+        self.adapters.check(payload.requests)
         index = len(self.job_ids)
         stager.stage(keys.prompts(job_id), prompt_bytes)
         self.job_ids.append(job_id)

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from pipeline.core.errors import LineError, PipelineError, RequestFileError
 from pipeline.core.suggest import OTHER_NAMES, did_you_mean
 from schemas import request as request_schema
+from schemas.adapters import ADAPTER_NAME_PATTERN
 from schemas.chat import CHAT_INPUTS
 from schemas.request import (
     MAX_ID_CHARS,
@@ -34,6 +35,8 @@ from schemas.request import (
     SamplingParams,
     outside_vocabulary,
 )
+
+_ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
 
 # Pydantic names union branches in error locations ("str", "list[int]", "constrained-int",
 # "function-before[...]"); a user thinks in field names only.
@@ -288,6 +291,11 @@ def fast_fields(line: dict[str, Any], ids: np.ndarray, size: int, shapes: dict[A
             fields["metadata"] = metadata
     if "routing_key" in line:  # rare in files: the model checks it
         raise StepAside
+    adapter = line.get("adapter")
+    if adapter is not None:
+        if type(adapter) is not str or not _ADAPTER_NAME.match(adapter):
+            raise StepAside
+        fields["adapter"] = adapter
     prompt_text = line.get("prompt_text")
     if prompt_text is not None:
         if type(prompt_text) is not str:

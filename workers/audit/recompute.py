@@ -14,6 +14,11 @@ version generated it: how shards of v1 are checked against v0) or a mapping vers
 then a token is checked against its own version's model (per-token versions of rows continued
 across partial swaps), and tokens of versions without a model are counted as unchecked.
 
+LoRA adapters: a row generated with an adapter (`adapter`, `adapter_version`) is recomputed under
+the base model plus that version of the adapter, read from its store (`store`: the pool's weight
+store URL, under which adapters are kept; default the default pool's), in the same forward as
+the base rows (the hf engine's mixed-batch forward).
+
 Routed experts (MoE rows that carry them): the forward's router hooks (`RoutingCapture`) give
 the recomputed top-k per (position, layer), compared as sets with the stored ones; a row's
 routing is its last version's (a continuation's prefill routes every earlier position again), so
@@ -35,16 +40,19 @@ import numpy as np
 import pyarrow as pa
 import redis
 
+from pipeline.core.adapters import adapter_url, stored_record
 from pipeline.core.errors import PipelineError
 from pipeline.core.routed_experts import ROUTED_EXPERTS_COLUMNS, routed_experts
 from pipeline.core.shards import is_location, rollouts_dataset
 from pipeline.core.verify_stats import ExpertStats, GroupStats, VerifyReport, build_report
+from schemas.adapters import pinned, split_pinned
 from schemas.request import RolloutRequest, SamplingParams
 
 REQUIRED_COLUMNS = ["rollout_id", "engine", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
                     "weight_version", "temperature"]
 PENALTY_COLUMNS = ["frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"]
-OPTIONAL_COLUMNS = ["weight_version_segments", "resumed_at", *PENALTY_COLUMNS, *ROUTED_EXPERTS_COLUMNS]
+OPTIONAL_COLUMNS = ["weight_version_segments", "resumed_at", "adapter", "adapter_version", *PENALTY_COLUMNS,
+                    *ROUTED_EXPERTS_COLUMNS]
 DEFAULT_THRESHOLD = 0.1
 DEFAULT_MEMORY_MB = 512
 READ_BATCH_ROWS = 256
@@ -101,6 +109,7 @@ class _Row:
     params: SamplingParams
     experts: np.ndarray | None
     experts_start: int
+    adapter: str | None  # pinned (`schemas.adapters.pinned`), None for the base
 
 
 def _versions(row: dict[str, Any], length: int) -> np.ndarray:
@@ -176,19 +185,25 @@ def _rows_of(batch: pa.RecordBatch, vocab: int, skipped: dict[str, int]) -> Iter
                                     or not all(0 < t < len(completion) for t in resumed)):
             raise PipelineError(f"row {rid!r}: resumed_at {resumed} are not ascending offsets inside its "
                                 f"{len(completion)} completion tokens; the shard is inconsistent")
+        adapter = row.get("adapter")
+        if adapter is not None and row.get("adapter_version") is None:
+            raise PipelineError(f"row {rid!r}: adapter {adapter!r} without an adapter_version; the shard is "
+                                "inconsistent")
         yield _Row(rid, row["engine"], prompt, completion, logprobs, _versions(row, len(completion)), _params(row),
-                   experts[i] if experts is not None else None, int(row.get("routed_experts_start") or 0))
+                   experts[i] if experts is not None else None, int(row.get("routed_experts_start") or 0),
+                   None if adapter is None else pinned(adapter, int(row["adapter_version"])))
 
 
 class _Checker:
     """One reference model: teacher-forced logprobs (and router top-k) for groups of rows."""
 
-    def __init__(self, path: str, device: str) -> None:
+    def __init__(self, path: str, device: str, store: str | None) -> None:
         import torch
 
         from workers.engines.hf.engine import HFEngine
 
         self.path = path
+        self.store = store
         self.engine = HFEngine(path, device=device)
         self.torch = torch
         self.vocab = self.engine.vocab_size
@@ -213,13 +228,15 @@ class _Checker:
             ids[i, width - len(f):] = torch.from_numpy(f).to(device)
             mask[i, width - len(f):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        adapters = [r.adapter for r in rows]
+        self._load_adapters(adapters)
         routing = engine.routing if want_experts else None
         if routing is not None:
             routing.start(len(rows))
         try:
             with torch.inference_mode():
-                logits = engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                      use_cache=False, logits_to_keep=keep).logits
+                logits = engine.forward(adapters, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                        use_cache=False, logits_to_keep=keep).logits
             experts: list[np.ndarray | None] = [None] * len(rows)
             if routing is not None:
                 routing.step()
@@ -248,6 +265,16 @@ class _Checker:
                 lp = scaled.gather(1, target[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
                 out.append(lp.cpu().numpy())
         return out, experts
+
+    def _load_adapters(self, adapters: Sequence[str | None]) -> None:
+        """The adapter versions of a group resident in the reference engine, read from their store."""
+        cache = self.engine.adapters
+        wanted = {a for a in adapters if a is not None}
+        for key in wanted:
+            name, version = split_pinned(key)
+            assert version is not None
+            cache.note(stored_record(adapter_url(self.store, None, name), name, version))
+        cache.ensure(wanted)
 
 
 def _groups_by_memory(rows: list[_Row], vocab: int, memory_mb: int, max_rows: int) -> Iterator[list[_Row]]:
@@ -278,11 +305,13 @@ def verify(
     conn: redis.Redis | None = None,
     memory_mb: int = DEFAULT_MEMORY_MB,
     max_batch_rows: int = 64,
+    store: str | None = None,
 ) -> VerifyReport:
     """Recompute the stored completion logprobs of `source` (a run name with `conn`, a URL or a
     directory of shards) with `model` and report the mismatch per weight version and engine.
 
-    `rows`: check a random sample of that many rows (drawn with `seed`), else every row.
+    `rows`: check a random sample of that many rows (drawn with `seed`), else every row. `store`: the
+    weight store URL the rows' LoRA adapters were pushed under (default: the default pool's).
     """
     models = parse_models(model)
     dataset = open_source(source, conn)
@@ -296,7 +325,7 @@ def verify(
     checkers: dict[str, _Checker] = {}
     try:
         for path in dict.fromkeys(models.values()):
-            checkers[path] = _Checker(path, device)
+            checkers[path] = _Checker(path, device, store)
         vocab = min(c.vocab for c in checkers.values())
         groups: dict[tuple[int, str], GroupStats] = {}
         experts: dict[tuple[int, str], ExpertStats] = {}

@@ -44,6 +44,9 @@ class VerifyCommand(Command):
         parser.add_argument("--worst", type=int, default=10, metavar="N", help="rows that disagree most, per group")
         parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB, metavar="MB",
                             help=f"logits memory per forward batch (default {DEFAULT_MEMORY_MB})")
+        parser.add_argument("--store", metavar="URL",
+                            help="the weight store the rows' LoRA adapters were pushed under (`pipeline weights "
+                                 "push --adapter ... --store`); default <PIPELINE_HOME>/weights/<pool>")
         parser.add_argument("--json", action="store_true", help="the report as JSON")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -56,7 +59,7 @@ class VerifyCommand(Command):
             args.source, [resolve_versioned(model) for model in args.model], rows=args.rows, seed=args.seed,
             device=args.device, threshold=args.threshold,
             worst=args.worst, conn=None if is_location(args.source) else connect_redis(args.redis),
-            memory_mb=args.memory_mb,
+            memory_mb=args.memory_mb, store=args.store,
         )
         print(report.to_json() if args.json else report.format())
         if not report.tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.core import settings
+from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS
 from workers.engines.factory import ENGINES, EngineOptions
 
 
@@ -17,6 +18,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device for the hf engine")
     parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
                         help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
+    parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS, metavar="N",
+                        help="hf and sim engines: LoRA adapters kept resident; past N the least recently used is "
+                             f"evicted, and loaded again from its store when a job names it (default "
+                             f"{DEFAULT_MAX_ADAPTERS}; docs/adapters.md)")
     parser.add_argument(
         "--max-top-logprobs", type=int,
         default=settings.max_top_logprobs(),
@@ -85,7 +90,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
     return EngineOptions(
         engine=args.engine, model=args.model and resolve(args.model), device=args.device,
-        max_top_logprobs=args.max_top_logprobs, max_batch_sequences=args.max_batch_sequences, urls=tuple(args.urls),
+        max_top_logprobs=args.max_top_logprobs, max_batch_sequences=args.max_batch_sequences,
+        max_adapters=args.max_adapters, urls=tuple(args.urls),
         routed_experts=args.routed_experts,
         experts_layout=args.experts_layout,
         sim={

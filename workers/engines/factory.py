@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS
 from workers.engines.base import Engine
 from workers.errors import EngineUnavailableError
 
@@ -19,6 +20,7 @@ class EngineOptions:
     max_top_logprobs: int = 0
     weight_version: int = 0
     max_batch_sequences: int = 64  # hf: samples decoded together
+    max_adapters: int = DEFAULT_MAX_ADAPTERS  # hf and sim: LoRA adapters kept resident (LRU evicted past it)
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways; vllm-http: vLLM servers
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
     routed_experts: bool = False  # sglang and sim engines: serve return_routed_experts
@@ -73,6 +75,7 @@ def build_engine(options: EngineOptions) -> Engine:
             weight_version=options.weight_version,
             model_name=DEMO_MODEL_NAME if Path(path) == cache_dir() else None,  # `--model demo` too
             max_batch_sequences=options.max_batch_sequences,
+            max_adapters=options.max_adapters,
         )
     if options.engine == "sim":
         from workers.engines.sim import SimConfig, SimEngine
@@ -82,7 +85,8 @@ def build_engine(options: EngineOptions) -> Engine:
             layout = _sglang_model_facts(options)["experts_layout"]
             experts = (layout.layers, layout.top_k, layout.num_experts or 2 * layout.top_k)  # type: ignore[attr-defined]
         return SimEngine(SimConfig(**{"max_top_logprobs": options.max_top_logprobs, "experts": experts,
-                                      "weight_version": options.weight_version, **options.sim}))
+                                      "weight_version": options.weight_version,
+                                      "max_adapters": options.max_adapters, **options.sim}))
     if options.engine == "sglang-http":
         from workers.engines.sglang.http_engine import SGLangHTTPEngine
 

@@ -39,8 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.core.weights.safetensors_io import TensorBits
+from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities, WorkerInfo
+from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import (
     INTERRUPTED,
     ContinuedRequest,
@@ -82,6 +85,8 @@ class SimConfig:
     prefill_tokens_per_s: float = 50_000.0
     prefix_cache_tokens: int = 1 << 20
     block_tokens: int = 16
+    # LoRA adapters kept resident (`workers.engines.adapter_cache`); each changes the draws by its bits.
+    max_adapters: int = DEFAULT_MAX_ADAPTERS
 
     @property
     def sigma(self) -> float:
@@ -128,18 +133,29 @@ class _Seq:
     started: float | None = None
 
 
-def _sample_seed(config: SimConfig, request: RolloutRequest, index: int) -> list[int]:
+def _sample_seed(config: SimConfig, request: RolloutRequest, index: int, adapter: int | None) -> list[int]:
     seed = request.sampling_params.seed
     key = seed if seed is not None else zlib.crc32(request.id.encode())
-    return [config.seed, key, index]
+    return [config.seed, key, index] if adapter is None else [config.seed, key, index, adapter]
 
 
-def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weight_version: int) -> SampleOutput:
-    """The deterministic output of sample `index` of `request` (same seed, same tokens); for a
-    continuation, the rest of its original sample's planned sequence."""
+def adapter_seed(tensors: Sequence[TensorBits]) -> int:
+    """What a LoRA adapter's bits change in the sim's draws: a digest of them (another version, other tokens)."""
+    digest = 0
+    for tensor in tensors:
+        digest = zlib.crc32(tensor.words.tobytes(), zlib.crc32(tensor.name.encode(), digest))
+    return digest
+
+
+def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weight_version: int,
+                    adapter: int | None = None) -> SampleOutput:
+    """The deterministic output of sample `index` of `request` (same seed, same tokens; `adapter`, the
+    `adapter_seed` of the request's adapter, changes them); for a continuation, the rest of its original
+    sample's planned sequence."""
     if isinstance(request, ContinuedRequest):
         done = request.generated
-        whole = _planned(config, request, request.sample_index, done + request.sampling_params.max_new_tokens)
+        whole = _planned(config, request, request.sample_index, done + request.sampling_params.max_new_tokens,
+                         adapter)
         tops = whole.top_logprobs
         return SampleOutput(
             token_ids=whole.token_ids[done:], finish=whole.finish,
@@ -147,14 +163,15 @@ def simulate_sample(config: SimConfig, request: RolloutRequest, index: int, weig
             top_logprobs=None if tops is None else tops[done:], prompt_logprobs=whole.prompt_logprobs,
             weight_version=weight_version,
         )
-    output = _planned(config, request, index, request.sampling_params.max_new_tokens)
+    output = _planned(config, request, index, request.sampling_params.max_new_tokens, adapter)
     output.weight_version = weight_version
     return output
 
 
-def _planned(config: SimConfig, request: RolloutRequest, index: int, max_new_tokens: int) -> SampleOutput:
+def _planned(config: SimConfig, request: RolloutRequest, index: int, max_new_tokens: int,
+             adapter: int | None) -> SampleOutput:
     params = request.sampling_params
-    rng = np.random.default_rng(_sample_seed(config, request, index))
+    rng = np.random.default_rng(_sample_seed(config, request, index, adapter))
     drawn = max(1, math.ceil(config.median_tokens * math.exp(config.sigma * rng.standard_normal())))
     user_stops = params.user_stop_token_ids
     stop_id = user_stops[0] if user_stops else config.eos_token_id
@@ -229,6 +246,8 @@ class SimEngine(EngineIdentity):
         self._capacity_steps = 0.0
         self._closed = False
         self._cache = PrefixCache(self.config.prefix_cache_tokens, self.config.block_tokens)
+        self._adapter_seeds: dict[str, int] = {}
+        self.adapters = AdapterCache(self._load_adapter, self._adapter_seeds.pop, self.config.max_adapters)
         self._prefill_tokens = 0
         self._cached_tokens = 0
         self._prefill_s = 0.0
@@ -254,8 +273,10 @@ class SimEngine(EngineIdentity):
 
     def submit(self, requests: Sequence[RolloutRequest]) -> Future[list[list[SampleOutput]]]:
         version = self._weight_version
-        outputs = [[simulate_sample(self.config, r, i, version) for i in range(r.sampling_params.n)]
-                   for r in requests]
+        self.adapters.ensure(r.adapter for r in requests if r.adapter is not None)
+        seeds = self._adapter_seeds
+        outputs = [[simulate_sample(self.config, r, i, version, None if r.adapter is None else seeds[r.adapter])
+                    for i in range(r.sampling_params.n)] for r in requests]
         future: Future[list[list[SampleOutput]]] = Future()  # left pending, so cancel() works
         batch = _Batch(outputs, future)
         with self._cond:
@@ -278,6 +299,9 @@ class SimEngine(EngineIdentity):
             self._cond.notify_all()
         future.add_done_callback(lambda f: self._on_cancel(batch) if f.cancelled() else None)
         return future
+
+    def _load_adapter(self, key: str, record: AdapterRecord, tensors: list[TensorBits]) -> None:
+        self._adapter_seeds[key] = adapter_seed(tensors)
 
     def refuses_pool(self, workers: Sequence[WorkerInfo]) -> str | None:
         """Why the sim does not join a pool with nothing pushed that these live workers serve: one of

@@ -21,6 +21,7 @@ from workers.engines.base import Engine, SampleOutput
 from workers.engines.request_support import check_request_supported
 from workers.errors import JobCanceledError, WorkerError
 from workers.jobs import context
+from workers.jobs.adapters import pin_adapters
 from workers.jobs.turn_log import commit_turns
 from workers.rows.shard_writer import PendingShard, remove_shard
 from workers.rows.table import RowContext, build_table, utc_from_ms
@@ -63,6 +64,7 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
     capabilities = engine.description.served
     for request in requests:
         check_request_supported(request, capabilities)
+    requests = pin_adapters(requests, engine, conn, ctx.pool)
     return PreparedBatch(job, requests, engine, ctx.worker_id, engine.weight_version, datetime.now(UTC))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.worker_info import DEFAULT_POOL
 from workers.engines.base import Engine
 from workers.errors import WorkerError
 
@@ -16,6 +17,7 @@ from workers.errors import WorkerError
 class WorkerContext:
     worker_id: str
     engine: Engine
+    pool: str = DEFAULT_POOL
 
 
 _current: WorkerContext | None = None

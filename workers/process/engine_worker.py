@@ -304,7 +304,7 @@ class EngineWorker(SimpleWorker):
                 return
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        context.install(context.WorkerContext(worker_id=self.worker_id, engine=self.engine))
+        context.install(context.WorkerContext(worker_id=self.worker_id, engine=self.engine, pool=self.pool.name))
         self.presence.joined = False  # loading the pool's weights before joining: not a member yet
         try:
             self.control.join()

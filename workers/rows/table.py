@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from schemas.adapters import split_pinned
 from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import shard_schema
@@ -98,6 +99,7 @@ def build_table(
             raise ContractViolation(f"request {request.id!r}: {len(samples)} samples for n={params.n}")
         metadata = json.dumps(request.metadata, separators=(",", ":"), ensure_ascii=False)
         prompt = np.asarray(request.input_ids, dtype=np.int32)
+        adapter, adapter_version = split_pinned(request.adapter) if request.adapter else (None, None)
         for index, sample in enumerate(samples):
             check_sample(request, sample)
             segments = token_version_segments(request, sample, ctx.weight_version)
@@ -126,7 +128,7 @@ def build_table(
                 len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
                 min(v for _, v in segments),
                 None if len(segments) == 1 else [{"start": a, "version": v} for a, v in segments],
-                sample.resumed_at or None,
+                sample.resumed_at or None, adapter, adapter_version,
                 None if turn is None else turn.session_id, None if turn is None else turn.turn,
                 None if turn is None else turn.prefix_break,
             ))
@@ -171,7 +173,8 @@ _PER_ROW = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
-    "weight_version", "weight_version_segments", "resumed_at", "session_id", "turn", "prefix_break",
+    "weight_version", "weight_version_segments", "resumed_at", "adapter", "adapter_version",
+    "session_id", "turn", "prefix_break",
 )
 
 

@@ -106,6 +106,16 @@ class PoolKeys:
         return f"{self._base}:control:acks:{version}"
 
     @property
+    def adapters(self) -> str:
+        """A hash of LoRA adapter name → its current version's record (`schemas.adapters.AdapterRecord`)."""
+        return f"{self._base}:adapters"
+
+    @property
+    def adapter_versions(self) -> str:
+        """A hash of adapter name → the last version number handed to a push (racing pushes get distinct ones)."""
+        return f"{self._base}:adapters:versions"
+
+    @property
     def workers(self) -> str:
         """The set of worker ids registered in the pool (entries expire; ids are pruned on read)."""
         return f"{self._base}:workers"

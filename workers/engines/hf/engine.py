@@ -22,6 +22,14 @@ at its next step keeping every sample's tokens (a partial weight swap). A `Conti
 decodes the original prompt + generated ids as its prompt and draws from its continuation seed.
 `progress(future)` snapshots the running batch's samples at a step boundary without stopping them
 (a worker's periodic checkpoints, `workers.jobs.checkpoint`).
+
+LoRA adapters (`peft`): a request naming one (pinned to its version, `workers.jobs.adapters`) is
+decoded with it, in the same batch as base requests and other adapters' (peft's mixed-batch
+forward, `adapter_names`: each row through its own adapter, `__base__` rows through the base
+weights alone). The adapters a batch needs are loaded from their store on the engine's thread
+before it runs; past `max_adapters` the least recently used are deleted
+(`workers.engines.adapter_cache`). Base weight pushes change the base tensors under them in place;
+a reload from a directory (`update_weights`) drops them (they load again on demand).
 """
 
 from __future__ import annotations
@@ -35,8 +43,11 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.stop_tokens import matched_stop_ids, model_stop_ids
+from pipeline.core.weights.safetensors_io import TensorBits
+from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
+from workers.engines.adapter_cache import BASE, DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
 from workers.engines.hf.expert_capture import RoutingCapture
 from workers.engines.seeds import request_sample_seed
@@ -59,6 +70,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         weight_version: int = 0,
         model_name: str | None = None,
         max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,6 +91,8 @@ class HFEngine(SerialFeed, EngineIdentity):
         self.vocab_size = int(self.model.config.vocab_size)
         self._routing = RoutingCapture.attach(self.model)
         self._weight_version = weight_version
+        self._peft: Any = None  # the model wrapped by peft once an adapter is loaded
+        self.adapters = AdapterCache(self._load_adapter, self._unload_adapter, max_adapters)
         # The running batch's samples so far, for `progress` (updated once per decode step).
         self._live_lock = threading.Lock()
         self._live: _LiveBatch | None = None
@@ -133,6 +147,8 @@ class HFEngine(SerialFeed, EngineIdentity):
             self._routing.remove()
         self._routing = routing
         self.model = model
+        self._peft = None  # the adapters were injected into the old model: loaded again on demand
+        self.adapters.clear()
         self._weight_version = version
 
     def apply_store_version(self, store: Any, have: int | None, version: int) -> Any:
@@ -140,7 +156,7 @@ class HFEngine(SerialFeed, EngineIdentity):
         checked bit for bit (`workers.engines.inplace.apply_version`); `Applied` says how."""
         from workers.engines.inplace import apply_version
 
-        applied = apply_version(store, self.model.state_dict(), have, version)
+        applied = apply_version(store, self._base_state_dict(), have, version)
         self._weight_version = version
         return applied
 
@@ -149,8 +165,40 @@ class HFEngine(SerialFeed, EngineIdentity):
         generating (`workers.engines.inplace.stage_version`); `install_store_version` puts it in."""
         from workers.engines.inplace import stage_version
 
-        return stage_version(store, self.model.state_dict(), have, version,
-                             parameters=dict(self.model.named_parameters(remove_duplicate=False)))
+        return stage_version(store, self._base_state_dict(), have, version,
+                             parameters=_base_names(dict(self.model.named_parameters(remove_duplicate=False))))
+
+    def _base_state_dict(self) -> dict[str, Any]:
+        """The base model's tensors under their own names (peft's LoRA layers hold them as `base_layer`)."""
+        return _base_names(self.model.state_dict())
+
+    def _load_adapter(self, key: str, record: AdapterRecord, tensors: list[TensorBits]) -> None:
+        """Inject adapter `key` (its config and LoRA tensors) beside the resident ones."""
+        from peft import PeftConfig, PeftModel, set_peft_model_state_dict
+
+        from pipeline.core.weights.torch_bits import from_words
+
+        config = PeftConfig.from_peft_type(**{**record.config, "inference_mode": True})
+        state = {t.name: from_words(t.words, t.dtype, t.shape).to(self.device, self._torch.float32, copy=True)
+                 for t in tensors}
+        if self._peft is None:
+            self._peft = PeftModel(self.model, config, adapter_name=key)
+        else:
+            self._peft.add_adapter(key, config)
+        loaded = set_peft_model_state_dict(self._peft, state, adapter_name=key)
+        if loaded.unexpected_keys:
+            self._peft.delete_adapter(key)
+            raise ValueError(f"tensors that fit no module of the model: {loaded.unexpected_keys[:3]}")
+        self._peft.eval()
+
+    def _unload_adapter(self, key: str) -> None:
+        self._peft.delete_adapter(key)
+
+    def forward(self, adapters: Sequence[str | None], **kwargs: Any) -> Any:
+        """The model's forward over a batch, each row through its pinned adapter (None: the base alone)."""
+        if self._peft is None:
+            return self.model(**kwargs)
+        return self._peft(**kwargs, adapter_names=[a or BASE for a in adapters])
 
     def install_store_version(self, staged: Any) -> Any:
         """Put a staged version in (the engine paused: between batches, or interrupted); `Applied`."""
@@ -180,6 +228,7 @@ class HFEngine(SerialFeed, EngineIdentity):
                     f"request {request.id!r} asks for routed experts; {self._description.model} is not a "
                     "mixture-of-experts model"
                 )
+        self.adapters.ensure(r.adapter for r in requests if r.adapter is not None)
         out: list[list[SampleOutput]] = []
         live = _LiveBatch(list(requests), out)
         with self._live_lock:
@@ -228,8 +277,9 @@ class HFEngine(SerialFeed, EngineIdentity):
             mask[row, width - len(ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt_logprobs = any(r.prompt_logprobs is not None for r in requests)
-        out = self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=0 if want_prompt_logprobs else 1)
+        adapters = [r.adapter for r in rows.request_of]
+        out = self.forward(adapters, input_ids=prompt, attention_mask=mask, position_ids=positions,
+                            use_cache=True, logits_to_keep=0 if want_prompt_logprobs else 1)
         prompt_logprobs = [
             self._prompt_logprobs(request, out.logits[rows.first_row[index], width - len(request.input_ids):])
             if request.prompt_logprobs is not None else None
@@ -284,8 +334,8 @@ class HFEngine(SerialFeed, EngineIdentity):
                 break
             mask = torch.cat([mask, torch.ones((rows.count, 1), dtype=mask.dtype, device=device)], dim=1)
             last_position = last_position + 1
-            out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=last_position,
-                             cache=past, use_cache=True)
+            out = self.forward(adapters, input_ids=chosen[:, None], attention_mask=mask,
+                                position_ids=last_position, cache=past, use_cache=True)
             logits = out.logits[:, -1, :].float()
             past = out.cache
             if routing is not None:
@@ -388,6 +438,15 @@ class _LiveBatch:
                 outputs.append(samples)
         outputs.extend(interrupted_before_start(self.requests[len(outputs):]))
         return outputs
+
+
+def _base_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A state dict (or parameters) of a model peft injected LoRA layers into, under the base model's
+    names: `...q_proj.base_layer.weight` as `...q_proj.weight`, the adapters' own tensors left out."""
+    if not any(".base_layer." in name for name in tensors):
+        return tensors
+    return {name.replace(".base_layer.", "."): value for name, value in tensors.items()
+            if ".lora_" not in name}
 
 
 def _groups(requests: Sequence[RolloutRequest], max_sequences: int) -> list[list[RolloutRequest]]:

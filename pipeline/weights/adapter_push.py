@@ -1,0 +1,92 @@
+"""An adapter push: a checked LoRA adapter into its versioned store, then the pool's registry.
+
+Each adapter has a weight store of its own under the pool's (`<store>/adapters/<name>`), one full
+version per push (an adapter is megabytes; no deltas). The version is written completely,
+manifest last, before the registry names it (`pipeline.core.adapters.publish`): a push that fails
+part-way leaves the previous version current and nothing half-written served. Workers load an
+adapter version from the store when a job names the adapter (`workers.jobs.adapters`), so a
+worker that joins later, or evicted the adapter, reads the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from pipeline.core import adapters
+from pipeline.core.adapters import CONFIG_FILE, adapter_url
+from pipeline.core.broker import keys, registry
+from pipeline.core.broker.security import check_weight_path
+from pipeline.core.errors import AdapterError
+from pipeline.core.weights.store import WeightStore, checksum, version_dir
+from pipeline.weights.adapter_check import Adapter, base_shapes_of_dir, check_fits
+from pipeline.weights.push import store_url
+from schemas.adapters import ADAPTER_NAME_PATTERN, AdapterRecord
+
+
+@dataclass(frozen=True)
+class AdapterPushResult:
+    """What a push stored: the adapter's new version, its bytes, the seconds it took, and whether it
+    is the current version (False: a racing push of a newer version of the same name finished first)."""
+
+    name: str
+    version: int
+    stored_bytes: int
+    seconds: float
+    current: bool
+    url: str
+
+
+def base_shapes(conn: redis.Redis, pool: str | None, base: str | None, store: str | None
+                ) -> dict[str, tuple[int, ...]]:
+    """The base model's tensor shapes an adapter is checked against: `base` (a model directory), else
+    the pool's weight store's latest version, else the model directory of a live worker of the pool
+    when it is readable here."""
+    if base is not None:
+        return base_shapes_of_dir(base)
+    weights = WeightStore(store_url(store, pool))
+    latest = weights.latest()
+    if latest is not None:
+        return {t.name: tuple(t.shape) for t in weights.manifest(latest).tensors}
+    for worker in registry.live_workers(conn, keys.pool_name(pool)):
+        if Path(worker.model).is_dir():
+            return base_shapes_of_dir(worker.model)
+    raise AdapterError(f"pool {keys.pool_name(pool)!r}: no base model to check the adapter against (no weight store "
+                       "version, no live worker whose model directory is readable here); name it with --base DIR")
+
+
+def push_adapter_tensors(
+    conn: redis.Redis, name: str, adapter: Adapter, *, base: Mapping[str, tuple[int, ...]],
+    pool: str | None = None, store: str | None = None,
+) -> AdapterPushResult:
+    """Check `adapter` against the `base` shapes, store it as the next version of `name`, publish it."""
+    started = time.monotonic()
+    check_name(name)
+    check_fits(adapter, base, f"adapter {name!r}")
+    version = adapters.next_version(conn, pool, name)
+    url = adapter_url(store, pool, name)
+    check_weight_path(url)
+    weights = WeightStore(url)
+    out = weights.writer(version, "full", None, version)
+    weights.fs.pipe_file(f"{weights.root}/{version_dir(version)}/{CONFIG_FILE}", json.dumps(adapter.config).encode())
+    for tensor in adapter.tensors:
+        out.add(tensor, "plain", b"", checksum(tensor.words))
+    manifest = out.commit()
+    record = AdapterRecord(name=name, version=version, url=url, rank=adapter.rank,
+                           target_modules=adapter.target_modules, config=adapter.config,
+                           stored_bytes=manifest.stored_bytes)
+    current = adapters.publish(conn, pool, record)
+    return AdapterPushResult(name, version, manifest.stored_bytes, time.monotonic() - started, current, url)
+
+
+def check_name(name: str) -> None:
+    """`AdapterError` for a name the request schema would refuse."""
+    if not re.match(ADAPTER_NAME_PATTERN, name):
+        raise AdapterError(f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                           "letter or digit")

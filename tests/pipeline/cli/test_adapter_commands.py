@@ -1,0 +1,30 @@
+"""`pipeline weights push --adapter NAME DIR` and `pipeline weights status` on the command line."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tests.conftest import PIPELINE
+from tests.helpers.adapters import build_adapter
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PIPELINE, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_weights_push_adapter_and_status(pipeline_env: dict[str, str], tiny_model_dir: Path, tmp_path: Path) -> None:
+    adapter = build_adapter(tiny_model_dir, tmp_path / "sql", seed=1)
+    pushed = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--base", str(tiny_model_dir))
+    assert pushed.returncode == 0, pushed.stderr
+    assert f"pool default: adapter sql v1 from {adapter}" in pushed.stdout and ": current" in pushed.stdout
+    status = _cli(pipeline_env, "weights", "status")
+    assert "adapters: 1" in status.stdout and "sql  v1  rank 4 on q_proj, v_proj" in status.stdout
+
+    with_version = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--version", "3")
+    assert with_version.returncode == 2 and "--version: options of base weight pushes, not of --adapter" in \
+        with_version.stderr
+    not_peft = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(tmp_path), "--base", str(tiny_model_dir))
+    assert not_peft.returncode == 2 and "not a PEFT adapter directory" in not_peft.stderr
+    no_version = _cli(pipeline_env, "weights", "push", str(tiny_model_dir))
+    assert no_version.returncode == 2 and "needs --version N" in no_version.stderr
