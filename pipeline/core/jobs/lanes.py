@@ -153,8 +153,7 @@ def fail(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: 
         done(pipe, pool, worker, raw)
         for turn_id in item.turn_ids:
             pipe.set(keys.turn_failed(turn_id), error, ex=FAILED_TTL_S)
-        replies.push(pipe, ((turn["reply_to"], turn["turn_id"], error) for turn in item.payload.get("turns") or []
-                            if turn.get("reply_to")))  # a server of the release before: `turn_failure` only
+        replies.push(pipe, ((turn["reply_to"], turn["turn_id"], error) for turn in item.payload.get("turns") or []))
         pipe.execute()
 
 
