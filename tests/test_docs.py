@@ -1,4 +1,4 @@
-"""The docs keep up with the tree: the README's Layout lists every package, and every cross-reference
+"""The docs keep up with the tree: docs/design.md's Layout lists every package, and every cross-reference
 (a Markdown link to a file and its section, `README "Section"` or `docs/x.md "Section"` in a
 docstring) points at something that exists."""
 
@@ -26,9 +26,9 @@ def _markdown() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
 
 
-def test_the_readme_layout_lists_every_package() -> None:
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("## Layout"):]
+def test_the_design_layout_lists_every_package() -> None:
+    design = (ROOT / "docs" / "design.md").read_text()
+    block = design[design.index("## Layout"):]
     block = block[block.index("```") + 3:]
     block = block[:block.index("```")]
     listed, stack = set(), []
@@ -41,9 +41,9 @@ def test_the_readme_layout_lists_every_package() -> None:
     packages = {str(p.parent.relative_to(ROOT)) for top in ("schemas", "pipeline", "workers")
                 for p in (ROOT / top).rglob("__init__.py")}
     missing = sorted(packages - listed)
-    assert not missing, f"the README's Layout does not list {missing}"
+    assert not missing, f"docs/design.md's Layout does not list {missing}"
     gone = sorted(p for p in listed if p.split("/")[0] in ("schemas", "pipeline", "workers") and p not in packages)
-    assert not gone, f"the README's Layout lists packages that do not exist: {gone}"
+    assert not gone, f"docs/design.md's Layout lists packages that do not exist: {gone}"
 
 
 def test_every_markdown_link_to_a_file_and_section_resolves() -> None:
@@ -75,3 +75,9 @@ def test_every_named_section_a_docstring_or_page_points_at_exists() -> None:
             elif section not in _headings(target) and not any(h.startswith(section) for h in _headings(target)):
                 broken.append(f"{path.relative_to(ROOT)}: {page} \"{section}\" (no such section)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_readme_reads_in_one_sitting() -> None:
+    """The README is the newcomer's page: reference material belongs in docs/ (issue 55: <= 400 lines)."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 400, f"README.md has {lines} lines; move reference material to docs/"

@@ -24,7 +24,7 @@
     ├── IncompleteBatchError           `Batch.read()` before every job ended (`partial=True` reads so far)
     ├── WriteLostError                 a write is not on the master named after a failover (lost with the old one)
     │   └── SubmitLostError            a submit's whole batch was lost that way: nothing of it will run
-    ├── APIError                       `pipeline serve`'s answer other than 200, in OpenAI's error format
+    ├── pipeline.serve.api_error.APIError   `pipeline serve`'s answer other than 200 (OpenAI's error format)
     ├── WeightStoreError               a weight store's content cannot be read or written (also a ValueError)
     │   ├── StoreError                 the store cannot give or take what was asked (store, version, tensor)
     │   │   └── WeightsMismatchError   tensors still not the trainer's bits after a full rebuild
@@ -264,31 +264,6 @@ class SubmitLostError(WriteLostError):
         self.args = (f"batch {batch_id} of run {run!r} was enqueued on a Redis master that failed over before any "
                      "replica had it; the new master has none of it, so nothing of it will run: submit again "
                      "(nothing is duplicated)",)
-
-
-_API_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    409: "conflict_error", 413: "invalid_request_error", 500: "internal_error",
-                    503: "service_unavailable", 504: "timeout"}
-
-
-class APIError(PipelineError):
-    """An answer of `pipeline serve` other than 200: its status, message, the offending field (a
-    dotted path), a code, extra headers (`Retry-After` on 503). `body()` is OpenAI's error format,
-    `{"error": {"message", "type", "param", "code"}}`, which the `openai` SDK turns into its own
-    exceptions (and retries on 408, 409, 429 and 5xx by itself)."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": _API_ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code or str(self.status)}}
 
 
 class AdapterError(PipelineError):

@@ -35,7 +35,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pipeline.core.broker.connection import is_unavailable, ping_within
-from pipeline.core.errors import APIError, PipelineError
+from pipeline.core.errors import PipelineError
+from pipeline.serve.api_error import APIError
 from pipeline.serve.live import answered_events, error_event
 from pipeline.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from pipeline.serve.metrics import render as render_metrics

@@ -47,7 +47,7 @@ class Inbox:
         self._thread: threading.Thread | None = None
 
     def expect(self, turn_id: str) -> Future[bytes]:
-        """A future of the turn's answer (rows as Arrow IPC, or `lanes.error_reply`); `forget` it after."""
+        """A future of the turn's answer (rows as Arrow IPC, or an encoded `TurnFailure`); `forget` it after."""
         future: Future[bytes] = Future()
         with self._lock:
             kept = self._unclaimed.pop(turn_id, None)

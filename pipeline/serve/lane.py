@@ -27,8 +27,9 @@ from rq.serializers import JSONSerializer
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.broker import keys
-from pipeline.core.errors import APIError, CapabilityError
+from pipeline.core.errors import CapabilityError
 from pipeline.core.jobs.turn_stream import TokenDelta
+from pipeline.serve.api_error import APIError
 from pipeline.serve.inbox import Inbox
 from pipeline.serve.routing import Router
 from pipeline.serve.turn_batching import MAX_TURNS_PER_JOB, TurnBatcher, WaitingTurn

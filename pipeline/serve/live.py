@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.core.errors import APIError
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.answers import ParseRules
+from pipeline.serve.api_error import APIError
 from pipeline.serve.parsers import CALL_AT_START, CALL_MARKERS, chat_force_reasoning, parse_reasoning
 from pipeline.serve.parsers.reasoning import THINK_END, THINK_START
 

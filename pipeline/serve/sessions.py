@@ -23,7 +23,7 @@ import numpy as np
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.core.errors import APIError
+from pipeline.serve.api_error import APIError
 from pipeline.serve.turn_counts import TurnCounts
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -26,13 +26,16 @@ import redis.asyncio
 
 from pipeline.core.broker import control_channel, keys
 from pipeline.core.broker.connection import asyncio_twin
-from pipeline.core.errors import APIError, PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.core.jobs import lanes, turn_log, turn_stream
 from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
+from pipeline.serve.api_error import APIError
 from pipeline.serve.inbox import Inbox
 from pipeline.serve.routing import Router
 from schemas.shard import rows_from_ipc
+from schemas.turn_failure import TurnFailure
+from schemas.turn_id import TurnId
 
 DEFAULT_TURN_TIMEOUT_S = 600.0
 ASYNC_CONNECTIONS = 4096  # streamed calls reading their tokens at once, a socket each
@@ -42,14 +45,19 @@ Answered = pa.Table | dict[str, Any]  # a turn's rows, or its answer recorded by
 
 def _rows(reply: bytes) -> pa.Table:
     """An answer from the inbox: the turn's rows, or `APIError` when its worker failed it (`lanes.fail`)."""
-    failure = lanes.read_error(reply)
+    failure = TurnFailure.decode(reply)
     if failure is not None:
-        raise _failed(*failure)
+        raise _failed(failure)
     return rows_from_ipc(reply)
 
 
-def _failed(reason: str, status: int) -> APIError:
-    return APIError(status, f"the turn failed on the worker: {reason}", code="turn_failed")
+# A failed turn's HTTP status by its code: no worker can serve the call (its fault), or the worker failed.
+FAILURE_STATUS = {"unservable": 400, "failed": 500}
+
+
+def _failed(failure: TurnFailure) -> APIError:
+    return APIError(FAILURE_STATUS[failure.code], f"the turn failed on the worker: {failure.reason}",
+                    code="turn_failed")
 
 
 class TurnWaiter:
@@ -157,7 +165,7 @@ class TurnWaiter:
         if worker is not None:  # in a live worker's own lane (a dead one's were made RQ jobs just now)
             failure = lanes.turn_failure(self.conn, turn_id)
             if failure is not None:
-                raise _failed(*failure)
+                raise _failed(failure)
             logged = self._logged(run, turn_id)  # answered, but the answer went to another server or a waiter gone
             if logged is None and worker not in {w.worker_id for w in self.router.live_workers()}:
                 # Routed to a worker that died before the push (its lane already moved and forgotten):
@@ -175,7 +183,7 @@ class TurnWaiter:
         if status in (b"failed", b"stopped", b"canceled") or status is None:
             reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
                 "its job is gone from Redis (a Redis failover or restart loses the latest writes); call again to run it"
-            raise _failed(reason, lanes.failure_status(reason))
+            raise _failed(TurnFailure.from_error_line(reason))
         return None
 
     def _threads(self) -> anyio.CapacityLimiter:
@@ -200,9 +208,9 @@ class TurnWaiter:
             return None
         from pipeline.core.shards import read_rollouts
 
-        session_id, turn, _ = turn_id.rsplit("-", 2)  # `pipeline.serve.turns`: session-turn-nonce
-        rows = read_rollouts(url.decode(), filter=(pc.field("session_id") == session_id)
-                             & (pc.field("turn") == int(turn)))
+        parsed = TurnId.parse(turn_id)
+        rows = read_rollouts(url.decode(), filter=(pc.field("session_id") == parsed.session_id)
+                             & (pc.field("turn") == parsed.turn))
         return rows if rows.num_rows else None
 
     def _late(self, turn_id: str) -> APIError:

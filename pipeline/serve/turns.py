@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +29,13 @@ import pyarrow as pa
 import redis
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
-from pipeline.core.errors import APIError, RenderError
+from pipeline.core.errors import RenderError
 from pipeline.core.jobs import lanes, turn_log
 from pipeline.core.jobs.status import read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.core.stop_tokens import matched_stop_ids
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
+from pipeline.serve.api_error import APIError
 from pipeline.serve.lane import Lane
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
@@ -56,6 +56,7 @@ from pipeline.submit.render import ChatRenderer
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
 from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
+from schemas.turn_id import TurnId
 
 
 def _decode(tokenizer: Any, skip_special_tokens: bool, ids: Sequence[int]) -> str:
@@ -400,7 +401,7 @@ class Turns:
         prompt = prompt_of(session.last)
         sampling = body.sampling(self._budget(prompt, body.budget()))
         turn = session.turns
-        turn_id = f"{session.session_id}-{turn:05d}-{uuid.uuid4().hex[:6]}"
+        turn_id = str(TurnId.new(session.session_id, turn))
         request = RolloutRequest.model_validate({
             "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
             "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.core.errors import APIError
+from pipeline.serve.api_error import APIError
 
 
 def location(loc: tuple[Any, ...]) -> str:

@@ -1,9 +1,7 @@
 """The RQ job class workers use: an allow-list of job functions and output URLs.
 
 It refuses any function that is not one of the project's own, and any output URL outside the
-deployment's allowed schemes and prefixes (`pipeline.core.broker.security`). Jobs queued by older
-releases name the job function where it lived then (`workers.job`, then `workers.batch_job`); those
-legacy names still run the same function.
+deployment's allowed schemes and prefixes (`pipeline.core.broker.security`).
 """
 
 from __future__ import annotations
@@ -18,17 +16,11 @@ from pipeline.core.errors import PolicyError
 from workers.errors import NotAllowedJobError
 
 JOB_FUNCTION = "workers.jobs.batch_job.run_rollout_batch"
-# Names older releases wrote into queued jobs -> the function that serves them now.
-LEGACY_FUNCTIONS = {
-    "workers.job.run_rollout_batch": JOB_FUNCTION,
-    "workers.batch_job.run_rollout_batch": JOB_FUNCTION,
-}
-ALLOWED_FUNCTIONS = frozenset({JOB_FUNCTION, *LEGACY_FUNCTIONS})
 
 
 def is_job_function(func_name: str | None) -> bool:
-    """Whether `func_name` names the project's job function (under its current or a legacy name)."""
-    return func_name in ALLOWED_FUNCTIONS
+    """Whether `func_name` names the project's job function."""
+    return func_name == JOB_FUNCTION
 
 
 class RolloutJob(Job):
@@ -39,7 +31,7 @@ class RolloutJob(Job):
         if not is_job_function(self.func_name):
             raise NotAllowedJobError(
                 f"job {self.id} names {self.func_name!r}, which is not a rollout pipeline job "
-                f"function (allowed: {sorted(ALLOWED_FUNCTIONS)}); refused, nothing ran"
+                f"function (allowed: {JOB_FUNCTION!r}); refused, nothing ran"
             )
         payload = self.args[0] if self.args else None
         output = payload.get("output") if isinstance(payload, dict) else None
@@ -48,4 +40,4 @@ class RolloutJob(Job):
                 check_output_url(output)
             except PolicyError as exc:
                 raise NotAllowedJobError(f"job {self.id}: {exc}; refused, nothing ran") from exc
-        return import_attribute(LEGACY_FUNCTIONS.get(self.func_name, self.func_name))
+        return import_attribute(self.func_name)

@@ -36,6 +36,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import keys
 from pipeline.core.jobs import lanes
+from schemas.turn_failure import TurnFailure
 from workers.errors import JobCanceledError, NotAllowedJobError, UnsupportedRequestError
 from workers.jobs.feeder import ExcInfo, Feeder, JobBookkeeping
 from workers.jobs.lane_job import LaneJob
@@ -49,8 +50,10 @@ NOT_READY_S = 0.2  # how often a worker not ready for turns looks again
 REDIS_RETRY_S = 1.0
 
 
-def failure_text(exc: BaseException | None) -> str:
-    return f"{type(exc).__name__}: {exc}" if exc is not None else "failed (no error recorded)"
+def failure_of(exc: BaseException | None) -> TurnFailure:
+    if exc is None:
+        return TurnFailure("failed", "failed (no error recorded)")
+    return TurnFailure.of(type(exc).__name__, str(exc))
 
 
 class LaneBookkeeping:
@@ -87,7 +90,7 @@ class LaneBookkeeping:
         exc = exc_info[1]
         if isinstance(exc, JobCanceledError):
             log.info("worker %s: lane job %s canceled", self.worker_id, job.id)
-            lanes.fail(self.conn, self.pool, self.worker_id, job.raw, job.item, failure_text(exc))
+            lanes.fail(self.conn, self.pool, self.worker_id, job.raw, job.item, failure_of(exc))
             self.metrics.job_canceled()
             return
         handback = self.handback_reason(exc)
@@ -101,7 +104,7 @@ class LaneBookkeeping:
                 lanes.retry(self.conn, self.pool, self.worker_id, job.raw, job.item):
             self.metrics.job_failed(retried=True)
             return
-        lanes.fail(self.conn, self.pool, self.worker_id, job.raw, job.item, failure_text(exc))
+        lanes.fail(self.conn, self.pool, self.worker_id, job.raw, job.item, failure_of(exc))
         self.metrics.job_failed()
 
 
@@ -197,5 +200,5 @@ class OwnLane:
         try:
             self.feeder.admit(job, self.shared_lane)  # a failure once it is in flight ends it there
         except Exception as exc:  # before it was in flight: nothing else would end it
-            lanes.fail(self.conn, self.pool, self.worker_id, raw, job.item, failure_text(exc))
+            lanes.fail(self.conn, self.pool, self.worker_id, raw, job.item, failure_of(exc))
             raise

@@ -36,9 +36,9 @@ from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import replies
 from pipeline.core.jobs.queue import JOB_FUNCTION, RESULT_TTL_S, retry_intervals
 from pipeline.core.jobs.status import job_key
+from schemas.turn_failure import TurnFailure
 
 FAILED_TTL_S = 3600  # how long a failed turn's reason is kept for its server (`turn_failure`)
-ERROR_PREFIX = b'{"error"'  # a reply that is a failure, not rows (Arrow IPC never starts so)
 
 
 @dataclass(frozen=True)
@@ -145,40 +145,22 @@ def retry(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item:
                           item.again(retry=True).encode(), "0"))
 
 
-def failure_status(reason: str) -> int:
-    """The HTTP status of a failed turn: 400 when no worker can serve it (the call's fault), else 500."""
-    return 400 if "cannot serve" in reason or "Unsupported" in reason else 500
-
-
-def error_reply(reason: str, status: int) -> bytes:
-    return json.dumps({"error": reason, "status": status}).encode()
-
-
-def read_error(reply: bytes) -> tuple[str, int] | None:
-    """(reason, HTTP status) when an answer (an inbox entry's) is a failure (`fail`), else None."""
-    if not reply.startswith(ERROR_PREFIX):
-        return None
-    error = json.loads(reply)
-    return str(error["error"]), int(error["status"])
-
-
-def fail(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: LaneItem, reason: str) -> None:
-    """The item failed for good: each turn's server gets `reason` (in its inbox, and `turn_failure`)."""
-    status = failure_status(reason)
-    error = error_reply(reason, status)
+def fail(conn: redis.Redis, pool: keys.PoolKeys, worker: str, raw: bytes, item: LaneItem,
+         failure: TurnFailure) -> None:
+    """The item failed for good: each turn's server gets `failure` (in its inbox, and `turn_failure`)."""
+    error = failure.encode()
     with conn.pipeline(transaction=True) as pipe:
         done(pipe, pool, worker, raw)
         for turn_id in item.turn_ids:
             pipe.set(keys.turn_failed(turn_id), error, ex=FAILED_TTL_S)
-        replies.push(pipe, ((turn["reply_to"], turn["turn_id"], error) for turn in item.payload.get("turns") or []
-                            if turn.get("reply_to")))  # a server of the release before: `turn_failure` only
+        replies.push(pipe, ((turn["reply_to"], turn["turn_id"], error) for turn in item.payload.get("turns") or []))
         pipe.execute()
 
 
-def turn_failure(conn: redis.Redis, turn_id: str) -> tuple[str, int] | None:
-    """(reason, HTTP status) if the turn's lane job failed for good, else None."""
+def turn_failure(conn: redis.Redis, turn_id: str) -> TurnFailure | None:
+    """Why the turn's lane job failed for good, or None if it did not."""
     raw = conn.get(keys.turn_failed(turn_id))
-    return None if raw is None else read_error(raw)
+    return None if raw is None else TurnFailure.decode(raw)
 
 
 def register(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> None:

@@ -1,7 +1,7 @@
 """A turn's answer on its way to the server that waits for it: one entry of the server's inbox
-(`keys.serve_inbox`), the turn id, a newline, then the rows as Arrow IPC or an error
-(`lanes.error_reply`). Workers push the answers of a job's turns with one RPUSH (and one EXPIRE,
-so the inbox of a server that died goes away); the server takes them in batches
+(`keys.serve_inbox`), the turn id, a newline, then the rows as Arrow IPC or an encoded
+`schemas.turn_failure.TurnFailure`. Workers push the answers of a job's turns with one RPUSH (and
+one EXPIRE, so the inbox of a server that died goes away); the server takes them in batches
 (`pipeline.serve.inbox`)."""
 
 from __future__ import annotations

@@ -48,8 +48,17 @@ def test_the_drawn_tree_names_every_class_and_its_real_parent() -> None:
             assert known[match.group(1)].__mro__[1] is worker_errors.WorkerError
 
 
+def test_the_tree_draws_the_serve_error_in_its_own_package() -> None:
+    """`pipeline serve`'s HTTP error lives with the server (HTTP is mapped in `serve/` alone), and is
+    drawn in the one tree under its full path."""
+    from pipeline.serve.api_error import APIError
+
+    assert issubclass(APIError, errors.PipelineError)
+    assert re.search(r"^ {4}├── pipeline\.serve\.api_error\.APIError ", errors.__doc__ or "", flags=re.M)
+
+
 def test_no_module_defines_an_error_outside_the_tree() -> None:
-    allowed = {"pipeline/core/errors.py", "workers/errors.py"}
+    allowed = {"pipeline/core/errors.py", "workers/errors.py", "pipeline/serve/api_error.py"}
     # Named in the tree's docstring as outside on purpose.
     outside = {"ControlMessageError", "DecodeError"}
     strays = []

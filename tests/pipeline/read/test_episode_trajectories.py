@@ -15,10 +15,10 @@ import redis
 import pipeline
 from pipeline.audit.report_episodes import episodes_section
 from pipeline.core.broker import keys
-from pipeline.core.errors import APIError
 from pipeline.core.jobs import episodes
 from pipeline.core.jobs.episodes import Claimed
 from pipeline.core.jobs.turn_log import ROWS, TURN
+from pipeline.serve.api_error import APIError
 from pipeline.serve.sessions import Pending, SessionStore
 from schemas.episode import EpisodeOutcome
 from schemas.shard import SHARD_SCHEMA, rows_to_ipc

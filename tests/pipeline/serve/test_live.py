@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.core.errors import APIError
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.answers import ParseRules
+from pipeline.serve.api_error import APIError
 from pipeline.serve.live import LiveTurn, TextRules
 
 EOS = 0

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from pipeline.core.broker import keys, registry
-from pipeline.core.errors import APIError
+from pipeline.serve.api_error import APIError
 from pipeline.serve.lane import Lane
 from schemas.worker_info import WorkerInfo
 from tests.helpers.lanes import item, push

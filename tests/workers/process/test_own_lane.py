@@ -19,6 +19,7 @@ from pipeline.core.jobs.queue import job_args
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc
+from schemas.turn_failure import TurnFailure
 from tests.helpers.lanes import SERVER, answers, item, push
 from tests.helpers.processes import wait_until
 from workers.engines.fake import FakeEngine
@@ -79,11 +80,13 @@ def test_a_request_the_worker_cannot_serve_fails_its_turn_at_once_with_400(redis
 
     def driver() -> None:
         push(redis_client, "w1", lanes.new_item("lane-1", job_args(payload), {}, "1 turn", timeout_s=60, retries=1))
-        reason, status = lanes.read_error(_reply(redis_client, "t1"))
-        assert status == 400 and "Unsupported" in reason and "logprobs" in reason
+        failure = TurnFailure.decode(_reply(redis_client, "t1"))
+        assert failure is not None and failure.code == "unservable"
+        assert "Unsupported" in failure.reason and "logprobs" in failure.reason
 
     _serve(redis_client, worker, driver)
-    assert lanes.turn_failure(redis_client, "t1")[1] == 400
+    recorded = lanes.turn_failure(redis_client, "t1")
+    assert recorded is not None and recorded.code == "unservable"
     assert redis_client.llen(POOL.turn_lane_in_flight("w1")) == 0
     assert redis_client.llen(POOL.turn_lane("w1")) == 0  # not retried: every retry would be refused too
 
@@ -98,8 +101,8 @@ def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_cli
 
     def driver() -> None:
         push(redis_client, "w1", lanes.new_item("lane-1", job_args(payload), {}, "1 turn", timeout_s=60, retries=1))
-        reason, status = lanes.read_error(_reply(redis_client, "t1"))
-        assert status == 500 and "gone from Redis" in reason
+        failure = TurnFailure.decode(_reply(redis_client, "t1"))
+        assert failure is not None and failure.code == "failed" and "gone from Redis" in failure.reason
 
     _serve(redis_client, worker, driver)
     outcomes = {outcome: worker.metrics.registry.get_sample_value(

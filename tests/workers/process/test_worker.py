@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,6 @@ from rq.worker import WorkerStatus
 
 import pipeline
 from pipeline.core.broker import keys, registry
-from workers.engines.base import Engine
 from workers.engines.fake import FakeEngine
 from workers.engines.sim import SimConfig, SimEngine
 from workers.jobs import allowed_job, batch_job
@@ -77,31 +73,6 @@ def test_submit_and_worker_name_the_same_job_function() -> None:
 
     assert JOB_FUNCTION == allowed_job.JOB_FUNCTION
     assert import_attribute(JOB_FUNCTION) is batch_job.run_rollout_batch
-
-
-@pytest.mark.parametrize("legacy_name", ["workers.job.run_rollout_batch", "workers.batch_job.run_rollout_batch"])
-@pytest.mark.parametrize("make_engine", [FakeEngine, lambda: SimEngine(SimConfig(median_tokens=3, p99_tokens=3))],
-                         ids=["plain", "feeder"])
-def test_jobs_queued_under_the_legacy_function_name_still_run(
-    redis_client: redis.Redis, tmp_path: Path, make_engine: Callable[[], Engine], legacy_name: str
-) -> None:
-    # A job an older release queued names the job function where it lived then, inside RQ's stored data.
-    client = pipeline.Client(redis_client)
-    batch = client.submit([{"id": "a", "input_ids": [1], "sampling_params": {"max_new_tokens": 2, "n": 2}}],
-                          run="legacy", output=f"file://{tmp_path}")
-    key = Job.key_for(batch.job_ids[0])
-    data = json.loads(zlib.decompress(redis_client.hget(key, "data")))
-    data[0] = legacy_name
-    redis_client.hset(key, "data", zlib.compress(json.dumps(data).encode()))
-    assert Job.fetch(batch.job_ids[0], connection=redis_client, serializer=JSONSerializer).func_name == data[0]
-
-    engine = make_engine()
-    try:
-        RolloutWorker(redis_client, engine).work(burst=True, with_scheduler=False, logging_level="WARNING")
-    finally:
-        engine.close()
-    assert batch.wait(timeout=5).counts["finished"] == 1
-    assert batch.read().num_rows == 2
 
 
 def test_worker_refuses_top_k_it_was_not_started_with(

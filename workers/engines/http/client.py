@@ -42,7 +42,7 @@ import orjson
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, DEFAULT_SLACK, bound, rank
 from schemas.request import RolloutRequest
 from workers.engines.http.aiohttp_transport import AiohttpTransport
-from workers.engines.sglang.backends import Answer, Backends, error_message
+from workers.engines.http.backends import Answer, Backends, error_message
 from workers.errors import ContractViolation, EngineUnavailableError, UnsupportedRequestError
 from workers.runtime import logs
 from workers.runtime.backoff import backoff_s

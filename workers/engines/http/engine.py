@@ -35,8 +35,8 @@ import numpy as np
 from schemas.request import RolloutRequest
 from workers.engines.async_bridge import AsyncBridge, run_batch
 from workers.engines.base import INTERRUPTED, EngineIdentity, Finish, SampleOutput
+from workers.engines.http.backends import Answer, answered
 from workers.engines.http.client import Call, GenerateClient, StreamSink
-from workers.engines.sglang.backends import Answer, answered
 from workers.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 SGLang tracks a call under its `rid` (an `n`-call under `{rid}_{i}`, `GenerateCall.sglang_rids`)
 and aborts each with `POST /abort_request {"rid"}`; behind a gateway, on every server behind it
-(`sglang_backends`).
+(`workers.engines.http.backends`).
 
 A request's `routing_key` goes in the `X-SMG-Routing-Key` header. Between several `--url`s the
 client picks the server itself (`http_client.ServerPool`); behind the gateway (`smg` 1.13) the
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from workers.engines.http.backends import Backends
 from workers.engines.http.client import Aborts, GenerateClient, RetryPolicy, Wire
-from workers.engines.sglang.backends import Backends
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 

@@ -4,7 +4,7 @@ Batching, the concurrent interface and partial-swap interrupts are `http_engine.
 see `sglang_client` for the wire (aborts by rid) and `sglang_mapping` for the format. The lifecycle
 calls (`update_weights` → `/update_weights_from_disk`, `pause_generation`, `continue_generation`,
 `flush_cache`, `abort`) go to every SGLang server directly, those behind a gateway included
-(`sglang_backends`): gateways do not serve them. The `health` probe goes where generation goes.
+(`workers.engines.http.backends`): gateways do not serve them. The `health` probe goes where generation goes.
 
 Partial weight swaps (`interrupt`): `/abort_request` by rid for each of this worker's calls in
 flight, on the server it went to (behind a gateway, every server behind it). SGLang answers each
@@ -22,11 +22,11 @@ import httpx
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines.base import EngineDescription, SampleOutput
+from workers.engines.http.backends import Answer, error_message, parse_weight_version
 from workers.engines.http.engine import HTTPEngine
-from workers.engines.sglang.backends import Answer, error_message
 from workers.engines.sglang.client import RetryPolicy, SGLangClient
 from workers.engines.sglang.expert_ids import ExpertsLayout
-from workers.engines.sglang.mapping import GenerateCall, generate_calls, parse_call_results, parse_weight_version
+from workers.engines.sglang.mapping import GenerateCall, generate_calls, parse_call_results
 from workers.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)

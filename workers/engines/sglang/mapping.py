@@ -19,6 +19,7 @@ import numpy as np
 
 from schemas.request import RolloutRequest, SamplingParams
 from workers.engines.base import Finish, SampleOutput
+from workers.engines.http.backends import parse_weight_version
 from workers.engines.seeds import plan_calls
 from workers.engines.sglang.expert_ids import ExpertsLayout, decode_routed_experts, expected_rows
 from workers.errors import ContractViolation
@@ -165,15 +166,6 @@ def _prompt_logprobs(meta: dict[str, Any], input_ids: Sequence[int], *, who: str
     if triples[0][0] is not None or any(lp is None for lp, _ in triples[1:]):
         raise ContractViolation(f"{who}: input_token_logprobs must be null at position 0 only")
     return [lp for lp, _ in triples]
-
-
-def parse_weight_version(value: Any) -> int | None:
-    """SGLang's weight_version is a string ("default" until set); ours are integers."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return None
 
 
 def _count(meta: dict[str, Any], key: str, *, who: str) -> int:

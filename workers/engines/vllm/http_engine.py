@@ -48,11 +48,10 @@ from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.engines import model_config
 from workers.engines.base import EngineDescription, SampleOutput
+from workers.engines.http.backends import Answer, Backends, answered, error_message, parse_weight_version
 from workers.engines.http.client import Aborts, GenerateClient, RetryPolicy, Wire
 from workers.engines.http.engine import HTTPEngine
 from workers.engines.request_support import check_request_supported
-from workers.engines.sglang.backends import Answer, Backends, answered, error_message
-from workers.engines.sglang.mapping import parse_weight_version
 from workers.engines.vllm.mapping import (
     LOGPROBS_MODES,
     PROCESSED_LOGPROBS,

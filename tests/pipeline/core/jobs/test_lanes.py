@@ -13,6 +13,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import lanes
+from schemas.turn_failure import TurnFailure
 from schemas.worker_info import WorkerInfo
 from tests.helpers.lanes import answers, item, push
 
@@ -73,15 +74,15 @@ def test_a_failed_item_answers_each_turn_with_its_reason(redis_client: redis.Red
     failing = item("lane-1", "t1", "t2")
     push(redis_client, "w", failing)
     raw = lanes.take(redis_client, POOL, "w", 1)
-    lanes.fail(redis_client, POOL, "w", raw, failing, "UnsupportedRequestError: top 5 logprobs, this engine serves 0")
+    failure = TurnFailure.of("UnsupportedRequestError", "top 5 logprobs, this engine serves 0")
+    lanes.fail(redis_client, POOL, "w", raw, failing, failure)
     answered = answers(redis_client, 2)
     for turn_id in ("t1", "t2"):
-        assert lanes.read_error(answered[turn_id]) == (
-            "UnsupportedRequestError: top 5 logprobs, this engine serves 0", 400)
-        assert lanes.turn_failure(redis_client, turn_id)[1] == 400
+        assert TurnFailure.decode(answered[turn_id]) == TurnFailure(
+            "unservable", "UnsupportedRequestError: top 5 logprobs, this engine serves 0")
+        assert lanes.turn_failure(redis_client, turn_id) == failure
     assert redis_client.llen(POOL.turn_lane_in_flight("w")) == 0
     assert lanes.turn_failure(redis_client, "t3") is None
-    assert lanes.failure_status("WorkerError: the shard write failed") == 500
 
 
 def test_a_dead_workers_items_become_rq_jobs_at_the_front_of_the_shared_lane(redis_client: redis.Redis) -> None:

@@ -19,7 +19,6 @@ from workers.engines.sglang.mapping import (
     parse_call_results,
     parse_finish,
     parse_result,
-    parse_weight_version,
 )
 from workers.errors import ContractViolation
 
@@ -215,12 +214,6 @@ def test_malformed_results(mutate: Any, error: str) -> None:
     mutate(body)
     with pytest.raises(ContractViolation, match=error):
         parse_result(req(), body, layout=None, who="t")
-
-
-@pytest.mark.parametrize(("value", "expected"), [("default", None), ("42", 42), (7, 7), (None, None),
-                                                  ("step-3", None), (True, None)])
-def test_weight_version(value: Any, expected: int | None) -> None:
-    assert parse_weight_version(value) == expected
 
 
 # -- n > 1 and routed experts -------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.engines.sglang.backends import Backends
+from workers.engines.http.backends import Backends, parse_weight_version
 from workers.errors import EngineUnavailableError
 
 GW = "http://gw:30000"
@@ -142,3 +142,9 @@ def test_a_url_that_is_neither_a_server_nor_a_gateway_is_a_clear_start_up_error(
 
     with pytest.raises(EngineUnavailableError, match=f"{S1} serve.* neither GET /model_info nor GET /get_model_info"):
         SGLangHTTPEngine([S1], transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+
+
+@pytest.mark.parametrize(("value", "expected"), [("default", None), ("42", 42), (7, 7), (None, None),
+                                                  ("step-3", None), (True, None)])
+def test_weight_version(value: Any, expected: int | None) -> None:
+    assert parse_weight_version(value) == expected

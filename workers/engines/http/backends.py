@@ -1,6 +1,7 @@
-"""The SGLang servers behind the sglang-http engine's URLs, and calls fanned out to each of them.
+"""The servers behind an HTTP engine's URLs, calls fanned out to each of them, and what they answer.
 
-A URL is either an SGLang server or a gateway/router (`smg`, `sglang-router`) in front of
+Shared by the `sglang-http` and `vllm-http` engines (this package is below both). A URL is either
+a server or, for SGLang, a gateway/router or a gateway/router (`smg`, `sglang-router`) in front of
 several. Gateways forward `/generate` but not the lifecycle calls (`/update_weights_from_disk`,
 `/pause_generation`, `/continue_generation`, `/abort_request` answer 404 there), so those go
 to every server directly. A gateway is recognised by `GET /workers`, which lists its servers
@@ -49,6 +50,15 @@ def error_message(response: httpx.Response) -> str:
         if error is not None:
             return str(error)[:500]
     return str(body)[:500]
+
+
+def parse_weight_version(value: Any) -> int | None:
+    """A server's weight_version: SGLang's is a string ("default" until set), vLLM's an integer; ours are integers."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
 
 
 def describe_answer(url: str, answer: Answer) -> str:
