@@ -4,7 +4,7 @@
 
 Everything real but the model: a `redis-server`, `pipeline serve` (its own process, one per
 placement), `pipeline worker --engine sim` processes, and agents as asyncio tasks over aiohttp.
-The sim pays for prefill as an engine does (`workers.engines.sim`: a per-engine LRU prefix cache
+The sim pays for prefill as an engine does (`workers.engines.sim.engine`: a per-engine LRU prefix cache
 over 16-token blocks; the uncached context is computed at 50 000 tokens/s while the engine
 decodes nothing; a weight swap empties the cache). Each session: a system prompt all sessions
 share (200 tokens), a task of its own (50 tokens), then `--turns` turns, each answered (lengths

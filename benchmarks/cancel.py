@@ -29,7 +29,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker import keys
 from pipeline.core.broker.redis_server import RedisServer
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 
 

@@ -74,7 +74,7 @@ ALL_REPLICAS_WAIT_S = 15.0  # before a master kill: how long to wait for every r
 
 def run_worker(url: str, job_s: float, engine: str, step_s: float, worker_id: str) -> None:
     """One worker process (the target of `multiprocessing`)."""
-    from workers.engines.sim import SimConfig, SimEngine
+    from workers.engines.sim.engine import SimConfig, SimEngine
     from workers.process.worker import RolloutWorker
 
     if engine == "sim":  # every sequence runs its max_new_tokens steps (median far above them)

@@ -76,7 +76,7 @@ class Setup:
 
 def run_worker(url: str, setup: Setup, checkpoint_every: float, worker_id: str) -> None:
     """One worker process (the target of `multiprocessing`); publishes its figures every 50 ms."""
-    from workers.engines.sim import SimConfig, SimEngine
+    from workers.engines.sim.engine import SimConfig, SimEngine
     from workers.process.worker import RolloutWorker
 
     engine = SimEngine(SimConfig(capacity=setup.capacity, step_s=setup.step_ms / 1000,

@@ -8,7 +8,7 @@ machine it runs on: the figures are the model's, not a measurement.
 
 The engine: `slots` sequences decode together, one token each per `step_s`; a sequence entering
 the engine first has its context prefilled at `prefill_tokens_per_s`, during which nothing decodes
-(as `workers.engines.sim` does); a job of `job_size` samples commits, and reaches the trainer,
+(as `workers.engines.sim.engine` does); a job of `job_size` samples commits, and reaches the trainer,
 when its last sample finishes. Output lengths are lognormal (median, p99), capped at
 `max_new_tokens`. A weight load pauses the engine for `load_s`; in `partial` mode the sequences in
 flight then continue on the new weights and pay the prefill of their prompt and every token so

@@ -34,7 +34,7 @@ import redis
 import pipeline
 from pipeline.core.broker.redis_server import RedisServer
 from schemas.request import RolloutRequest
-from workers.engines.sim import SimConfig, SimEngine, SimStats
+from workers.engines.sim.engine import SimConfig, SimEngine, SimStats
 from workers.process.worker import RolloutWorker
 
 REQUESTS_PER_JOB = 64

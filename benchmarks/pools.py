@@ -39,7 +39,7 @@ from pipeline.core.broker.redis_server import RedisServer
 from pipeline.core.errors import JobsFailedError
 from schemas.capabilities import job_needs, missing
 from schemas.request import RolloutRequest
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 
 SIM = {"capacity": 32, "step_s": 0.010, "median_tokens": 40, "p99_tokens": 200, "load_s": 0.3, "vocab_size": 1000}

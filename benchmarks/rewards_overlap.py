@@ -34,7 +34,7 @@ import redis
 import pipeline
 from pipeline.core.broker import reward_log
 from pipeline.core.broker.redis_server import RedisServer
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker
 

@@ -53,7 +53,7 @@ from benchmarks.loop_model import LoopConfig, simulate, synchronous  # noqa: E40
 from pipeline.core.broker import commit_log  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 from pipeline.core.shards import read_rollouts  # noqa: E402
-from workers.engines.sim import SimConfig, SimEngine  # noqa: E402
+from workers.engines.sim.engine import SimConfig, SimEngine  # noqa: E402
 from workers.process.worker import RolloutWorker  # noqa: E402
 
 

@@ -64,7 +64,7 @@ def _engine() -> Any:
     8 tokens of the tokenizer's vocabulary."""
     from transformers import AutoTokenizer
 
-    from workers.engines.sim import SimConfig, SimEngine
+    from workers.engines.sim.engine import SimConfig, SimEngine
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
     return SimEngine(SimConfig(median_tokens=REPLY_TOKENS, p99_tokens=REPLY_TOKENS, vocab_size=len(tokenizer),

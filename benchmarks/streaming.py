@@ -48,7 +48,7 @@ TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizers" / "tiny-tools"
 def _worker(url: str, tokens: int, step_s: float) -> None:
     from transformers import AutoTokenizer
 
-    from workers.engines.sim import SimConfig, SimEngine
+    from workers.engines.sim.engine import SimConfig, SimEngine
     from workers.process.worker import RolloutWorker
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))

@@ -38,7 +38,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker.redis_server import RedisServer
 from pipeline.runs.take import rewards_differ
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker
 

@@ -48,7 +48,7 @@ from pipeline.core.broker.redis_server import RedisServer
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import SampleOutput
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.jobs import context
 from workers.jobs.batch_job import PreparedBatch, commit_batch
 from workers.process.worker import RolloutWorker

@@ -30,7 +30,7 @@ from schemas.request import RolloutRequest
 from tests.helpers.processes import FlakyStore, wait_until
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
 from workers.process.lane_keeper import LaneKeeper
 from workers.process.worker import RolloutWorker

@@ -78,7 +78,7 @@ def build_engine(options: EngineOptions) -> Engine:
             max_adapters=options.max_adapters,
         )
     if options.engine == "sim":
-        from workers.engines.sim import SimConfig, SimEngine
+        from workers.engines.sim.engine import SimConfig, SimEngine
 
         experts = None
         if options.routed_experts:

@@ -14,7 +14,7 @@ from pipeline.audit.status import collect
 from pipeline.core.jobs.queue import rollout_queue
 from pipeline.runs.batch import Batch
 from pipeline.runs.take import RewardsFailedWarning, rewards_differ
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker
 

@@ -176,7 +176,7 @@ def test_a_partial_weight_swap_mid_stream_keeps_each_tokens_version(redis_client
     """The sim decodes a long answer; once the client has text, a partial push swaps the weights under
     it: the stream goes on without a break, and the recorded row holds both versions, each token's."""
     import pipeline
-    from workers.engines.sim import SimConfig, SimEngine
+    from workers.engines.sim.engine import SimConfig, SimEngine
 
     engine = SimEngine(SimConfig(capacity=4, step_s=0.01, median_tokens=150, p99_tokens=151,
                                  vocab_size=len(tools_tokenizer), eos_token_id=tools_tokenizer.eos_token_id))

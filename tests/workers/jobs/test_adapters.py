@@ -15,7 +15,7 @@ from schemas.request import RolloutRequest
 from tests.helpers.adapters import build_adapter
 from tests.helpers.processes import burst_worker
 from workers.engines.fake import FakeEngine
-from workers.engines.sim import SimConfig, SimEngine, simulate_sample
+from workers.engines.sim.engine import SimConfig, SimEngine, simulate_sample
 
 
 def _request(ident: str, adapter: str | None) -> dict[str, object]:

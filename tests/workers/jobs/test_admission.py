@@ -23,7 +23,7 @@ from schemas.worker_info import Capabilities, WorkerInfo
 from tests.helpers.processes import run_burst
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.errors import UnsupportedRequestError
 from workers.process.worker import RolloutWorker
 

@@ -13,7 +13,7 @@ from rq.serializers import JSONSerializer
 import pipeline
 from pipeline.core.broker import commit_log, keys
 from tests.helpers.processes import drive_worker, wait_until
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 
 
 def job(prefix: str, tokens: list[int]) -> list[dict]:

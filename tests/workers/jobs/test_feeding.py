@@ -24,7 +24,7 @@ from schemas.request import RolloutRequest
 from tests.helpers.processes import burst_worker, drive_worker, wait_until
 from workers.engines.fake import FakeEngine
 from workers.engines.serial import SerialEngine
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 
 STEP_S = 0.002

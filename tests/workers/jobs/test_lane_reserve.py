@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fakeredis
 
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.jobs.feeder import Feeder
 
 

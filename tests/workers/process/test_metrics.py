@@ -25,7 +25,7 @@ from schemas.request import RolloutRequest
 from tests.conftest import PIPELINE
 from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
 from workers.process.worker import RolloutWorker
 from workers.runtime import logs

@@ -18,7 +18,7 @@ from rq.worker import WorkerStatus
 import pipeline
 from pipeline.core.broker import keys, registry
 from workers.engines.fake import FakeEngine
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.jobs import allowed_job, batch_job
 from workers.process.worker import RolloutWorker
 

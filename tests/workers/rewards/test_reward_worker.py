@@ -17,7 +17,7 @@ import pipeline
 from pipeline.audit.status import collect, format_status
 from pipeline.core.broker import keys, reward_log
 from tests.helpers.processes import terminate, wait_until
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.process.worker import RolloutWorker
 from workers.rewards.reward_worker import RewardWorker
 

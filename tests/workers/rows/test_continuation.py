@@ -12,7 +12,7 @@ from schemas.request import RolloutRequest
 from tests.helpers.models import CHARS, token_id
 from workers.engines.base import INTERRUPTED, ContinuedRequest, Finish, SampleOutput
 from workers.engines.seeds import continuation_seed, request_sample_seed, sample_seed
-from workers.engines.sim import SimConfig, SimEngine
+from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.errors import ContractViolation
 from workers.rows.continuation import Progress, merge, straddling_stop
 

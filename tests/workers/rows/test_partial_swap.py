@@ -25,7 +25,7 @@ from tests.helpers.models import token_id
 from tests.helpers.processes import wait_until
 from workers.engines.base import Engine
 from workers.engines.hf.engine import HFEngine
-from workers.engines.sim import SimConfig, SimEngine, simulate_sample
+from workers.engines.sim.engine import SimConfig, SimEngine, simulate_sample
 from workers.process.worker import RolloutWorker
 
 CONFIG = SimConfig(step_s=0.002, median_tokens=10_000, p99_tokens=10_001, capacity=16)

@@ -9,7 +9,7 @@ time included. With zero latency (infinite speed) `submit` answers at once.
 
 Prefill is paid as an engine pays it: a sequence admitted to a slot first needs its context
 (prompt, or prompt + tokens so far for a continuation) in the KV cache. The engine keeps a
-prefix cache (`workers.engines.prefix_cache`: bounded, LRU over blocks of token ids, as vLLM's
+prefix cache (`workers.engines.sim.prefix_cache`: bounded, LRU over blocks of token ids, as vLLM's
 automatic prefix caching and SGLang's radix cache are), so only the uncached part is computed,
 at `prefill_tokens_per_s`; while it computes, no sequence decodes (the engine stalls, and the
 stall counts as idle capacity). A weight swap empties the cache, as SGLang flushes its cache at
@@ -52,7 +52,7 @@ from workers.engines.base import (
     Finish,
     SampleOutput,
 )
-from workers.engines.prefix_cache import PrefixCache
+from workers.engines.sim.prefix_cache import PrefixCache
 from workers.errors import WeightsRefusedError
 
 # Files of a model checkpoint (beside its config.json) that the sim refuses to pretend to serve.

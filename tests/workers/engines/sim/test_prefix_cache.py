@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.engines.prefix_cache import PrefixCache
+from workers.engines.sim.prefix_cache import PrefixCache
 
 
 def _ids(*values: int) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 from schemas.request import RolloutRequest
 from workers.engines.base import is_concurrent
 from workers.engines.factory import EngineOptions, build_engine
-from workers.engines.sim import SimConfig, SimEngine, SimStats, simulate_sample
+from workers.engines.sim.engine import SimConfig, SimEngine, SimStats, simulate_sample
 from workers.rows.table import RowContext, build_table
 
 
