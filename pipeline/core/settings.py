@@ -326,3 +326,10 @@ def serve_url() -> str:
 
 def serve_api_key() -> str | None:
     return SERVE_API_KEY.text()
+
+
+def default_agents_sdk_tracing_off() -> None:
+    """Turn the OpenAI Agents SDK's trace export off unless the environment says otherwise (its own
+    variable, `OPENAI_AGENTS_DISABLE_TRACING`; `=0` keeps it on): it sends every run's trace, the
+    rollouts' prompts, to api.openai.com, and with no route there each export retries for seconds."""
+    os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")

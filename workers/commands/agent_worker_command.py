@@ -41,7 +41,6 @@ class AgentWorkerCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         import logging
-        import os
 
         from pipeline.core import agents, settings
         from pipeline.core.broker.connection import connect_redis
@@ -49,10 +48,7 @@ class AgentWorkerCommand(Command):
 
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        # The OpenAI Agents SDK exports every run's trace to api.openai.com unless told not to: rollouts'
-        # prompts would leave the machine, and with no route there each export retries for seconds (at
-        # exit too). Off here unless the environment turns it on (`OPENAI_AGENTS_DISABLE_TRACING=0`).
-        os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+        settings.default_agents_sdk_tracing_off()
         loaded = {path: agents.load(path) for path in dict.fromkeys(args.agent)}
         worker = AgentWorker(connect_redis(args.redis), loaded, serve_url=args.serve or settings.serve_url(),
                              api_key=args.api_key or settings.serve_api_key(), pool=args.pool,
