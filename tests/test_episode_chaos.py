@@ -6,6 +6,7 @@ are counted and none of their turns reaches training, through any reader (plain,
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from pathlib import Path
@@ -34,6 +35,13 @@ def _running_on(conn: redis.Redis, worker_id: str) -> int:
     return sum(1 for raw in conn.hvals(keys.episode_attempts("chaos")) if worker_id.encode() in raw)
 
 
+def _logged_on(conn: redis.Redis, worker_id: str) -> int:
+    """How many of the episodes `worker_id` runs now have a turn in the run's turn log."""
+    sessions = {attempt["session_id"] for attempt in map(json.loads, conn.hvals(keys.episode_attempts("chaos")))
+                if attempt.get("worker_id") == worker_id}
+    return len(sessions & set(turn_rows("chaos", conn).column("session_id").to_pylist()))
+
+
 def test_every_episode_ends_once_though_an_agent_worker_the_server_and_a_gpu_worker_die(
         redis_client: redis.Redis, pipeline_env: dict[str, str], tmp_path: Path) -> None:
     port = free_port()
@@ -59,6 +67,8 @@ def test_every_episode_ends_once_though_an_agent_worker_the_server_and_a_gpu_wor
                               "--worker-id", name, "--log-level", "INFO", name=name) for name in ("agent-a", "agent-b")}
 
         wait_until(lambda: _running_on(redis_client, "agent-a") >= 3, 120, "episodes in flight on agent-a")
+        # Killed once a turn of theirs is logged: the readers below must leave out a partial attempt's turns.
+        wait_until(lambda: _logged_on(redis_client, "agent-a") >= 1, 120, "a turn of agent-a's episodes logged")
         agents["agent-a"].send_signal(signal.SIGKILL)
         wait_until(lambda: run.counts()["finished"] >= 4, 120, "four episodes finished")
         serve.send_signal(signal.SIGKILL)
