@@ -16,6 +16,7 @@ import pytest
 import redis
 
 import pipeline
+from pipeline.core.errors import JobsFailedError
 from tests.helpers.adapters import build_adapter
 from tests.helpers.processes import wait_until
 from tests.workers.engines.conftest import Standin, launch, stop, wait_ready
@@ -28,9 +29,10 @@ def _request(i: int, adapter: str | None) -> dict[str, Any]:
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
 
 
-@pytest.fixture
-def lora_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Standin]:
-    server = launch(tiny_model_dir, tmp_path / "standin.log", "--enable-lora")
+@pytest.fixture(params=[True])
+def lora_server(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Standin]:
+    """A stand-in launched with `--enable-lora` (without, when parametrised False)."""
+    server = launch(tiny_model_dir, tmp_path / "standin.log", *(["--enable-lora"] if request.param else []))
     try:
         wait_ready(server)
         yield server
@@ -103,3 +105,16 @@ def test_an_adapter_the_server_lost_is_handed_back_and_served_loaded_again_never
     assert [(r["adapter"], r["adapter_version"]) for r in rows] == [("sql", 1), ("sql", 1)]
     assert all(r["completion_token_ids"] == served["completion_token_ids"] for r in rows)
     assert [b["lora_name"] for b in _loads(lora_server)].count("sql@v1") >= 2
+
+
+@pytest.mark.parametrize("lora_server", [False], indirect=True)
+def test_a_server_without_lora_refuses_the_load_and_the_job_fails_with_why_never_run_on_the_base(
+        client: pipeline.Client, lora_server: Standin, start_worker: Any, tmp_path: Path) -> None:
+    start_worker("--engine", "sglang-http", "--url", lora_server.url, "--adapter-dir", str(tmp_path / "adapters"),
+                 env={"PIPELINE_UNSERVABLE_WAIT_S": "0"})
+    batch = client.submit([_request(0, None), _request(1, "sql")], run="nolora", output=f"file://{tmp_path}/out")
+    with pytest.raises(JobsFailedError) as failed:
+        batch.wait(timeout=120)
+    [reason] = failed.value.failures.values()
+    assert "adapter sql@v1 does not load on this worker" in reason and "--enable-lora" in reason
+    assert lora_server.stats()["http_generate"] == 0 and not list((tmp_path / "out").rglob("*.parquet"))
