@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from safetensors.numpy import load_file
 
 import pipeline
 from pipeline.core.errors import JobsFailedError
@@ -71,11 +72,14 @@ def test_one_job_mixes_base_and_two_adapters_loaded_on_the_server_under_their_ve
     rows = batch.read().sort_by("request_id").to_pylist()
     assert [(r["adapter"], r["adapter_version"]) for r in rows] == [(a, None if a is None else 1) for a in names]
     assert sorted(b["lora_name"] for b in _loads(lora_server)) == ["math@v1", "sql@v1"]
-    for body in _loads(lora_server):  # PEFT directories the server read
+    for body in _loads(lora_server):  # PEFT directories the server read: the adapter as peft saved it
         path = Path(body["lora_path"])
+        name = body["lora_name"].split("@")[0]
         assert path == adapter_dir / body["lora_name"]
-        assert json.loads((path / "adapter_config.json").read_text())["r"] == 4
-        assert (path / "adapter_model.safetensors").stat().st_size > 0
+        assert json.loads((path / "adapter_config.json").read_text()) == json.loads(
+            (tmp_path / name / "adapter_config.json").read_text())
+        written, pushed = (load_file(d / "adapter_model.safetensors") for d in (path, tmp_path / name))
+        assert sorted(written) == sorted(pushed) and all((written[k] == pushed[k]).all() for k in pushed)
     tokens = {r["adapter"]: r["completion_token_ids"] for r in rows}
     assert all(r["completion_token_ids"] == tokens[r["adapter"]] for r in rows)
     assert tokens[None] == _base_tokens(lora_server)
