@@ -157,7 +157,13 @@ class SGLangHTTPEngine(HTTPEngine):
                              + " (is the server launched with --enable-lora, and can it read that path?)")
 
     def _unload_adapter(self, key: str) -> None:
-        self._each("POST", "/unload_lora_adapter", {"lora_name": key})
+        """Unload adapter `key` from every server; best effort (a server that restarted has it no more):
+        a failure is logged, and the adapter is loaded again whenever a batch needs it."""
+        answers = self._bridge.run(self._client.backends.fan_out("POST", "/unload_lora_adapter", {"lora_name": key},
+                                                                 timeout_s=600))
+        for url, answer in answers.items():
+            if not (isinstance(answer, httpx.Response) and answer.status_code < 400):
+                log.warning("SGLang POST /unload_lora_adapter %s: %s", key, self._client.backends.describe(url, answer))
 
     def _each(self, method: str, path: str, json: dict[str, Any] | None = None, *,
               timeout_s: float | None = None, rediscover: bool = False) -> dict[str, httpx.Response]:

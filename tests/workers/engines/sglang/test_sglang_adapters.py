@@ -111,6 +111,20 @@ def test_an_adapter_the_server_lost_is_handed_back_and_served_loaded_again_never
     assert [b["lora_name"] for b in _loads(lora_server)].count("sql@v1") >= 2
 
 
+def test_evicting_an_adapter_the_server_lost_does_not_stop_the_next_batch(
+        client: pipeline.Client, lora_server: Standin, start_worker: Any, tmp_path: Path) -> None:
+    start_worker("--engine", "sglang-http", "--url", lora_server.url, "--adapter-dir", str(tmp_path / "adapters"),
+                 "--max-adapters", "1")
+    client.submit([_request(0, "sql")], run="sql", output=f"file://{tmp_path}/sql").wait(timeout=120)
+    lora_server.faults(forget_loras=True)  # a restart: sql@v1, due for eviction, is gone already
+    batch = client.submit([_request(1, "math")], run="math", output=f"file://{tmp_path}/math")
+    batch.wait(timeout=120)
+    [row] = batch.read().to_pylist()
+    assert (row["adapter"], row["adapter_version"]) == ("math", 1)
+    unloads = [body for _, path, body in lora_server.stats()["lifecycle"] if path == "/unload_lora_adapter"]
+    assert unloads == [{"lora_name": "sql@v1"}] and lora_server.stats()["loras"].keys() == {"math@v1"}
+
+
 @pytest.mark.parametrize("lora_server", [False], indirect=True)
 def test_a_server_without_lora_refuses_the_load_and_the_job_fails_with_why_never_run_on_the_base(
         client: pipeline.Client, lora_server: Standin, start_worker: Any, tmp_path: Path) -> None:
