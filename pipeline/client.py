@@ -157,18 +157,19 @@ class Client:
         self, tasks: str | Sequence[Mapping[str, Any]], *, agent: str, run: str | None = None, n: int = 1,
         timeout_s: float | None = DEFAULT_EPISODE_TIMEOUT_S, max_turns: int | None = None,
         retries: int = DEFAULT_EPISODE_RETRIES, failed_reward: float | None = None, max_staleness: int | None = None,
-        groups_per_step: int | None = None, pool: str | None = None,
+        groups_per_step: int | None = None, pool: str | None = None, adapter: str | None = None,
     ) -> EpisodeRun:
         """Enqueue one agent episode per task × sample (`n`), all or nothing: `tasks` a JSONL file, a
         dataset or a list of dicts; `agent` the `package.module:function` agent workers run
-        (`pipeline agent-worker --agent ...`), imported here first. See `pipeline.submit.episodes`."""
+        (`pipeline agent-worker --agent ...`), imported here first; `adapter` a LoRA adapter of the pool
+        every turn runs on. See `pipeline.submit.episodes`."""
         from pipeline.submit.enqueue import new_run_name
 
         plan = submit_episodes(self.conn, read_tasks(tasks), agent=agent, run=run or new_run_name(),
                                pool=self._pool(pool), n=n,
                                limits=EpisodeLimits(timeout_s=timeout_s, max_turns=max_turns, retries=retries),
                                failed_reward=failed_reward, max_staleness=max_staleness,
-                               groups_per_step=groups_per_step)
+                               groups_per_step=groups_per_step, adapter=adapter)
         return EpisodeRun(self.conn, plan)
 
     def workers(self, *, pool: str | None = None) -> list[WorkerInfo]:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+from schemas.adapters import AdapterName
+
 # An agent is named `package.module:attribute` (what the worker imports).
 AGENT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -54,6 +56,7 @@ class EpisodeJob(BaseModel):
     task: dict[str, Any]
     limits: EpisodeLimits = EpisodeLimits()
     submitted_at_ms: StrictInt
+    adapter: AdapterName | None = None  # every turn of the episode runs on this LoRA adapter
 
     @field_validator("agent")
     @classmethod

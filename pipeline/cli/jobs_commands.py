@@ -83,6 +83,9 @@ class SubmitCommand(Command):
         episodes.add_argument("--groups-per-step", type=int, default=None, metavar="B",
                               help="with --max-staleness K: tasks a training step takes; step s's tasks start "
                                    "once the trainer has pushed the version K steps before it")
+        episodes.add_argument("--adapter", metavar="NAME", default=None,
+                              help="every turn of every episode runs on this LoRA adapter of the pool "
+                                   "(`pipeline weights push --adapter NAME DIR`)")
         add("--wait", action="store_true", help="follow the jobs; exit non-zero if any fails")
         add("--timeout", type=float, default=None, help="seconds to --wait (default: forever)")
 
@@ -96,7 +99,8 @@ class SubmitCommand(Command):
         episode_only = [flag for flag, value in (("--episode-timeout", args.episode_timeout),
                                                  ("--max-turns", args.max_turns), ("--retries", args.retries),
                                                  ("--failed-reward", args.failed_reward),
-                                                 ("--groups-per-step", args.groups_per_step)) if value is not None]
+                                                 ("--groups-per-step", args.groups_per_step),
+                                                 ("--adapter", args.adapter)) if value is not None]
         if episode_only:
             raise PipelineError(f"{', '.join(episode_only)} apply to agent episodes: add --agent MODULE:FUNCTION")
         mapping: dict[str, Any] = {}
@@ -154,7 +158,8 @@ class SubmitCommand(Command):
             args.file, agent=args.agent, run=args.run, n=args.n or 1,
             timeout_s=args.episode_timeout or DEFAULT_EPISODE_TIMEOUT_S, max_turns=args.max_turns,
             retries=DEFAULT_EPISODE_RETRIES if args.retries is None else args.retries,
-            failed_reward=args.failed_reward, max_staleness=args.max_staleness, groups_per_step=args.groups_per_step)
+            failed_reward=args.failed_reward, max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
+            adapter=args.adapter)
         plan = run.plan
         print(f"run: {plan.run} (pool {plan.pool})")
         print(f"episodes: {plan.episodes} ({len(plan.tasks)} tasks x {plan.n}) for agent {plan.agent}")

@@ -84,6 +84,13 @@ def remove(conn: redis.Redis, pool: str | None, name: str) -> bool:
     return bool(conn.hdel(keys.pool(keys.pool_name(pool)).adapters, name))
 
 
+def check_known(conn: redis.Redis, pool: str | None, name: str) -> None:
+    """`AdapterError` (saying why, and the adapters there are) unless the pool has adapter `name`."""
+    found = records(conn, pool)
+    if name not in found:
+        raise AdapterError(unknown(name, found, pool))
+
+
 def unknown(name: str, known: Iterable[str], pool: str | None) -> str:
     """Why a request naming adapter `name` cannot run in the pool."""
     names = list(known)

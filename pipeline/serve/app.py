@@ -212,16 +212,18 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
 
     async def create_session(request: Request) -> Response:
         data = await read_json(request, max_body_bytes, empty={})
-        if not isinstance(data, dict) or set(data) - {"run", "metadata", "session_id"}:
-            raise APIError(400, 'POST /sessions takes {"run": NAME, "metadata": {...}, "session_id": ID}, all '
-                                "optional", param=",".join(sorted(set(data) - {"run", "metadata", "session_id"}))
+        fields = {"run", "metadata", "session_id", "adapter"}
+        if not isinstance(data, dict) or set(data) - fields:
+            raise APIError(400, 'POST /sessions takes {"run": NAME, "metadata": {...}, "session_id": ID, "adapter": '
+                                "NAME}, all optional", param=",".join(sorted(set(data) - fields))
                            if isinstance(data, dict) else None)
         metadata = data.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise APIError(400, "metadata must be a JSON object", param="metadata")
         session = await in_thread(partial(turns.sessions.create, run=data.get("run") or turns.settings.run,
                                           pool=turns.settings.pool, output=turns.settings.output,
-                                          metadata=metadata, session_id=data.get("session_id")))
+                                          metadata=metadata, session_id=data.get("session_id"),
+                                          adapter=data.get("adapter")))
         return JSONResponse(session.public(), status_code=201)
 
     async def get_session(request: Request) -> Response:

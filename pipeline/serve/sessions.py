@@ -1,6 +1,7 @@
 """Agent sessions in Redis: what a server needs to serve a session's next turn, and nothing in memory.
 
-A session (`keys.session`) is a hash: its run, pool and output, metadata, state (`open` or
+A session (`keys.session`) is a hash: its run, pool and output, metadata, the LoRA adapter every
+turn of it runs on (if any), state (`open` or
 `ended`), the number of turns committed, the reward, the weight versions its turns used, and
 two JSON records: `last`, the last committed turn (its prompt ids, each choice's completion ids
 and assistant message, and the answer sent, so a retried call is answered again, not generated
@@ -22,7 +23,9 @@ from typing import Any
 import numpy as np
 import redis
 
+from pipeline.core import adapters
 from pipeline.core.broker import keys
+from pipeline.core.errors import AdapterError
 from pipeline.serve.api_error import APIError
 from pipeline.serve.turn_counts import TurnCounts
 
@@ -213,11 +216,12 @@ class Session:
     ephemeral: bool = False
     home: str | None = None  # the worker that served its last turn (`pipeline.core.affinity`)
     ttl_set_ms: int = 0  # when its expiry was last set (`TTL_REFRESH_S`)
+    adapter: str | None = None  # the LoRA adapter every turn runs on (None: the base weights)
 
     def public(self) -> dict[str, Any]:
         """The session as `GET /sessions/<id>` shows it."""
         return {"session_id": self.session_id, "run": self.run, "pool": self.pool, "state": self.state,
-                "turns": self.turns, "metadata": self.metadata, "reward": self.reward,
+                "turns": self.turns, "metadata": self.metadata, "adapter": self.adapter, "reward": self.reward,
                 "weight_versions": None if self.min_version is None else [self.min_version, self.max_version],
                 "turn_in_flight": None if self.pending is None else self.pending.turn}
 
@@ -233,15 +237,22 @@ class SessionStore:
         self._claim = conn.register_script(_CLAIM)
 
     def create(self, *, run: str, pool: str, output: str, metadata: dict[str, Any] | None = None,
-               session_id: str | None = None, ephemeral: bool = False) -> Session:
-        """A new open session (409 if `session_id` is taken)."""
+               session_id: str | None = None, ephemeral: bool = False, adapter: str | None = None) -> Session:
+        """A new open session (409 if `session_id` is taken; 400 if the pool has no adapter `adapter`)."""
         session_id = check_session_id(session_id) if session_id else new_session_id("call" if ephemeral else "s")
         where = keys.pool(pool)
+        if adapter is not None:
+            if not isinstance(adapter, str):
+                raise APIError(400, "adapter is the name of a LoRA adapter of the pool", param="adapter")
+            try:
+                adapters.check_known(self.conn, where.name, adapter)
+            except AdapterError as exc:
+                raise APIError(400, str(exc), param="adapter", code="adapter_not_found") from None
         key = keys.session(session_id)
         now_ms = int(time.time() * 1000)
         fields = {"run": run, "pool": where.name, "output": output, "state": "open", "turns": 0,
                   "metadata": json.dumps(metadata or {}), "created_ms": now_ms, "ttl_set_ms": now_ms,
-                  "ephemeral": int(ephemeral)}
+                  "ephemeral": int(ephemeral), **({"adapter": adapter} if adapter is not None else {})}
         if not self.conn.hsetnx(key, "run", run):
             raise APIError(409, f"session {session_id!r} exists already; create it once, or use another id",
                            param="session_id")
@@ -254,7 +265,7 @@ class SessionStore:
             pipe.setnx(keys.turn_log_output(run), output)
             pipe.execute()
         return Session(session_id, run, where.name, output, "open", 0, metadata or {}, ephemeral=ephemeral,
-                       ttl_set_ms=now_ms)
+                       ttl_set_ms=now_ms, adapter=adapter)
 
     def get_or_create(self, session_id: str, *, run: str, pool: str, output: str) -> Session:
         """The session, created (open, no metadata) if unknown."""
@@ -289,6 +300,7 @@ class SessionStore:
             data.get("ephemeral") == "1",
             data.get("home"),
             int(data.get("ttl_set_ms") or 0),
+            data.get("adapter"),
         )
 
     def claim(self, session: Session, pending: Pending) -> bool:

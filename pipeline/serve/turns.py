@@ -407,6 +407,7 @@ class Turns:
             "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
             "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
             "routing_key": session.session_id,  # the worker's server holding the session's prefix
+            "adapter": session.adapter,
         })
         pending = Pending(turn, turn_id, request_digest, messages_digest, n_messages, prompt.prefix_break)
         if not self.sessions.claim(session, pending):

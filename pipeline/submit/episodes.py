@@ -20,8 +20,9 @@ from typing import Any
 import redis
 
 from pipeline.core import agents
+from pipeline.core.adapters import check_known
 from pipeline.core.broker import control_channel, keys
-from pipeline.core.errors import REQUESTS, LineError, PipelineError, RequestFileError
+from pipeline.core.errors import REQUESTS, AdapterError, LineError, PipelineError, RequestFileError
 from pipeline.core.jobs import episodes
 from pipeline.submit import run_ids
 from pipeline.submit.dataset_source import is_dataset_path, open_path
@@ -124,12 +125,13 @@ def _checked(path: str, rows: Iterable[tuple[int, Any, str | None]], *, what: st
 def submit_episodes(conn: redis.Redis, tasks: list[Task], *, agent: str, run: str, pool: str | None = None,
                     n: int = 1, limits: EpisodeLimits | None = None,
                     failed_reward: float | None = None, max_staleness: int | None = None,
-                    groups_per_step: int | None = None) -> EpisodePlan:
+                    groups_per_step: int | None = None, adapter: str | None = None) -> EpisodePlan:
     """Enqueue one episode job per task × sample, all or nothing (see the module docstring).
 
     `failed_reward`: failed episodes are read into training with this reward (default: left out).
     `max_staleness` K with `groups_per_step` B: the tasks of training step s (the s-th B tasks) start
-    only once the trainer has pushed the version K steps before it (`pipeline.core.jobs.admission`)."""
+    only once the trainer has pushed the version K steps before it (`pipeline.core.jobs.admission`).
+    `adapter`: every turn of every episode runs on this LoRA adapter of the pool (refused if unknown)."""
     if not 1 <= n <= MAX_SAMPLES:
         raise PipelineError(f"--n {n}: samples per task are 1 to {MAX_SAMPLES}; nothing was enqueued")
     if failed_reward is not None and not math.isfinite(failed_reward):
@@ -141,11 +143,16 @@ def submit_episodes(conn: redis.Redis, tasks: list[Task], *, agent: str, run: st
         raise PipelineError("--max-staleness is 0 or more and --groups-per-step 1 or more; nothing was enqueued")
     agents.load(agent)
     where = keys.pool(pool)
+    if adapter is not None:
+        try:
+            check_known(conn, where.name, adapter)
+        except AdapterError as exc:
+            raise AdapterError(f"--adapter {adapter}: {exc}; nothing was enqueued") from None
     limits = limits or EpisodeLimits()
     now_ms = int(time.time() * 1000)
     jobs = [EpisodeJob(run=run, pool=where.name, agent=agent, task_id=task.task_id,
                        sample=sample, group_size=n, group_index=index, task=task.data, limits=limits,
-                       submitted_at_ms=now_ms)
+                       submitted_at_ms=now_ms, adapter=adapter)
             for index, task in enumerate(tasks) for sample in range(n)]
     try:
         base_version = control_channel.read_state(conn, where.name).weight_version
@@ -154,7 +161,7 @@ def submit_episodes(conn: redis.Redis, tasks: list[Task], *, agent: str, run: st
     spec = {"agent": agent, "pool": where.name, "n": n,
             "tasks": [t.task_id for t in tasks], "limits": limits.model_dump(), "failed_reward": failed_reward,
             "max_staleness": max_staleness, "groups_per_step": groups_per_step,
-            "base_version": base_version or 0, "submitted_at_ms": now_ms}
+            "base_version": base_version or 0, "submitted_at_ms": now_ms, "adapter": adapter}
     stream = where.episode_stream(agent)
     episodes.ensure_group(conn, stream)
     ids = run_ids.encode([episode_id(t.task_id, s) for t in tasks for s in range(n)])

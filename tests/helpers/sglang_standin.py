@@ -7,7 +7,7 @@ gate, `normalize_batch_and_arguments`, `SamplingParams.normalize/verify`), and t
 from the project's engines.
 
 Run: `python -m tests.helpers.sglang_standin --model DIR --port P [--weight-version V]
-[--routed-experts LAYERS,TOP_K,NUM_EXPERTS] [--only-get-info]`.
+[--routed-experts LAYERS,TOP_K,NUM_EXPERTS] [--only-get-info] [--enable-lora]`.
 
 Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
 - `POST /generate` request: judged by SGLang's code itself (above); its error bodies are
@@ -29,6 +29,8 @@ Each shape follows SGLang 0.5.23 (PyPI wheel), python/sglang/...:
   are synthetic (a function of position, layer and slot), since the test models are dense.
 - `--only-get-info`: only `/get_model_info` and `/get_server_info`, as SGLang 0.4.6 serves them.
 - `GET /workers` answers 404, as on an SGLang server (gateways serve it).
+- LoRA (`--enable-lora`): `/load_lora_adapter`, `/unload_lora_adapter` and `/generate`'s
+  `lora_path`, as `tests.helpers.sglang_standin_lora` describes.
 
 Stand-in choices, not SGLang's: generation is serialised (one request at a time, continuous
 batching is not simulated; `delays` let answers overtake each other); unknown top-level fields
@@ -49,8 +51,9 @@ last chunk, before `[DONE]`, when it has k; aborts are not seen there) until
 `GET /_standin/stats` returns counters (`http_generate`: /generate calls
 received; `generate`: those that passed validation; `answered`, `answered_aborted`; `in_flight`
 and its peak `max_in_flight`: admitted calls not yet answered), received rids, `answer_order`
-(rids as answered), `/abort_request` bodies, and `lifecycle`: every lifecycle call received,
-`[method, path, body]` in order.
+(rids as answered), `/abort_request` bodies, `lifecycle`: every lifecycle call received,
+`[method, path, body]` in order, and `loras`: the adapters loaded now, name -> path.
+`{"forget_loras": true}` forgets every adapter, as a restart does.
 """
 
 from __future__ import annotations
@@ -67,12 +70,13 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers.sglang_standin_lora import LoraError, Loras
 from tests.helpers.sglang_wheel import judge_generate, request_adapter
 from tests.helpers.sglang_wheel import load as load_sglang
 from tests.helpers.standin_generator import Generator, Sample
 
 LIFECYCLE_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
-                   "/abort_request")
+                   "/abort_request", "/load_lora_adapter", "/unload_lora_adapter")
 FAULT_KINDS = ("503", "drop", "truncated", "no_meta", "unknown_finish", "short_logprobs")
 
 
@@ -96,15 +100,18 @@ class Call:
     sampling: list[Any]
     top_logprobs: int
     prompt_logprobs: bool
+    context: list[int]  # put before the prompt by the call's LoRA adapter (`sglang_standin_lora`)
 
 
 class Standin:
     """The server's state: the engine, the weight version, pause, aborts, faults, counters."""
 
     def __init__(self, model: Path, *, weight_version: str = "default",
-                 routed_experts: tuple[int, int, int] | None = None, only_get_info: bool = False) -> None:
+                 routed_experts: tuple[int, int, int] | None = None, only_get_info: bool = False,
+                 enable_lora: bool = False) -> None:
         self.model_path = str(model)
         self.generator = Generator(model)
+        self.loras = Loras(enable_lora, self.generator.vocab_size)
         request_adapter()  # SGLang's classes loaded before the first request, not during it
         self.weight_version = weight_version
         self.routed_experts = routed_experts
@@ -152,6 +159,8 @@ class Standin:
                 self.streams_released.clear()
             if body.pop("release_streams", False):
                 self.streams_released.set()
+            if body.pop("forget_loras", False):
+                self.loras.forget()
             self.fault_prefix = str(body.pop("fault_prefix", self.fault_prefix))
             unknown = set(body) - set(FAULT_KINDS)
             if unknown:
@@ -186,9 +195,13 @@ class Standin:
             start_len = body.get("routed_experts_start_len") or 0
             if not 0 <= start_len <= len(ids):
                 raise _value_error(f"recv_req.routed_experts_start_len={start_len} is out of [0, {len(ids)}]")
+        try:
+            context = self.loras.context(body.get("lora_path"))
+        except LoraError as exc:
+            raise ApiError(exc.status, exc.body) from exc
         return Call(ids=list(ids), rids=list(verdict.rids), sampling=list(verdict.sampling),
                     top_logprobs=(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0,
-                    prompt_logprobs=bool(body.get("return_logprob")) and start == 0)
+                    prompt_logprobs=bool(body.get("return_logprob")) and start == 0, context=context)
 
     def generate(self, body: Any) -> Any:
         call = self.to_call(body)
@@ -217,7 +230,8 @@ class Standin:
         with self.generate_lock:
             aborted = self._aborted(call.rids, generation)
             samples = None if aborted else [
-                self.generator.generate(call.ids, sp, top_logprobs=call.top_logprobs) for sp in call.sampling
+                self.generator.generate(call.context + call.ids, sp, top_logprobs=call.top_logprobs)
+                for sp in call.sampling
             ]
             if samples is not None and call.prompt_logprobs:
                 prompt_logprobs = self.generator.prompt_logprobs(call.ids, call.sampling[0].temperature)
@@ -430,14 +444,18 @@ class Handler(BaseHTTPRequestHandler):
             elif path == "/abort_request" and method == "POST":
                 standin.abort(body)
                 self._send(200)
+            elif path == "/load_lora_adapter" and method == "POST":
+                self._send(*standin.loras.load(body))
+            elif path == "/unload_lora_adapter" and method == "POST":
+                self._send(*standin.loras.unload(body))
             elif path == "/_standin/faults" and method == "POST":
                 self._send(200, standin.set_faults(body))
             elif path == "/_standin/stats":
                 with standin.state_lock:
-                    self._send(200, standin.stats)
+                    self._send(200, {**standin.stats, "loras": standin.loras.stats()})
             else:
                 self._send(404, {"detail": "Not Found"})
-        except ApiError as exc:
+        except (ApiError, LoraError) as exc:
             self._send(exc.status, exc.body)
 
     def _generate(self, body: Any) -> None:
@@ -510,10 +528,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routed-experts", default=None, help="LAYERS,TOP_K,NUM_EXPERTS: return synthetic routings")
     parser.add_argument("--only-get-info", action="store_true",
                         help="serve /get_model_info and /get_server_info only, like SGLang 0.4.6")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, like SGLang's --enable-lora")
     args = parser.parse_args(argv)
     routed = tuple(int(x) for x in args.routed_experts.split(",")) if args.routed_experts else None
     standin = Standin(args.model, weight_version=args.weight_version, routed_experts=routed,  # type: ignore[arg-type]
-                      only_get_info=args.only_get_info)
+                      only_get_info=args.only_get_info, enable_lora=args.enable_lora)
     server = StandinServer((args.host, args.port), standin)
     print(f"sglang stand-in serving {args.model} on http://{args.host}:{args.port}", flush=True)
     try:

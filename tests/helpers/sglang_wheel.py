@@ -201,6 +201,17 @@ def judge_generate(body: Any, vocab_size: int, tokenizer: Any = None) -> Verdict
     return Verdict(200, sampling=tuple(sampling), rids=tuple(rids))
 
 
+def parse_body(class_name: str, body: Any) -> Any:
+    """FastAPI's parse of a body into SGLang's `io_struct.<class_name>` (`LoadLoRAAdapterReqInput`,
+    `UnloadLoRAAdapterReqInput`); `ValueError` carrying the 422 `{"detail"}` body when it does not fit."""
+    import pydantic
+
+    try:
+        return pydantic.TypeAdapter(getattr(load().io_struct, class_name)).validate_python(body)
+    except pydantic.ValidationError as exc:
+        raise ValueError({"detail": json.loads(exc.json(include_url=False))}) from exc
+
+
 def engine_method_parameters(method: str) -> list[str]:
     """The parameter names of `sglang.Engine.<method>`, read from the wheel's source
     (`srt/entrypoints/engine.py`; importing it needs the GPU stack)."""

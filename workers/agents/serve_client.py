@@ -60,11 +60,12 @@ class ServeClient:
             return answer.json()
         raise AssertionError("unreachable")
 
-    async def open_session(self, session_id: str, run: str, metadata: dict[str, Any]) -> None:
+    async def open_session(self, session_id: str, run: str, metadata: dict[str, Any],
+                           adapter: str | None = None) -> None:
         # 409, the session exists: this call's own first try made it and its answer was lost (a server
         # restarted mid-call); session ids are random per attempt, so no other call holds this one.
-        await self._call("POST", "/sessions", {"session_id": session_id, "run": run, "metadata": metadata},
-                         fine=(409,))
+        body = {"session_id": session_id, "run": run, "metadata": metadata}
+        await self._call("POST", "/sessions", {**body, "adapter": adapter} if adapter else body, fine=(409,))
 
     async def session_turns(self, session_id: str) -> int:
         """The turns the session has committed (a harness may call the model with a client of its own)."""

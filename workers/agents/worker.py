@@ -329,7 +329,7 @@ class AgentWorker:
             info: dict[str, Any] = {}
             reason: str | None = None
             try:
-                await serve.open_session(session_id, job.run, _metadata(job, episode))
+                await serve.open_session(session_id, job.run, _metadata(job, episode), job.adapter)
                 reward, info = await attempt.run(agent, job.task, episode, serve, job.limits.timeout_s)
             except EpisodeError as exc:
                 reason = exc.reason

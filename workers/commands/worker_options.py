@@ -19,9 +19,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
                         help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
     parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS, metavar="N",
-                        help="hf and sim engines: LoRA adapters kept resident; past N the least recently used is "
-                             f"evicted, and loaded again from its store when a job names it (default "
+                        help="hf, sim and sglang-http engines: LoRA adapters kept resident; past N the least "
+                             f"recently used is evicted, and loaded again from its store when a job names it (default "
                              f"{DEFAULT_MAX_ADAPTERS}; docs/adapters.md)")
+    parser.add_argument("--adapter-dir", default=None, metavar="DIR",
+                        help="sglang-http engine: where LoRA adapter versions are written (PEFT format) for the "
+                             "servers to load; a path the SGLang servers can read (default: rollout-adapters "
+                             "under the system's temporary directory)")
     parser.add_argument(
         "--max-top-logprobs", type=int,
         default=settings.max_top_logprobs(),
@@ -91,7 +95,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         engine=args.engine, model=args.model and resolve(args.model), device=args.device,
         max_top_logprobs=args.max_top_logprobs, max_batch_sequences=args.max_batch_sequences,
-        max_adapters=args.max_adapters, urls=tuple(args.urls),
+        max_adapters=args.max_adapters, adapter_dir=args.adapter_dir, urls=tuple(args.urls),
         routed_experts=args.routed_experts,
         experts_layout=args.experts_layout,
         sim={

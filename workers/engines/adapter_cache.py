@@ -72,6 +72,10 @@ class AdapterCache:
             del self.resident[key]
             self.evictions += 1
 
+    def forget(self, key: str) -> None:
+        """Adapter `key` is no longer resident (its server lost it): loaded again when next needed."""
+        self.resident.pop(key, None)
+
     def clear(self) -> None:
         """Forget what is resident (the engine dropped every adapter: new base weights)."""
         self.resident.clear()

@@ -20,7 +20,8 @@ class EngineOptions:
     max_top_logprobs: int = 0
     weight_version: int = 0
     max_batch_sequences: int = 64  # hf: samples decoded together
-    max_adapters: int = DEFAULT_MAX_ADAPTERS  # hf and sim: LoRA adapters kept resident (LRU evicted past it)
+    max_adapters: int = DEFAULT_MAX_ADAPTERS  # hf, sim, sglang-http: LoRA adapters kept resident (LRU evicted past it)
+    adapter_dir: str | None = None  # sglang-http: where adapters are written for the servers to load
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways; vllm-http: vLLM servers
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
     routed_experts: bool = False  # sglang and sim engines: serve return_routed_experts
@@ -94,6 +95,7 @@ def build_engine(options: EngineOptions) -> Engine:
             raise EngineUnavailableError("--engine sglang-http needs at least one --url http://host:port")
         return SGLangHTTPEngine(
             options.urls, max_top_logprobs=options.max_top_logprobs, weight_version=options.weight_version,
+            max_adapters=options.max_adapters, adapter_dir=Path(options.adapter_dir) if options.adapter_dir else None,
             **_sglang_model_facts(options),  # type: ignore[arg-type]
         )
     if options.engine == "vllm-http":

@@ -43,6 +43,8 @@ def test_submit_with_an_agent_enqueues_an_episode_per_task_and_sample(
     (["--episode-timeout", "5"], "--episode-timeout apply to agent episodes: add --agent MODULE:FUNCTION"),
     (["--agent", AGENT, "--temperature", "0.5"], "--temperature do not apply to agent episodes"),
     (["--agent", AGENT, "--max-staleness", "1"], "--max-staleness K needs --groups-per-step B"),
+    (["--adapter", "sql"], "--adapter apply to agent episodes: add --agent MODULE:FUNCTION"),
+    (["--agent", AGENT, "--adapter", "sql"], "--adapter sql: adapter 'sql' was never pushed to pool 'default'"),
 ])
 def test_a_wrong_episode_submit_is_a_usage_error_and_enqueues_nothing(
         redis_url: str, redis_client: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str],

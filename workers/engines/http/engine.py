@@ -68,6 +68,9 @@ class HTTPEngine(EngineIdentity):
         """The samples of one call's answer from `url`."""
         raise NotImplementedError
 
+    def _prepare(self, requests: Sequence[RolloutRequest]) -> None:
+        """Called on the caller's thread before a batch is sent (load what it needs); nothing by default."""
+
     def _stream_sink(self, call: Any) -> StreamSink | None:
         """A sink for a single-sample call's streamed chunks; None: the call is answered whole."""
         return None
@@ -85,6 +88,7 @@ class HTTPEngine(EngineIdentity):
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[SampleOutput]]:
         # All or nothing: the first bad answer cancels (and aborts) the rest of the batch.
+        self._prepare(requests)
         return self._bridge.run(run_batch(requests, self._plan, self._generate))
 
     @property
@@ -115,6 +119,7 @@ class HTTPEngine(EngineIdentity):
 
     def _submit(self, requests: Sequence[RolloutRequest],
                 generate: Callable[[Any], Awaitable[list[SampleOutput]]]) -> Future[list[list[SampleOutput]]]:
+        self._prepare(requests)
         samples = sum(r.sampling_params.n for r in requests)
         with self._in_flight_lock:
             self._in_flight += samples

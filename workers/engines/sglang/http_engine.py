@@ -9,25 +9,34 @@ calls (`update_weights` → `/update_weights_from_disk`, `pause_generation`, `co
 Partial weight swaps (`interrupt`): `/abort_request` by rid for each of this worker's calls in
 flight, on the server it went to (behind a gateway, every server behind it). SGLang answers each
 aborted `/generate` normally, with the tokens it generated so far and a finish of type `abort`.
+
+LoRA adapters (servers launched with `--enable-lora`): the adapters a batch names are loaded on
+every server before it is sent, under their pinned names, `max_adapters` kept resident (LRU,
+`workers.engines.adapter_cache`); see `workers.engines.sglang.adapters`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pipeline.core.weights.safetensors_io import TensorBits
+from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
+from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http.backends import Answer, error_message, parse_weight_version
 from workers.engines.http.engine import HTTPEngine
+from workers.engines.sglang import adapters
 from workers.engines.sglang.client import RetryPolicy, SGLangClient
 from workers.engines.sglang.expert_ids import ExpertsLayout
 from workers.engines.sglang.mapping import GenerateCall, generate_calls, parse_call_results
-from workers.errors import EngineUnavailableError
+from workers.errors import EngineUnavailableError, UnsupportedRequestError
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +62,12 @@ class SGLangHTTPEngine(HTTPEngine):
         connect_timeout_s: float = 10.0,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        adapter_dir: Path | None = None,
     ) -> None:
         super().__init__(name="sglang-http")
+        self.adapters = AdapterCache(self._load_adapter, self._unload_adapter, max_adapters)
+        self._adapter_dir = adapter_dir or adapters.default_directory()
         self._client = SGLangClient(
             urls, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             max_in_flight=max_in_flight, retry=retry, transport=transport,
@@ -104,6 +117,21 @@ class SGLangHTTPEngine(HTTPEngine):
     def _plan(self, request: RolloutRequest) -> list[GenerateCall]:
         return generate_calls(request)
 
+    def _prepare(self, requests: Sequence[RolloutRequest]) -> None:
+        self.adapters.ensure(r.adapter for r in requests if r.adapter is not None)
+
+    async def _generate(self, call: GenerateCall, live: Any = None) -> list[SampleOutput]:
+        try:
+            return await super()._generate(call, live)
+        except UnsupportedRequestError as exc:
+            key = call.request.adapter
+            if key is None or adapters.NEVER_LOADED not in str(exc):
+                raise
+            self.adapters.forget(key)
+            raise UnsupportedRequestError(
+                f"request {call.request.id!r}: adapter {key} is no longer loaded on the SGLang server (restarted?); "
+                f"the job is handed back, and the adapter is loaded again before it runs here ({exc})") from exc
+
     def _stream_sink(self, call: GenerateCall) -> CumulativeChunks:
         return CumulativeChunks()
 
@@ -112,6 +140,30 @@ class SGLangHTTPEngine(HTTPEngine):
         return parse_call_results(call, body, layout=self._layout, gateway=gateway)
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    def _load_adapter(self, key: str, record: AdapterRecord, tensors: list[TensorBits]) -> None:
+        """Materialise adapter `key` where the servers read it, then load it on each under that name."""
+        path = adapters.materialise(self._adapter_dir, key, record, tensors)
+        answers = self._bridge.run(self._client.backends.fan_out(
+            "POST", "/load_lora_adapter", {"lora_name": key, "lora_path": str(path)}, timeout_s=600, rediscover=True))
+        failures = []
+        for url, answer in answers.items():
+            if isinstance(answer, httpx.Response) and (answer.status_code < 400
+                                                       or adapters.ALREADY_LOADED in error_message(answer)):
+                continue
+            failures.append(self._client.backends.describe(url, answer))
+        if failures:
+            raise ValueError(f"SGLang POST /load_lora_adapter ({path}) failed on " + "; ".join(failures)
+                             + " (is the server launched with --enable-lora, and can it read that path?)")
+
+    def _unload_adapter(self, key: str) -> None:
+        """Unload adapter `key` from every server; best effort (a server that restarted has it no more):
+        a failure is logged, and the adapter is loaded again whenever a batch needs it."""
+        answers = self._bridge.run(self._client.backends.fan_out("POST", "/unload_lora_adapter", {"lora_name": key},
+                                                                 timeout_s=600))
+        for url, answer in answers.items():
+            if not (isinstance(answer, httpx.Response) and answer.status_code < 400):
+                log.warning("SGLang POST /unload_lora_adapter %s: %s", key, self._client.backends.describe(url, answer))
 
     def _each(self, method: str, path: str, json: dict[str, Any] | None = None, *,
               timeout_s: float | None = None, rediscover: bool = False) -> dict[str, httpx.Response]:

@@ -80,6 +80,8 @@ def generate_calls(request: RolloutRequest, *, rid_prefix: str | None = None) ->
     if request.return_routed_experts:
         common["return_routed_experts"] = True
         common["routed_experts_start_len"] = 0
+    if request.adapter is not None:  # the pinned name the engine loaded it under (`NAME@vN`)
+        common["lora_path"] = request.adapter
     params = request.sampling_params
     calls = []
     for rid, n, seed, first in plan_calls(request, rid_prefix=rid_prefix):
