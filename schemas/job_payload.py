@@ -70,6 +70,9 @@ class TurnTag(BaseModel):
     session_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]
     turn: Annotated[StrictInt, Field(ge=0)]
     prefix_break: StrictBool = False
+    # The call this one extends in its session's tree (None: a root): its turn and chosen sample.
+    parent_turn: Annotated[StrictInt, Field(ge=0)] | None = None
+    parent_sample: Annotated[StrictInt, Field(ge=0)] | None = None
     # The call asked for `stream=True`: the worker publishes the turn's tokens as they are generated
     # (`pipeline.core.jobs.turn_stream`), not only its rows at the end.
     stream: StrictBool = False

@@ -81,12 +81,16 @@ ROW_FIELDS: list[pa.Field] = [
     pa.field("metadata", pa.string(), nullable=False),
     # The rendered chat/prompt text for inspection; null for token-id requests.
     pa.field("prompt_text", pa.string()),
-    # Agent turns (`pipeline serve`): the session, the turn's index in it (0 first) and whether the
-    # agent rewrote its history before this turn (its prompt was rendered anew, not extended). Null
-    # on rows of submitted batches.
+    # Agent turns (`pipeline serve`): the session, the turn's (call's) index in it (0 first) and whether
+    # the call started a new root of the session's tree while it had earlier calls (its prompt was
+    # rendered anew, not extended: the agent rewrote its history). Null on rows of submitted batches.
     pa.field("session_id", pa.string()),
     pa.field("turn", pa.int32()),
     pa.field("prefix_break", pa.bool_()),
+    # The call this one extends (a session is a tree of calls): its turn and the sample whose
+    # prompt + completion this call's prompt starts with. Null for a root call (and batch rows).
+    pa.field("parent_turn", pa.int32()),
+    pa.field("parent_sample", pa.int32()),
 ]
 
 

@@ -131,6 +131,7 @@ def build_table(
                 sample.resumed_at or None, adapter, adapter_version,
                 None if turn is None else turn.session_id, None if turn is None else turn.turn,
                 None if turn is None else turn.prefix_break,
+                None if turn is None else turn.parent_turn, None if turn is None else turn.parent_sample,
             ))
     rows = len(completions)
     routed_type = _routed_type(ctx.num_experts)
@@ -174,7 +175,7 @@ _PER_ROW = (
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
     "weight_version", "weight_version_segments", "resumed_at", "adapter", "adapter_version",
-    "session_id", "turn", "prefix_break",
+    "session_id", "turn", "prefix_break", "parent_turn", "parent_sample",
 )
 
 
