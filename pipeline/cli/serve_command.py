@@ -46,6 +46,13 @@ class ServeCommand(Command):
         parser.add_argument("--load-factor", type=float, default=None, metavar="C",
                             help="a home worker takes a session's turn while its turns in flight stay within C "
                                  "times the mean (default 1.25); else the turn moves to the least-loaded worker")
+        parser.add_argument("--history", choices=["verbatim", "template"], default="verbatim",
+                            help="how a chat call's history becomes its prompt, unless its session names its own: "
+                                 "verbatim (default) extends the ids the model sampled, its reasoning included; "
+                                 "template renders each call as the chat template does (e.g. earlier reasoning "
+                                 "stripped), a new branch where that is not an extension (docs/agents.md)")
+        parser.add_argument("--max-session-calls", type=int, default=None, metavar="N",
+                            help="the most calls one session may start (default 4096); past it a call is a 413")
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.core.demo_model import resolve
@@ -65,6 +72,11 @@ class ServeCommand(Command):
                                  "worker above the mean; 1.25: the default)")
             options["load_factor"] = args.load_factor
         options["affinity"] = args.affinity
+        options["history"] = args.history
+        if args.max_session_calls is not None:
+            if args.max_session_calls < 1:
+                raise SystemExit(f"pipeline serve: --max-session-calls {args.max_session_calls} must be at least 1")
+            options["max_session_calls"] = args.max_session_calls
         server = Server(ServeConfig(**options))
         settings = server.turns.settings
         print(f"pipeline serve: pool {settings.pool!r}, run {settings.run!r}, model {settings.model!r} on "

@@ -51,7 +51,7 @@ from pipeline.core.suggest import did_you_mean, listing
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
             "weight_version", "weight_version_segments", "prefix_break", "finished_at", "worker_id",
-            "prompt_tokens", "cached_tokens"]
+            "prompt_tokens", "cached_tokens", "parent_turn", "parent_sample"]
 
 TRAJECTORY_SCHEMA = pa.schema([
     pa.field("session_id", pa.string(), nullable=False),

@@ -141,7 +141,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         awaited before the response starts, so a turn that fails at once is an HTTP error as
         without streaming; a failure after that ends the stream with an error event."""
         items = turns.stream_async(call)
-        live = call.live(call.pending.turn_id)
+        live = call.live(call.turn_id)
         try:
             first = await anext(items)
             head = live.take(first) if isinstance(first, list) else None
@@ -165,7 +165,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
             except APIError as exc:
                 yield error_event(exc)
             except Exception:
-                log.exception("unexpected error streaming turn %s", call.pending.turn_id)
+                log.exception("unexpected error streaming turn %s", call.turn_id)
                 yield error_event(APIError(500, "internal error; see the server's log"))
             finally:
                 await items.aclose()
@@ -179,7 +179,9 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         async def endpoint(request: Request) -> Response:
             body = model.model_validate(await read_json(request, max_body_bytes))
             session_id, create = session_of(request)
-            call = await in_thread(partial(start, body, session_id, create=create))
+            call = await in_thread(partial(start, body, session_id, create=create,
+                                           idempotency_key=request.headers.get("idempotency-key"),
+                                           retry_count=request.headers.get("x-stainless-retry-count")))
             if isinstance(call, dict):  # answered before (a client's retry): the same answer
                 if body.stream:
                     return StreamingResponse(iter(answered_events(call, body.include_usage)),
@@ -212,18 +214,18 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
 
     async def create_session(request: Request) -> Response:
         data = await read_json(request, max_body_bytes, empty={})
-        fields = {"run", "metadata", "session_id", "adapter"}
+        fields = {"run", "metadata", "session_id", "adapter", "history"}
         if not isinstance(data, dict) or set(data) - fields:
             raise APIError(400, 'POST /sessions takes {"run": NAME, "metadata": {...}, "session_id": ID, "adapter": '
-                                "NAME}, all optional", param=",".join(sorted(set(data) - fields))
-                           if isinstance(data, dict) else None)
+                                'NAME, "history": "verbatim" or "template"}, all optional',
+                           param=",".join(sorted(set(data) - fields)) if isinstance(data, dict) else None)
         metadata = data.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise APIError(400, "metadata must be a JSON object", param="metadata")
         session = await in_thread(partial(turns.sessions.create, run=data.get("run") or turns.settings.run,
                                           pool=turns.settings.pool, output=turns.settings.output,
                                           metadata=metadata, session_id=data.get("session_id"),
-                                          adapter=data.get("adapter")))
+                                          adapter=data.get("adapter"), history=data.get("history")))
         return JSONResponse(session.public(), status_code=201)
 
     async def get_session(request: Request) -> Response:

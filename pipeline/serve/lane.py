@@ -64,9 +64,6 @@ class Lane:
     def live_workers(self) -> list[WorkerInfo]:
         return self.router.live_workers()
 
-    def job_of(self, turn_id: str) -> tuple[str | None, str | None]:
-        return self.waiter.job_of(turn_id)
-
     def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag,
                 home: str | None = None) -> Route:
         """Enqueue the turn (with whatever other turns wait with it) on the worker the router chooses;

@@ -27,6 +27,7 @@ from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS
+from pipeline.serve.sessions import HISTORY_MODES, MAX_CALLS
 from pipeline.serve.turns import Turns, TurnSettings
 from pipeline.submit.enqueue import default_output, new_run_name
 from pipeline.submit.render import ChatRenderer
@@ -56,6 +57,8 @@ class ServeConfig:
     affinity: bool = True
     load_factor: float = DEFAULT_LOAD_FACTOR
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    history: str = "verbatim"  # `pipeline.serve.sessions.HISTORY_MODES`
+    max_session_calls: int = MAX_CALLS
 
 
 def is_loopback(host: str) -> bool:
@@ -86,6 +89,8 @@ def check_config(config: ServeConfig) -> None:
     if not is_loopback(config.host) and not config.api_key:
         raise PipelineError(f"--host {config.host} serves beyond this machine: give --api-key KEY too (clients then "
                             "send Authorization: Bearer KEY)")
+    if config.history not in HISTORY_MODES:
+        raise PipelineError(f"--history {config.history!r} is one of {', '.join(HISTORY_MODES)}")
     if config.tool_call_parser is not None and config.tool_call_parser not in TOOL_CALL_PARSERS:
         raise PipelineError(f"--tool-call-parser {config.tool_call_parser!r} is not one of "
                             f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
@@ -111,7 +116,8 @@ def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
         pool=keys.pool(config.pool).name, model=model, tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser, context_length=context,
         default_max_tokens=config.default_max_tokens, turn_timeout_s=config.turn_timeout_s,
-        affinity=config.affinity, load_factor=config.load_factor,
+        affinity=config.affinity, load_factor=config.load_factor, history=config.history,
+        max_session_calls=config.max_session_calls,
         stop_ids=model_stop_ids(config.tokenizer, renderer.tokenizer) if renderer is not None else frozenset(),
     )
     return Turns(conn, settings, renderer)

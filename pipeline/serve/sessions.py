@@ -1,12 +1,26 @@
-"""Agent sessions in Redis: what a server needs to serve a session's next turn, and nothing in memory.
+"""Agent sessions in Redis: a session is a tree of calls, and a server holds none of it in memory.
 
 A session (`keys.session`) is a hash: its run, pool and output, metadata, the LoRA adapter every
-turn of it runs on (if any), state (`open` or
-`ended`), the number of turns committed, the reward, the weight versions its turns used, and
-two JSON records: `last`, the last committed turn (its prompt ids, each choice's completion ids
-and assistant message, and the answer sent, so a retried call is answered again, not generated
-again), and `pending`, the turn in flight (claimed with HSETNX, so two servers never run the
-same turn twice). Any server can serve any turn; a restarted server loses nothing.
+call of it runs on (if any), its history mode (`HISTORY_MODES`), state (`open` or `ended`), the
+number of calls started (`calls`, which numbers them) and committed (`turns`), those in flight, the
+reward, the weight versions its calls used, and its home (the worker that served its last call).
+
+Its calls live in a second hash (`keys.session_calls`), so any number of them can be in flight at
+once and a server places each new call in O(its own messages), whatever the session's size:
+
+- `r:<turn>`: a committed call (`TurnRecord`): its prompt ids, each choice's completion ids and
+  assistant message, its parent, the worker that served it, and the answer sent (a client's retry is
+  answered again from it, not generated again);
+- `p:<turn>`: a call in flight (`Pending`), so any server can wait for it or record it;
+- `d:<request digest>`: the latest call with that body (where a retry finds its call);
+- `m:<reply key>` and `t:<token key>`: the index that places a new call under the call it extends.
+  A chat call's reply key digests its conversation up to and including one choice's assistant message
+  (`Conversation.reply_key`); a token key digests one choice's prompt + completion ids
+  (`token_key`), looked up at the lengths in `keys.session_ends`. Two choices with the same key (two
+  identical calls, or two identical samples) index the lowest turn, then the lowest sample.
+
+Everything that changes a session happens in one Lua script each (`_OPEN`, `_CLAIM`, `_RECORD`,
+`_RELEASE`), so concurrent calls and servers never see half of a change.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,35 +43,124 @@ from pipeline.core.broker import keys
 from pipeline.core.errors import AdapterError
 from pipeline.serve.api_error import APIError
 from pipeline.serve.turn_counts import TurnCounts
+from schemas.turn_id import TurnId
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SESSION_TTL_S = 7 * 24 * 3600  # an idle session's state expires 6-7 days after its last turn:
 TTL_REFRESH_S = 24 * 3600  # its expiry is pushed back by a turn once it was set this long ago
-# KEYS: the session, the run's turn counts. ARGV: the turn record (`last`), the session's turns, its
-# home, the lowest and highest weight version of the session's turns with this one, the session's
-# TTL, 1 if the turn broke the session's prefix, the time (ms) to note the TTL as set at, or 0 to
-# leave it (set less than `TTL_REFRESH_S` ago). The turn becomes `last`, the pending mark goes, a
-# prefix break is counted: one script, atomic.
-_RECORD = """
-local fields = {'last', ARGV[1], 'turns', ARGV[2], 'home', ARGV[3], 'min_version', ARGV[4], 'max_version', ARGV[5]}
-if ARGV[8] ~= '0' then
-  table.insert(fields, 'ttl_set_ms')
-  table.insert(fields, ARGV[8])
-  redis.call('EXPIRE', KEYS[1], ARGV[6])
+MAX_CALLS = 4096  # calls one session may start (`pipeline serve --max-session-calls`)
+# How a chat call's prompt is made from its history (`pipeline serve --history`, a session's `history`):
+# `verbatim` extends the sampled ids of the call it continues (the model sees what it sampled, its
+# reasoning included); `template` renders every call as the chat template renders it (e.g. earlier
+# reasoning stripped), a child of an earlier call only where its ids extend that call's exactly.
+HISTORY_MODES = ("verbatim", "template")
+
+# KEYS: the session, its calls, its ends. ARGV: the `d:` field of the call's body ('' to look for none),
+# the longest prefix (tokens) to list ends up to (-1: none), then `m:` fields, longest first. Returns the
+# session's hash (empty if unknown), then for the body's latest call its turn, record and pending entry,
+# then the first `m:` hit's value and its call's record, then the ends.
+_OPEN = """
+local session = redis.call('HGETALL', KEYS[1])
+if #session == 0 then return {session} end
+local same, same_record, same_pending = false, false, false
+if ARGV[1] ~= '' then
+  same = redis.call('HGET', KEYS[2], ARGV[1])
+  if same then
+    same_record = redis.call('HGET', KEYS[2], 'r:' .. same)
+    same_pending = redis.call('HGET', KEYS[2], 'p:' .. same)
+  end
 end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('HDEL', KEYS[1], 'pending')
-if ARGV[7] == '1' then
-  redis.call('HINCRBY', KEYS[2], 'prefix_breaks', 1)
-  redis.call('HINCRBY', KEYS[1], 'prefix_breaks', 1)
+local parent, parent_record = false, false
+for i = 3, #ARGV do
+  local hit = redis.call('HGET', KEYS[2], ARGV[i])
+  if hit then
+    parent = hit
+    parent_record = redis.call('HGET', KEYS[2], 'r:' .. string.match(hit, '^(%d+):'))
+    break
+  end
 end
+local ends = {}
+if tonumber(ARGV[2]) >= 0 then ends = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[2]) end
+return {session, same, same_record, same_pending, parent, parent_record, ends}
 """
 
-# KEYS: the session. ARGV: the pending turn. -1 when the session is no longer open, else HSETNX's answer:
-# a turn is claimed only while its session is open, so a session ended meanwhile starts no turn.
+# KEYS: the session's calls. ARGV: `t:` fields, longest first. The first hit's value and its call's record.
+_FIRST = """
+for i = 1, #ARGV do
+  local hit = redis.call('HGET', KEYS[1], ARGV[i])
+  if hit then return {hit, redis.call('HGET', KEYS[1], 'r:' .. string.match(hit, '^(%d+):'))} end
+end
+return {false, false}
+"""
+
+# KEYS: the session, its calls. ARGV: the `d:` field of the call's body, 1 if a call of that body in
+# flight or committed takes this one's place (a retry), the pending entry, the most calls a session may
+# start. Returns {turn} (the call's number), {-1} (the session has ended), {-2, turn} (an identical
+# call got there first: wait for it), {-3} (the session has started its most calls).
 _CLAIM = """
-if redis.call('HGET', KEYS[1], 'state') ~= 'open' then return -1 end
-return redis.call('HSETNX', KEYS[1], 'pending', ARGV[1])
+if redis.call('HGET', KEYS[1], 'state') ~= 'open' then return {-1} end
+if ARGV[2] == '1' then
+  local same = redis.call('HGET', KEYS[2], ARGV[1])
+  if same and (redis.call('HEXISTS', KEYS[2], 'p:' .. same) == 1
+               or redis.call('HEXISTS', KEYS[2], 'r:' .. same) == 1) then
+    return {-2, tonumber(same)}
+  end
+end
+if tonumber(redis.call('HGET', KEYS[1], 'calls') or '0') >= tonumber(ARGV[4]) then return {-3} end
+local turn = redis.call('HINCRBY', KEYS[1], 'calls', 1) - 1
+redis.call('HINCRBY', KEYS[1], 'in_flight', 1)
+redis.call('HSET', KEYS[2], 'p:' .. turn, ARGV[3], ARGV[1], turn)
+local ttl = redis.call('TTL', KEYS[1])
+if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
+return {turn}
+"""
+
+# KEYS: the session, its calls, its ends, the run's turn counts. ARGV: the turn, its record, the worker
+# that served it, the lowest and highest weight version it used, the session's TTL, 1 if the call broke
+# the session's prefix, the time (ms) to note the TTL as set at (0: leave it), then triples of an index
+# field, its value (`turn:sample`) and the length to add to the ends ('' for none). The record replaces
+# the pending entry (a second record of the same call changes nothing), the counts move, index entries
+# are kept for the lowest turn: one script, atomic.
+_RECORD = """
+local turn = ARGV[1]
+if redis.call('HEXISTS', KEYS[2], 'r:' .. turn) == 1 then return 0 end
+redis.call('HSET', KEYS[2], 'r:' .. turn, ARGV[2])
+if redis.call('HDEL', KEYS[2], 'p:' .. turn) == 1 then redis.call('HINCRBY', KEYS[1], 'in_flight', -1) end
+redis.call('HINCRBY', KEYS[1], 'turns', 1)
+local low, high = redis.call('HGET', KEYS[1], 'min_version'), redis.call('HGET', KEYS[1], 'max_version')
+if not low or tonumber(ARGV[4]) < tonumber(low) then redis.call('HSET', KEYS[1], 'min_version', ARGV[4]) end
+if not high or tonumber(ARGV[5]) > tonumber(high) then redis.call('HSET', KEYS[1], 'max_version', ARGV[5]) end
+redis.call('HSET', KEYS[1], 'home', ARGV[3])
+for i = 9, #ARGV, 3 do
+  local held = redis.call('HGET', KEYS[2], ARGV[i])
+  if not held or tonumber(string.match(held, '^(%d+):')) > tonumber(turn) then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+  if ARGV[i + 2] ~= '' then redis.call('ZADD', KEYS[3], ARGV[i + 2], ARGV[i + 2]) end
+end
+if ARGV[8] ~= '0' then
+  redis.call('HSET', KEYS[1], 'ttl_set_ms', ARGV[8])
+  redis.call('EXPIRE', KEYS[1], ARGV[6])
+end
+local ttl = redis.call('TTL', KEYS[1])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[2], ttl)
+  redis.call('EXPIRE', KEYS[3], ttl)
+end
+if ARGV[7] == '1' then
+  redis.call('HINCRBY', KEYS[4], 'prefix_breaks', 1)
+  redis.call('HINCRBY', KEYS[1], 'prefix_breaks', 1)
+end
+return 1
+"""
+
+# KEYS: the session, its calls. ARGV: the turn, its pending entry. A call that will not be recorded
+# (its job failed or could not be enqueued) leaves the session's calls in flight.
+_RELEASE = """
+if redis.call('HGET', KEYS[2], 'p:' .. ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[2], 'p:' .. ARGV[1])
+  redis.call('HINCRBY', KEYS[1], 'in_flight', -1)
+end
 """
 
 
@@ -77,24 +181,41 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def check_history(history: Any) -> str:
+    if history not in HISTORY_MODES:
+        raise APIError(400, f"history is one of {', '.join(HISTORY_MODES)}, not {history!r}", param="history")
+    return history
+
+
 def digest(value: Any) -> str:
     """A stable digest of JSON-able data (sorted keys, no spaces)."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-class ConversationDigests:
-    """Digests of a conversation and of each of its beginnings, each message encoded once: the
-    digest of the first `n` messages is the digest of their `n` digests."""
+def _chain(head: str, message_digest: str) -> str:
+    return hashlib.sha256(f"{head}:{message_digest}".encode()).hexdigest()[:32]
+
+
+class Conversation:
+    """Digests of a conversation's beginnings, each message encoded once: the digest of the first
+    `n + 1` messages chains the digest of the first `n` with message `n`'s."""
 
     def __init__(self, messages: list[dict[str, Any]]) -> None:
-        self._each = [digest(m) for m in messages]
+        self._heads = [""]
+        for message in messages:
+            self._heads.append(_chain(self._heads[-1], digest(message)))
 
     def first(self, n: int) -> str:
-        return digest(self._each[:n])
+        return self._heads[n]
 
     def whole(self) -> str:
-        return self.first(len(self._each))
+        return self._heads[-1]
+
+    def reply_key(self, n: int, assistant: dict[str, Any]) -> str:
+        """The index field of the conversation's first `n` messages followed by `assistant` (a canonical
+        assistant message): where a call that replied `assistant` after those messages is found."""
+        return "m:" + _chain(self._heads[n], digest(assistant))
 
 
 def pack_ids(ids: Any) -> str:
@@ -105,9 +226,25 @@ def unpack_ids(packed: str) -> list[int]:
     return np.frombuffer(base64.b64decode(packed), dtype="<i4").tolist()
 
 
+def token_key(ids: Sequence[int]) -> str:
+    """The index field of a choice whose prompt + completion ids are `ids`."""
+    return "t:" + hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()[:32]
+
+
+def token_keys(ids: Sequence[int], lengths: Iterable[int]) -> list[str]:
+    """`token_key(ids[:n])` for each n of `lengths`, longest first, hashing `ids` once."""
+    data = np.asarray(ids, dtype="<i4").tobytes()
+    state, at, out = hashlib.sha256(), 0, []
+    for n in sorted(set(lengths)):
+        state.update(data[at * 4:n * 4])
+        at = n
+        out.append("t:" + state.copy().hexdigest()[:32])
+    return out[::-1]
+
+
 @dataclass
 class Choice:
-    """One sample of a committed turn, as the next turn needs it."""
+    """One sample of a committed call, as a later call needs it."""
 
     completion_ids: list[int]
     completion_text: str  # decoded with special tokens: what the template's glue is matched against
@@ -123,51 +260,73 @@ class Choice:
 
 @dataclass
 class TurnRecord:
-    """The last committed turn of a session."""
+    """A committed call of a session."""
 
     turn: int
     turn_id: str
     request_digest: str
-    messages_digest: str
+    conversation: str  # `Conversation.whole()` of its messages ('' for a token-level call)
     n_messages: int
     prompt_ids: list[int]
     prompt_text: str | None
     choices: list[Choice]
     response: dict[str, Any]
+    parent: tuple[int, int] | None = None  # the call and sample this one extends
+    served_by: str | None = None  # the worker that served it: its prefix cache holds the call's ids
 
     def to_json(self) -> str:
         return json.dumps({
             "turn": self.turn, "turn_id": self.turn_id, "request_digest": self.request_digest,
-            "messages_digest": self.messages_digest, "n_messages": self.n_messages,
+            "conversation": self.conversation, "n_messages": self.n_messages,
             "prompt_ids": pack_ids(self.prompt_ids), "prompt_text": self.prompt_text,
             "choices": [c.to_json() for c in self.choices], "response": self.response,
+            "parent": None if self.parent is None else list(self.parent), "served_by": self.served_by,
         }, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> TurnRecord:
         data = json.loads(raw)
-        return cls(data["turn"], data["turn_id"], data["request_digest"], data["messages_digest"], data["n_messages"],
+        return cls(data["turn"], data["turn_id"], data["request_digest"], data["conversation"], data["n_messages"],
                    unpack_ids(data["prompt_ids"]), data["prompt_text"],
-                   [Choice.from_json(c) for c in data["choices"]], data["response"])
+                   [Choice.from_json(c) for c in data["choices"]], data["response"],
+                   None if data["parent"] is None else (data["parent"][0], data["parent"][1]), data["served_by"])
+
+    def index(self, conversation: Conversation | None) -> list[str]:
+        """The index fields, values and ends of its choices (`_RECORD`'s triples): a chat call's by
+        reply (`conversation` of its messages) and every call's by tokens."""
+        triples: list[str] = []
+        for sample, choice in enumerate(self.choices):
+            where = f"{self.turn}:{sample}"
+            if conversation is not None:
+                triples += [conversation.reply_key(self.n_messages, choice.assistant), where, ""]
+            ids = self.prompt_ids + choice.completion_ids
+            triples += [token_key(ids), where, str(len(ids))]
+        return triples
 
 
 @dataclass(frozen=True)
 class Pending:
-    """A turn in flight: enough for any server to wait for it and record it."""
+    """A call in flight: enough for any server to wait for it and record it."""
 
-    turn: int
-    turn_id: str
+    nonce: str
     request_digest: str
-    messages_digest: str
+    conversation: str
     n_messages: int
     prefix_break: bool
+    parent: tuple[int, int] | None
+
+    def turn_id(self, session_id: str, turn: int) -> str:
+        return str(TurnId(session_id, turn, self.nonce))
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, separators=(",", ":"))
+        return json.dumps({**self.__dict__, "parent": None if self.parent is None else list(self.parent)},
+                          separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Pending:
-        return cls(**json.loads(raw))
+        data = json.loads(raw)
+        parent = data.pop("parent")
+        return cls(**data, parent=None if parent is None else (parent[0], parent[1]))
 
 
 @dataclass(frozen=True)
@@ -206,41 +365,107 @@ class Session:
     pool: str
     output: str
     state: str
-    turns: int
+    turns: int  # calls committed
     metadata: dict[str, Any] = field(default_factory=dict)
-    last: TurnRecord | None = None
-    pending: Pending | None = None
+    calls: int = 0  # calls started (the next call's number)
+    in_flight: int = 0
     reward: dict[str, Any] | None = None
     min_version: int | None = None
     max_version: int | None = None
     ephemeral: bool = False
-    home: str | None = None  # the worker that served its last turn (`pipeline.core.affinity`)
+    home: str | None = None  # the worker that served its last call (`pipeline.core.affinity`)
     ttl_set_ms: int = 0  # when its expiry was last set (`TTL_REFRESH_S`)
-    adapter: str | None = None  # the LoRA adapter every turn runs on (None: the base weights)
+    adapter: str | None = None  # the LoRA adapter every call runs on (None: the base weights)
+    history: str | None = None  # its history mode (None: the server's)
 
     def public(self) -> dict[str, Any]:
         """The session as `GET /sessions/<id>` shows it."""
         return {"session_id": self.session_id, "run": self.run, "pool": self.pool, "state": self.state,
-                "turns": self.turns, "metadata": self.metadata, "adapter": self.adapter, "reward": self.reward,
-                "weight_versions": None if self.min_version is None else [self.min_version, self.max_version],
-                "turn_in_flight": None if self.pending is None else self.pending.turn}
+                "turns": self.turns, "calls_in_flight": self.in_flight, "metadata": self.metadata,
+                "adapter": self.adapter, "history": self.history, "reward": self.reward,
+                "weight_versions": None if self.min_version is None else [self.min_version, self.max_version]}
+
+    @classmethod
+    def from_hash(cls, session_id: str, raw: dict[bytes, bytes] | list[bytes]) -> Session:
+        if isinstance(raw, list):  # HGETALL's reply inside a script: field, value, ...
+            raw = dict(zip(raw[::2], raw[1::2], strict=True))
+        data = {k.decode(): v.decode() for k, v in raw.items()}
+        return cls(
+            session_id, data["run"], data["pool"], data["output"], data["state"], int(data.get("turns") or 0),
+            json.loads(data.get("metadata") or "{}"), int(data.get("calls") or 0), int(data.get("in_flight") or 0),
+            json.loads(data["reward"]) if "reward" in data else None,
+            int(data["min_version"]) if "min_version" in data else None,
+            int(data["max_version"]) if "max_version" in data else None,
+            data.get("ephemeral") == "1", data.get("home"), int(data.get("ttl_set_ms") or 0),
+            data.get("adapter"), data.get("history"),
+        )
+
+
+@dataclass(frozen=True)
+class Parent:
+    """The committed call (and its sample) a new call extends."""
+
+    turn: int
+    sample: int
+    record: TurnRecord
+
+    @property
+    def choice(self) -> Choice:
+        return self.record.choices[self.sample]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.record.prompt_ids + self.choice.completion_ids
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What a server reads to start a call (`SessionStore.open`): the session; the latest call with
+    the same body, committed or in flight (None when none, or none was looked for); the call it
+    extends by its messages (a chat call's reply keys); the lengths a call's ids are looked up at
+    (`SessionStore.parent_by_tokens`; None: not listed)."""
+
+    session: Session
+    same: tuple[int, TurnRecord | None, Pending | None] | None
+    parent: Parent | None
+    ends: list[int] | None
+
+
+def _parent(hit: bytes | None, record: bytes | None) -> Parent | None:
+    if hit is None or record is None:
+        return None
+    turn, sample = hit.decode().split(":")
+    return Parent(int(turn), int(sample), TurnRecord.from_json(record))
+
+
+def _not_found(session_id: str) -> APIError:
+    days = f"{(SESSION_TTL_S - TTL_REFRESH_S) // 86400}-{SESSION_TTL_S // 86400}"
+    return APIError(404, f"no session {session_id!r}: create it with POST /sessions (it may have expired "
+                         f"{days} days after its last turn)", param="session_id", code="session_not_found")
 
 
 class SessionStore:
     """Sessions of one Redis (sync client; the server calls it from worker threads)."""
 
-    def __init__(self, conn: redis.Redis, counts: TurnCounts | None = None) -> None:
+    def __init__(self, conn: redis.Redis, counts: TurnCounts | None = None, *, max_calls: int = MAX_CALLS) -> None:
         self.conn = conn
         # The pool's turn counts: written in batches by a server, with each turn by default.
         self.counts = counts or TurnCounts(conn, every_s=0)
-        self._record = conn.register_script(_RECORD)
+        self.max_calls = max_calls
+        self._open = conn.register_script(_OPEN)
+        self._first = conn.register_script(_FIRST)
         self._claim = conn.register_script(_CLAIM)
+        self._record = conn.register_script(_RECORD)
+        self._release = conn.register_script(_RELEASE)
 
     def create(self, *, run: str, pool: str, output: str, metadata: dict[str, Any] | None = None,
-               session_id: str | None = None, ephemeral: bool = False, adapter: str | None = None) -> Session:
+               session_id: str | None = None, ephemeral: bool = False, adapter: str | None = None,
+               history: str | None = None) -> Session:
         """A new open session (409 if `session_id` is taken; 400 if the pool has no adapter `adapter`)."""
         session_id = check_session_id(session_id) if session_id else new_session_id("call" if ephemeral else "s")
         where = keys.pool(pool)
+        if history is not None:
+            check_history(history)
         if adapter is not None:
             if not isinstance(adapter, str):
                 raise APIError(400, "adapter is the name of a LoRA adapter of the pool", param="adapter")
@@ -252,7 +477,8 @@ class SessionStore:
         now_ms = int(time.time() * 1000)
         fields = {"run": run, "pool": where.name, "output": output, "state": "open", "turns": 0,
                   "metadata": json.dumps(metadata or {}), "created_ms": now_ms, "ttl_set_ms": now_ms,
-                  "ephemeral": int(ephemeral), **({"adapter": adapter} if adapter is not None else {})}
+                  "ephemeral": int(ephemeral), **({"adapter": adapter} if adapter is not None else {}),
+                  **({"history": history} if history is not None else {})}
         if not self.conn.hsetnx(key, "run", run):
             raise APIError(409, f"session {session_id!r} exists already; create it once, or use another id",
                            param="session_id")
@@ -265,7 +491,7 @@ class SessionStore:
             pipe.setnx(keys.turn_log_output(run), output)
             pipe.execute()
         return Session(session_id, run, where.name, output, "open", 0, metadata or {}, ephemeral=ephemeral,
-                       ttl_set_ms=now_ms, adapter=adapter)
+                       ttl_set_ms=now_ms, adapter=adapter, history=history)
 
     def get_or_create(self, session_id: str, *, run: str, pool: str, output: str) -> Session:
         """The session, created (open, no metadata) if unknown."""
@@ -285,76 +511,116 @@ class SessionStore:
         """The session, or 404."""
         raw = self.conn.hgetall(keys.session(check_session_id(session_id)))
         if not raw or b"pool" not in raw:
-            days = f"{(SESSION_TTL_S - TTL_REFRESH_S) // 86400}-{SESSION_TTL_S // 86400}"
-            raise APIError(404, f"no session {session_id!r}: create it with POST /sessions (it may have expired "
-                                f"{days} days after its last turn)", param="session_id", code="session_not_found")
-        data = {k.decode(): v.decode() for k, v in raw.items()}
-        return Session(
-            session_id, data["run"], data["pool"], data["output"], data["state"], int(data["turns"]),
-            json.loads(data.get("metadata") or "{}"),
-            TurnRecord.from_json(data["last"]) if "last" in data else None,
-            Pending.from_json(data["pending"]) if "pending" in data else None,
-            json.loads(data["reward"]) if "reward" in data else None,
-            int(data["min_version"]) if "min_version" in data else None,
-            int(data["max_version"]) if "max_version" in data else None,
-            data.get("ephemeral") == "1",
-            data.get("home"),
-            int(data.get("ttl_set_ms") or 0),
-            data.get("adapter"),
-        )
+            raise _not_found(session_id)
+        return Session.from_hash(session_id, raw)
 
-    def claim(self, session: Session, pending: Pending) -> bool:
-        """Mark `pending` in flight; False if another turn got there first; 409 if the session has ended
-        since it was read (its episode was canceled: `pipeline.core.jobs.episodes.cancel_run`)."""
-        claimed = int(self._claim(keys=[keys.session(session.session_id)], args=[pending.to_json()]))
-        if claimed < 0:
+    def open(self, session_id: str, *, same: str | None, reply_keys: Sequence[str] = (),
+             longest_end: int = -1) -> Opened:
+        """One read for a call to start (404 for an unknown session): the session, the latest call of the
+        body digested `same` (None: look for none), the longest-listed of `reply_keys` that a committed
+        call holds, and the ends up to `longest_end` tokens (-1: none)."""
+        where = [keys.session(session_id), keys.session_calls(session_id), keys.session_ends(session_id)]
+        reply = self._open(keys=where, args=["" if same is None else f"d:{same}", longest_end, *reply_keys])
+        if not reply[0]:
+            raise _not_found(session_id)
+        session_hash, same_turn, same_record, same_pending, hit, hit_record, ends = reply
+        session = Session.from_hash(session_id, session_hash)
+        found = None if same_turn is None else (
+            int(same_turn), None if same_record is None else TurnRecord.from_json(same_record),
+            None if same_pending is None else Pending.from_json(same_pending))
+        return Opened(session, found, _parent(hit, hit_record), None if longest_end < 0 else [int(n) for n in ends])
+
+    def parent_by_tokens(self, session_id: str, ids: Sequence[int], ends: Sequence[int] | None) -> Parent | None:
+        """The committed choice with the longest prompt + completion that `ids` extends (`ends`: the
+        lengths `open` listed; None: read them here)."""
+        if ends is None:
+            ends = [int(n) for n in self.conn.zrangebyscore(keys.session_ends(session_id), "-inf", len(ids) - 1)]
+        lengths = [n for n in ends if 0 < n < len(ids)]
+        if not lengths:
+            return None
+        hit, record = self._first(keys=[keys.session_calls(session_id)], args=token_keys(ids, lengths))
+        parent = _parent(hit, record)
+        # A digest is no proof: the ids themselves must match (a collision must not graft a call).
+        if parent is not None and list(ids[: len(parent.ids)]) != parent.ids:
+            return None
+        return parent
+
+    def claim(self, session: Session, pending: Pending, *, retry: bool) -> int:
+        """Start `pending` as the session's next call; its number. A retry (`retry`) of a body that has a
+        call in flight or committed gets `Raced` with that call's number instead; 409 if the session has
+        ended since it was read (its episode was canceled: `pipeline.core.jobs.episodes.cancel_run`);
+        413 past the session's limit of calls."""
+        reply = self._claim(keys=[keys.session(session.session_id), keys.session_calls(session.session_id)],
+                            args=[f"d:{pending.request_digest}", int(retry), pending.to_json(), self.max_calls])
+        code = int(reply[0])
+        if code == -1:
             raise ended(session.session_id)
-        return bool(claimed)
+        if code == -2:
+            raise Raced(int(reply[1]))
+        if code == -3:
+            raise APIError(413, f"session {session.session_id!r} has started {self.max_calls} calls, the most one "
+                                "session may (`pipeline serve --max-session-calls`); its calls so far are all kept: "
+                                "end it and open a new session", param="session_id", code="session_too_large")
+        return code
 
-    def release(self, session: Session, pending: Pending) -> None:
-        """Drop a pending turn that will not be recorded (its job failed or could not be enqueued)."""
-        key = keys.session(session.session_id)
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.watch(key)
-            if pipe.hget(key, "pending") == pending.to_json().encode():
-                pipe.multi()
-                pipe.hdel(key, "pending")
-                pipe.execute()
+    def release(self, session_id: str, turn: int, pending: Pending) -> None:
+        """Drop a call in flight that will not be recorded (its job failed or could not be enqueued)."""
+        self._release(keys=[keys.session(session_id), keys.session_calls(session_id)], args=[turn, pending.to_json()])
+
+    def answer_of(self, session_id: str, turn: int) -> dict[str, Any] | None:
+        """The answer recorded for a call, if it is committed."""
+        raw = self.conn.hget(keys.session_calls(session_id), f"r:{turn}")
+        return None if raw is None else TurnRecord.from_json(raw).response
+
+    def pending_of(self, session_id: str, turn: int) -> Pending | None:
+        raw = self.conn.hget(keys.session_calls(session_id), f"p:{turn}")
+        return None if raw is None else Pending.from_json(raw)
 
     def record(self, session: Session, pending: Pending, record: TurnRecord, versions: tuple[int, int],
-               placed: Placed) -> None:
-        """Commit a turn to the session: it becomes `last`, the pending mark goes, counts move, the
-        weight versions its turns used widen, and the worker that served it becomes the session's
-        home (the pool's affinity counts move with it, at once or in `counts`' next batch). `session`
-        is the session as read when the turn began (its weight versions and expiry are taken from it)."""
-        # The session's range as read when its turn began: no other turn of it ran since (its pending mark).
-        low, high = versions
-        if session.min_version is not None and session.max_version is not None:
-            low, high = min(low, session.min_version), max(high, session.max_version)
+               placed: Placed, conversation: Conversation | None, home: str | None) -> None:
+        """Commit a call: its record replaces its pending entry, it joins the index (so later calls can
+        extend it), counts move, the session's weight versions widen, and the worker that served it
+        becomes the session's home (the pool's affinity counts move with it, at once or in `counts`'
+        next batch). `session` is the session as read when the call began (its expiry is taken from it);
+        `home` the worker the call was routed to as the holder of its prefix (its parent's, else the session's)."""
         now_ms = int(time.time() * 1000)
         ttl_set = now_ms if now_ms - session.ttl_set_ms >= TTL_REFRESH_S * 1000 else 0
-        self._record(keys=[keys.session(session.session_id), keys.run_turn_stats(session.run)],
-                     args=[record.to_json(), pending.turn + 1, placed.served_by, low, high, SESSION_TTL_S,
-                           int(pending.prefix_break), ttl_set])
-        self.counts.add(keys.pool(session.pool), session.run, placed.increments(session.home))
+        sid = session.session_id
+        recorded = self._record(
+            keys=[keys.session(sid), keys.session_calls(sid), keys.session_ends(sid), keys.run_turn_stats(session.run)],
+            args=[record.turn, record.to_json(), placed.served_by, versions[0], versions[1], SESSION_TTL_S,
+                  int(pending.prefix_break), ttl_set, *record.index(conversation)])
+        if recorded:
+            self.counts.add(keys.pool(session.pool), session.run, placed.increments(home))
 
     def reward(self, session_id: str, body: Any) -> Session:
-        """Record `{"reward": x}` or `{"rewards": {name: x}}` (numbers); replaces an earlier reward."""
+        """Record `{"reward": x}`, `{"rewards": {name: x}}` (numbers) and/or `{"lineage_rewards": {call id: x}}`
+        (a lineage's own reward, by its last call's id); replaces an earlier reward."""
         session = self.get(session_id)
-        if not isinstance(body, dict) or set(body) - {"reward", "rewards"} or not body:
-            raise APIError(400, 'a reward is {"reward": NUMBER} or {"rewards": {"NAME": NUMBER, ...}}', param="reward")
-        values = dict(body.get("rewards") or {})
+        allowed = {"reward", "rewards", "lineage_rewards"}
+        if not isinstance(body, dict) or set(body) - allowed or not body:
+            raise APIError(400, 'a reward is {"reward": NUMBER}, {"rewards": {"NAME": NUMBER, ...}} and/or '
+                                '{"lineage_rewards": {"CALL ID": NUMBER, ...}}', param="reward")
+        values: dict[str, Any] = dict(body.get("rewards") or {})
         if "reward" in body:
             values["reward"] = body["reward"]
-        for name, value in values.items():
+        lineages = body.get("lineage_rewards")
+        if lineages is not None and not isinstance(lineages, dict):
+            raise APIError(400, "lineage_rewards maps a call's id (the `id` of its answer) to a number",
+                           param="lineage_rewards")
+        for name, value in [*values.items(), *((f"lineage_rewards.{k}", v) for k, v in (lineages or {}).items())]:
             if not isinstance(value, int | float) or isinstance(value, bool) or not np.isfinite(value):
-                raise APIError(400, f"reward {name!r} must be a finite number, not {value!r}", param=f"rewards.{name}")
+                raise APIError(400, f"reward {name!r} must be a finite number, not {value!r}",
+                               param=name if name.startswith("lineage_rewards.") else f"rewards.{name}")
+        if lineages:
+            values["lineage_rewards"] = lineages
         self.conn.hset(keys.session(session_id), "reward", json.dumps(values))
         session.reward = values
         return session
 
     def end(self, session_id: str) -> Session:
-        """Close a session: its turns stay readable; no new turn is accepted."""
+        """Close a session: its calls stay readable, those in flight are still answered and recorded;
+        no new call is accepted."""
         session = self.get(session_id)
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.hset(keys.session(session_id), "state", "ended")
@@ -362,3 +628,11 @@ class SessionStore:
             pipe.execute()
         session.state = "ended"
         return session
+
+
+class Raced(Exception):
+    """An identical call (a retry's original, or a retry racing it) was claimed first: `turn`."""
+
+    def __init__(self, turn: int) -> None:
+        super().__init__(turn)
+        self.turn = turn

@@ -1,18 +1,29 @@
-"""A call to `pipeline serve` as a turn: session, prompt ids by the prefix rule, the lane, the answer.
+"""A call to `pipeline serve` as a call of its session's tree: prompt ids, placement, the lane, the answer.
 
-The prefix rule (multi-turn without drift): when a chat call's messages are the session's last
-turn's messages, then an assistant message equal to a choice this server answered (same content,
-same tool calls), then new messages, its prompt ids are the last turn's prompt ids + that
-choice's completion ids verbatim + the rendering of only what follows
-(`ChatRenderer.render_after_reply`). Token-id calls (`/v1/completions`) extend when their ids start
-with the last prompt + a choice's completion. Anything else after the first turn (a history the
-agent truncated, summarised or edited) is rendered whole and recorded as a prefix break: on the
-row, in the session and the run's counts, never silent.
+A session is a tree of calls (`pipeline.serve.sessions`), any number in flight at once. A call is
+placed under the earlier call it extends, and its prompt ids extend that call's ids verbatim:
 
-A call equal to the last turn's (a client retrying after a lost answer) gets that answer again;
-a call equal to the turn in flight waits for it; each turn is generated once. A call is served
-in three steps: `chat`/`completion` (session, prompt, claim, enqueue; a thread), `wait_async`
-(the rows, on the event loop), `finish` (the answer, recorded in the session; a thread).
+- a chat call, in the `verbatim` history mode (the default), extends the call whose conversation and
+  one of whose choices (same content, same tool calls) its messages begin with (the longest such):
+  its prompt ids are that call's prompt ids + that choice's completion ids + the rendering of only
+  what follows (`ChatRenderer.render_after_reply`), so earlier samples are never re-tokenized;
+- a chat call in the `template` mode is rendered whole, as the chat template renders it (e.g. earlier
+  reasoning stripped), and extends the committed choice whose prompt + completion ids its ids begin
+  with (the longest), if any;
+- a token-id call (`/v1/completions`) extends the committed choice whose ids its prompt begins with.
+
+A call that extends none is a root: a sub-agent's first call, a conversation restarted from a summary,
+a history the agent (or, in `template` mode, the template) rewrote. A root started after the session's
+first committed call is counted as a prefix break: on the row, in the session and the run's counts,
+never silent.
+
+A retry is answered once: a call whose body equals the latest such call of its session, committed or
+in flight, gets that call's answer (or waits for it) instead of generating again. A client that says
+whether a call is a retry is taken at its word: the openai SDK's `x-stainless-retry-count` (0: a new
+call, even if identical to an earlier one; more: a retry) and an `Idempotency-Key` (the same key is the
+same call). A call is served in three steps: `chat`/`completion` (session, prompt, claim, enqueue; a
+thread), `wait_async` (the rows, on the event loop), `finish` (the answer, recorded in the session; a
+thread).
 """
 
 from __future__ import annotations
@@ -30,8 +41,6 @@ import redis
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.errors import RenderError
-from pipeline.core.jobs import lanes, turn_log
-from pipeline.core.jobs.status import read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.core.stop_tokens import matched_stop_ids
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
@@ -40,10 +49,14 @@ from pipeline.serve.lane import Lane
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import (
+    MAX_CALLS,
     Choice,
-    ConversationDigests,
+    Conversation,
+    Opened,
+    Parent,
     Pending,
     Placed,
+    Raced,
     Session,
     SessionStore,
     TurnRecord,
@@ -79,28 +92,59 @@ class TurnSettings:
     affinity: bool = True  # a session's turns go to its home worker (`pipeline.core.affinity`)
     load_factor: float = DEFAULT_LOAD_FACTOR
     stop_ids: frozenset[int] = frozenset()  # the model's matched-stop ids (`pipeline.core.stop_tokens`)
+    history: str = "verbatim"  # a session's history mode unless it names its own (`sessions.HISTORY_MODES`)
+    max_session_calls: int = MAX_CALLS
+
+
+@dataclass(frozen=True)
+class CallIdentity:
+    """What makes two calls the same call: the digest of their bodies (or of the client's idempotency
+    key), and whether a call of that digest already made stands for this one (a retry)."""
+
+    digest: str
+    retry: bool
+
+    @classmethod
+    def of(cls, body_digest: str, *, idempotency_key: str | None = None,
+           retry_count: str | None = None) -> CallIdentity:
+        """A call's identity from its body and its client's headers: an `Idempotency-Key` names the call;
+        an `x-stainless-retry-count` (the openai SDK's) says whether it is a retry; without either, a
+        call identical to an earlier one is taken for its retry."""
+        if idempotency_key is not None:
+            return cls(digest({"idempotency_key": idempotency_key}), True)
+        if retry_count is not None and retry_count.strip().isdigit():
+            return cls(body_digest, int(retry_count) > 0)
+        return cls(body_digest, True)
 
 
 @dataclass(frozen=True)
 class InFlight:
-    """A call whose turn is in the lane: what waiting for it and answering it need."""
+    """A call in the lane: what waiting for it and answering it need."""
 
     session: Session
+    turn: int
     pending: Pending
     started: float
-    answer: Callable[[list[dict[str, Any]], Pending], dict[str, Any]]  # the turn's rows (`turn_rows`)
+    answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]]  # its rows (`turn_rows`), itself
     assistant_of: Callable[[dict[str, Any]], dict[str, Any]]
-    settled: Callable[[], dict[str, Any] | None]
     live: Callable[[str], LiveTurn]  # the SSE events (given the turn id) of a streamed call (`pipeline.serve.live`)
-    route: Route | None = None  # where this server routed the turn (None: another call enqueued it)
+    conversation: Conversation | None  # a chat call's messages (its record joins the index by reply)
+    route: Route | None = None  # where this server routed the call (None: another call enqueued it)
+    home: str | None = None  # the worker routed to as the holder of its prefix
+
+    @property
+    def turn_id(self) -> str:
+        return self.pending.turn_id(self.session.session_id, self.turn)
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """A turn's prompt: ids for the queue, text for the row, whether it broke the session's prefix."""
+    """A call's prompt: ids for the queue, text for the row, the call it extends, whether it broke
+    the session's prefix."""
 
     ids: list[int]
     text: str | None
+    parent: Parent | None
     prefix_break: bool
 
 
@@ -112,7 +156,7 @@ class Turns:
         self.settings = settings
         self.renderer = renderer
         self.counts = TurnCounts(conn)  # the pool's turn counts, written every half second
-        self.sessions = SessionStore(conn, self.counts)
+        self.sessions = SessionStore(conn, self.counts, max_calls=settings.max_session_calls)
         self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s, affinity=settings.affinity,
                          load_factor=settings.load_factor)
 
@@ -123,22 +167,30 @@ class Turns:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def open_session(self, session_id: str | None, *, create: bool = False) -> Session:
-        """The named session (404 if unknown unless `create`, 409 if ended), or a new session of one turn."""
+    def _open(self, session_id: str | None, create: bool, identity: CallIdentity, reply_keys: Sequence[str],
+              longest_end: int) -> Opened:
+        """The named session with what the call needs of it (`SessionStore.open`: 404 if unknown unless
+        `create`, 409 if ended), or a new session of one call."""
         if session_id is None:
-            return self.sessions.create(run=self.settings.run, pool=self.settings.pool, output=self.settings.output,
-                                        ephemeral=True)
-        if create:
-            session = self.sessions.get_or_create(session_id, run=self.settings.run, pool=self.settings.pool,
-                                                  output=self.settings.output)
-        else:
-            session = self.sessions.get(session_id)
+            return Opened(self.sessions.create(run=self.settings.run, pool=self.settings.pool,
+                                               output=self.settings.output, ephemeral=True), None, None, [])
+        try:
+            opened = self.sessions.open(session_id, same=identity.digest if identity.retry else None,
+                                        reply_keys=reply_keys, longest_end=longest_end)
+        except APIError as exc:
+            if exc.status != 404 or not create:
+                raise
+            self.sessions.get_or_create(session_id, run=self.settings.run, pool=self.settings.pool,
+                                        output=self.settings.output)
+            opened = self.sessions.open(session_id, same=identity.digest if identity.retry else None,
+                                        reply_keys=reply_keys, longest_end=longest_end)
+        session = opened.session
         if session.state != "open":
             raise ended(session_id)
         if session.pool != self.settings.pool:
             raise APIError(409, f"session {session_id!r} belongs to pool {session.pool!r}; this server serves pool "
                                 f"{self.settings.pool!r}", param="session_id", code="wrong_pool")
-        return session
+        return opened
 
     @contextlib.contextmanager
     def _ended_if_refused(self, session: Session) -> Iterator[None]:
@@ -153,10 +205,13 @@ class Turns:
             raise
 
     def _release_failed(self, call: InFlight) -> None:
-        """A failed turn: its pending mark goes; a session of one call ends with it."""
-        self.sessions.release(call.session, call.pending)
+        """A failed call: its pending entry goes; a session of one call ends with it."""
+        self.sessions.release(call.session.session_id, call.turn, call.pending)
         if call.session.ephemeral:
             self.sessions.end(call.session.session_id)
+
+    def history_of(self, session: Session) -> str:
+        return session.history or self.settings.history
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -217,45 +272,53 @@ class Turns:
 
     # -- chat ---------------------------------------------------------------------------------
 
-    def chat(self, body: ChatCompletionBody, session_id: str | None, *,
-             create: bool = False) -> dict[str, Any] | InFlight:
-        """Start a chat turn of `session_id` (None: a session of one turn; `create`: open it if unknown):
-        its answer when the call was answered before (a client's retry), else the turn in flight
-        (`wait`/`wait_async` for its rows, then `finish`)."""
+    def chat(self, body: ChatCompletionBody, session_id: str | None, *, create: bool = False,
+             idempotency_key: str | None = None, retry_count: str | None = None) -> dict[str, Any] | InFlight:
+        """Start a chat call of `session_id` (None: a session of one call; `create`: open it if unknown):
+        its answer when the call was answered before (a client's retry), else the call in flight
+        (`wait`/`wait_async` for its rows, then `finish`). `idempotency_key` and `retry_count`: the
+        client's headers that say which call this is (`CallIdentity.of`)."""
         self._tokenizer()
-        session = self.open_session(session_id, create=create)
-        with self._ended_if_refused(session):
-            messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
-            digests = ConversationDigests(messages)
-            # The call's digest (a client's retry is the same call): the conversation's and the rest's.
-            request_digest = digest({"messages": digests.whole(), **body.model_dump(
-                mode="json", exclude={"stream", "stream_options", "messages"}, exclude_none=True)})
-            rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
-                               self.settings.tool_call_parser,
-                               [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []] or None,
-                               body.tool_choice == "none", body.chat_template_kwargs)
+        messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+        conversation = Conversation(messages)
+        # The call's digest (a client's retry is the same call): the conversation's and the rest's.
+        body_digest = digest({"messages": conversation.whole(), **body.model_dump(
+            mode="json", exclude={"stream", "stream_options", "messages"}, exclude_none=True)})
+        identity = CallIdentity.of(body_digest, idempotency_key=idempotency_key, retry_count=retry_count)
+        rules = ParseRules(self.settings.reasoning_parser if body.separate_reasoning else None,
+                           self.settings.tool_call_parser,
+                           [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []] or None,
+                           body.tool_choice == "none", body.chat_template_kwargs)
+        # SGLang keeps special tokens in the text when tools may be called (tool-call markers often are).
+        keep_specials = bool(rules.tools) and not rules.tool_choice_none
+        if keep_specials:
+            body = body.model_copy(update={"skip_special_tokens": False})
+        # The replies a parent may have sent: each assistant message followed by more, the latest first.
+        reply_keys = [conversation.reply_key(j, canonical_assistant(messages[j]))
+                      for j in range(len(messages) - 2, -1, -1) if messages[j].get("role") == "assistant"]
 
-            def prompt(last: TurnRecord | None) -> Prompt:
-                return self._chat_prompt(body, messages, digests, last)
+        def open_call() -> Opened:
+            # A verbatim parent is looked up in the same read; under a `template` server so are the ends
+            # its rendered ids are looked up at (a `template` session of a `verbatim` server reads them after).
+            template = self.settings.history == "template"
+            return self._open(session_id, create, identity, reply_keys, MAX_PROMPT_TOKENS if template else -1)
 
-            # SGLang keeps special tokens in the text when tools may be called (tool-call markers often are).
-            keep_specials = bool(rules.tools) and not rules.tool_choice_none
-            if keep_specials:
-                body = body.model_copy(update={"skip_special_tokens": False})
+        def prompt(opened: Opened) -> Prompt:
+            return self._chat_prompt(body, messages, opened)
 
-            def live(turn_id: str) -> LiveTurn:
-                return LiveTurn(chat=True, n=body.n, text=self._text_rules(body, skip_special_tokens=not keep_specials),
-                                rules=rules, include_usage=body.include_usage,
-                                head=self._head(f"chatcmpl-{turn_id}", "chat.completion.chunk"))
+        def live(turn_id: str) -> LiveTurn:
+            return LiveTurn(chat=True, n=body.n, text=self._text_rules(body, skip_special_tokens=not keep_specials),
+                            rules=rules, include_usage=body.include_usage,
+                            head=self._head(f"chatcmpl-{turn_id}", "chat.completion.chunk"))
 
-            def answer(rows: list[dict[str, Any]], pending: Pending) -> dict[str, Any]:
-                return chat_answer(rows, turn_id=pending.turn_id, model=self.settings.model,
-                                   session_id=session.session_id, turn=pending.turn, rules=rules,
-                                   token_text=self.token_text, logprobs=body.logprobs,
-                                   text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
+        def answer(rows: list[dict[str, Any]], call: InFlight) -> dict[str, Any]:
+            return chat_answer(rows, turn_id=call.turn_id, model=self.settings.model,
+                               session_id=call.session.session_id, turn=call.turn, rules=rules,
+                               token_text=self.token_text, logprobs=body.logprobs,
+                               text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
-            return self._turn(session, body, request_digest, digests.whole(), len(messages), prompt, answer,
-                              assistant_of=lambda choice: choice["message"], live=live)
+        return self._call(body, identity, open_call, prompt, answer, len(messages), conversation,
+                          assistant_of=lambda choice: choice["message"], live=live)
 
     def _chat_request(self, body: ChatCompletionBody, messages: list[dict[str, Any]]) -> ChatRequest:
         data: dict[str, Any] = {"id": "turn", "messages": messages}
@@ -268,104 +331,135 @@ class Turns:
             data["chat_template_kwargs"] = body.chat_template_kwargs
         return ChatRequest.model_validate(data)
 
-    def _chat_prompt(self, body: ChatCompletionBody, messages: list[dict[str, Any]], digests: ConversationDigests,
-                     last: TurnRecord | None) -> Prompt:
+    def _chat_prompt(self, body: ChatCompletionBody, messages: list[dict[str, Any]], opened: Opened) -> Prompt:
         assert self.renderer is not None
         request = self._chat_request(body, messages)
+        session, parent = opened.session, opened.parent
         try:
-            if last is not None and last.n_messages + 1 < len(messages) \
-                    and digests.first(last.n_messages) == last.messages_digest \
-                    and messages[last.n_messages].get("role") == "assistant":
-                reply = canonical_assistant(messages[last.n_messages])
-                choice = next((c for c in last.choices if c.assistant == reply), None)
-                if choice is not None:
-                    extension = self.renderer.render_after_reply(request, last.n_messages, choice.completion_text)
-                    return Prompt(last.prompt_ids + choice.completion_ids + extension.input_ids,
-                                  (last.prompt_text or "") + choice.completion_text + extension.prompt_text, False)
+            if self.history_of(session) == "verbatim" and parent is not None:
+                extension = self.renderer.render_after_reply(request, parent.record.n_messages,
+                                                             parent.choice.completion_text)
+                return Prompt(parent.ids + extension.input_ids,
+                              (parent.record.prompt_text or "") + parent.choice.completion_text
+                              + extension.prompt_text, parent, False)
             rendered = self.renderer.render(request)
         except RenderError as exc:
             raise APIError(400, exc.message, param=exc.field, code="render_error") from None
-        return Prompt(rendered.input_ids, rendered.prompt_text, last is not None)
+        ids = list(rendered.input_ids)
+        if self.history_of(session) == "template":
+            parent = self.sessions.parent_by_tokens(session.session_id, ids, opened.ends)
+            if parent is not None:
+                return Prompt(ids, rendered.prompt_text, parent, False)
+        return Prompt(ids, rendered.prompt_text, None, session.turns > 0)
 
     # -- text / token ids ---------------------------------------------------------------------
 
-    def completion(self, body: CompletionBody, session_id: str | None, *,
-                   create: bool = False) -> dict[str, Any] | InFlight:
-        """Start a token-level turn (`/v1/completions`); see `chat`."""
-        session = self.open_session(session_id, create=create)
-        with self._ended_if_refused(session):
-            if isinstance(body.prompt, str):
-                ids = list(self._tokenizer()(body.prompt)["input_ids"])
-                text: str | None = body.prompt
-            else:
-                ids, text = list(body.prompt), None
-            request_digest = digest(body.model_dump(mode="json", exclude={"stream", "stream_options"},
-                                                    exclude_none=True))
+    def completion(self, body: CompletionBody, session_id: str | None, *, create: bool = False,
+                   idempotency_key: str | None = None, retry_count: str | None = None) -> dict[str, Any] | InFlight:
+        """Start a token-level call (`/v1/completions`); see `chat`."""
+        if isinstance(body.prompt, str):
+            ids = list(self._tokenizer()(body.prompt)["input_ids"])
+            text: str | None = body.prompt
+        else:
+            ids, text = list(body.prompt), None
+        identity = CallIdentity.of(digest(body.model_dump(mode="json", exclude={"stream", "stream_options"},
+                                                          exclude_none=True)),
+                                   idempotency_key=idempotency_key, retry_count=retry_count)
 
-            def prompt(last: TurnRecord | None) -> Prompt:
-                extends = last is not None and any(
-                    ids[: len(last.prompt_ids) + len(c.completion_ids)] == last.prompt_ids + c.completion_ids
-                    and len(ids) > len(last.prompt_ids) + len(c.completion_ids) for c in last.choices)
-                return Prompt(ids, text, last is not None and not extends)
+        def open_call() -> Opened:
+            return self._open(session_id, create, identity, (), len(ids) - 1)
 
-            def answer(rows: list[dict[str, Any]], pending: Pending) -> dict[str, Any]:
-                return text_answer(rows, turn_id=pending.turn_id, model=self.settings.model,
-                                   session_id=session.session_id, turn=pending.turn, text_of=self._text_of,
-                                   token_text=self.token_text, logprobs=body.logprobs)
+        def prompt(opened: Opened) -> Prompt:
+            parent = self.sessions.parent_by_tokens(opened.session.session_id, ids, opened.ends)
+            return Prompt(ids, text, parent, parent is None and opened.session.turns > 0)
 
-            def live(turn_id: str) -> LiveTurn:
-                skip = body.skip_special_tokens is not False
-                return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip),
-                                include_usage=body.include_usage, head=self._head(f"cmpl-{turn_id}", "text_completion"))
+        def answer(rows: list[dict[str, Any]], call: InFlight) -> dict[str, Any]:
+            return text_answer(rows, turn_id=call.turn_id, model=self.settings.model,
+                               session_id=call.session.session_id, turn=call.turn, text_of=self._text_of,
+                               token_text=self.token_text, logprobs=body.logprobs)
 
-            return self._turn(session, body, request_digest, "", 0, prompt, answer,
-                              assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]}, live=live)
+        def live(turn_id: str) -> LiveTurn:
+            skip = body.skip_special_tokens is not False
+            return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip),
+                            include_usage=body.include_usage, head=self._head(f"cmpl-{turn_id}", "text_completion"))
 
-    # -- the turn -----------------------------------------------------------------------------
+        return self._call(body, identity, open_call, prompt, answer, 0, None,
+                          assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]}, live=live)
 
-    def _turn(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
-              messages_digest: str, n_messages: int, prompt_of: Callable[[TurnRecord | None], Prompt],
-              answer: Callable[[list[dict[str, Any]], Pending], dict[str, Any]],
-              assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
+    # -- the call -----------------------------------------------------------------------------
+
+    def _call(self, body: ChatCompletionBody | CompletionBody, identity: CallIdentity,
+              open_call: Callable[[], Opened], prompt_of: Callable[[Opened], Prompt],
+              answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]], n_messages: int,
+              conversation: Conversation | None, *, assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
               live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
         for _ in range(3):
-            if session.last is not None and session.last.request_digest == request_digest:
-                return session.last.response  # the client's retry of a call already answered
-            pending = session.pending
-            if pending is not None and pending.request_digest != request_digest:
-                if self._active(pending.turn_id, session.run):
-                    raise APIError(409, f"session {session.session_id!r} has turn {pending.turn} in flight; a session "
-                                        "takes one call at a time", code="turn_in_flight")
-                self.sessions.release(session, pending)
-                pending = None
-            route = None
-            if pending is None:
-                started_turn = self._start(session, body, request_digest, messages_digest, n_messages, prompt_of)
-                if started_turn is None:  # another server claimed this session's turn meanwhile
-                    session = self.sessions.get(session.session_id)
+            opened = open_call()
+            session = opened.session
+            with self._ended_if_refused(session):
+                if opened.same is not None:  # a retry: the call it repeats, answered or in flight
+                    turn, record, pending = opened.same
+                    if record is not None:
+                        return record.response
+                    if pending is not None:
+                        return InFlight(session, turn, pending, started, answer, assistant_of, live, conversation)
+                prompt = prompt_of(opened)
+                try:
+                    return self._start(session, body, identity, prompt, n_messages, conversation, started,
+                                       answer, assistant_of, live)
+                except Raced:  # an identical call was claimed meanwhile: wait for it instead
                     continue
-                pending, route = started_turn
-            return InFlight(session, pending, started, answer, assistant_of,
-                            functools.partial(self._recorded, session.session_id, request_digest), live, route)
-        raise APIError(409, f"session {session.session_id!r}: another call keeps taking its turn", code="turn_conflict")
+        raise APIError(409, "another call of the same body keeps taking this call's place", code="turn_conflict")
+
+    def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, identity: CallIdentity,
+               prompt: Prompt, n_messages: int, conversation: Conversation | None, started: float,
+               answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]],
+               assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
+               live: Callable[[str], LiveTurn]) -> InFlight:
+        sampling = body.sampling(self._budget(prompt, body.budget()))
+        parent = None if prompt.parent is None else (prompt.parent.turn, prompt.parent.sample)
+        pending = Pending(TurnId.new(session.session_id, 0).nonce, identity.digest,
+                          "" if conversation is None else conversation.whole(), n_messages, prompt.prefix_break, parent)
+        turn = self.sessions.claim(session, pending, retry=identity.retry)
+        turn_id = pending.turn_id(session.session_id, turn)
+        request = RolloutRequest.model_validate({
+            "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
+            "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
+            "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
+            "routing_key": session.session_id,  # the worker's server holding the session's prefix
+            "adapter": session.adapter,
+        })
+        # Affinity follows the tree: the worker that served the parent holds its ids in its prefix cache.
+        home = prompt.parent.record.served_by if prompt.parent is not None else session.home
+        try:
+            route = self.lane.enqueue(request, run=session.run, output=session.output, home=home,
+                                      turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
+                                                   prefix_break=prompt.prefix_break,
+                                                   parent_turn=None if parent is None else parent[0],
+                                                   parent_sample=None if parent is None else parent[1],
+                                                   stream=body.stream, reply_to=self.lane.inbox.server_id))
+        except BaseException:
+            self.sessions.release(session.session_id, turn, pending)
+            raise
+        return InFlight(session, turn, pending, started, answer, assistant_of, live, conversation, route, home)
 
     async def wait_async(self, call: InFlight) -> pa.Table | dict[str, Any]:
-        """The turn's rows (or its answer, recorded meanwhile by another waiter), on the event loop:
-        blocks no thread while the turn is generated."""
+        """The call's rows (or its answer, recorded meanwhile by another waiter), on the event loop:
+        blocks no thread while the call is generated."""
         async with self._failed_turn_released(call):
-            return await self.lane.wait_async(call.pending.turn_id, call.session.run, call.started, call.settled)
+            return await self.lane.wait_async(call.turn_id, call.session.run, call.started, self._settled(call))
 
     async def stream_async(self, call: InFlight) -> AsyncIterator[list[TokenDelta] | Answered]:
-        """`wait_async` for a streamed call: batches of the turn's tokens as they come, then the rows."""
+        """`wait_async` for a streamed call: batches of the call's tokens as they come, then the rows."""
         async with self._failed_turn_released(call):
-            async for item in self.lane.stream_async(call.pending.turn_id, call.session.run, call.started,
-                                                     call.settled):
+            async for item in self.lane.stream_async(call.turn_id, call.session.run, call.started,
+                                                     self._settled(call)):
                 yield item
 
     @contextlib.asynccontextmanager
     async def _failed_turn_released(self, call: InFlight) -> AsyncIterator[None]:
-        """A turn that failed on its worker releases its session's pending mark (`_release_failed`)."""
+        """A call that failed on its worker releases its pending entry (`_release_failed`)."""
         try:
             yield
         except APIError as exc:
@@ -374,67 +468,33 @@ class Turns:
             raise
 
     def finish(self, call: InFlight, got: pa.Table | dict[str, Any]) -> dict[str, Any]:
-        """The answer of a turn from its rows, recorded in its session."""
+        """The answer of a call from its rows, recorded in its session."""
         if isinstance(got, dict):
             return got
         rows = turn_rows(got)
-        response = call.answer(rows, call.pending)
+        response = call.answer(rows, call)
         self._record(call, rows, response)
         return response
 
-    def _recorded(self, session_id: str, request_digest: str) -> dict[str, Any] | None:
+    def _settled(self, call: InFlight) -> Callable[[], dict[str, Any] | None]:
         """The answer of this call if another waiter recorded it meanwhile."""
-        last = self.sessions.get(session_id).last
-        return last.response if last is not None and last.request_digest == request_digest else None
-
-    def _active(self, turn_id: str, run: str) -> bool:
-        """Whether the turn may still be answered: queued or running."""
-        job_id, worker = self.lane.job_of(turn_id)
-        if worker is not None:  # in a worker's own lane (a dead one's is moved), unless it failed or was answered
-            return lanes.turn_failure(self.conn, turn_id) is None and not turn_log.is_logged(self.conn, run, turn_id)
-        status = None if job_id is None else read_status(self.conn, job_id)
-        return status in (b"queued", b"started", b"scheduled", b"deferred")
-
-    def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, request_digest: str,
-               messages_digest: str, n_messages: int,
-               prompt_of: Callable[[TurnRecord | None], Prompt]) -> tuple[Pending, Route] | None:
-        prompt = prompt_of(session.last)
-        sampling = body.sampling(self._budget(prompt, body.budget()))
-        turn = session.turns
-        turn_id = str(TurnId.new(session.session_id, turn))
-        request = RolloutRequest.model_validate({
-            "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
-            "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
-            "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
-            "routing_key": session.session_id,  # the worker's server holding the session's prefix
-            "adapter": session.adapter,
-        })
-        pending = Pending(turn, turn_id, request_digest, messages_digest, n_messages, prompt.prefix_break)
-        if not self.sessions.claim(session, pending):
-            return None
-        try:
-            route = self.lane.enqueue(request, run=session.run, output=session.output, home=session.home,
-                                      turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
-                                                   prefix_break=prompt.prefix_break, stream=body.stream,
-                                                   reply_to=self.lane.inbox.server_id))
-        except BaseException:
-            self.sessions.release(session, pending)
-            raise
-        return pending, route
+        return functools.partial(self.sessions.answer_of, call.session.session_id, call.turn)
 
     def _record(self, call: InFlight, rows: list[dict[str, Any]], response: dict[str, Any]) -> None:
         session, pending, assistant_of = call.session, call.pending, call.assistant_of
         choices = [Choice(row["completion_token_ids"], self._special_text(row["completion_token_ids"]),
                           canonical_assistant(assistant_of(choice)))
                    for row, choice in zip(rows, response["choices"], strict=True)]
-        record = TurnRecord(pending.turn, pending.turn_id, pending.request_digest, pending.messages_digest,
-                            pending.n_messages, rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response)
+        record = TurnRecord(call.turn, call.turn_id, pending.request_digest, pending.conversation, pending.n_messages,
+                            rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response, pending.parent,
+                            rows[0]["worker_id"])
         versions = [v for row in rows for v in ([row["weight_version"]] + [s["version"] for s in
                                                                             row["weight_version_segments"] or []])]
         placed = Placed(served_by=rows[0]["worker_id"], routed_to=None if call.route is None else call.route.worker,
                         moved=None if call.route is None else call.route.moved,
                         prompt_tokens=sum(r["prompt_tokens"] for r in rows),
                         cached_tokens=sum(r["cached_tokens"] for r in rows))
-        self.sessions.record(session, pending, record, (min(versions), max(versions)), placed)
+        self.sessions.record(session, pending, record, (min(versions), max(versions)), placed, call.conversation,
+                             call.home)
         if session.ephemeral:
             self.sessions.end(session.session_id)

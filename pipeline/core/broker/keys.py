@@ -251,9 +251,17 @@ def session(session_id: str) -> str:
     return f"{PREFIX}:session:{session_id}"
 
 
-def session_turns(session_id: str) -> str:
-    """A list of a session's turns, one JSON record each in turn order (`pipeline.serve.sessions`)."""
-    return f"{PREFIX}:session:{session_id}:turns"
+def session_calls(session_id: str) -> str:
+    """A hash of a session's tree of calls (`pipeline.serve.sessions`): each committed call's record,
+    each call in flight, the latest call of each request digest, and the index that places a new call
+    under the call it extends."""
+    return f"{PREFIX}:session:{session_id}:calls"
+
+
+def session_ends(session_id: str) -> str:
+    """A sorted set of the lengths (prompt + completion tokens) of a session's committed choices: the
+    prefixes a token-level call is looked up at (`pipeline.serve.sessions`)."""
+    return f"{PREFIX}:session:{session_id}:ends"
 
 
 def serve_inbox(server_id: str) -> str:

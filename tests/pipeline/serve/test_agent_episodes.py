@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pyarrow.compute as pc
 import redis
@@ -139,15 +140,46 @@ def test_a_retried_call_is_answered_again_not_generated_again(redis_client: redi
     stack = serve()
     sid = stack.session()
     answers: list[Any] = []
+    messages = [{"role": "user", "content": "x"}]
 
     def agent() -> None:
         client = _client(stack.url, sid)
-        for _ in range(2):  # the same call twice, as a client does when an answer is lost
-            answers.append(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+        answers.append(client.chat.completions.create(model="m", messages=messages))
+        # The SDK's own retry after a lost answer (it says so in x-stainless-retry-count) ...
+        answers.append(client.chat.completions.create(model="m", messages=messages,
+                                                      extra_headers={"x-stainless-retry-count": "1"}))
+        # ... and a client that says nothing (a bare HTTP retry), and one retrying under its idempotency key.
+        bare = httpx.post(f"{stack.url}/sessions/{sid}/v1/chat/completions", json={"model": "m", "messages": messages},
+                          timeout=30)
+        answers.append(openai.types.chat.ChatCompletion.model_validate(bare.json()))
+        keyed = [client.chat.completions.create(model="m", messages=messages, extra_headers={"Idempotency-Key": "k1"})
+                 for _ in range(2)]
+        answers.extend(keyed)
 
     run_agent(redis_client, script.engine(), agent)
-    assert answers[0].id == answers[1].id and answers[0].choices[0].message.content == "Once."
-    assert len(script.seen) == 1 and len(_turn_rows(redis_client, stack.run)) == 1
+    assert len({a.id for a in answers[:3]}) == 1 and answers[0].choices[0].message.content == "Once."
+    assert answers[3].id == answers[4].id != answers[0].id  # the key names a call of its own, answered once
+    assert len(script.seen) == 2 and len(_turn_rows(redis_client, stack.run)) == 2
+
+
+def test_the_same_call_made_twice_on_purpose_is_two_calls(redis_client: redis.Redis, serve: Any,
+                                                          tools_tokenizer: Any) -> None:
+    """A harness sending one sub-agent call twice (the openai SDK says each is a first try): two calls,
+    both generated and recorded, each a root of the session's tree."""
+    script = Script(tools_tokenizer, {0: "One.", 1: "Two."})
+    stack = serve()
+    sid = stack.session()
+    answers: list[Any] = []
+
+    def agent() -> None:
+        client = _client(stack.url, sid)
+        answers.extend(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+                       for _ in range(2))
+
+    run_agent(redis_client, script.engine(), agent)
+    assert [a.choices[0].message.content for a in answers] == ["One.", "Two."]
+    rows = _turn_rows(redis_client, stack.run)
+    assert [(r["turn"], r["parent_turn"]) for r in rows] == [(0, None), (1, None)]
 
 
 def test_streaming_n_and_logprobs(redis_client: redis.Redis, serve: Any, tools_tokenizer: Any) -> None:

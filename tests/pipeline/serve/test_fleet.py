@@ -23,6 +23,7 @@ from pipeline.core.jobs import lanes
 from pipeline.read.trajectories import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.processes import stop_all, wait_until
+from tests.helpers.session_calls import turn_ids_in_flight
 
 HEARTBEAT_S = 0.5  # registry entries expire int(3 x 0.5) + 1 = 2 s after a worker's last heartbeat
 TOOL_RESULT = list(range(300, 340))  # what the agent's tool "returned" between turns
@@ -155,10 +156,8 @@ def _lane_stats(conn: redis.Redis) -> dict[str, int]:
 
 
 def _pending_turn_id(conn: redis.Redis, session: str) -> str | None:
-    import json
-
-    raw = conn.hget(keys.session(session), "pending")
-    return None if raw is None else json.loads(raw)["turn_id"]
+    in_flight = turn_ids_in_flight(conn, session)
+    return in_flight[0] if in_flight else None
 
 
 def test_a_weight_push_mid_episode_serves_the_next_turn_on_the_new_weights_without_the_old_cache(

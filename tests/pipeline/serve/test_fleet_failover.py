@@ -19,6 +19,7 @@ from pipeline.serve.server import ServeConfig, Server
 from tests.conftest import PIPELINE
 from tests.helpers.processes import stop_all, wait_until
 from tests.helpers.sentinel_group import SentinelGroup
+from tests.helpers.session_calls import turn_ids_in_flight
 
 SESSIONS, TURNS = 4, 6
 
@@ -59,7 +60,7 @@ def test_sessions_carry_on_across_a_redis_master_failover(pipeline_env: dict[str
             # Kill the master once every session is in the middle of its episode.
             wait_until(lambda: int(conn.hget(keys.run_turn_stats("agents"), "turns") or 0) >= SESSIONS * 2,
                        timeout=120, what="two turns of each session")
-            in_flight = sum(conn.hexists(keys.session(sid), "pending") for sid in ids)
+            in_flight = sum(bool(turn_ids_in_flight(conn, sid)) for sid in ids)
             old = group.kill_master()
             for thread in threads:
                 thread.join(timeout=300)

@@ -1,42 +1,148 @@
-"""A session's record of a turn: its weight versions widen, and its expiry moves with its turns
-(pushed back at most once a day: an idle session lives 6-7 days after its last turn)."""
+"""A session's tree of calls in Redis: calls claimed concurrently, each placed under the call it
+extends (the longest; ties to the lowest turn), retries finding their call, the size limit, weight
+versions widening, and the expiry moving with the calls (pushed back at most once a day)."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.serve.sessions import SESSION_TTL_S, TTL_REFRESH_S, Pending, Placed, SessionStore, TurnRecord
+from pipeline.serve.api_error import APIError
+from pipeline.serve.sessions import (
+    SESSION_TTL_S,
+    TTL_REFRESH_S,
+    Choice,
+    Conversation,
+    Pending,
+    Placed,
+    Raced,
+    SessionStore,
+    TurnRecord,
+)
+
+USER = {"role": "user", "content": "hi"}
 
 
-def _record(store: SessionStore, session_id: str, versions: tuple[int, int]) -> None:
-    session = store.get(session_id)  # as a server reads it when the turn begins
-    pending = Pending(session.turns, f"{session_id}-t{session.turns}", "req", "msgs", 1, False)
-    assert store.claim(session, pending)
-    record = TurnRecord(session.turns, pending.turn_id, "req", "msgs", 1, [1, 2], None, [], {})
-    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=2, cached_tokens=0))
+def _reply(text: str) -> dict[str, object]:
+    return {"content": text, "tool_calls": []}
 
 
-def test_each_turn_widens_the_sessions_weight_versions(redis_client: redis.Redis) -> None:
+def _commit(store: SessionStore, session_id: str, messages: list[dict[str, object]], prompt: list[int],
+            replies: list[tuple[list[int], str]], *, digest: str, versions: tuple[int, int] = (1, 1),
+            parent: tuple[int, int] | None = None) -> int:
+    """Claim and record a chat call of `messages` (its prompt ids `prompt`), one choice per reply."""
+    session = store.get(session_id)  # as a server reads it when the call begins
+    conversation = Conversation(messages)
+    pending = Pending("abcdef", digest, conversation.whole(), len(messages), False, parent)
+    turn = store.claim(session, pending, retry=False)
+    choices = [Choice(ids, text, _reply(text)) for ids, text in replies]
+    record = TurnRecord(turn, pending.turn_id(session_id, turn), digest, conversation.whole(), len(messages), prompt,
+                        None, choices, {"id": digest}, parent, "w1")
+    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=len(prompt),
+                                                            cached_tokens=0), conversation, None)
+    return turn
+
+
+def _reply_keys(messages: list[dict[str, object]]) -> list[str]:
+    conversation = Conversation(messages)
+    return [conversation.reply_key(j, _reply(str(messages[j]["content"])))
+            for j in range(len(messages) - 2, -1, -1) if messages[j]["role"] == "assistant"]
+
+
+def test_a_call_is_placed_under_the_longest_call_it_extends(redis_client: redis.Redis) -> None:
     store = SessionStore(redis_client)
-    session = store.create(run="r", pool="default", output="file:///x", session_id="s-versions")
-    for versions in ((4, 4), (2, 3), (6, 7)):
-        _record(store, session.session_id, versions)
-    got = store.get(session.session_id)
-    assert (got.min_version, got.max_version, got.turns, got.pending) == (2, 7, 3, None)
+    store.create(run="r", pool="default", output="file:///x", session_id="s-tree")
+    first = _commit(store, "s-tree", [USER], [1, 2], [([3], "a"), ([4], "b")], digest="d0")
+    history = [USER, {"role": "assistant", "content": "b"}, {"role": "user", "content": "more"}]
+    second = _commit(store, "s-tree", history, [1, 2, 4, 5], [([6], "c")], digest="d1", parent=(first, 1))
+    # A call that continues the second call's reply extends it (not the first, which it also extends).
+    longer = [*history, {"role": "assistant", "content": "c"}, {"role": "user", "content": "on"}]
+    opened = store.open("s-tree", same=None, reply_keys=_reply_keys(longer))
+    assert opened.parent is not None and (opened.parent.turn, opened.parent.sample) == (second, 0)
+    assert opened.parent.ids == [1, 2, 4, 5, 6]
+    # The sample sent back decides: the first call's sample 0 ("a") is another branch.
+    branch = [USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "other"}]
+    opened = store.open("s-tree", same=None, reply_keys=_reply_keys(branch))
+    assert opened.parent is not None and (opened.parent.turn, opened.parent.sample) == (first, 0)
+    # A conversation that extends no call is a root.
+    assert store.open("s-tree", same=None, reply_keys=_reply_keys([{"role": "user", "content": "x"}])).parent is None
+    # By tokens: the longest committed prompt + completion the ids start with.
+    assert store.parent_by_tokens("s-tree", [1, 2, 4, 5, 6, 7], None).turn == second  # type: ignore[union-attr]
+    assert store.parent_by_tokens("s-tree", [1, 2, 3, 9], None).sample == 0  # type: ignore[union-attr]
+    assert store.parent_by_tokens("s-tree", [1, 2, 4, 5, 6], None).turn == first  # no new token: not the second
 
 
-def test_a_turn_pushes_the_expiry_back_once_it_was_set_a_day_ago(redis_client: redis.Redis) -> None:
+def test_two_identical_calls_index_the_lowest_turn(redis_client: redis.Redis) -> None:
+    store = SessionStore(redis_client)
+    store.create(run="r", pool="default", output="file:///x", session_id="s-tie")
+    session = store.get("s-tie")
+    # Claimed in order 0, 1 but committed 1 first: the lower turn still wins the index.
+    pendings = [Pending("abcdef", f"d{i}", "", 1, False, None) for i in range(2)]
+    turns = [store.claim(session, p, retry=False) for p in pendings]
+    assert turns == [0, 1] and store.get("s-tie").in_flight == 2  # both in flight at once
+    for turn in reversed(turns):
+        record = TurnRecord(turn, pendings[turn].turn_id("s-tie", turn), f"d{turn}", Conversation([USER]).whole(), 1,
+                            [1], None, [Choice([2], "same", _reply("same"))], {}, None, "w1")
+        store.record(session, pendings[turn], record, (1, 1), Placed("w1", None, None, 1, 0), Conversation([USER]),
+                     None)
+    later = [USER, {"role": "assistant", "content": "same"}, {"role": "user", "content": "next"}]
+    opened = store.open("s-tie", same=None, reply_keys=_reply_keys(later))
+    assert opened.parent is not None and opened.parent.turn == 0
+    assert store.parent_by_tokens("s-tie", [1, 2, 3], None).turn == 0  # type: ignore[union-attr]
+    assert opened.session.in_flight == 0 and opened.session.turns == 2
+
+
+def test_a_retry_finds_its_call_and_a_racing_retry_waits_for_it(redis_client: redis.Redis) -> None:
+    store = SessionStore(redis_client)
+    store.create(run="r", pool="default", output="file:///x", session_id="s-retry")
+    session = store.get("s-retry")
+    original = Pending("abcdef", "body", "", 1, False, None)
+    turn = store.claim(session, original, retry=True)
+    # The retry read the session before the original was claimed; its own claim finds the original.
+    with pytest.raises(Raced) as raced:
+        store.claim(session, Pending("123456", "body", "", 1, False, None), retry=True)
+    assert raced.value.turn == turn
+    opened = store.open("s-retry", same="body")
+    assert opened.same is not None and opened.same[0] == turn and opened.same[2] == original
+    # A call that says it is new (not a retry) is a call of its own, even with the same body.
+    assert store.claim(session, Pending("fedcba", "body", "", 1, False, None), retry=False) == turn + 1
+
+
+def test_a_session_past_its_limit_of_calls_is_refused_and_keeps_its_calls(redis_client: redis.Redis) -> None:
+    store = SessionStore(redis_client, max_calls=2)
+    store.create(run="r", pool="default", output="file:///x", session_id="s-limit")
+    for i in range(2):
+        _commit(store, "s-limit", [USER], [1], [([2], "x")], digest=f"d{i}")
+    with pytest.raises(APIError) as refused:
+        store.claim(store.get("s-limit"), Pending("abcdef", "d9", "", 1, False, None), retry=False)
+    assert refused.value.status == 413 and refused.value.code == "session_too_large"
+    assert "2 calls" in refused.value.message and "--max-session-calls" in refused.value.message
+    assert store.get("s-limit").turns == 2 and redis_client.hexists(keys.session_calls("s-limit"), "r:1")
+
+
+def test_each_call_widens_the_sessions_weight_versions(redis_client: redis.Redis) -> None:
+    store = SessionStore(redis_client)
+    store.create(run="r", pool="default", output="file:///x", session_id="s-versions")
+    for i, versions in enumerate(((4, 4), (2, 3), (6, 7))):
+        _commit(store, "s-versions", [USER], [1], [([2], "x")], digest=f"d{i}", versions=versions)
+    got = store.get("s-versions")
+    assert (got.min_version, got.max_version, got.turns, got.in_flight) == (2, 7, 3, 0)
+
+
+def test_a_call_pushes_the_expiry_back_once_it_was_set_a_day_ago(redis_client: redis.Redis) -> None:
     store = SessionStore(redis_client)
     key = keys.session("s-ttl")
     store.create(run="r", pool="default", output="file:///x", session_id="s-ttl")
     redis_client.expire(key, 1000)  # marks the expiry set at creation (now)
-    _record(store, "s-ttl", (1, 1))
+    _commit(store, "s-ttl", [USER], [1], [([2], "x")], digest="d0")
     assert 0 < redis_client.ttl(key) <= 1000  # set less than a day ago: left as it is
+    assert 0 < redis_client.ttl(keys.session_calls("s-ttl")) <= 1000  # its calls expire with it
     day_ago_ms = int((time.time() - TTL_REFRESH_S - 60) * 1000)
     redis_client.hset(key, "ttl_set_ms", day_ago_ms)
-    _record(store, "s-ttl", (1, 1))
-    assert redis_client.ttl(key) > SESSION_TTL_S - 60  # a week again from this turn
+    _commit(store, "s-ttl", [USER], [1], [([2], "x")], digest="d1")
+    assert redis_client.ttl(key) > SESSION_TTL_S - 60  # a week again from this call
+    assert redis_client.ttl(keys.session_calls("s-ttl")) > SESSION_TTL_S - 60
     assert int(redis_client.hget(key, "ttl_set_ms")) > day_ago_ms
