@@ -196,7 +196,7 @@ class EpisodeRolloutFunction:
         run.wait(timeout=self.timeout)
         table = run.trajectories()
         rows: dict[tuple[str, int], dict[str, Any]] = {}
-        for row in table.to_pylist():  # a session with prefix breaks: its last segment
+        for row in table.to_pylist():  # an episode of several lineages: its last (by leaf turn)
             rows[(row["task_id"], row["sample"])] = row
         out: dict[str, list[Any]] = {key: [] for key in (
             "prompt_ids", "completion_ids", "logprobs", "env_mask", "episode_reward", "token_weight_versions",
