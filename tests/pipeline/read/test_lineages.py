@@ -122,3 +122,16 @@ def test_the_session_reward_applies_to_each_lineage_unless_it_gives_one_its_own(
         read(sub_agent_session(), rewards={"s": {"lineage_rewards": {str(TurnId("other", 2, "abcdef")): 1.0}}})
     with pytest.raises(PipelineError, match=r"'chatcmpl-x' is not a call id"):
         read(sub_agent_session(), rewards={"s": {"lineage_rewards": {"chatcmpl-x": 1.0}}})
+
+
+def test_rollout_batches_give_a_padded_row_per_lineage() -> None:
+    from pipeline.read.torch_data import RolloutBatches
+
+    items = read(sub_agent_session())
+    (batch,) = list(RolloutBatches(table(sub_agent_session()), trajectories=True, batch_size=8, pad_id=0))
+    assert batch["session_id"] == ["s"] * 4 and batch["lineage"] == [0, 1, 2, 3]
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        assert batch["input_ids"][row, :n].tolist() == item["input_ids"]
+        assert batch["attention_mask"][row].sum().item() == n
+        assert batch["loss_mask"][row].tolist() == item["loss_mask"] + [0] * (batch["loss_mask"].shape[1] - n)
