@@ -9,7 +9,8 @@ an empty sequence when they never reached the model); a task with a canceled epi
 cancel`, `EpisodeRun.take`) is left out whole, even its episodes that finished. An episode is one
 row per lineage of its session (`pipeline.read.trajectories`: sub-agents, compaction and rewritten
 history make several), each with its task id, sample, status, attempts, trace id and reward: the
-outcome's, unless the session's reward gave the lineage its own (`"lineage_rewards"`).
+outcome's, unless the agent gave the lineage its own: `"lineage_rewards": {CALL_ID: x}` in the dict
+it returned (kept in `info`), else in the reward recorded on its session.
 
 `episode_groups(run)` yields a task's n episodes (all their lineages) together once all n are
 finished, failed or canceled, in task order (a group left with no episode is not yielded); with
@@ -32,7 +33,14 @@ from pipeline.core.broker import keys, registry
 from pipeline.core.errors import UnknownRunError, WaitTimeoutError
 from pipeline.core.jobs import episodes
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.read.trajectories import TRAJECTORY_SCHEMA, own_reward, read_trajectories, session_rewards, turn_rows
+from pipeline.read.trajectories import (
+    TRAJECTORY_SCHEMA,
+    lineage_rewards,
+    own_reward,
+    read_trajectories,
+    session_rewards,
+    turn_rows,
+)
 from schemas.episode import EpisodeOutcome
 
 EPISODE_FIELDS = [
@@ -72,6 +80,15 @@ def _empty_item(outcome: EpisodeOutcome) -> dict[str, Any]:
             "rewards": None}
 
 
+def _returned_rewards(outcome: EpisodeOutcome, items: list[dict[str, Any]]) -> dict[int, float]:
+    """The rewards per lineage the agent returned beside its reward (`"lineage_rewards"`), by leaf turn."""
+    given = (outcome.info or {}).get("lineage_rewards")
+    if outcome.status != "finished" or not given:
+        return {}
+    return lineage_rewards(outcome.session_id or "", {"lineage_rewards": given},
+                           [item["turns"][-1] for item in items if item["turns"]])
+
+
 def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]],
           failed_reward: float | None) -> list[dict[str, Any]]:
     rows = []
@@ -80,8 +97,12 @@ def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]]
         base = {"task_id": outcome.task_id, "sample": outcome.sample, "status": outcome.status,
                 "reason": outcome.reason, "attempts": outcome.attempts, "episode_turns": outcome.turns,
                 "trace_id": outcome.trace_id, "info": json.dumps(outcome.info) if outcome.info else None}
-        for item in items.get(outcome.session_id or "", []) or [_empty_item(outcome)]:
-            own = own_reward(item) if outcome.status == "finished" else None
+        episode_items = items.get(outcome.session_id or "", []) or [_empty_item(outcome)]
+        returned = _returned_rewards(outcome, episode_items)
+        for item in episode_items:
+            own = returned.get(item["turns"][-1]) if item["turns"] else None
+            if own is None and outcome.status == "finished":
+                own = own_reward(item)
             rows.append({**base, **item, "reward": reward if own is None else own})
     return rows
 

@@ -166,18 +166,27 @@ def _call_turn(session_id: str, key: str) -> int:
     return turn_id.turn
 
 
-def lineage_rewards(session_id: str, reward: dict[str, Any] | None) -> dict[int, float]:
-    """The rewards the session's reward dict gives its lineages one by one (`"lineage_rewards"`), by leaf turn."""
-    given = (reward or {}).get("lineage_rewards") or {}
-    return {_call_turn(session_id, key): float(value) for key, value in given.items()}
+def _given(session_id: str, reward: dict[str, Any] | None) -> dict[int, float]:
+    return {_call_turn(session_id, key): float(value)
+            for key, value in ((reward or {}).get("lineage_rewards") or {}).items()}
+
+
+def lineage_rewards(session_id: str, reward: dict[str, Any] | None, leaves: list[int]) -> dict[int, float]:
+    """The rewards a reward dict gives a session's lineages one by one (`"lineage_rewards"`), by leaf turn;
+    a key naming a call that ends no lineage (`leaves`) is an error."""
+    own = _given(session_id, reward)
+    unknown = sorted(set(own) - set(leaves))
+    if unknown:
+        raise PipelineError(f"session {session_id!r}: lineage_rewards names calls {unknown}, which end no lineage (the "
+                            f"lineages end at calls {leaves}); key a lineage's reward by the id of its last call")
+    return own
 
 
 def own_reward(item: dict[str, Any]) -> float | None:
-    """The reward an item's session gave its lineage alone (`"lineage_rewards"`), None when it gave none."""
-    reward = json.loads(item["rewards"]) if item["rewards"] else None
-    if not item["turns"]:
+    """The reward an item's session recorded for its lineage alone (`"lineage_rewards"`), None when none."""
+    if not item["turns"] or not item["rewards"]:
         return None
-    return lineage_rewards(item["session_id"], reward).get(item["turns"][-1])
+    return _given(item["session_id"], json.loads(item["rewards"])).get(item["turns"][-1])
 
 
 def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dict[str, Any] | None,
@@ -207,12 +216,7 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
 def session_items(session_id: str, rows: list[dict[str, Any]], reward: dict[str, Any] | None) -> list[dict[str, Any]]:
     """A session's items, one per lineage (see the module docstring), from its rows."""
     found = lineages(session_id, rows)
-    own = lineage_rewards(session_id, reward)
-    leaves = [lin.leaf["turn"] for lin in found]
-    unknown = sorted(set(own) - set(leaves))
-    if unknown:
-        raise PipelineError(f"session {session_id!r}: lineage_rewards names calls {unknown}, which end no lineage (the "
-                            f"lineages end at calls {leaves}); key a lineage's reward by the id of its last call")
+    own = lineage_rewards(session_id, reward, [lin.leaf["turn"] for lin in found])
     return [_item(session_id, index, len(found), lin, reward, own) for index, lin in enumerate(found)]
 
 
