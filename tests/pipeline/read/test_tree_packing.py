@@ -105,6 +105,7 @@ def test_packed_logprobs_equal_each_lineage_alone_on_a_random_llama(attention: s
         model.lm_head.weight.mul_(20.0)  # peaked logits: a wrong mask moves them by far more than 1e-5
     for seed in range(3):
         assert_packed_equals_alone(model, lineage_rows(seed))
+    assert_packed_equals_alone(model, lineage_rows(0) + lineage_rows(1))  # two sessions: a tree of two roots
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-10), (torch.float32, DEMO_FLOAT32_TOLERANCE)])
