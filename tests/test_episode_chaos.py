@@ -103,5 +103,5 @@ def test_every_episode_ends_once_though_an_agent_worker_the_server_and_a_gpu_wor
     assert sorted(s for batch in batches for s in batch["session_id"]) == sorted(committed)
     for group in groups:
         for item in group.to_pylist():
-            assert item["turns"] == list(range(TURNS)) and item["segments"] == 1
+            assert item["turns"] == list(range(TURNS)) and item["lineages"] == 1
             assert sum(item["loss_mask"]) == TURNS * 4  # max_tokens 4 a turn, every sampled token masked in

@@ -22,7 +22,12 @@ With `agent="package.module:solve"` the rollout function runs agent episodes ins
 between them), `env_mask` (1 exactly on the tokens the model sampled: TRL trains on those only),
 the engine's `logprobs` (0 on tool tokens), and `episode_reward` (the agent's reward; pass
 `episode_reward` as a reward function to train on it), `token_weight_versions`, `trace_id`. A failed
-episode comes back with `failed_reward` and nothing to train on (an all-zero mask).
+episode comes back with `failed_reward` and nothing to train on (an all-zero mask). TRL's GRPO takes
+one completion per prompt: an episode of several lineages (sub-agents, compaction: a session is a
+tree of calls, `pipeline.read.trajectories`) gives its last one, by its leaf call's turn (the main
+agent's final conversation), and `episode_lineages` says how many it had; to train on every lineage
+read the run with `RolloutBatches(run, trajectories=True)` (a row per lineage) or pack each
+episode's tree (`pipeline.read.tree_packing`).
 
 The callback (`WeightSync`, a `transformers.TrainerCallback`) pushes the model after every
 `every`-th optimizer step as the pool's next weight version (`mode` "partial" or "drain") from
@@ -55,7 +60,7 @@ from pipeline.integrations.push import push_model
 from schemas.control import SwapMode
 from schemas.request import MAX_SEED
 
-__all__ = ["EpisodeRolloutFunction", "RolloutFunction", "episode_reward", "pipeline_rollout"]
+__all__ = ["EpisodeRolloutFunction", "RolloutFunction", "episode_reward", "episode_rows", "pipeline_rollout"]
 
 _COLUMNS = ["request_id", "sample_index", "rollout_id", "prompt_token_ids", "completion_token_ids",
             "completion_logprobs", "finish_reason", "weight_version", "weight_version_segments"]
@@ -194,33 +199,43 @@ class EpisodeRolloutFunction:
                                           failed_reward=self.failed_reward, **self.episode_options)
         self.runs.append(run.run)
         run.wait(timeout=self.timeout)
-        table = run.trajectories()
-        rows: dict[tuple[str, int], dict[str, Any]] = {}
-        for row in table.to_pylist():  # a session with prefix breaks: its last segment
-            rows[(row["task_id"], row["sample"])] = row
-        out: dict[str, list[Any]] = {key: [] for key in (
-            "prompt_ids", "completion_ids", "logprobs", "env_mask", "episode_reward", "token_weight_versions",
-            "trace_id", "episode_status")}
-        for task in tasks:
-            for sample in range(samples):
-                row = rows.get((task["id"], sample))
-                if row is None or not row["turn_starts"]:  # failed before its first turn: nothing to train on
-                    pad = getattr(trainer.processing_class, "pad_token_id", None) or 0
-                    prompt, completion, logprobs, mask, versions = [pad], [pad], [0.0], [0], [-1]
-                else:
-                    start = row["turn_starts"][0]
-                    prompt, completion = row["input_ids"][:start], row["input_ids"][start:]
-                    logprobs, mask = row["old_logprobs"][start:], row["loss_mask"][start:]
-                    versions = row["token_weight_version"][start:]
-                out["prompt_ids"].append(prompt)
-                out["completion_ids"].append(completion)
-                out["logprobs"].append(logprobs)
-                out["env_mask"].append(mask)
-                out["token_weight_versions"].append(versions)
-                out["episode_reward"].append(self.failed_reward if row is None else row["reward"])
-                out["trace_id"].append(None if row is None else row["trace_id"])
-                out["episode_status"].append("failed" if row is None else row["status"])
-        return out
+        pad = getattr(trainer.processing_class, "pad_token_id", None) or 0
+        return episode_rows(run.trajectories().to_pylist(), tasks, samples, failed_reward=self.failed_reward, pad=pad)
+
+
+def episode_rows(items: list[dict[str, Any]], tasks: list[dict[str, Any]], samples: int, *, failed_reward: float,
+                 pad: int) -> dict[str, list[Any]]:
+    """TRL's rows from `episode_trajectories` items: one per task × sample (TRL's GRPO takes one
+    completion per prompt), the episode's last lineage (by its leaf call's turn: the main agent's
+    final conversation, after any compaction); `episode_lineages` says how many the episode had."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    lineages: dict[tuple[str, int], int] = {}
+    for row in items:  # in lineage order: the last one stays
+        rows[(row["task_id"], row["sample"])] = row
+        lineages[(row["task_id"], row["sample"])] = row["lineages"] if row["turns"] else 0
+    out: dict[str, list[Any]] = {key: [] for key in (
+        "prompt_ids", "completion_ids", "logprobs", "env_mask", "episode_reward", "token_weight_versions",
+        "trace_id", "episode_status", "episode_lineages")}
+    for task in tasks:
+        for sample in range(samples):
+            row = rows.get((task["id"], sample))
+            if row is None or not row["turn_starts"]:  # failed before its first turn: nothing to train on
+                prompt, completion, logprobs, mask, versions = [pad], [pad], [0.0], [0], [-1]
+            else:
+                start = row["turn_starts"][0]
+                prompt, completion = row["input_ids"][:start], row["input_ids"][start:]
+                logprobs, mask = row["old_logprobs"][start:], row["loss_mask"][start:]
+                versions = row["token_weight_version"][start:]
+            out["prompt_ids"].append(prompt)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append(logprobs)
+            out["env_mask"].append(mask)
+            out["token_weight_versions"].append(versions)
+            out["episode_reward"].append(failed_reward if row is None else row["reward"])
+            out["trace_id"].append(None if row is None else row["trace_id"])
+            out["episode_status"].append("failed" if row is None else row["status"])
+            out["episode_lineages"].append(lineages.get((task["id"], sample), 0))
+    return out
 
 
 def episode_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:

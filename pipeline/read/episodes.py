@@ -1,4 +1,4 @@
-"""Agent episodes into training: one trajectory per task × sample, grouped by task for GRPO.
+"""Agent episodes into training: the lineages of each task × sample, grouped by task for GRPO.
 
 `episode_trajectories(run)` (what `read_trajectories(run)` returns for a run of episodes) is the
 run's sessions cut to the attempts that reach training, by the one rule of
@@ -6,12 +6,15 @@ run's sessions cut to the attempts that reach training, by the one rule of
 or run twice left a session whose turns never reach training; failed episodes are left out unless
 the run was submitted with `failed_reward` (`--failed-reward 0`: then they come with that reward, and
 an empty sequence when they never reached the model); a task with a canceled episode (`pipeline
-cancel`, `EpisodeRun.take`) is left out whole, even its episodes that finished. Each trajectory comes
-with its task id, sample, status, attempts, trace id and reward (the outcome's).
+cancel`, `EpisodeRun.take`) is left out whole, even its episodes that finished. An episode is one
+row per lineage of its session (`pipeline.read.trajectories`: sub-agents, compaction and rewritten
+history make several), each with its task id, sample, status, attempts, trace id and reward: the
+outcome's, unless the agent gave the lineage its own: `"lineage_rewards": {CALL_ID: x}` in the dict
+it returned (kept in `info`), else in the reward recorded on its session.
 
-`episode_groups(run)` yields a task's n episodes together once all n are finished, failed or
-canceled, in task order (a group left with no episode is not yielded); with `follow=True` it waits
-for the groups still running. `keep` filters groups
+`episode_groups(run)` yields a task's n episodes (all their lineages) together once all n are
+finished, failed or canceled, in task order (a group left with no episode is not yielded); with
+`follow=True` it waits for the groups still running. `keep` filters groups
 (`pipeline.rewards_differ`: DAPO's, drops groups whose rewards are all equal).
 """
 
@@ -30,7 +33,14 @@ from pipeline.core.broker import keys, registry
 from pipeline.core.errors import UnknownRunError, WaitTimeoutError
 from pipeline.core.jobs import episodes
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.read.trajectories import TRAJECTORY_SCHEMA, read_trajectories, session_rewards, turn_rows
+from pipeline.read.trajectories import (
+    TRAJECTORY_SCHEMA,
+    lineage_rewards,
+    own_reward,
+    read_trajectories,
+    session_rewards,
+    turn_rows,
+)
 from schemas.episode import EpisodeOutcome
 
 EPISODE_FIELDS = [
@@ -65,8 +75,18 @@ def _spec(conn: redis.Redis, run: str) -> dict[str, Any]:
 
 
 def _empty_item(outcome: EpisodeOutcome) -> dict[str, Any]:
-    return {"session_id": outcome.session_id or "", "segment": 0, "segments": 1, "turns": [], "input_ids": [],
-            "loss_mask": [], "old_logprobs": [], "token_weight_version": [], "turn_starts": [], "rewards": None}
+    return {"session_id": outcome.session_id or "", "lineage": 0, "lineages": 1, "parent_turn": None, "turns": [],
+            "input_ids": [], "loss_mask": [], "old_logprobs": [], "token_weight_version": [], "turn_starts": [],
+            "rewards": None}
+
+
+def _returned_rewards(outcome: EpisodeOutcome, items: list[dict[str, Any]]) -> dict[int, float]:
+    """The rewards per lineage the agent returned beside its reward (`"lineage_rewards"`), by leaf turn."""
+    given = (outcome.info or {}).get("lineage_rewards")
+    if outcome.status != "finished" or not given:
+        return {}
+    return lineage_rewards(outcome.session_id or "", {"lineage_rewards": given},
+                           [item["turns"][-1] for item in items if item["turns"]])
 
 
 def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]],
@@ -77,8 +97,13 @@ def _rows(outcomes: list[EpisodeOutcome], items: dict[str, list[dict[str, Any]]]
         base = {"task_id": outcome.task_id, "sample": outcome.sample, "status": outcome.status,
                 "reason": outcome.reason, "attempts": outcome.attempts, "episode_turns": outcome.turns,
                 "trace_id": outcome.trace_id, "info": json.dumps(outcome.info) if outcome.info else None}
-        for item in items.get(outcome.session_id or "", []) or [_empty_item(outcome)]:
-            rows.append({**base, **item, "reward": reward})
+        episode_items = items.get(outcome.session_id or "", []) or [_empty_item(outcome)]
+        returned = _returned_rewards(outcome, episode_items)
+        for item in episode_items:
+            own = returned.get(item["turns"][-1]) if item["turns"] else None
+            if own is None and outcome.status == "finished":
+                own = own_reward(item)
+            rows.append({**base, **item, "reward": reward if own is None else own})
     return rows
 
 

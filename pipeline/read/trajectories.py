@@ -1,26 +1,32 @@
-"""Agent sessions as training sequences: one item per session from the rows of its turns.
+"""Agent sessions as training sequences: one item per lineage from the rows of its calls.
 
 `read_trajectories(RUN_OR_URL)` reads the rows of agent turns (`pipeline serve`: rows with a
-`session_id`) and, per session, stitches its turns into one token sequence: the last turn's
-prompt ids + its completion ids, where every earlier turn's prompt + completion is a prefix of
-the next turn's prompt (the prefix rule made it so). Per item:
+`session_id`) and, per lineage of a session (a root-to-leaf path of its tree of calls), stitches
+its calls into one token sequence: the leaf call's prompt ids + its completion ids, where every
+earlier call's prompt + completion is a prefix of the next call's prompt (the server placed each
+call under the call it extends). Per item:
 
-- `input_ids`: the episode's tokens;
-- `loss_mask` (int8): 1 exactly on the tokens the model sampled in any turn, 0 on prompts, tool
+- `input_ids`: the lineage's tokens;
+- `loss_mask` (int8): 1 exactly on the tokens the model sampled in the lineage's calls, 0 on prompts, tool
   results and template glue. TRL calls this `env_mask` (a `rollout_func` returns it beside
   `completion_ids`), verl `response_mask`; it is the mask a policy-gradient loss sums over;
 - `old_logprobs` (float32): the sampling engine's logprob of each sampled token, 0 elsewhere;
 - `token_weight_version` (int64): the weight version that sampled each token, -1 elsewhere
   (a turn continued across a partial swap has several);
 - `turn_starts`: where each turn's sampled tokens begin; `turns`: those turns' indices;
-- `reward` and `rewards` (JSON): what `POST /sessions/<id>/reward` recorded (needs Redis);
-- `segment`, `segments`: a session whose agent rewrote its history (a prefix break: a turn's
-  prompt does not extend the previous turn's prompt + completion) comes back as several items,
-  one per segment, each exact on its own; never one silently wrong sequence.
+- `reward` and `rewards` (JSON): what `POST /sessions/<id>/reward` recorded (needs Redis): the
+  session's reward applies to each of its lineages, unless the dict holds `"lineage_rewards":
+  {CALL_ID: x, ...}`, keyed by a lineage's leaf call (the `id` the agent got back, `chatcmpl-...` or
+  `cmpl-...`, or the bare turn id): that lineage gets x;
+- `lineage`, `lineages`: a session is a tree of calls (sub-agents, parallel calls, compaction, a
+  rewritten history each start or fork a branch; `pipeline.read.call_tree`); each root-to-leaf path
+  is one item, each exact on its own, ordered by its leaf call's turn; `parent_turn`: the call its
+  first call not on an earlier lineage extends (null when it starts at a root of its own). A
+  harness with one linear conversation gets one item per run of turns between prefix breaks.
 
-For `n > 1` a turn's sample continued by the next turn is the one whose tokens the next prompt
-holds; the last turn gives its sample 0. A turn generated twice (a worker died after logging it
-and its retry logged it again) counts once: its latest row.
+For `n > 1` a call's sample on a lineage is the one its child names (the server records it); a
+leaf gives its sample 0. A turn generated twice (a worker died after logging it and its retry
+logged it again) counts once: its latest row.
 
 With a run name (read through Redis), turns not yet written to a shard are read from the run's
 turn log too, so an episode is complete as soon as its last turn is answered.
@@ -44,19 +50,25 @@ import pyarrow.compute as pc
 import redis
 
 from pipeline.core.broker import keys, registry
-from pipeline.core.errors import UnknownRunError
+from pipeline.core.errors import PipelineError, UnknownRunError
 from pipeline.core.jobs import episodes, turn_log
 from pipeline.core.shards import is_location, read_rollouts
 from pipeline.core.suggest import did_you_mean, listing
+from pipeline.read.call_tree import Lineage, lineages
+from schemas.turn_id import TurnId
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
-            "weight_version", "weight_version_segments", "prefix_break", "finished_at", "worker_id",
-            "prompt_tokens", "cached_tokens", "parent_turn", "parent_sample"]
+            "weight_version", "weight_version_segments", "prefix_break", "parent_turn", "parent_sample",
+            "finished_at", "worker_id", "prompt_tokens", "cached_tokens"]
+# Rows written before a session was a tree of calls have no parent pointers: every call a root.
+_POINTERS = ("parent_turn", "parent_sample")
+CALL_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 TRAJECTORY_SCHEMA = pa.schema([
     pa.field("session_id", pa.string(), nullable=False),
-    pa.field("segment", pa.int32(), nullable=False),
-    pa.field("segments", pa.int32(), nullable=False),
+    pa.field("lineage", pa.int32(), nullable=False),
+    pa.field("lineages", pa.int32(), nullable=False),
+    pa.field("parent_turn", pa.int32()),
     pa.field("turns", pa.list_(pa.int32()), nullable=False),
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
@@ -105,10 +117,17 @@ def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
         tables = [t for t in tables if "session_id" in t.column_names]
     if not tables:
         return pa.table({name: pa.array([], pa.null()) for name in _COLUMNS})
-    selected = [t.select(_COLUMNS) for t in tables]
-    table = pa.concat_tables(selected, promote_options="permissive")
+    table = pa.concat_tables([_select(t) for t in tables], promote_options="permissive")
     table = table.filter(pc.is_valid(table.column("session_id")))
     return _first_of_each_sample(table)
+
+
+def _select(table: pa.Table) -> pa.Table:
+    """The columns stitching reads, null parent pointers where the rows predate them."""
+    for name in _POINTERS:
+        if name not in table.column_names:
+            table = table.append_column(name, pa.nulls(table.num_rows, pa.int32()))
+    return table.select(_COLUMNS)
 
 
 def _first_of_each_sample(table: pa.Table) -> pa.Table:
@@ -133,37 +152,47 @@ def _versions(row: dict[str, Any]) -> np.ndarray:
     return out
 
 
-def _episodes(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """A session's turns (one chosen sample each) split where a prompt stops extending the last."""
-    by_turn: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
-    for row in sorted(rows, key=lambda r: r["finished_at"]):  # a turn logged twice: the latest row wins
-        by_turn[row["turn"]][row["sample_index"]] = row
-    turns = sorted(by_turn)
-    segments: list[list[dict[str, Any]]] = []
-    current: list[dict[str, Any]] = []
-    for position, turn in enumerate(turns):
-        samples = by_turn[turn]
-        chosen = samples[min(samples)]
-        if position + 1 < len(turns):
-            nxt = next(iter(by_turn[turns[position + 1]].values()))["prompt_token_ids"]
-            chosen = next((s for _, s in sorted(samples.items())
-                           if nxt[: len(s["prompt_token_ids"]) + len(s["completion_token_ids"])]
-                           == s["prompt_token_ids"] + s["completion_token_ids"]), chosen)
-        if current:
-            before = current[-1]
-            head = before["prompt_token_ids"] + before["completion_token_ids"]
-            if chosen["prompt_token_ids"][: len(head)] != head:
-                segments.append(current)
-                current = []
-        current.append(chosen)
-    if current:
-        segments.append(current)
-    return segments
+def _call_turn(session_id: str, key: str) -> int:
+    """The turn a `lineage_rewards` key names: a call id (`chatcmpl-<turn id>`, `cmpl-<turn id>`) or a turn id."""
+    text = next((key[len(p):] for p in CALL_ID_PREFIXES if key.startswith(p)), key)
+    try:
+        turn_id = TurnId.parse(text)
+    except ValueError as error:
+        raise PipelineError(f"session {session_id!r}: lineage_rewards key {key!r} is not a call id; key each lineage's "
+                            "reward by the `id` its last call returned (chatcmpl-... or cmpl-...)") from error
+    if turn_id.session_id != session_id:
+        raise PipelineError(f"session {session_id!r}: lineage_rewards key {key!r} names a call of session "
+                            f"{turn_id.session_id!r}; record each session's rewards on that session")
+    return turn_id.turn
 
 
-def _item(session_id: str, index: int, count: int, turns: list[dict[str, Any]],
-          reward: dict[str, Any] | None) -> dict[str, Any]:
-    last = turns[-1]
+def _given(session_id: str, reward: dict[str, Any] | None) -> dict[int, float]:
+    return {_call_turn(session_id, key): float(value)
+            for key, value in ((reward or {}).get("lineage_rewards") or {}).items()}
+
+
+def lineage_rewards(session_id: str, reward: dict[str, Any] | None, leaves: list[int]) -> dict[int, float]:
+    """The rewards a reward dict gives a session's lineages one by one (`"lineage_rewards"`), by leaf turn;
+    a key naming a call that ends no lineage (`leaves`) is an error."""
+    own = _given(session_id, reward)
+    unknown = sorted(set(own) - set(leaves))
+    if unknown:
+        raise PipelineError(f"session {session_id!r}: lineage_rewards names calls {unknown}, which end no lineage (the "
+                            f"lineages end at calls {leaves}); key a lineage's reward by the id of its last call")
+    return own
+
+
+def own_reward(item: dict[str, Any]) -> float | None:
+    """The reward an item's session recorded for its lineage alone (`"lineage_rewards"`), None when none."""
+    if not item["turns"] or not item["rewards"]:
+        return None
+    return _given(item["session_id"], json.loads(item["rewards"])).get(item["turns"][-1])
+
+
+def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dict[str, Any] | None,
+          own: dict[int, float]) -> dict[str, Any]:
+    turns = lineage.calls
+    last = lineage.leaf
     ids = np.asarray(last["prompt_token_ids"] + last["completion_token_ids"], dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.int8)
     logprobs = np.zeros(len(ids), dtype=np.float32)
@@ -176,17 +205,25 @@ def _item(session_id: str, index: int, count: int, turns: list[dict[str, Any]],
         if row["completion_logprobs"] is not None:
             logprobs[start:start + length] = row["completion_logprobs"]
         versions[start:start + length] = _versions(row)
-    scalar = None if reward is None else reward.get("reward")
-    return {"session_id": session_id, "segment": index, "segments": count, "turns": [r["turn"] for r in turns],
-            "input_ids": ids, "loss_mask": mask, "old_logprobs": logprobs, "token_weight_version": versions,
-            "turn_starts": starts, "reward": None if scalar is None else float(scalar),
+    scalar = own.get(last["turn"], None if reward is None else reward.get("reward"))
+    return {"session_id": session_id, "lineage": index, "lineages": count, "parent_turn": lineage.parent_turn,
+            "turns": [r["turn"] for r in turns], "input_ids": ids, "loss_mask": mask, "old_logprobs": logprobs,
+            "token_weight_version": versions, "turn_starts": starts,
+            "reward": None if scalar is None else float(scalar),
             "rewards": None if reward is None else json.dumps(reward)}
+
+
+def session_items(session_id: str, rows: list[dict[str, Any]], reward: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A session's items, one per lineage (see the module docstring), from its rows."""
+    found = lineages(session_id, rows)
+    own = lineage_rewards(session_id, reward, [lin.leaf["turn"] for lin in found])
+    return [_item(session_id, index, len(found), lin, reward, own) for index, lin in enumerate(found)]
 
 
 def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None,
                       rewards: dict[str, dict[str, Any] | None] | None = None,
                       groups: bool = False) -> pa.Table | list[pa.Table]:
-    """One row per session (per segment of a session with prefix breaks); see the module docstring.
+    """One row per lineage of each session; see the module docstring.
 
     `source` is a run name (read through Redis: `conn`, else the default connection), a URL of
     shards, or a Table of rows. Rewards come from `rewards` (session id → {"reward": x, ...}),
@@ -216,7 +253,7 @@ def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None
     if isinstance(source, pa.Table) and "session_id" in table.column_names:
         table = table.filter(pc.is_valid(table.column("session_id")))
     sessions: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in table.select(_COLUMNS).to_pylist() if table.num_rows else []:
+    for row in _select(table).to_pylist() if table.num_rows else []:
         sessions[row["session_id"]].append(row)
     if rewards is None and sessions and (conn is not None or not (isinstance(source, str) and is_location(source))):
         if conn is None and isinstance(source, str):
@@ -225,9 +262,6 @@ def read_trajectories(source: str | pa.Table, *, conn: redis.Redis | None = None
             conn = connect_redis()
         if conn is not None:
             rewards = session_rewards(conn, sorted(sessions))
-    items = []
-    for session_id in sorted(sessions):
-        segments = _episodes(sessions[session_id])
-        for index, turns in enumerate(segments):
-            items.append(_item(session_id, index, len(segments), turns, (rewards or {}).get(session_id)))
+    items = [item for session_id in sorted(sessions)
+             for item in session_items(session_id, sessions[session_id], (rewards or {}).get(session_id))]
     return pa.Table.from_pylist(items, schema=TRAJECTORY_SCHEMA)

@@ -4,7 +4,9 @@
 `input_ids` [B, T] (right-padded with `pad_id`), `attention_mask`, `loss_mask` (1 exactly on the
 sampled tokens: TRL's `env_mask`, verl's `response_mask`), `old_logprobs` (0 elsewhere),
 `token_weight_version` (-1 elsewhere), `reward` [B] (NaN where none was recorded), and the
-`session_id`, `segment` and `turn_starts` of each row as lists.
+`session_id`, `lineage` and `turn_starts` of each row as lists: one row per lineage (a root-to-leaf
+path of a session's calls, `pipeline.read.trajectories`). A tree packed into one sequence, each
+shared token computed once, is `pipeline.read.tree_packing`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def collate_trajectories(rows: list[dict[str, Any]], *, pad_id: int = 0,
     return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
             "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
             "token_weight_version": torch.from_numpy(versions), "reward": torch.from_numpy(rewards),
-            "session_id": [r["session_id"] for r in rows], "segment": [r["segment"] for r in rows],
+            "session_id": [r["session_id"] for r in rows], "lineage": [r["lineage"] for r in rows],
             "turn_starts": [r["turn_starts"] for r in rows]}
 
 

@@ -12,8 +12,9 @@ import pytest
 
 import pipeline
 from pipeline.core.shards import read_rollouts
-from pipeline.integrations.trl import _groups, pipeline_rollout, token_versions
+from pipeline.integrations.trl import _groups, episode_rows, pipeline_rollout, token_versions
 from tests.helpers.processes import wait_until
+from tests.pipeline.read.test_lineages import sub_agent_session, table
 
 trl = pytest.importorskip("trl")
 
@@ -31,6 +32,18 @@ def test_groups_follow_trls_repeated_prompts() -> None:
 def test_token_versions_expand_segments() -> None:
     assert token_versions(4, None, 3) == [4, 4, 4]
     assert token_versions(4, [{"start": 0, "version": 4}, {"start": 2, "version": 5}], 5) == [4, 4, 5, 5, 5]
+
+
+def test_an_episode_of_several_lineages_gives_trl_its_last_with_its_env_mask() -> None:
+    lineages = pipeline.read_trajectories(table(sub_agent_session()), rewards={"s": {"reward": 0.5}}).to_pylist()
+    items = [{**item, "task_id": "g0", "sample": 0, "status": "finished", "trace_id": "t"} for item in lineages]
+    out = episode_rows(items, [{"id": "g0"}], 2, failed_reward=-1.0, pad=0)  # sample 1 failed: no item
+    last = lineages[-1]  # turns 0, 3, 6: the lineage of the episode's last call
+    start = last["turn_starts"][0]
+    assert out["prompt_ids"][0] == last["input_ids"][:start] and out["completion_ids"][0] == last["input_ids"][start:]
+    assert out["env_mask"][0] == last["loss_mask"][start:] and out["logprobs"][0] == last["old_logprobs"][start:]
+    assert out["episode_lineages"] == [4, 0] and out["episode_reward"] == [0.5, -1.0]
+    assert out["env_mask"][1] == [0] and out["episode_status"] == ["finished", "failed"]
 
 
 def test_two_grpo_steps_through_the_pipeline(

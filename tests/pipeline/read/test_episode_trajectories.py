@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -22,19 +23,20 @@ from pipeline.serve.api_error import APIError
 from pipeline.serve.sessions import Pending, SessionStore
 from schemas.episode import EpisodeOutcome
 from schemas.shard import SHARD_SCHEMA, rows_to_ipc
+from schemas.turn_id import TurnId
 from tests.pipeline.audit.test_report import Page
 
 AGENT = "tests.helpers.agents:solve"
 
 
-def _log_turn(conn: redis.Redis, run: str, session_id: str) -> None:
-    """One turn of the session in the run's turn log, as a worker logs it (prompt [1, 2], completion [3])."""
-    row = {"session_id": session_id, "turn": 0, "sample_index": 0, "prompt_token_ids": [1, 2],
+def _log_turn(conn: redis.Redis, run: str, session_id: str, turn: int = 0) -> None:
+    """A root turn of the session in the run's turn log, as a worker logs it (prompt [1, 2], completion [3])."""
+    row = {"session_id": session_id, "turn": turn, "sample_index": 0, "prompt_token_ids": [1, 2],
            "completion_token_ids": [3], "completion_logprobs": [-0.5], "weight_version": 0,
-           "weight_version_segments": None, "prefix_break": False, "finished_at": datetime.now(UTC),
+           "weight_version_segments": None, "prefix_break": turn > 0, "finished_at": datetime.now(UTC),
            "worker_id": "w", "prompt_tokens": 2, "cached_tokens": 0}
     table = pa.Table.from_pylist([row], schema=pa.schema([SHARD_SCHEMA.field(name) for name in row]))
-    conn.xadd(keys.turn_log(run), {TURN: f"{session_id}-00000", ROWS: rows_to_ipc(table)})
+    conn.xadd(keys.turn_log(run), {TURN: f"{session_id}-{turn:05d}", ROWS: rows_to_ipc(table)})
 
 
 def _start(conn: redis.Redis, store: SessionStore, claimed: Claimed) -> str:
@@ -47,14 +49,16 @@ def _start(conn: redis.Redis, store: SessionStore, claimed: Claimed) -> str:
     return session_id
 
 
-def _finish(conn: redis.Redis, store: SessionStore, claimed: Claimed, session_id: str) -> bool:
+def _finish(conn: redis.Redis, store: SessionStore, claimed: Claimed, session_id: str, reward: float = 0.0,
+            info: dict[str, Any] | None = None) -> bool:
     """The attempt ends as an agent worker ends it: the reward on the session, then the commit."""
-    store.reward(session_id, {"reward": 0.0})
+    store.reward(session_id, {"reward": reward})
     store.end(session_id)
     job = claimed.job
     return episodes.commit(conn, claimed, EpisodeOutcome(
-        episode_id=job.episode_id, task_id=job.task_id, sample=job.sample, status="finished", reward=0.0,
-        session_id=session_id, attempts=1, turns=1, trace_id="t", worker_id="w", started_at_ms=0, finished_at_ms=1))
+        episode_id=job.episode_id, task_id=job.task_id, sample=job.sample, status="finished", reward=reward,
+        session_id=session_id, attempts=1, turns=1, trace_id="t", worker_id="w", started_at_ms=0, finished_at_ms=1,
+        info=info or {}))
 
 
 def test_after_take_every_reader_returns_the_taken_groups_whole_and_nothing_canceled(
@@ -108,3 +112,25 @@ def test_after_take_every_reader_returns_the_taken_groups_whole_and_nothing_canc
     (overview,) = Page(episodes_section(redis_client, "late") or "").table_with("in training")
     assert (overview["in training"], overview["finished"], overview["canceled"], overview["duplicates"]) == (
         "2", "3", "3", "0")
+
+
+def test_an_episode_is_one_row_per_lineage_each_with_the_reward_the_agent_gave_it(redis_client: redis.Redis) -> None:
+    client = pipeline.Client(redis_client)
+    client.submit_episodes([{"id": "a"}], agent=AGENT, run="trees", n=2)
+    store = SessionStore(redis_client)
+    stream = keys.pool(None).episode_stream(AGENT)
+    claimed = sorted(episodes.read_new(redis_client, [stream], "w", 10, None), key=lambda c: c.job.sample)
+    sessions = [_start(redis_client, store, c) for c in claimed]
+    for session in sessions:  # a second root: a sub-agent, or a compacted history
+        _log_turn(redis_client, "trees", session, turn=1)
+    # Sample 0's agent returned a reward for its sub-agent's lineage beside the episode's.
+    sub_agent = f"chatcmpl-{TurnId(sessions[0], 1, 'abcdef')}"
+    assert _finish(redis_client, store, claimed[0], sessions[0], 1.0, {"lineage_rewards": {sub_agent: 0.25}})
+    # Sample 1's harness recorded rewards per lineage on its session (the reward dict, stored as JSON).
+    assert _finish(redis_client, store, claimed[1], sessions[1], 1.0)
+    redis_client.hset(keys.session(sessions[1]), "reward",
+                      json.dumps({"reward": 1.0, "lineage_rewards": {str(TurnId(sessions[1], 0, "abcdef")): -1.0}}))
+
+    (group,) = pipeline.read_trajectories("trees", conn=redis_client, groups=True)
+    rows = [(r["sample"], r["lineage"], r["lineages"], r["turns"], r["reward"]) for r in group.to_pylist()]
+    assert rows == [(0, 0, 2, [0], 1.0), (0, 1, 2, [1], 0.25), (1, 0, 2, [0], -1.0), (1, 1, 2, [1], 1.0)]

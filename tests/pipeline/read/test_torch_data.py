@@ -340,7 +340,7 @@ def test_the_readme_grpo_example_runs_and_trains(tmp_path: Path) -> None:
 
 
 def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:
-    """Every module of `pipeline` but the torch side (`torch_data`, `trajectory_batches`, `importance`)
+    """Every module of `pipeline` but the torch side (`torch_data`, `trajectory_batches`, `importance`, `tree_packing`)
     loads without torch, transformers or sglang (a trainer-side install has none of them); those load torch."""
     code = (
         "import importlib, pkgutil, sys, pipeline\n"
@@ -348,7 +348,7 @@ def test_import_pipeline_does_not_import_torch_transformers_or_sglang() -> None:
         "assert 'pipeline.cli.main' in names and 'pipeline.read.torch_data' in names, names\n"
         "for name in names:\n"
         "    if name not in ('pipeline.read.torch_data', 'pipeline.read.trajectory_batches', "
-        "'pipeline.read.importance', 'pipeline.core.weights.torch_bits'):\n"
+        "'pipeline.read.importance', 'pipeline.read.tree_packing', 'pipeline.core.weights.torch_bits'):\n"
         "        importlib.import_module(name)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'sglang'))\n"
         "assert not heavy, heavy[:5]\n"

@@ -113,9 +113,9 @@ def exact_trajectory(conn: redis.Redis, run: str, session_id: str, turns: int) -
         head = earlier["prompt_token_ids"] + earlier["completion_token_ids"]
         assert later["prompt_token_ids"][: len(head)] == head, f"turn {later['turn']} does not extend the last"
     items = [i for i in pipeline.read_trajectories(run, conn=conn).to_pylist() if i["session_id"] == session_id]
-    assert len(items) == 1, [(i["segment"], i["turns"]) for i in items]
+    assert len(items) == 1, [(i["lineage"], i["turns"]) for i in items]
     (item,) = items
-    assert item["segments"] == 1 and item["turns"] == list(range(turns))
+    assert item["lineages"] == 1 and item["turns"] == list(range(turns))
     assert item["input_ids"] == rows[-1]["prompt_token_ids"] + rows[-1]["completion_token_ids"]
     sampled = [p for r in rows for p in range(len(r["prompt_token_ids"]),
                                               len(r["prompt_token_ids"]) + len(r["completion_token_ids"]))]

@@ -90,7 +90,7 @@ def test_a_tool_calling_episode_is_one_exact_trajectory(redis_client: redis.Redi
         assert item["old_logprobs"][position] == (-0.5 if position in sampled else 0.0)
         assert item["token_weight_version"][position] == (0 if position in sampled else -1)
     assert item["turn_starts"] == [len(r["prompt_token_ids"]) for r in rows]
-    assert item["reward"] == 1.0 and item["segments"] == 1
+    assert item["reward"] == 1.0 and item["lineages"] == 1
     # The server writes the run's turn count every half second (`pipeline.serve.turn_counts`).
     wait_until(lambda: redis_client.hgetall(keys.run_turn_stats(stack.run)) == {b"turns": b"2"}, timeout=10,
                what="the run's turn count")
@@ -118,13 +118,13 @@ def test_a_rewritten_history_is_a_counted_prefix_break(redis_client: redis.Redis
     assert [r["prefix_break"] for r in rows] == [False, False, True]
     assert redis_client.hget(keys.run_turn_stats(stack.run), "prefix_breaks") == b"1"
     items = pipeline.read_trajectories(stack.run, conn=redis_client).to_pylist()
-    assert [(i["segment"], i["segments"], i["turns"]) for i in items] == [(0, 2, [0, 1]), (1, 2, [2])]
+    assert [(i["lineage"], i["lineages"], i["turns"]) for i in items] == [(0, 2, [0, 1]), (1, 2, [2])]
     assert items[1]["input_ids"] == rows[2]["prompt_token_ids"] + rows[2]["completion_token_ids"]
     # The same episodes as torch batches: padded, the masks and logprobs where the items have them.
     from pipeline.read.torch_data import RolloutBatches
 
     (batch,) = list(RolloutBatches(stack.run, conn=redis_client, trajectories=True, batch_size=8, pad_id=0))
-    assert batch["session_id"] == [sid, sid] and batch["segment"] == [0, 1]
+    assert batch["session_id"] == [sid, sid] and batch["lineage"] == [0, 1]
     for row, item in enumerate(items):
         n = len(item["input_ids"])
         assert batch["input_ids"][row, :n].tolist() == item["input_ids"]
@@ -239,7 +239,7 @@ def test_the_async_client_runs_sessions_concurrently(redis_client: redis.Redis, 
     assert answers == ["fine"] * 12
     items = pipeline.read_trajectories(stack.run, conn=redis_client).to_pylist()
     assert sorted(i["session_id"] for i in items) == sorted(sessions)
-    assert all(i["segments"] == 1 and i["turns"] == [0, 1, 2] for i in items)
+    assert all(i["lineages"] == 1 and i["turns"] == [0, 1, 2] for i in items)
 
 
 def test_a_server_restarted_mid_episode_loses_nothing(redis_client: redis.Redis, serve: Any,

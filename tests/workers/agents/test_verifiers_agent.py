@@ -55,6 +55,6 @@ def test_a_verifiers_environment_is_an_agent_with_no_glue(redis_client: redis.Re
         "add:0": ("finished", 1.0, 2), "add:1": ("finished", 1.0, 2)}, {k: o.reason for k, o in outcomes.items()}
     (group,) = run.groups()
     for item in group.to_pylist():
-        assert item["turns"] == [0, 1] and item["segments"] == 1 and item["reward"] == 1.0
+        assert item["turns"] == [0, 1] and item["lineages"] == 1 and item["reward"] == 1.0
         text = script.tokenizer.decode(item["input_ids"], skip_special_tokens=False)
         assert '"name": "calc_add"' in text and "<|tool|>5<|end|>" in text and text.endswith("The answer is 5.<|end|>")
