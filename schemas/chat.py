@@ -39,7 +39,7 @@ GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest
 TOOL_HOST_ROLES = ("root", "system", "developer")
 # The fields a chat line shares with a token-id line (same types, same constraints).
 SHARED_FIELDS = ("id", "sampling_params", "logprobs", "prompt_logprobs", "return_routed_experts", "metadata",
-                 "routing_key")
+                 "routing_key", "adapter")
 # The fields that stand in for `input_ids` (exactly one of them, rendered at submit).
 CHAT_INPUTS = ("messages", "prompt")
 

@@ -54,5 +54,8 @@ class WorkerInfo(BaseModel):
     current_job: str | None = None
     error: str | None = None
     capabilities: Capabilities = Capabilities()
+    # The LoRA adapter versions resident on its engine (`NAME@vN`, `schemas.adapters.pinned`), as of
+    # its last state change: routing prefers a worker that holds a turn's adapter.
+    adapters: list[str] = []
     started_at: float
     heartbeat_at: float

@@ -17,7 +17,10 @@ home worker
   has an absolute threshold too). A few long sessions cannot pile onto one worker: once
   their home is full, the next turn moves.
 
-Otherwise the turn goes to the least-loaded candidate and that becomes the session's home.
+Otherwise the turn goes to the least-loaded candidate and that becomes the session's home; for a
+turn on a LoRA adapter, the least-loaded candidate holding that adapter version resident
+(`prefers`: loading it elsewhere costs a read from its store, and on an HTTP engine a load on its
+servers) while that one is within `slack` sessions of the least-loaded of all.
 Ties (an idle pool) are broken by rendezvous hashing of the session id and the worker id, so
 sessions spread evenly and every server picks alike, without hashing on the prompt (hashing a
 system prompt that every session shares sends a whole dataset to one engine). Why a home moves
@@ -63,7 +66,8 @@ def rank(session_id: str, worker_id: str) -> int:
 
 def choose(session_id: str, home: str | None, workers: Sequence[WorkerInfo], loads: Mapping[str, int], *,
            can_serve: Callable[[WorkerInfo], bool], desired_version: int | None,
-           load_factor: float = DEFAULT_LOAD_FACTOR, slack: int = DEFAULT_SLACK) -> Route:
+           load_factor: float = DEFAULT_LOAD_FACTOR, slack: int = DEFAULT_SLACK,
+           prefers: Callable[[WorkerInfo], bool] | None = None) -> Route:
     """The worker for a session's next turn (see the module doc)."""
     capable = [w for w in workers if w.state not in SICK and can_serve(w)]
     current = [w for w in capable if desired_version is None or w.weight_version == desired_version]
@@ -71,7 +75,13 @@ def choose(session_id: str, home: str | None, workers: Sequence[WorkerInfo], loa
     if not candidates:
         return Route(None, None if home is None else "gone")
     ids = {w.worker_id for w in candidates}
-    target = min(candidates, key=lambda w: (loads.get(w.worker_id, 0), -rank(session_id, w.worker_id))).worker_id
+    def least_loaded(among: Sequence[WorkerInfo]) -> WorkerInfo:
+        return min(among, key=lambda w: (loads.get(w.worker_id, 0), -rank(session_id, w.worker_id)))
+
+    target = least_loaded(candidates).worker_id
+    holding = [w for w in candidates if prefers(w)] if prefers is not None else []
+    if holding and loads.get(least_loaded(holding).worker_id, 0) <= loads.get(target, 0) + slack:
+        target = least_loaded(holding).worker_id
     if home in ids:
         limit = max(bound(sum(loads.get(i, 0) for i in ids), len(ids), load_factor),
                     loads.get(target, 0) + slack)

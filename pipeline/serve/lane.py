@@ -75,7 +75,7 @@ class Lane:
             placement.check()
         except CapabilityError as exc:
             raise APIError(400, str(exc).replace("nothing was enqueued:\n  ", ""), code="unservable") from None
-        route = self.router.route(turn.session_id, home, workers, placement, group)
+        route = self.router.route(turn.session_id, home, workers, placement, group, adapter=request.adapter)
         self.batcher.enqueue(WaitingTurn(request, turn, run, output, needs, (run, output, group, route.worker),
                                       route.worker, home))
         return route

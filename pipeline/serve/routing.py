@@ -20,11 +20,13 @@ from collections.abc import Hashable
 
 import redis
 
+from pipeline.core import adapters
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route, choose
 from pipeline.core.broker import control_channel, keys, registry
 from pipeline.core.errors import PipelineError
 from pipeline.core.jobs import lanes
 from pipeline.submit.placement import Placement
+from schemas.adapters import pinned
 from schemas.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class Router:
         self.load_factor = load_factor
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         self._desired: tuple[float, int | None] = (0.0, None)
+        self._adapters: tuple[float, dict[str, int]] = (0.0, {})
         self._loads: tuple[float, dict[str, int]] = (0.0, {})
         # Sessions this server placed (+1) or moved away (-1) whose load entries are not yet written.
         self._unwritten: Counter[str] = Counter()
@@ -71,6 +74,16 @@ class Router:
                 self._desired = (time.monotonic(), version)
             return version
 
+    def adapter_versions(self) -> dict[str, int]:
+        """The pool's adapters' current versions (read at most every `WORKERS_TTL_S` per server)."""
+        with self._lock:
+            read_at, versions = self._adapters
+            if time.monotonic() - read_at > WORKERS_TTL_S:
+                records = adapters.records(self.conn, self.keys.name)
+                versions = {name: record.version for name, record in records.items()}
+                self._adapters = (time.monotonic(), versions)
+            return versions
+
     def loads(self, workers: list[WorkerInfo]) -> dict[str, int]:
         """Active sessions homed at each live worker (read at most every `LOADS_TTL_S`; the sessions
         this server places or moves in between are counted as it does)."""
@@ -89,8 +102,9 @@ class Router:
         return loads
 
     def route(self, session_id: str, home: str | None, workers: list[WorkerInfo], placement: Placement,
-              group: Hashable) -> Route:
-        """The worker for a session's turn (`affinity.choose`), counted in its load at once."""
+              group: Hashable, adapter: str | None = None) -> Route:
+        """The worker for a session's turn (`affinity.choose`; on `adapter`, preferring a worker with
+        its current version resident), counted in its load at once."""
         if not self.affinity:
             return Route(None)
 
@@ -100,9 +114,17 @@ class Router:
             index = placement.classes.index(worker.capabilities)
             return not isinstance(group, tuple) or index in group
 
+        prefers = None
+        version = self.adapter_versions().get(adapter) if adapter is not None else None
+        if adapter is not None and version is not None:
+            key = pinned(adapter, version)
+
+            def prefers(worker: WorkerInfo) -> bool:
+                return key in worker.adapters
+
         loads = self.loads(workers)
         route = choose(session_id, home, workers, loads, can_serve=can_serve, desired_version=self.desired_version(),
-                       load_factor=self.load_factor)
+                       load_factor=self.load_factor, prefers=prefers)
         if route.worker is not None and route.worker != home:
             with self._lock:
                 loads[route.worker] = loads.get(route.worker, 0) + 1

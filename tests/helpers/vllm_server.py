@@ -11,7 +11,8 @@ about 1.5 minutes on 2 cores.
 
 `SERVER_FLAGS` are the flags the `vllm-http` engine needs for this project's logprob contract
 (`--logprobs-mode processed_logprobs`: after penalties and temperature); `launch(..., flags=())`
-starts a server with vLLM's default (raw) logprobs.
+starts a server with vLLM's default (raw) logprobs. `LORA_FLAGS` and `LORA_ENV` add LoRA adapters
+loaded at run time (`/v1/load_lora_adapter`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,8 @@ SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs")
 # extension (found through PYTHONPATH=this checkout, `REPO`), which `vllm-http` uses for store pushes.
 BASE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
               "--enable-server-load-tracking", "--worker-extension-cls", WEIGHT_EXTENSION)
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "4")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 REPO = Path(__file__).resolve().parents[2]
 SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
@@ -59,6 +62,7 @@ class VLLMServer:
     log: Path
     python: Path
     flags: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # beside SERVER_ENV
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -68,7 +72,7 @@ class VLLMServer:
     def start(self) -> None:
         """Start the server process (again, after `stop`: same port, model and flags)."""
         env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(SERVER_ENV, PYTHONPATH=str(REPO))  # the weight extension; vLLM imports nothing else of it
+        env.update(SERVER_ENV, **self.env, PYTHONPATH=str(REPO))  # PYTHONPATH: the weight extension
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                    "--host", "127.0.0.1", "--port", str(self.port), *BASE_FLAGS, *self.flags]
         with self.log.open("ab") as out:
@@ -134,8 +138,8 @@ def platform_supported() -> bool:
 
 
 def launch(python: Path, model_dir: Path, log: Path, *, port: int | None = None,
-           flags: tuple[str, ...] = SERVER_FLAGS) -> VLLMServer:
-    server = VLLMServer(port or free_port(), model_dir, log, python, flags)
+           flags: tuple[str, ...] = SERVER_FLAGS, env: dict[str, str] | None = None) -> VLLMServer:
+    server = VLLMServer(port or free_port(), model_dir, log, python, flags, dict(env or {}))
     server.start()
     return server
 

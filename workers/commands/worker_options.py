@@ -19,12 +19,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-sequences", type=int, default=64, metavar="N",
                         help="hf engine: samples of a job's requests decoded together in one batch (default 64)")
     parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS, metavar="N",
-                        help="hf, sim and sglang-http engines: LoRA adapters kept resident; past N the least "
-                             f"recently used is evicted, and loaded again from its store when a job names it (default "
-                             f"{DEFAULT_MAX_ADAPTERS}; docs/adapters.md)")
+                        help="hf, sim, sglang-http and vllm-http engines: LoRA adapters kept resident; past N "
+                             "the least recently used is evicted, and loaded again from its store when a job names it "
+                             f"(default {DEFAULT_MAX_ADAPTERS}; docs/adapters.md)")
     parser.add_argument("--adapter-dir", default=None, metavar="DIR",
-                        help="sglang-http engine: where LoRA adapter versions are written (PEFT format) for the "
-                             "servers to load; a path the SGLang servers can read (default: rollout-adapters "
+                        help="sglang-http and vllm-http engines: where LoRA adapter versions are written (PEFT format) "
+                             "for the servers to load; a path the servers can read (default: rollout-adapters "
                              "under the system's temporary directory)")
     parser.add_argument(
         "--max-top-logprobs", type=int,

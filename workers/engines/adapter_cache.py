@@ -53,10 +53,10 @@ class AdapterCache:
         evict past the capacity, never one of `keys`. `UnsupportedRequestError` if one cannot load."""
         wanted = list(dict.fromkeys(k for k in keys if k != BASE))
         for key in wanted:
-            if key in self.resident:
-                self.resident.move_to_end(key)
-                continue
             with self._lock:
+                if key in self.resident:
+                    self.resident.move_to_end(key)
+                    continue
                 record = self._records.get(key)
             if record is None:
                 raise UnsupportedRequestError(f"adapter {key}: this worker was never told where it is stored")
@@ -65,20 +65,29 @@ class AdapterCache:
                 self._load(key, record, tensors)
             except Exception as exc:  # peft's own checks: the adapter does not fit this engine's model
                 raise UnsupportedRequestError(f"adapter {key} does not load on this worker: {exc}") from exc
-            self.resident[key] = None
+            with self._lock:
+                self.resident[key] = None
             self.loads += 1
-        for key in [k for k in self.resident if k not in wanted][: max(0, len(self.resident) - self.capacity)]:
+        for key in [k for k in self.held() if k not in wanted][: max(0, len(self.resident) - self.capacity)]:
             self._unload(key)
-            del self.resident[key]
+            with self._lock:
+                del self.resident[key]
             self.evictions += 1
+
+    def held(self) -> list[str]:
+        """The resident adapters' keys, least recently used first (safe from any thread)."""
+        with self._lock:
+            return list(self.resident)
 
     def forget(self, key: str) -> None:
         """Adapter `key` is no longer resident (its server lost it): loaded again when next needed."""
-        self.resident.pop(key, None)
+        with self._lock:
+            self.resident.pop(key, None)
 
     def clear(self) -> None:
         """Forget what is resident (the engine dropped every adapter: new base weights)."""
-        self.resident.clear()
+        with self._lock:
+            self.resident.clear()
 
 
 def read_version(record: AdapterRecord) -> list[TensorBits]:
@@ -99,3 +108,8 @@ def read_version(record: AdapterRecord) -> list[TensorBits]:
 def serves_adapters(engine: object) -> bool:
     """Whether an engine serves LoRA adapters (it has an `adapters` cache)."""
     return isinstance(getattr(engine, "adapters", None), AdapterCache)
+
+
+def resident_adapters(engine: object) -> list[str]:
+    """The adapter versions resident on an engine (none where it serves no adapters)."""
+    return engine.adapters.held() if serves_adapters(engine) else []  # type: ignore[attr-defined]

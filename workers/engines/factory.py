@@ -20,8 +20,8 @@ class EngineOptions:
     max_top_logprobs: int = 0
     weight_version: int = 0
     max_batch_sequences: int = 64  # hf: samples decoded together
-    max_adapters: int = DEFAULT_MAX_ADAPTERS  # hf, sim, sglang-http: LoRA adapters kept resident (LRU evicted past it)
-    adapter_dir: str | None = None  # sglang-http: where adapters are written for the servers to load
+    max_adapters: int = DEFAULT_MAX_ADAPTERS  # hf, sim, sglang-http, vllm-http: LoRA adapters resident (LRU)
+    adapter_dir: str | None = None  # sglang-http, vllm-http: where adapters are written for the servers to load
     urls: tuple[str, ...] = ()  # sglang-http: SGLang servers or gateways; vllm-http: vLLM servers
     sim: dict[str, float] = field(default_factory=dict)  # sim: SimConfig fields
     routed_experts: bool = False  # sglang and sim engines: serve return_routed_experts
@@ -106,7 +106,9 @@ def build_engine(options: EngineOptions) -> Engine:
         if options.routed_experts:
             raise EngineUnavailableError("--engine vllm-http does not serve routed experts; drop --routed-experts")
         return VLLMHTTPEngine(options.urls, max_top_logprobs=options.max_top_logprobs,
-                              weight_version=options.weight_version, vocab_size=_vocab_size(options))
+                              weight_version=options.weight_version, vocab_size=_vocab_size(options),
+                              max_adapters=options.max_adapters,
+                              adapter_dir=Path(options.adapter_dir) if options.adapter_dir else None)
     if options.engine == "sglang":
         from workers.engines.sglang.engine import SGLangEngine
 

@@ -30,7 +30,7 @@ def pin_adapters(requests: Sequence[RolloutRequest], engine: Engine, conn: redis
     if not serves_adapters(engine):
         raise UnsupportedRequestError(
             f"request {named[0].id!r} names adapter {named[0].adapter!r}; the {engine.description.name} engine "
-            "serves no LoRA adapters (the hf, sim and sglang-http engines do)")
+            "serves no LoRA adapters (the hf, sim, sglang-http and vllm-http engines do)")
     if conn is None:
         raise WorkerError("a job naming adapters needs a Redis connection to look them up")
     found = adapters.records(conn, pool)

@@ -42,6 +42,7 @@ from pipeline.core.broker import keys
 from pipeline.core.jobs import lanes, rq_seam
 from schemas.control import DesiredState
 from schemas.worker_info import WorkerState
+from workers.engines.adapter_cache import resident_adapters
 from workers.engines.base import Engine, is_concurrent
 from workers.engines.serial import SerialEngine
 from workers.jobs import admission, context
@@ -160,7 +161,7 @@ class EngineWorker(SimpleWorker):
             self.metrics.set_state(state)
             self.metrics.set_weight_version(self.engine.weight_version)
             self.presence.update(state=state, current_job=current_job, weight_version=self.engine.weight_version,
-                                 error=self._registry_error())
+                                 error=self._registry_error(), adapters=resident_adapters(self.engine))
 
     def _registry_error(self) -> str | None:
         """What the registry entry says is wrong, published with the state it explains (None: nothing)."""

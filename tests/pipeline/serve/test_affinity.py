@@ -100,3 +100,16 @@ def test_a_skewed_mix_keeps_every_worker_within_the_bound(load_factor: float, sl
             in_flight.pop(rng.randrange(len(in_flight)))
     if not slack:  # the bound's rounding up: at most one turn above c x mean (3 at 24 in flight over 8)
         assert worst <= load_factor + 1 / 3
+
+
+def test_a_new_session_on_an_adapter_prefers_a_worker_holding_it_within_the_slack() -> None:
+    def holds(*names: str):  # type: ignore[no-untyped-def]
+        return lambda w: w.worker_id in names
+
+    loads = {"w0": 0, "w1": 2, "w2": 3, "w3": 1}
+    assert choose("s1", None, WORKERS, loads, can_serve=lambda w: True, desired_version=0,
+                  prefers=holds("w1", "w2")) == Route("w1", "new")  # 2 <= 0 + slack 2
+    assert choose("s1", None, WORKERS, loads, can_serve=lambda w: True, desired_version=0,
+                  prefers=holds("w2")) == Route("w0", "new")  # 3 > 0 + 2: the load bound first
+    assert choose("s1", "w0", WORKERS, loads, can_serve=lambda w: True, desired_version=0,
+                  prefers=holds("w1")) == Route("w0")  # a home with room keeps the session

@@ -28,6 +28,7 @@ from pipeline.core.weights.safetensors_io import TensorBits
 from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
+from workers.engines import adapter_files
 from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http.backends import Answer, error_message, parse_weight_version
@@ -67,7 +68,7 @@ class SGLangHTTPEngine(HTTPEngine):
     ) -> None:
         super().__init__(name="sglang-http")
         self.adapters = AdapterCache(self._load_adapter, self._unload_adapter, max_adapters)
-        self._adapter_dir = adapter_dir or adapters.default_directory()
+        self._adapter_dir = adapter_dir or adapter_files.default_directory()
         self._client = SGLangClient(
             urls, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             max_in_flight=max_in_flight, retry=retry, transport=transport,
@@ -143,7 +144,7 @@ class SGLangHTTPEngine(HTTPEngine):
 
     def _load_adapter(self, key: str, record: AdapterRecord, tensors: list[TensorBits]) -> None:
         """Materialise adapter `key` where the servers read it, then load it on each under that name."""
-        path = adapters.materialise(self._adapter_dir, key, record, tensors)
+        path = adapter_files.materialise(self._adapter_dir, key, record, tensors)
         answers = self._bridge.run(self._client.backends.fan_out(
             "POST", "/load_lora_adapter", {"lora_name": key, "lora_path": str(path)}, timeout_s=600, rediscover=True))
         failures = []

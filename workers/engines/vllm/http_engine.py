@@ -27,6 +27,16 @@ cache (its KV was computed with the old weights), tags the weights (`POST
 /update_weight_version`) and resumes. A cancelled call closes its connection, which vLLM takes as
 an abort (`with_cancellation`); a partial swap aborts by id (`POST /abort_requests`), and vLLM
 answers each aborted completion with what it generated so far and `finish_reason: abort`.
+
+LoRA adapters (servers started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, which
+adds vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`; vllm/entrypoints/serve/lora/): the
+adapters a batch names are written to PEFT directories (`workers.engines.adapter_files`) and loaded
+on every server under their pinned names (`NAME@vN`) before it is sent, `max_adapters` kept
+resident (LRU, `workers.engines.adapter_cache`); a completion names its adapter in `model`. vLLM
+0.32 can also reload an adapter in place under the same name (`load_inplace`); the engine does not:
+a job pins one version, and its rows say which, so each version is its own name. A server that lost
+an adapter (restarted) answers 404 "The model `NAME@vN` does not exist": the job is handed back,
+never served by the base, and the adapter loaded again before it runs here next.
 """
 
 from __future__ import annotations
@@ -43,10 +53,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from pipeline.core.weights.manifest import Manifest
+from pipeline.core.weights.safetensors_io import TensorBits
 from pipeline.core.weights.store import WeightStore, version_dir
+from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines import model_config
+from workers.engines import adapter_files, model_config
+from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http.backends import Answer, Backends, answered, error_message, parse_weight_version
 from workers.engines.http.client import Aborts, GenerateClient, RetryPolicy, Wire
@@ -76,6 +89,11 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PAUSE_MODES = ("abort", "wait", "keep")  # vllm/v1/engine/__init__.py: PauseMode
 # The worker extension the project ships (`--worker-extension-cls`): weight-store versions applied in place.
 WEIGHT_EXTENSION = "workers.engines.vllm.weight_extension.RolloutWeightExtension"
+# vLLM's answers: a completion naming an adapter it has no record of (never loaded, lost in a restart),
+# and a load of a name it serves already (vllm/entrypoints/openai/models/serving.py).
+UNKNOWN_MODEL = "does not exist"
+ALREADY_LOADED = "has already been loaded"
+LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 STAGING_POLL_S = 0.05
 STAGING_TIMEOUT_S = 1800.0
 _PROBE_TOP = 5
@@ -116,8 +134,12 @@ class VLLMHTTPEngine(HTTPEngine):
         connect_timeout_s: float = 10.0,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        adapter_dir: Path | None = None,
     ) -> None:
         super().__init__(name="vllm-http")
+        self.adapters = AdapterCache(self._load_adapter, self._unload_adapter, max_adapters)
+        self._adapter_dir = adapter_dir or adapter_files.default_directory()
         self._client = GenerateClient(urls, vllm_wire, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                                       max_in_flight=max_in_flight, retry=retry, transport=transport)
         try:
@@ -137,6 +159,9 @@ class VLLMHTTPEngine(HTTPEngine):
         paused = self._bridge.run(self._client.backends.each("GET", "/is_paused", timeout_s=30))
         self.dev_mode = {url: answered(answer) for url, answer in paused.items()}
         infos = self.server_info()
+        # Where the configuration is readable: which servers were started without --enable-lora.
+        self._no_lora = [url for url, info in infos.items() if info and info.get("vllm_config", {}).get("lora_config")
+                         is None]
         modes = {url: _config(info, "logprobs_mode") if info else None for url, info in infos.items()}
         for url in [u for u, mode in modes.items() if mode not in LOGPROBS_MODES]:
             modes[url] = self._bridge.run(probe_logprobs_mode(self._client.client, url))
@@ -189,6 +214,21 @@ class VLLMHTTPEngine(HTTPEngine):
             raise UnsupportedRequestError(reason)
         return completion_calls(request)
 
+    def _prepare(self, requests: Sequence[RolloutRequest]) -> None:
+        self.adapters.ensure(r.adapter for r in requests if r.adapter is not None)
+
+    async def _generate(self, call: CompletionCall, live: Any = None) -> list[SampleOutput]:
+        try:
+            return await super()._generate(call, live)
+        except UnsupportedRequestError as exc:
+            key = call.request.adapter
+            if key is None or UNKNOWN_MODEL not in str(exc):
+                raise
+            self.adapters.forget(key)
+            raise UnsupportedRequestError(
+                f"request {call.request.id!r}: adapter {key} is no longer loaded on the vLLM server (restarted?); "
+                f"the job is handed back, and the adapter is loaded again before it runs here ({exc})") from exc
+
     def _parse(self, call: CompletionCall, url: str, body: Any) -> list[SampleOutput]:
         return parse_completion(call, body)
 
@@ -201,6 +241,37 @@ class VLLMHTTPEngine(HTTPEngine):
         return super().interrupt()
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    def _load_adapter(self, key: str, record: AdapterRecord, tensors: list[TensorBits]) -> None:
+        """Materialise adapter `key` where the servers read it, then load it on each under that name."""
+        if self._no_lora:
+            raise ValueError(f"the vLLM server(s) {', '.join(self._no_lora)} were started without --enable-lora "
+                             f"(restart them with --enable-lora --max-lora-rank R and {LORA_ENV}=1)")
+        path = adapter_files.materialise(self._adapter_dir, key, record, tensors)
+        answers = self._bridge.run(self._client.backends.each(
+            "POST", "/v1/load_lora_adapter", {"lora_name": key, "lora_path": str(path)}, timeout_s=600))
+        failures = []
+        for url, answer in answers.items():
+            if isinstance(answer, httpx.Response) and (answer.status_code < 400
+                                                       or ALREADY_LOADED in error_message(answer)):
+                continue
+            hint = (f"it serves no /v1/load_lora_adapter: restart it with {LORA_ENV}=1"
+                    if isinstance(answer, httpx.Response) and answer.status_code == 404 else
+                    "is it started with --enable-lora and a --max-lora-rank of at least the adapter's, and can it "
+                    "read that path?")
+            failures.append(f"{self._client.backends.describe(url, answer)} ({hint})")
+        if failures:
+            raise ValueError(f"vLLM POST /v1/load_lora_adapter ({path}) failed on " + "; ".join(failures))
+
+    def _unload_adapter(self, key: str) -> None:
+        """Unload adapter `key` from every server; best effort (a server that restarted has it no more):
+        a failure is logged, and the adapter is loaded again whenever a batch needs it."""
+        answers = self._bridge.run(self._client.backends.each("POST", "/v1/unload_lora_adapter", {"lora_name": key},
+                                                              timeout_s=600))
+        for url, answer in answers.items():
+            if not (isinstance(answer, httpx.Response) and answer.status_code < 400):
+                log.warning("vLLM POST /v1/unload_lora_adapter %s: %s", key,
+                            self._client.backends.describe(url, answer))
 
     def _each(self, method: str, path: str, json: Any = None, *,
               timeout_s: float | None = None) -> dict[str, httpx.Response]:

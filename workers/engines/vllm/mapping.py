@@ -126,6 +126,8 @@ def completion_payload(request: RolloutRequest, *, rid: str, n: int, seed: int |
         "presence_penalty": params.presence_penalty,
         "repetition_penalty": params.repetition_penalty,
     }
+    if request.adapter is not None:  # the pinned name the engine loaded it under (`NAME@vN`)
+        body["model"] = request.adapter
     if seed is not None:
         body["seed"] = seed
     if request.logprobs is not None:
