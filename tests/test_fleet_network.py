@@ -9,7 +9,6 @@ why, where namespaces cannot be made (not root, no `ip`)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +18,11 @@ import pytest
 import pipeline
 from pipeline.core.broker import connection
 from tests.conftest import PIPELINE
-from tests.helpers import agents, netns_fleet
+from tests.helpers import agents, fleet_redis, netns_fleet
 from tests.helpers.netns_fleet import Fleet, redis_binary
 from tests.helpers.processes import stop_all, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 HOSTS = ["redis-a", "redis-b", "trainer", "gpu-1", "gpu-2", "serve"]
-SENTINELS = ["redis-a", "redis-b", "trainer"]
 REQUESTS, BATCH = 160, 8
 # A lease: a worker's job is taken for abandoned 3 heartbeats + 1 s after its last heartbeat.
 HEARTBEAT_S = 0.5
@@ -39,69 +36,19 @@ def fleet(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     marker = request.node.get_closest_marker("redis_args")
     fleet = Fleet(HOSTS).up()
     try:
-        _redis_group(fleet, tmp_path, list(marker.args) if marker else [])
+        fleet_redis.start_group(fleet, tmp_path, list(marker.args) if marker else [])
         yield fleet
     finally:
         fleet.down()
 
 
-def _redis_group(fleet: Fleet, tmp_path: Path, extra: list[str]) -> None:
-    master = fleet.ip("redis-a")
-    for host in ("redis-a", "redis-b"):
-        data = tmp_path / host
-        data.mkdir()
-        command = [redis_binary("redis-server"), "--port", "6379", "--bind", "0.0.0.0", "--protected-mode", "no",
-                   "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data),
-                   "--replica-announce-ip", fleet.ip(host), *extra]
-        if host != "redis-a":
-            command += ["--replicaof", master, "6379"]
-        fleet.start(host, command, log=tmp_path / f"{host}-redis.log")
-    for host in SENTINELS:
-        conf = tmp_path / f"{host}-sentinel.conf"
-        conf.write_text(f"port 26379\nbind 0.0.0.0\nprotected-mode no\nsentinel announce-ip {fleet.ip(host)}\n"
-                        f"sentinel monitor pipeline {master} 6379 2\n"
-                        "sentinel down-after-milliseconds pipeline 1000\nsentinel failover-timeout pipeline 5000\n")
-        fleet.start(host, [redis_binary("redis-server"), str(conf), "--sentinel"],
-                    log=tmp_path / f"{host}-sentinel.log")
-    wait_until(lambda: _replicas_seen(fleet) == 1, 60, "the sentinels to see the master and its replica")
-
-
-def _replicas_seen(fleet: Fleet) -> int:
-    out = fleet.run("trainer", [redis_binary("redis-cli"), "-p", "26379", "sentinel", "replicas", "pipeline"])
-    return out.count("flags\nslave\n") if "flags" in out else 0
-
-
-def _master(fleet: Fleet) -> str:
-    out = fleet.run("trainer", [redis_binary("redis-cli"), "-p", "26379", "sentinel", "get-master-addr-by-name",
-                                "pipeline"])
-    return out.split("\n")[0]
-
-
-def _in_sync(fleet: Fleet, host: str) -> bool:
-    """A replica linked to its master, its first append-only file after the full sync written (Redis
-    6.2 drops a SIGTERM that comes while it writes that file: "Writing initial AOF, can't exit")."""
-    info = fleet.run(host, [redis_binary("redis-cli"), "info"])
-    return all(line in info.splitlines() for line in ("role:slave", "master_link_status:up",
-                                                      "aof_rewrite_in_progress:0", "aof_rewrite_scheduled:0"))
-
-
-def _env(fleet: Fleet, tmp_path: Path) -> dict[str, str]:
-    sentinels = ",".join(f"{fleet.ip(h)}:26379" for h in SENTINELS)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_REDIS_URL": f"redis+sentinel://{sentinels}/pipeline/0",
-           "PIPELINE_OUTPUT": str(tmp_path / "shards"), "PIPELINE_REDIS_RECONNECT_S": "120"}
-    env.pop("PIPELINE_CONTROL_SECRET", None)
-    return env
-
-
 def _start_worker(fleet: Fleet, tmp_path: Path, host: str) -> None:
-    fleet.start(host, [*PIPELINE, "worker", "--engine", "sim", "--sim-step-ms", "40", "--heartbeat-interval",
-                       str(HEARTBEAT_S), "--worker-id", host],
-                env=_env(fleet, tmp_path), log=tmp_path / f"{host}-worker.log")
+    fleet_redis.start_worker(fleet, tmp_path, host, heartbeat_s=HEARTBEAT_S)
 
 
 def _start_work(fleet: Fleet, tmp_path: Path, workers: tuple[str, ...]) -> object:
     """Sim workers on `workers`' hosts, and the trainer's `pipeline submit --wait` (its process)."""
-    env = _env(fleet, tmp_path)
+    env = fleet_redis.pipeline_env(fleet, tmp_path)
     for host in workers:
         _start_worker(fleet, tmp_path, host)
     requests = tmp_path / "requests.jsonl"
@@ -116,7 +63,7 @@ def _start_work(fleet: Fleet, tmp_path: Path, workers: tuple[str, ...]) -> objec
 def _worker_states(fleet: Fleet, tmp_path: Path) -> dict[str, str]:
     """Each live worker's registry state, read from the trainer's host."""
     code = "import json, pipeline; print(json.dumps({w.worker_id: w.state for w in pipeline.connect().workers()}))"
-    out = fleet.run("trainer", [sys.executable, "-c", code], env=_env(fleet, tmp_path), timeout=60)
+    out = fleet.run("trainer", [sys.executable, "-c", code], env=fleet_redis.pipeline_env(fleet, tmp_path), timeout=60)
     return json.loads(out) if out.strip() else {}
 
 
@@ -159,11 +106,34 @@ def test_the_masters_host_cut_off_fails_over_and_rejoins_as_a_replica(fleet: Fle
     wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
     fleet.cut("redis-a")
     assert trainer.poll() is None, "the run ended before the fault"  # type: ignore[attr-defined]
-    wait_until(lambda: _master(fleet) == fleet.ip("redis-b"), 60, "the sentinels to promote the replica")
+    wait_until(lambda: fleet_redis.master(fleet) == fleet.ip("redis-b"), 60, "the sentinels to promote the replica")
     wait_until(lambda: _shards(tmp_path) >= 6, 120, "work committing on the new master")
     fleet.heal("redis-a")
-    wait_until(lambda: _in_sync(fleet, "redis-a"), 60, "the old master to rejoin as a replica, in sync")
+    wait_until(lambda: fleet_redis.in_sync(fleet, "redis-a"), 60, "the old master to rejoin as a replica, in sync")
     _check_rows_and_stop(fleet, tmp_path, trainer)
+
+
+FOLLOWER = """
+from pipeline.core.broker.connection import connect_redis
+print(connect_redis().blpop(["dead-peer"], timeout=0)[1].decode(), flush=True)
+"""
+
+
+def test_a_client_waiting_on_the_cut_off_master_follows_the_failover(fleet: Fleet, tmp_path: Path) -> None:
+    """A blocking read in flight to the master when its host is cut off: no reset ever comes from a
+    host cut off, yet the client drops that connection (keepalive, TCP_USER_TIMEOUT) and reads on
+    the promoted master, instead of waiting out its socket timeout (none here: the kernel's
+    retransmissions, a quarter of an hour)."""
+    log = tmp_path / "follower.log"
+    follower = fleet.start("trainer", [sys.executable, "-c", FOLLOWER], env=fleet_redis.pipeline_env(fleet, tmp_path),
+                           log=log)
+    cli = [redis_binary("redis-cli"), "-h", fleet.ip("redis-a")]
+    wait_until(lambda: "cmd=blpop" in fleet.run("trainer", [*cli, "client", "list"]), 60, "the follower's BLPOP")
+    fleet.cut("redis-a")
+    wait_until(lambda: fleet_redis.master(fleet) == fleet.ip("redis-b"), 60, "the sentinels to promote the replica")
+    fleet.run("trainer", [redis_binary("redis-cli"), "-h", fleet.ip("redis-b"), "rpush", "dead-peer", "followed"])
+    wait_until(lambda: follower.poll() is not None, 60, "the follower to read on the promoted master")
+    assert log.read_text().split() == ["followed"], log.read_text()
 
 
 def _refused_writes(fleet: Fleet) -> int:
@@ -190,7 +160,7 @@ def test_the_masters_replica_cut_off_is_waited_out(fleet: Fleet, tmp_path: Path)
     assert all(p.poll() is None for p in workers), "a worker quit on NOREPLICAS"
     fleet.heal("redis-b")
     wait_until(lambda: trainer.poll() is not None, 300, "the trainer's submit to finish")  # type: ignore[attr-defined]
-    assert _master(fleet) == fleet.ip("redis-a"), "a failover happened"
+    assert fleet_redis.master(fleet) == fleet.ip("redis-a"), "a failover happened"
     _check_rows_and_stop(fleet, tmp_path, trainer)
     for host in ("gpu-1", "gpu-2"):
         errors = [line for line in (tmp_path / f"{host}-worker.log").read_text().splitlines() if " ERROR " in line]
@@ -236,7 +206,7 @@ print(json.dumps({"outcomes": sorted(episodes.outcomes(conn, "eps")),
 
 
 def _agent_worker_registered(fleet: Fleet) -> bool:
-    out = fleet.run("trainer", [redis_binary("redis-cli"), "-h", _master(fleet), "--scan", "--pattern",
+    out = fleet.run("trainer", [redis_binary("redis-cli"), "-h", fleet_redis.master(fleet), "--scan", "--pattern",
                                 "*agent-worker:serve-agent"])
     return bool(out.strip())
 
@@ -245,7 +215,7 @@ def test_serves_host_cut_off_mid_episode(fleet: Fleet, tmp_path: Path) -> None:
     """`pipeline serve` and its agent worker on one host, cut off from Redis and the GPU workers with
     episodes in flight until the agent worker's registry entry expired, then healed: every episode
     ends once, one trajectory each."""
-    env = _env(fleet, tmp_path)
+    env = fleet_redis.pipeline_env(fleet, tmp_path)
     events = tmp_path / "events.jsonl"
     env.update(PIPELINE_TEST_AGENT_EVENTS=str(events), PIPELINE_SERVE_API_KEY="fleet-key")
     for host in ("gpu-1", "gpu-2"):

@@ -2,8 +2,10 @@
 
 Workers push each answer (the turn id, then its rows or an error) to the inbox of the server that
 enqueued the turn (`pipeline.core.jobs.replies`), one push for all the turns of a job. One thread
-of the server takes them: a BLPOP, then whatever else waits there in one LPOP, so under load a turn
-costs the server a fraction of a command while it waits, and no socket of its own. A waiter asks for
+of the server takes them: a BLPOP, whose answer goes to its waiter at once, then whatever else waits
+there in one LPOP, so under load a turn costs the server a fraction of a command while it waits, and
+no socket of its own, and a lone turn waits on no round trip after its answer comes (Redis on
+another host: benchmarks/across_hosts.py). A waiter asks for
 its turn's answer (`expect`) and gets a future; an answer that comes before its waiter asks (a fast
 worker) is kept for `UNCLAIMED_S`; one nobody asks for in that time (its waiter gave up) is dropped,
 its rows still in the turn log, where a later call finds them (`turn_wait.TurnWaiter`).
@@ -79,7 +81,11 @@ class Inbox:
         while not self._closed.is_set():
             try:
                 popped = self.conn.blpop([self.key], timeout=BLOCK_S)
-                taken = [] if popped is None else [popped[1], *(self.conn.lpop(self.key, TAKE_AT_ONCE) or [])]
+                if popped is not None:
+                    # The first answer goes to its waiter now, not a round trip later with the rest.
+                    self._deliver(popped[1])
+                    for raw in self.conn.lpop(self.key, TAKE_AT_ONCE) or []:
+                        self._deliver(raw)
             except redis.RedisError as exc:
                 if not unreachable:  # once an outage
                     log.warning("server %s: its inbox is unreachable (%s); waiters look at the turn log meanwhile",
@@ -88,8 +94,6 @@ class Inbox:
                 self._closed.wait(REDIS_RETRY_S)
                 continue
             unreachable = False
-            for raw in taken:
-                self._deliver(raw)
 
     def _deliver(self, raw: bytes) -> None:
         try:

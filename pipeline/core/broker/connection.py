@@ -16,6 +16,9 @@ replica answers. Outside the URL:
 - `PIPELINE_REDIS_RECONNECT_S` (default 60): how long a command keeps retrying, with
   exponential backoff and jitter, while Redis is unavailable, before it raises.
 
+A TCP connection to a Redis whose host stopped answering (cut off, powered off) is dropped after
+about `DEAD_PEER_S` (keepalive probes and `TCP_USER_TIMEOUT`), and its command retried as a lost one.
+
 Unavailable (`is_unavailable`) is a lost or refused connection, a timeout, and the replies with which
 a Redis refuses a command it has not run: `NOREPLICAS` (a master with fewer replicas than its
 `min-replicas-to-write`), `READONLY` (a master demoted to a replica), `MASTERDOWN` (a replica cut off
@@ -53,6 +56,14 @@ UNAVAILABLE_CODES = frozenset({"NOREPLICAS", "READONLY", "MASTERDOWN", "LOADING"
 # The same refusal of a write inside a Lua script, wrapped in the script's error (Redis 6: `… -NOREPLICAS …`).
 _SCRIPT_REFUSAL = re.compile(r"^Error running script .*: -(" + "|".join(sorted(UNAVAILABLE_CODES)) + r") ")
 PROBE_TIMEOUT_S = 1.0
+# A Redis host cut off answers nothing, not even a reset: a command in flight to it (or a blocking
+# read waiting on it) would wait out the socket timeout (RQ sets 20 s on a worker's; none elsewhere:
+# the kernel's retransmissions, a quarter of an hour) before its retry asks the sentinels for the
+# promoted master. Keepalive probes after 2 s without traffic, and a connection whose data or probes
+# go unacknowledged for DEAD_PEER_S, is dropped (where the platform has these options: Linux).
+DEAD_PEER_S = 5
+_DEAD_PEER_OPTIONS = {"TCP_KEEPIDLE": 2, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": DEAD_PEER_S,
+                      "TCP_USER_TIMEOUT": DEAD_PEER_S * 1000}
 
 
 def is_unavailable(error: BaseException) -> bool:
@@ -190,7 +201,8 @@ def client_kwargs(url: str, *, reconnect_for_s: float | None = None) -> dict[str
         "retry": retry_policy(reconnect_for_s),
     }
     if scheme != "unix":  # TCP only
-        kwargs.update(socket_keepalive=True, socket_connect_timeout=10)
+        kwargs.update(socket_keepalive=True, socket_connect_timeout=10, socket_keepalive_options={
+            getattr(socket, name): value for name, value in _DEAD_PEER_OPTIONS.items() if hasattr(socket, name)})
     if sentinel is not None:
         query: dict[str, list[str]] = {}
         has_password = sentinel.password is not None
@@ -306,5 +318,7 @@ def asyncio_twin(conn: redis.Redis, *, max_connections: int | None = None) -> An
     if pool.connection_class is redis.UnixDomainSocketConnection:
         return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
     if pool.connection_class is redis.Connection:
-        return redis.asyncio.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379), **common)
+        return redis.asyncio.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379),
+                                   socket_keepalive=kwargs.get("socket_keepalive"),
+                                   socket_keepalive_options=kwargs.get("socket_keepalive_options"), **common)
     return None

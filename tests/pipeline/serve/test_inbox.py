@@ -3,6 +3,9 @@ waiters, whenever they ask (real redis-server)."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import redis
 
 from pipeline.core.broker import keys
@@ -40,4 +43,30 @@ def test_a_waiter_that_gave_up_leaves_the_answer_to_the_next_one(redis_client: r
         assert inbox.expect("s1-00001-aaa").result(timeout=10) == b"rows"  # the caller's retry gets it
         assert not gone.done()
     finally:
+        inbox.close()
+
+
+class _FarRedis(redis.Redis):
+    """Redis on another host whose every LPOP answer is late: it comes once `arrives` is set."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.arrives = threading.Event()
+
+    def lpop(self, *args: Any, **kwargs: Any) -> Any:
+        self.arrives.wait(60)
+        return super().lpop(*args, **kwargs)
+
+
+def test_an_answer_reaches_its_waiter_without_waiting_on_another_round_trip(redis_client: redis.Redis) -> None:
+    """A lone turn's answer, taken by the BLPOP, goes to its waiter at once, not once the LPOP that
+    takes whatever else waits has answered (a round trip more per turn with Redis on another host)."""
+    far = _FarRedis(connection_pool=redis_client.connection_pool)
+    inbox = Inbox(far)
+    try:
+        answer = inbox.expect("s1-00002-aaa")
+        _push(redis_client, inbox.server_id, ("s1-00002-aaa", b"rows"))
+        assert answer.result(timeout=30) == b"rows"
+    finally:
+        far.arrives.set()
         inbox.close()
