@@ -595,7 +595,9 @@ class SessionStore:
 
     def reward(self, session_id: str, body: Any) -> Session:
         """Record `{"reward": x}`, `{"rewards": {name: x}}` (numbers) and/or `{"lineage_rewards": {call id: x}}`
-        (a lineage's own reward, by its last call's id); replaces an earlier reward."""
+        (a lineage's own reward, by its last call's id). Each reward named replaces its own earlier value and
+        the others stay, so an agent worker ending the session with the episode's `{"reward": x}` keeps the
+        `lineage_rewards` the harness posted before."""
         session = self.get(session_id)
         allowed = {"reward", "rewards", "lineage_rewards"}
         if not isinstance(body, dict) or set(body) - allowed or not body:
@@ -613,9 +615,10 @@ class SessionStore:
                 raise APIError(400, f"reward {name!r} must be a finite number, not {value!r}",
                                param=name if name.startswith("lineage_rewards.") else f"rewards.{name}")
         if lineages:
-            values["lineage_rewards"] = lineages
-        self.conn.hset(keys.session(session_id), "reward", json.dumps(values))
-        session.reward = values
+            values["lineage_rewards"] = {**((session.reward or {}).get("lineage_rewards") or {}), **lineages}
+        merged = {**(session.reward or {}), **values}
+        self.conn.hset(keys.session(session_id), "reward", json.dumps(merged))
+        session.reward = merged
         return session
 
     def end(self, session_id: str) -> Session:

@@ -84,10 +84,12 @@ def _turn(store: SessionStore, session: Session, turn: int, versions: tuple[int,
     """Record one turn of `session` as a server does once its rows are back (the session as read when
     the turn began)."""
     session = store.get(session.session_id)
-    pending = Pending(turn, f"{session.session_id}-t{turn}", "req", "msgs", 1 + turn, prefix_break)
-    assert store.claim(session, pending)
-    record = TurnRecord(turn, pending.turn_id, "req", "msgs", 1 + turn, [1, 2, 3], None, [], {})
-    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=3, cached_tokens=0))
+    pending = Pending(f"{turn:06x}", f"req{turn}", "", 1 + turn, prefix_break, None)
+    assert store.claim(session, pending, retry=False) == turn
+    record = TurnRecord(turn, pending.turn_id(session.session_id, turn), f"req{turn}", "", 1 + turn, [1, 2, 3],
+                        None, [], {})
+    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=3, cached_tokens=0),
+                 None, None)
 
 
 def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_turns(

@@ -146,3 +146,18 @@ def test_a_call_pushes_the_expiry_back_once_it_was_set_a_day_ago(redis_client: r
     assert redis_client.ttl(key) > SESSION_TTL_S - 60  # a week again from this call
     assert redis_client.ttl(keys.session_calls("s-ttl")) > SESSION_TTL_S - 60
     assert int(redis_client.hget(key, "ttl_set_ms")) > day_ago_ms
+
+
+def test_a_later_reward_keeps_the_rewards_it_does_not_name(redis_client: redis.Redis) -> None:
+    """A harness posts a sub-agent's lineage reward mid-episode; the agent worker then ends the session
+    with the episode's reward: both stay, and a second lineage reward joins the first."""
+    store = SessionStore(redis_client)
+    store.create(run="r", pool="default", output="file:///tmp/x", session_id="s-reward")
+    store.reward("s-reward", {"lineage_rewards": {"chatcmpl-a": 0.25}})
+    store.reward("s-reward", {"reward": 1.0, "lineage_rewards": {"chatcmpl-b": 0.5}})
+    store.reward("s-reward", {"rewards": {"format": 0.1}})
+    assert store.get("s-reward").reward == {"reward": 1.0, "format": 0.1,
+                                            "lineage_rewards": {"chatcmpl-a": 0.25, "chatcmpl-b": 0.5}}
+    with pytest.raises(APIError, match="finite number"):
+        store.reward("s-reward", {"reward": float("nan")})
+    assert store.get("s-reward").reward["reward"] == 1.0
