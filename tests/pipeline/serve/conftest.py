@@ -33,18 +33,26 @@ def tools_tokenizer() -> Any:
 
 @dataclass
 class Script:
-    """A scripted model: the text each turn of a session answers (by turn index), tokenized."""
+    """A scripted model: the text each turn of a session answers (by turn index), tokenized; or, with
+    `by_prompt`, the text it answers a prompt with (for calls made in parallel, whose turn numbers
+    are in the order they reach the server). `seen` holds each request, `sampled` the ids answered."""
 
     tokenizer: Any
     turns: dict[int, str] = field(default_factory=dict)
     default: str = "ok"
+    by_prompt: Callable[[str], str] | None = None
     seen: list[RolloutRequest] = field(default_factory=list)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
 
     def reply(self, request: RolloutRequest, index: int) -> Sequence[int]:
         self.seen.append(request)
-        turn = int(request.id.rsplit(":", 1)[1])
-        text = self.turns.get(turn, self.default)
-        return [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        if self.by_prompt is not None:
+            text = self.by_prompt(self.tokenizer.decode(request.input_ids, skip_special_tokens=False))
+        else:
+            text = self.turns.get(int(request.id.rsplit(":", 1)[1]), self.default)
+        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        self.sampled[request.id] = ids
+        return ids
 
     def engine(self, **kwargs: Any) -> FakeEngine:
         return FakeEngine(replies=self.reply, end_ids=[self.tokenizer.eos_token_id], **kwargs)
@@ -123,3 +131,40 @@ def exact_trajectory(conn: redis.Redis, run: str, session_id: str, turns: int) -
     assert [p for p, m in enumerate(item["loss_mask"]) if m == 1] == sampled
     assert item["turn_starts"] == [len(r["prompt_token_ids"]) for r in rows]
     return item
+
+
+def exact_lineages(conn: redis.Redis, run: str, session_id: str, script: Script) -> list[dict[str, Any]]:
+    """Assert that `session_id`'s calls form a tree whose lineages are exact against the engine: each
+    call's row holds the prompt ids the engine was given and the ids it sampled; a call with a parent
+    starts with its parent's prompt + completion; each lineage (one per leaf) is its leaf's prompt +
+    completion, its path the parent pointers from the leaf, and its loss mask 1 exactly on the ids
+    the engine sampled for the calls on the path. Return the lineages, in `read_trajectories` order."""
+    import pipeline
+    from pipeline.read.trajectories import turn_rows
+
+    rows = {r["turn"]: r for r in turn_rows(run, conn).to_pylist() if r["session_id"] == session_id}
+    given = {request.id: list(request.input_ids) for request in script.seen}
+    assert sorted(rows) == list(range(len(rows))) and len(rows) == len(given)
+    for turn, row in rows.items():
+        assert row["prompt_token_ids"] == given[f"{session_id}:{turn}"], f"call {turn}: not the engine's prompt"
+        assert row["completion_token_ids"] == script.sampled[f"{session_id}:{turn}"], f"call {turn}: not sampled"
+        if row["parent_turn"] is not None:
+            parent = rows[row["parent_turn"]]
+            head = parent["prompt_token_ids"] + parent["completion_token_ids"]
+            assert row["prompt_token_ids"][: len(head)] == head, f"call {turn} does not extend {parent['turn']}"
+    parents = {row["parent_turn"] for row in rows.values()}
+    leaves = sorted(turn for turn in rows if turn not in parents)
+    items = [i for i in pipeline.read_trajectories(run, conn=conn).to_pylist() if i["session_id"] == session_id]
+    assert sorted(item["turns"][-1] for item in items) == leaves
+    for item in items:
+        path = [item["turns"][-1]]
+        while rows[path[0]]["parent_turn"] is not None:
+            path.insert(0, rows[path[0]]["parent_turn"])
+        assert item["turns"] == path and item["lineages"] == len(leaves)
+        leaf = rows[path[-1]]
+        assert item["input_ids"] == leaf["prompt_token_ids"] + leaf["completion_token_ids"]
+        sampled = [p for t in path for p in range(len(rows[t]["prompt_token_ids"]),
+                                                  len(rows[t]["prompt_token_ids"]) + len(rows[t]["completion_token_ids"]))]
+        assert [p for p, m in enumerate(item["loss_mask"]) if m == 1] == sampled
+        assert [item["input_ids"][p] for p in sampled] == [i for t in path for i in rows[t]["completion_token_ids"]]
+    return items
