@@ -163,8 +163,8 @@ def exact_lineages(conn: redis.Redis, run: str, session_id: str, script: Script)
         assert item["turns"] == path and item["lineages"] == len(leaves)
         leaf = rows[path[-1]]
         assert item["input_ids"] == leaf["prompt_token_ids"] + leaf["completion_token_ids"]
-        sampled = [p for t in path for p in range(len(rows[t]["prompt_token_ids"]),
-                                                  len(rows[t]["prompt_token_ids"]) + len(rows[t]["completion_token_ids"]))]
+        spans = [(len(rows[t]["prompt_token_ids"]), len(rows[t]["completion_token_ids"])) for t in path]
+        sampled = [p for start, length in spans for p in range(start, start + length)]
         assert [p for p, m in enumerate(item["loss_mask"]) if m == 1] == sampled
         assert [item["input_ids"][p] for p in sampled] == [i for t in path for i in rows[t]["completion_token_ids"]]
     return items

@@ -185,7 +185,9 @@ _STRIPPING_TEMPLATE = """\
 {%- elif m.role == 'assistant' -%}
 {%- set content = m.content.split('</think>')[-1] -%}
 {{- '<|assistant|>' -}}
-{%- if loop.index0 > last.user and m.reasoning_content -%}{{- '<think>' + m.reasoning_content + '</think>' -}}{%- endif -%}
+{%- if loop.index0 > last.user and m.reasoning_content -%}
+{{- '<think>' + m.reasoning_content + '</think>' -}}
+{%- endif -%}
 {{- content -}}
 {%- endif -%}
 {{- '<|end|>\n' -}}
