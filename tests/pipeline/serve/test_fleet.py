@@ -107,6 +107,32 @@ def test_a_sessions_turns_stay_home_and_find_their_prefix_cached(
     assert 'pipeline_sessions_open{pool="default"} 8' in scraped.text
 
 
+def test_a_call_goes_to_the_worker_that_served_the_call_it_extends(
+        serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen]) -> None:
+    """Affinity follows the tree: a sub-agent's call served on another worker makes that worker the
+    session's home, but the main agent's next call extends a call the first worker served, whose
+    cache holds its prefix: it goes there, and a new root goes to the session's home."""
+    for _ in range(2):
+        sim_workers("--sim-step-ms", "1", "--sim-median-tokens", "20", "--sim-p99-tokens", "21")
+    workers = _live(redis_client, 2)
+    stack = serve(tokenizer=None)
+    session = stack.session()
+    main = list(range(1, 101))
+    first = _turn(stack.url, session, main)
+    [[holder]] = _served_by(redis_client, stack.run).values()
+    # The session's latest call was served on the other worker (as a sub-agent's root is when the
+    # first is full or gone): that worker is now the session's home.
+    other = next(w for w in workers if w != holder)
+    redis_client.hset(keys.session(session), "home", other)
+    _turn(stack.url, session, list(range(500, 540)))  # a new root: to the session's home
+    _turn(stack.url, session, main + first["choices"][0]["token_ids"] + TOOL_RESULT)  # extends call 0
+    served = _served_by(redis_client, stack.run)
+    assert [served[(session, turn)] for turn in range(3)] == [[holder], [other], [holder]]
+    rows = {r["turn"]: r for r in turn_rows(stack.run, redis_client).to_pylist()}
+    assert rows[2]["parent_turn"] == 0 and rows[1]["parent_turn"] is None
+    assert rows[2]["cached_tokens"] >= rows[2]["prompt_tokens"] - len(TOOL_RESULT) - 16
+
+
 def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
         serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen]) -> None:
     # 400 tokens at 10 ms a step: a turn of about 4 s, long enough to kill its worker in the middle.
