@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pyarrow.compute as pc
+import pytest
 import redis
 
 import pipeline
@@ -180,6 +181,34 @@ def test_the_same_call_made_twice_on_purpose_is_two_calls(redis_client: redis.Re
     assert [a.choices[0].message.content for a in answers] == ["One.", "Two."]
     rows = _turn_rows(redis_client, stack.run)
     assert [(r["turn"], r["parent_turn"]) for r in rows] == [(0, None), (1, None)]
+
+
+def test_ending_a_session_with_a_call_in_flight_answers_and_keeps_the_call(redis_client: redis.Redis, serve: Any,
+                                                                           tools_tokenizer: Any) -> None:
+    """A harness ends its episode while a sub-agent's call is still generating: that call is answered
+    and its row kept (it was admitted before the end); a call after the end is refused."""
+    import threading
+
+    from tests.helpers.session_calls import turn_ids_in_flight
+
+    script = Script(tools_tokenizer, {0: "Late but kept."})
+    stack = serve()
+    sid = stack.session()
+    answers: list[Any] = []
+    call = threading.Thread(target=lambda: answers.append(_client(stack.url, sid).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}])))
+    call.start()  # no worker yet: the call waits in the queue
+    wait_until(lambda: len(turn_ids_in_flight(redis_client, sid)) == 1, timeout=30, what="the call in flight")
+    ended = httpx.post(f"{stack.url}/sessions/{sid}/end", timeout=30)
+    assert ended.status_code == 200, ended.text
+
+    run_agent(redis_client, script.engine(), lambda: call.join(timeout=60))
+    assert [a.choices[0].message.content for a in answers] == ["Late but kept."]
+    assert [r["turn"] for r in _turn_rows(redis_client, stack.run)] == [0]
+    shown = httpx.get(f"{stack.url}/sessions/{sid}", timeout=30).json()
+    assert (shown["state"], shown["turns"], shown["calls_in_flight"]) == ("ended", 1, 0)
+    with pytest.raises(openai.ConflictError, match="has ended"):
+        _client(stack.url, sid).chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}])
 
 
 def test_streaming_n_and_logprobs(redis_client: redis.Redis, serve: Any, tools_tokenizer: Any) -> None:
