@@ -6,7 +6,7 @@ A session as a sub-agent harness makes it: a main conversation and sub-agents, e
 conversation of its own (a system prompt, a task, 4 replies), so the session grows by branches, not
 by one conversation getting longer. At each size the next call (a sub-agent's fifth turn) is placed
 `--repeats` times: the server's work to find the call it extends — digest its messages
-(`Conversation`), look the reply keys up (`SessionStore.open`: one script on a real `redis-server`),
+(`Conversation`), look the reply keys up and claim the call (`SessionStore.open`: one script on a real `redis-server`),
 decode the parent's record. CPU of this process (`time.process_time`) and wall time, median and
 spread (p10-p90).
 
@@ -64,7 +64,6 @@ def _build(store: SessionStore, session_id: str, calls: int) -> list[dict[str, A
     """A session of `calls` committed calls (sub-agents of `TURNS_PER_AGENT` calls each); the messages of
     the next call of its last sub-agent."""
     store.create(run="bench", pool="default", output="file:///tmp/x", session_id=session_id)
-    session = store.get(session_id)
     made = 0
     agent = 0
     while made < calls:
@@ -74,16 +73,18 @@ def _build(store: SessionStore, session_id: str, calls: int) -> list[dict[str, A
             messages = _conversation(agent, turn)  # extends its call `turn - 1`, which replied "finding turn - 1"
             conversation = Conversation(messages)
             parent = None if turn == 0 else (made - 1, 0)
-            pending = Pending("abcdef", f"d{made}", conversation.whole(), len(messages), False, parent)
-            number = store.claim(session, pending, retry=False)
+            pending = Pending("abcdef", f"d{made}", conversation.whole(), len(messages))
+            opened = store.open(session_id, same=None, claim=pending, pool="default")
+            number = opened.turn
+            assert number is not None
             reply = {"role": "assistant", "content": f"agent {agent} finding {turn}"}
             prompt = list(range(PROMPT_TOKENS + 50 * turn))
             record = TurnRecord(number, pending.turn_id(session_id, number), f"d{made}", conversation.whole(),
                                 len(messages), prompt, None,
                                 [Choice(list(range(REPLY_TOKENS)), reply["content"], canonical_assistant(reply))],
                                 {"id": f"chatcmpl-{number}"}, parent, "w1")
-            store.record(session, pending, record, (1, 1), Placed("w1", "w1", None, len(prompt), 0), conversation,
-                         "w1")
+            store.record(opened.session, record, (1, 1), Placed("w1", "w1", None, len(prompt), 0), conversation,
+                         "w1", prefix_break=False)
             made += 1
         agent += 1
     # The next call of the last sub-agent that made all its turns: extends its last call.
@@ -95,7 +96,8 @@ def _place_indexed(store: SessionStore, session_id: str, messages: list[dict[str
     conversation = Conversation(messages)
     reply_keys = [conversation.reply_key(j, canonical_assistant(messages[j]))
                   for j in range(len(messages) - 2, -1, -1) if messages[j].get("role") == "assistant"]
-    opened = store.open(session_id, same=None, reply_keys=reply_keys)
+    opened = store.open(session_id, same=None, claim=Pending("abcdef", "next", conversation.whole(), len(messages)),
+                        pool="default", reply_keys=reply_keys)
     assert opened.parent is not None
     return opened.parent.turn
 
@@ -139,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=0) as server:
         conn = redis.Redis.from_url(server.url)
-        store = SessionStore(conn, max_calls=max(args.sizes) + 10)
+        store = SessionStore(conn, max_calls=max(args.sizes) + 2 * args.repeats + 10)  # each placement claims a call
         print(f"placing a sub-agent's 5th call (a session of sub-agents, {TURNS_PER_AGENT} calls each), "
               f"{args.repeats} repeats; CPU of the server's process, then wall")
         first_cpu = None

@@ -48,7 +48,7 @@ def _call_id(turn_id: str, choice: int, index: int) -> str:
 ANSWER_COLUMNS = ("sample_index", "rollout_id", "worker_id", "prompt_token_ids", "prompt_text", "prompt_tokens",
                   "cached_tokens", "completion_token_ids", "completion_logprobs", "completion_top_logprobs",
                   "completion_text", "completion_tokens", "finish_reason", "stop_reason_text", "stop_reason_token",
-                  "weight_version", "weight_version_segments")
+                  "weight_version", "weight_version_segments", "prefix_break", "parent_turn", "parent_sample")
 
 
 def turn_rows(table: pa.Table) -> list[dict[str, Any]]:

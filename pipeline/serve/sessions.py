@@ -19,8 +19,8 @@ once and a server places each new call in O(its own messages), whatever the sess
   (`token_key`), looked up at the lengths in `keys.session_ends`. Two choices with the same key (two
   identical calls, or two identical samples) index the lowest turn, then the lowest sample.
 
-Everything that changes a session happens in one Lua script each (`_OPEN`, `_CLAIM`, `_RECORD`,
-`_RELEASE`), so concurrent calls and servers never see half of a change.
+Everything that changes a session happens in one Lua script each (`_OPEN`, which reads what a call
+needs and claims it, `_RECORD`, `_RELEASE`), so concurrent calls and servers never see half of a change.
 """
 
 from __future__ import annotations
@@ -55,10 +55,14 @@ MAX_CALLS = 4096  # calls one session may start (`pipeline serve --max-session-c
 # reasoning stripped), a child of an earlier call only where its ids extend that call's exactly.
 HISTORY_MODES = ("verbatim", "template")
 
-# KEYS: the session, its calls, its ends. ARGV: the `d:` field of the call's body ('' to look for none),
-# the longest prefix (tokens) to list ends up to (-1: none), then `m:` fields, longest first. Returns the
-# session's hash (empty if unknown), then for the body's latest call its turn, record and pending entry,
-# then the first `m:` hit's value and its call's record, then the ends.
+# KEYS: the session, its calls, its ends. ARGV: the `d:` field of the call's body to look for ('' for
+# none: not a retry), the longest prefix (tokens) to list ends up to (-1: none), the call's pending entry
+# ('' to claim none), its `d:` field, the most calls a session may start, the pool the server serves,
+# then `m:` fields, longest first. Reads the session's hash (empty if unknown: nothing more), for the
+# body's latest call its turn, record and pending entry, the first `m:` hit's value and its call's
+# record, and the ends; then claims the call: its number, or false (a call of that body stands for it:
+# a retry), -1 (the session is not open), -3 (it has started its most calls), -4 (another pool's).
+# One script: the call is numbered and the parent it is placed under read in the same step.
 _OPEN = """
 local session = redis.call('HGETALL', KEYS[1])
 if #session == 0 then return {session} end
@@ -71,7 +75,7 @@ if ARGV[1] ~= '' then
   end
 end
 local parent, parent_record = false, false
-for i = 3, #ARGV do
+for i = 7, #ARGV do
   local hit = redis.call('HGET', KEYS[2], ARGV[i])
   if hit then
     parent = hit
@@ -81,7 +85,23 @@ for i = 3, #ARGV do
 end
 local ends = {}
 if tonumber(ARGV[2]) >= 0 then ends = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[2]) end
-return {session, same, same_record, same_pending, parent, parent_record, ends}
+local claimed = false
+if ARGV[3] ~= '' and not (same_record or same_pending) then
+  if redis.call('HGET', KEYS[1], 'state') ~= 'open' then
+    claimed = -1
+  elseif redis.call('HGET', KEYS[1], 'pool') ~= ARGV[6] then
+    claimed = -4
+  elseif tonumber(redis.call('HGET', KEYS[1], 'calls') or '0') >= tonumber(ARGV[5]) then
+    claimed = -3
+  else
+    claimed = redis.call('HINCRBY', KEYS[1], 'calls', 1) - 1
+    redis.call('HINCRBY', KEYS[1], 'in_flight', 1)
+    redis.call('HSET', KEYS[2], 'p:' .. claimed, ARGV[3], ARGV[4], claimed)
+    local ttl = redis.call('TTL', KEYS[1])
+    if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
+  end
+end
+return {session, same, same_record, same_pending, parent, parent_record, ends, claimed}
 """
 
 # KEYS: the session's calls. ARGV: `t:` fields, longest first. The first hit's value and its call's record.
@@ -91,28 +111,6 @@ for i = 1, #ARGV do
   if hit then return {hit, redis.call('HGET', KEYS[1], 'r:' .. string.match(hit, '^(%d+):'))} end
 end
 return {false, false}
-"""
-
-# KEYS: the session, its calls. ARGV: the `d:` field of the call's body, 1 if a call of that body in
-# flight or committed takes this one's place (a retry), the pending entry, the most calls a session may
-# start. Returns {turn} (the call's number), {-1} (the session has ended), {-2, turn} (an identical
-# call got there first: wait for it), {-3} (the session has started its most calls).
-_CLAIM = """
-if redis.call('HGET', KEYS[1], 'state') ~= 'open' then return {-1} end
-if ARGV[2] == '1' then
-  local same = redis.call('HGET', KEYS[2], ARGV[1])
-  if same and (redis.call('HEXISTS', KEYS[2], 'p:' .. same) == 1
-               or redis.call('HEXISTS', KEYS[2], 'r:' .. same) == 1) then
-    return {-2, tonumber(same)}
-  end
-end
-if tonumber(redis.call('HGET', KEYS[1], 'calls') or '0') >= tonumber(ARGV[4]) then return {-3} end
-local turn = redis.call('HINCRBY', KEYS[1], 'calls', 1) - 1
-redis.call('HINCRBY', KEYS[1], 'in_flight', 1)
-redis.call('HSET', KEYS[2], 'p:' .. turn, ARGV[3], ARGV[1], turn)
-local ttl = redis.call('TTL', KEYS[1])
-if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
-return {turn}
 """
 
 # KEYS: the session, its calls, its ends, the run's turn counts. ARGV: the turn, its record, the worker
@@ -312,21 +310,20 @@ class Pending:
     request_digest: str
     conversation: str
     n_messages: int
-    prefix_break: bool
-    parent: tuple[int, int] | None
+
+    @classmethod
+    def new(cls, request_digest: str, conversation: str, n_messages: int) -> Pending:
+        return cls(uuid.uuid4().hex[:6], request_digest, conversation, n_messages)
 
     def turn_id(self, session_id: str, turn: int) -> str:
         return str(TurnId(session_id, turn, self.nonce))
 
     def to_json(self) -> str:
-        return json.dumps({**self.__dict__, "parent": None if self.parent is None else list(self.parent)},
-                          separators=(",", ":"))
+        return json.dumps(self.__dict__, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Pending:
-        data = json.loads(raw)
-        parent = data.pop("parent")
-        return cls(**data, parent=None if parent is None else (parent[0], parent[1]))
+        return cls(**json.loads(raw))
 
 
 @dataclass(frozen=True)
@@ -429,6 +426,7 @@ class Opened:
     same: tuple[int, TurnRecord | None, Pending | None] | None
     parent: Parent | None
     ends: list[int] | None
+    turn: int | None  # the number of the call claimed; None when a call of the same body stands for it
 
 
 def _parent(hit: bytes | None, record: bytes | None) -> Parent | None:
@@ -454,7 +452,6 @@ class SessionStore:
         self.max_calls = max_calls
         self._open = conn.register_script(_OPEN)
         self._first = conn.register_script(_FIRST)
-        self._claim = conn.register_script(_CLAIM)
         self._record = conn.register_script(_RECORD)
         self._release = conn.register_script(_RELEASE)
 
@@ -514,21 +511,35 @@ class SessionStore:
             raise _not_found(session_id)
         return Session.from_hash(session_id, raw)
 
-    def open(self, session_id: str, *, same: str | None, reply_keys: Sequence[str] = (),
+    def open(self, session_id: str, *, same: str | None, claim: Pending, pool: str, reply_keys: Sequence[str] = (),
              longest_end: int = -1) -> Opened:
-        """One read for a call to start (404 for an unknown session): the session, the latest call of the
-        body digested `same` (None: look for none), the longest-listed of `reply_keys` that a committed
-        call holds, and the ends up to `longest_end` tokens (-1: none)."""
+        """One round trip to start a call (404 for an unknown session): the session, the latest call of the
+        body digested `same` (None: look for none; a retry), the longest-listed of `reply_keys` that a
+        committed call holds, and the ends up to `longest_end` tokens (-1: none); and the call claimed as
+        `claim` (`Opened.turn`), unless a call of `same` stands for it. 409 if the session has ended (its
+        episode canceled: `pipeline.core.jobs.episodes.cancel_run`) or belongs to another pool than
+        `pool`; 413 past its limit of calls."""
         where = [keys.session(session_id), keys.session_calls(session_id), keys.session_ends(session_id)]
-        reply = self._open(keys=where, args=["" if same is None else f"d:{same}", longest_end, *reply_keys])
+        reply = self._open(keys=where, args=["" if same is None else f"d:{same}", longest_end, claim.to_json(),
+                                             f"d:{claim.request_digest}", self.max_calls, pool, *reply_keys])
         if not reply[0]:
             raise _not_found(session_id)
-        session_hash, same_turn, same_record, same_pending, hit, hit_record, ends = reply
+        session_hash, same_turn, same_record, same_pending, hit, hit_record, ends, claimed = reply
         session = Session.from_hash(session_id, session_hash)
+        if claimed == -1:
+            raise ended(session_id)
+        if claimed == -4:
+            raise APIError(409, f"session {session_id!r} belongs to pool {session.pool!r}; this server serves pool "
+                                f"{pool!r}", param="session_id", code="wrong_pool")
+        if claimed == -3:
+            raise APIError(413, f"session {session_id!r} has started {self.max_calls} calls, the most one "
+                                "session may (`pipeline serve --max-session-calls`); its calls so far are all kept: "
+                                "end it and open a new session", param="session_id", code="session_too_large")
         found = None if same_turn is None else (
             int(same_turn), None if same_record is None else TurnRecord.from_json(same_record),
             None if same_pending is None else Pending.from_json(same_pending))
-        return Opened(session, found, _parent(hit, hit_record), None if longest_end < 0 else [int(n) for n in ends])
+        return Opened(session, found, _parent(hit, hit_record), None if longest_end < 0 else [int(n) for n in ends],
+                      None if claimed is None else int(claimed))
 
     def parent_by_tokens(self, session_id: str, ids: Sequence[int], ends: Sequence[int] | None) -> Parent | None:
         """The committed choice with the longest prompt + completion that `ids` extends (`ends`: the
@@ -545,24 +556,6 @@ class SessionStore:
             return None
         return parent
 
-    def claim(self, session: Session, pending: Pending, *, retry: bool) -> int:
-        """Start `pending` as the session's next call; its number. A retry (`retry`) of a body that has a
-        call in flight or committed gets `Raced` with that call's number instead; 409 if the session has
-        ended since it was read (its episode was canceled: `pipeline.core.jobs.episodes.cancel_run`);
-        413 past the session's limit of calls."""
-        reply = self._claim(keys=[keys.session(session.session_id), keys.session_calls(session.session_id)],
-                            args=[f"d:{pending.request_digest}", int(retry), pending.to_json(), self.max_calls])
-        code = int(reply[0])
-        if code == -1:
-            raise ended(session.session_id)
-        if code == -2:
-            raise Raced(int(reply[1]))
-        if code == -3:
-            raise APIError(413, f"session {session.session_id!r} has started {self.max_calls} calls, the most one "
-                                "session may (`pipeline serve --max-session-calls`); its calls so far are all kept: "
-                                "end it and open a new session", param="session_id", code="session_too_large")
-        return code
-
     def release(self, session_id: str, turn: int, pending: Pending) -> None:
         """Drop a call in flight that will not be recorded (its job failed or could not be enqueued)."""
         self._release(keys=[keys.session(session_id), keys.session_calls(session_id)], args=[turn, pending.to_json()])
@@ -576,20 +569,21 @@ class SessionStore:
         raw = self.conn.hget(keys.session_calls(session_id), f"p:{turn}")
         return None if raw is None else Pending.from_json(raw)
 
-    def record(self, session: Session, pending: Pending, record: TurnRecord, versions: tuple[int, int],
-               placed: Placed, conversation: Conversation | None, home: str | None) -> None:
+    def record(self, session: Session, record: TurnRecord, versions: tuple[int, int], placed: Placed,
+               conversation: Conversation | None, home: str | None, *, prefix_break: bool) -> None:
         """Commit a call: its record replaces its pending entry, it joins the index (so later calls can
         extend it), counts move, the session's weight versions widen, and the worker that served it
         becomes the session's home (the pool's affinity counts move with it, at once or in `counts`'
         next batch). `session` is the session as read when the call began (its expiry is taken from it);
-        `home` the worker the call was routed to as the holder of its prefix (its parent's, else the session's)."""
+        `home` the worker the call was routed to as the holder of its prefix (its parent's, else the session's);
+        `prefix_break`: the call is a root started after the session's first call (counted)."""
         now_ms = int(time.time() * 1000)
         ttl_set = now_ms if now_ms - session.ttl_set_ms >= TTL_REFRESH_S * 1000 else 0
         sid = session.session_id
         recorded = self._record(
             keys=[keys.session(sid), keys.session_calls(sid), keys.session_ends(sid), keys.run_turn_stats(session.run)],
             args=[record.turn, record.to_json(), placed.served_by, versions[0], versions[1], SESSION_TTL_S,
-                  int(pending.prefix_break), ttl_set, *record.index(conversation)])
+                  int(prefix_break), ttl_set, *record.index(conversation)])
         if recorded:
             self.counts.add(keys.pool(session.pool), session.run, placed.increments(home))
 
@@ -631,11 +625,3 @@ class SessionStore:
             pipe.execute()
         session.state = "ended"
         return session
-
-
-class Raced(Exception):
-    """An identical call (a retry's original, or a retry racing it) was claimed first: `turn`."""
-
-    def __init__(self, turn: int) -> None:
-        super().__init__(turn)
-        self.turn = turn

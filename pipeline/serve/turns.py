@@ -56,12 +56,10 @@ from pipeline.serve.sessions import (
     Parent,
     Pending,
     Placed,
-    Raced,
     Session,
     SessionStore,
     TurnRecord,
     digest,
-    ended,
 )
 from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
@@ -69,7 +67,6 @@ from pipeline.submit.render import ChatRenderer
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
 from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
-from schemas.turn_id import TurnId
 
 
 def _decode(tokenizer: Any, skip_special_tokens: bool, ids: Sequence[int]) -> str:
@@ -167,30 +164,26 @@ class Turns:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def _open(self, session_id: str | None, create: bool, identity: CallIdentity, reply_keys: Sequence[str],
-              longest_end: int) -> Opened:
-        """The named session with what the call needs of it (`SessionStore.open`: 404 if unknown unless
-        `create`, 409 if ended), or a new session of one call."""
+    def _open(self, session_id: str | None, create: bool, identity: CallIdentity, pending: Pending,
+              reply_keys: Sequence[str], longest_end: int) -> Opened:
+        """The named session with what the call needs of it, the call claimed (`SessionStore.open`: 404 if
+        unknown unless `create`, 409 if ended or another pool's), or a new session of one call."""
+        def open_session(sid: str) -> Opened:
+            return self.sessions.open(sid, same=identity.digest if identity.retry else None, claim=pending,
+                                      pool=self.settings.pool, reply_keys=reply_keys, longest_end=longest_end)
+
         if session_id is None:
-            return Opened(self.sessions.create(run=self.settings.run, pool=self.settings.pool,
-                                               output=self.settings.output, ephemeral=True), None, None, [])
+            created = self.sessions.create(run=self.settings.run, pool=self.settings.pool,
+                                           output=self.settings.output, ephemeral=True)
+            return open_session(created.session_id)
         try:
-            opened = self.sessions.open(session_id, same=identity.digest if identity.retry else None,
-                                        reply_keys=reply_keys, longest_end=longest_end)
+            return open_session(session_id)
         except APIError as exc:
             if exc.status != 404 or not create:
                 raise
-            self.sessions.get_or_create(session_id, run=self.settings.run, pool=self.settings.pool,
-                                        output=self.settings.output)
-            opened = self.sessions.open(session_id, same=identity.digest if identity.retry else None,
-                                        reply_keys=reply_keys, longest_end=longest_end)
-        session = opened.session
-        if session.state != "open":
-            raise ended(session_id)
-        if session.pool != self.settings.pool:
-            raise APIError(409, f"session {session_id!r} belongs to pool {session.pool!r}; this server serves pool "
-                                f"{self.settings.pool!r}", param="session_id", code="wrong_pool")
-        return opened
+        self.sessions.get_or_create(session_id, run=self.settings.run, pool=self.settings.pool,
+                                    output=self.settings.output)
+        return open_session(session_id)
 
     @contextlib.contextmanager
     def _ended_if_refused(self, session: Session) -> Iterator[None]:
@@ -297,11 +290,14 @@ class Turns:
         reply_keys = [conversation.reply_key(j, canonical_assistant(messages[j]))
                       for j in range(len(messages) - 2, -1, -1) if messages[j].get("role") == "assistant"]
 
+        pending = Pending.new(identity.digest, conversation.whole(), len(messages))
+
         def open_call() -> Opened:
             # A verbatim parent is looked up in the same read; under a `template` server so are the ends
             # its rendered ids are looked up at (a `template` session of a `verbatim` server reads them after).
             template = self.settings.history == "template"
-            return self._open(session_id, create, identity, reply_keys, MAX_PROMPT_TOKENS if template else -1)
+            return self._open(session_id, create, identity, pending, reply_keys,
+                              MAX_PROMPT_TOKENS if template else -1)
 
         def prompt(opened: Opened) -> Prompt:
             return self._chat_prompt(body, messages, opened)
@@ -317,7 +313,7 @@ class Turns:
                                token_text=self.token_text, logprobs=body.logprobs,
                                text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
-        return self._call(body, identity, open_call, prompt, answer, len(messages), conversation,
+        return self._call(body, open_call, prompt, pending, answer, conversation,
                           assistant_of=lambda choice: choice["message"], live=live)
 
     def _chat_request(self, body: ChatCompletionBody, messages: list[dict[str, Any]]) -> ChatRequest:
@@ -366,8 +362,10 @@ class Turns:
                                                           exclude_none=True)),
                                    idempotency_key=idempotency_key, retry_count=retry_count)
 
+        pending = Pending.new(identity.digest, "", 0)
+
         def open_call() -> Opened:
-            return self._open(session_id, create, identity, (), len(ids) - 1)
+            return self._open(session_id, create, identity, pending, (), len(ids) - 1)
 
         def prompt(opened: Opened) -> Prompt:
             parent = self.sessions.parent_by_tokens(opened.session.session_id, ids, opened.ends)
@@ -383,45 +381,39 @@ class Turns:
             return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip),
                             include_usage=body.include_usage, head=self._head(f"cmpl-{turn_id}", "text_completion"))
 
-        return self._call(body, identity, open_call, prompt, answer, 0, None,
+        return self._call(body, open_call, prompt, pending, answer, None,
                           assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]}, live=live)
 
     # -- the call -----------------------------------------------------------------------------
 
-    def _call(self, body: ChatCompletionBody | CompletionBody, identity: CallIdentity,
-              open_call: Callable[[], Opened], prompt_of: Callable[[Opened], Prompt],
-              answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]], n_messages: int,
-              conversation: Conversation | None, *, assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
+    def _call(self, body: ChatCompletionBody | CompletionBody, open_call: Callable[[], Opened],
+              prompt_of: Callable[[Opened], Prompt], pending: Pending,
+              answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]], conversation: Conversation | None,
+              *, assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
               live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
-        for _ in range(3):
-            opened = open_call()
-            session = opened.session
-            with self._ended_if_refused(session):
-                if opened.same is not None:  # a retry: the call it repeats, answered or in flight
-                    turn, record, pending = opened.same
-                    if record is not None:
-                        return record.response
-                    if pending is not None:
-                        return InFlight(session, turn, pending, started, answer, assistant_of, live, conversation)
-                prompt = prompt_of(opened)
-                try:
-                    return self._start(session, body, identity, prompt, n_messages, conversation, started,
-                                       answer, assistant_of, live)
-                except Raced:  # an identical call was claimed meanwhile: wait for it instead
-                    continue
-        raise APIError(409, "another call of the same body keeps taking this call's place", code="turn_conflict")
+        opened = open_call()
+        session = opened.session
+        with self._ended_if_refused(session):
+            if opened.turn is None:  # a retry: the call it repeats, answered or in flight
+                turn, record, original = opened.same  # type: ignore[misc]
+                if record is not None:
+                    return record.response
+                return InFlight(session, turn, original, started, answer, assistant_of, live, conversation)
+            try:
+                return self._start(session, opened.turn, pending, body, prompt_of(opened), conversation, started,
+                                   answer, assistant_of, live)
+            except BaseException:
+                self.sessions.release(session.session_id, opened.turn, pending)
+                raise
 
-    def _start(self, session: Session, body: ChatCompletionBody | CompletionBody, identity: CallIdentity,
-               prompt: Prompt, n_messages: int, conversation: Conversation | None, started: float,
+    def _start(self, session: Session, turn: int, pending: Pending, body: ChatCompletionBody | CompletionBody,
+               prompt: Prompt, conversation: Conversation | None, started: float,
                answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]],
                assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
                live: Callable[[str], LiveTurn]) -> InFlight:
         sampling = body.sampling(self._budget(prompt, body.budget()))
         parent = None if prompt.parent is None else (prompt.parent.turn, prompt.parent.sample)
-        pending = Pending(TurnId.new(session.session_id, 0).nonce, identity.digest,
-                          "" if conversation is None else conversation.whole(), n_messages, prompt.prefix_break, parent)
-        turn = self.sessions.claim(session, pending, retry=identity.retry)
         turn_id = pending.turn_id(session.session_id, turn)
         request = RolloutRequest.model_validate({
             "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
@@ -432,16 +424,12 @@ class Turns:
         })
         # Affinity follows the tree: the worker that served the parent holds its ids in its prefix cache.
         home = prompt.parent.record.served_by if prompt.parent is not None else session.home
-        try:
-            route = self.lane.enqueue(request, run=session.run, output=session.output, home=home,
-                                      turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
-                                                   prefix_break=prompt.prefix_break,
-                                                   parent_turn=None if parent is None else parent[0],
-                                                   parent_sample=None if parent is None else parent[1],
-                                                   stream=body.stream, reply_to=self.lane.inbox.server_id))
-        except BaseException:
-            self.sessions.release(session.session_id, turn, pending)
-            raise
+        route = self.lane.enqueue(request, run=session.run, output=session.output, home=home,
+                                  turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
+                                               prefix_break=prompt.prefix_break,
+                                               parent_turn=None if parent is None else parent[0],
+                                               parent_sample=None if parent is None else parent[1],
+                                               stream=body.stream, reply_to=self.lane.inbox.server_id))
         return InFlight(session, turn, pending, started, answer, assistant_of, live, conversation, route, home)
 
     async def wait_async(self, call: InFlight) -> pa.Table | dict[str, Any]:
@@ -482,11 +470,13 @@ class Turns:
 
     def _record(self, call: InFlight, rows: list[dict[str, Any]], response: dict[str, Any]) -> None:
         session, pending, assistant_of = call.session, call.pending, call.assistant_of
+        # Where the call sits in the tree, as its rows carry it (`TurnTag`): any server can record it.
+        parent = None if rows[0]["parent_turn"] is None else (rows[0]["parent_turn"], rows[0]["parent_sample"])
         choices = [Choice(row["completion_token_ids"], self._special_text(row["completion_token_ids"]),
                           canonical_assistant(assistant_of(choice)))
                    for row, choice in zip(rows, response["choices"], strict=True)]
         record = TurnRecord(call.turn, call.turn_id, pending.request_digest, pending.conversation, pending.n_messages,
-                            rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response, pending.parent,
+                            rows[0]["prompt_token_ids"], rows[0]["prompt_text"], choices, response, parent,
                             rows[0]["worker_id"])
         versions = [v for row in rows for v in ([row["weight_version"]] + [s["version"] for s in
                                                                             row["weight_version_segments"] or []])]
@@ -494,7 +484,7 @@ class Turns:
                         moved=None if call.route is None else call.route.moved,
                         prompt_tokens=sum(r["prompt_tokens"] for r in rows),
                         cached_tokens=sum(r["cached_tokens"] for r in rows))
-        self.sessions.record(session, pending, record, (min(versions), max(versions)), placed, call.conversation,
-                             call.home)
+        self.sessions.record(session, record, (min(versions), max(versions)), placed, call.conversation, call.home,
+                             prefix_break=rows[0]["prefix_break"])
         if session.ephemeral:
             self.sessions.end(session.session_id)

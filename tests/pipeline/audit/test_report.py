@@ -240,11 +240,13 @@ def test_report_counts_agent_turns_sessions_and_prefix_breaks(redis_client: redi
     for session_id, turns in (("sa", [False, True, False]), ("sb", [False])):
         session = store.create(run=run, pool="default", output=f"file://{tmp_path}", session_id=session_id)
         for index, prefix_break in enumerate(turns):
-            pending = Pending(f"{index:06x}", f"req{index}", "", 1, prefix_break, None)
-            turn = store.claim(session, pending, retry=False)
-            store.record(session, pending,
+            pending = Pending(f"{index:06x}", f"req{index}", "", 1)
+            turn = store.open(session_id, same=None, claim=pending, pool="default").turn
+            assert turn is not None
+            store.record(session,
                          TurnRecord(turn, pending.turn_id(session_id, turn), f"req{index}", "", 1, [1], None, [], {}),
-                         (2, 2), Placed("w", "w", None, prompt_tokens=3, cached_tokens=0), None, None)
+                         (2, 2), Placed("w", "w", None, prompt_tokens=3, cached_tokens=0), None, None,
+                         prefix_break=prefix_break)
     # sa's third turn is logged but not flushed to a shard yet
     redis_client.xadd(keys.turn_log(run), {"turn": "sa2", "rows": rows_to_ipc(table.slice(0, 1))})
 

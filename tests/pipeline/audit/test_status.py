@@ -84,12 +84,12 @@ def _turn(store: SessionStore, session: Session, turn: int, versions: tuple[int,
     """Record one turn of `session` as a server does once its rows are back (the session as read when
     the turn began)."""
     session = store.get(session.session_id)
-    pending = Pending(f"{turn:06x}", f"req{turn}", "", 1 + turn, prefix_break, None)
-    assert store.claim(session, pending, retry=False) == turn
+    pending = Pending(f"{turn:06x}", f"req{turn}", "", 1 + turn)
+    assert store.open(session.session_id, same=None, claim=pending, pool=session.pool).turn == turn
     record = TurnRecord(turn, pending.turn_id(session.session_id, turn), f"req{turn}", "", 1 + turn, [1, 2, 3],
                         None, [], {})
-    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=3, cached_tokens=0),
-                 None, None)
+    store.record(session, record, versions, Placed("w1", "w1", None, prompt_tokens=3, cached_tokens=0),
+                 None, None, prefix_break=prefix_break)
 
 
 def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_turns(

@@ -82,7 +82,7 @@ def test_after_take_every_reader_returns_the_taken_groups_whole_and_nothing_canc
         session = store.get(sessions[episode])
         assert session.state == "ended"
         with pytest.raises(APIError, match="has ended") as refused:
-            store.claim(session, Pending("00001a", "d", "", 2, False, None), retry=False)
+            store.open(sessions[episode], same=None, claim=Pending("00001a", "d", "", 2), pool="default")
         assert refused.value.status == 409
     # Two of them finish before their worker sees the cancel: their commits are refused, and counted
     # as nothing (no duplicate: no worker died), though their sessions hold a reward (0.0) and turns.

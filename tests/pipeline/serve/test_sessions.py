@@ -16,9 +16,9 @@ from pipeline.serve.sessions import (
     TTL_REFRESH_S,
     Choice,
     Conversation,
+    Opened,
     Pending,
     Placed,
-    Raced,
     SessionStore,
     TurnRecord,
 )
@@ -30,20 +30,34 @@ def _reply(text: str) -> dict[str, object]:
     return {"content": text, "tool_calls": []}
 
 
+def _open(store: SessionStore, session_id: str, pending: Pending, *, retry: bool = False,
+          reply_keys: list[str] | None = None) -> Opened:
+    """Open a call as a server does: read what it needs and claim it (a retry: unless its body's call stands)."""
+    return store.open(session_id, same=pending.request_digest if retry else None, claim=pending, pool="default",
+                      reply_keys=reply_keys or [])
+
+
 def _commit(store: SessionStore, session_id: str, messages: list[dict[str, object]], prompt: list[int],
             replies: list[tuple[list[int], str]], *, digest: str, versions: tuple[int, int] = (1, 1),
             parent: tuple[int, int] | None = None) -> int:
     """Claim and record a chat call of `messages` (its prompt ids `prompt`), one choice per reply."""
-    session = store.get(session_id)  # as a server reads it when the call begins
     conversation = Conversation(messages)
-    pending = Pending("abcdef", digest, conversation.whole(), len(messages), False, parent)
-    turn = store.claim(session, pending, retry=False)
+    pending = Pending("abcdef", digest, conversation.whole(), len(messages))
+    opened = _open(store, session_id, pending)
+    turn = opened.turn
+    assert turn is not None
     choices = [Choice(ids, text, _reply(text)) for ids, text in replies]
     record = TurnRecord(turn, pending.turn_id(session_id, turn), digest, conversation.whole(), len(messages), prompt,
                         None, choices, {"id": digest}, parent, "w1")
-    store.record(session, pending, record, versions, Placed("w1", "w1", None, prompt_tokens=len(prompt),
-                                                            cached_tokens=0), conversation, None)
+    store.record(opened.session, record, versions, Placed("w1", "w1", None, prompt_tokens=len(prompt),
+                                                          cached_tokens=0), conversation, None, prefix_break=False)
     return turn
+
+
+def _lookup(store: SessionStore, session_id: str, messages: list[dict[str, object]]) -> Opened:
+    """A call of `messages` opened (and claimed) as a server opens it."""
+    return _open(store, session_id, Pending("123456", f"look{len(messages)}", "", len(messages)),
+                 reply_keys=_reply_keys(messages))
 
 
 def _reply_keys(messages: list[dict[str, object]]) -> list[str]:
@@ -60,15 +74,15 @@ def test_a_call_is_placed_under_the_longest_call_it_extends(redis_client: redis.
     second = _commit(store, "s-tree", history, [1, 2, 4, 5], [([6], "c")], digest="d1", parent=(first, 1))
     # A call that continues the second call's reply extends it (not the first, which it also extends).
     longer = [*history, {"role": "assistant", "content": "c"}, {"role": "user", "content": "on"}]
-    opened = store.open("s-tree", same=None, reply_keys=_reply_keys(longer))
+    opened = _lookup(store, "s-tree", longer)
     assert opened.parent is not None and (opened.parent.turn, opened.parent.sample) == (second, 0)
     assert opened.parent.ids == [1, 2, 4, 5, 6]
     # The sample sent back decides: the first call's sample 0 ("a") is another branch.
     branch = [USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "other"}]
-    opened = store.open("s-tree", same=None, reply_keys=_reply_keys(branch))
+    opened = _lookup(store, "s-tree", branch)
     assert opened.parent is not None and (opened.parent.turn, opened.parent.sample) == (first, 0)
     # A conversation that extends no call is a root.
-    assert store.open("s-tree", same=None, reply_keys=_reply_keys([{"role": "user", "content": "x"}])).parent is None
+    assert _lookup(store, "s-tree", [{"role": "user", "content": "x"}]).parent is None
     # By tokens: the longest committed prompt + completion the ids start with.
     assert store.parent_by_tokens("s-tree", [1, 2, 4, 5, 6, 7], None).turn == second  # type: ignore[union-attr]
     assert store.parent_by_tokens("s-tree", [1, 2, 3, 9], None).sample == 0  # type: ignore[union-attr]
@@ -78,37 +92,37 @@ def test_a_call_is_placed_under_the_longest_call_it_extends(redis_client: redis.
 def test_two_identical_calls_index_the_lowest_turn(redis_client: redis.Redis) -> None:
     store = SessionStore(redis_client)
     store.create(run="r", pool="default", output="file:///x", session_id="s-tie")
-    session = store.get("s-tie")
     # Claimed in order 0, 1 but committed 1 first: the lower turn still wins the index.
-    pendings = [Pending("abcdef", f"d{i}", "", 1, False, None) for i in range(2)]
-    turns = [store.claim(session, p, retry=False) for p in pendings]
-    assert turns == [0, 1] and store.get("s-tie").in_flight == 2  # both in flight at once
-    for turn in reversed(turns):
+    pendings = [Pending("abcdef", f"d{i}", "", 1) for i in range(2)]
+    opened = [_open(store, "s-tie", p) for p in pendings]
+    assert [o.turn for o in opened] == [0, 1] and store.get("s-tie").in_flight == 2  # both in flight at once
+    for turn in (1, 0):
         record = TurnRecord(turn, pendings[turn].turn_id("s-tie", turn), f"d{turn}", Conversation([USER]).whole(), 1,
                             [1], None, [Choice([2], "same", _reply("same"))], {}, None, "w1")
-        store.record(session, pendings[turn], record, (1, 1), Placed("w1", None, None, 1, 0), Conversation([USER]),
-                     None)
+        store.record(opened[turn].session, record, (1, 1), Placed("w1", None, None, 1, 0), Conversation([USER]),
+                     None, prefix_break=False)
     later = [USER, {"role": "assistant", "content": "same"}, {"role": "user", "content": "next"}]
-    opened = store.open("s-tie", same=None, reply_keys=_reply_keys(later))
-    assert opened.parent is not None and opened.parent.turn == 0
+    placed = _lookup(store, "s-tie", later)
+    assert placed.parent is not None and placed.parent.turn == 0
     assert store.parent_by_tokens("s-tie", [1, 2, 3], None).turn == 0  # type: ignore[union-attr]
-    assert opened.session.in_flight == 0 and opened.session.turns == 2
+    assert placed.session.in_flight == 0 and placed.session.turns == 2  # as read before its own claim
 
 
 def test_a_retry_finds_its_call_and_a_racing_retry_waits_for_it(redis_client: redis.Redis) -> None:
+    """The lookup and the claim are one script: of an original and a retry racing it, whichever runs
+    first claims the call and the other finds it in flight (never two calls of one body)."""
     store = SessionStore(redis_client)
     store.create(run="r", pool="default", output="file:///x", session_id="s-retry")
-    session = store.get("s-retry")
-    original = Pending("abcdef", "body", "", 1, False, None)
-    turn = store.claim(session, original, retry=True)
-    # The retry read the session before the original was claimed; its own claim finds the original.
-    with pytest.raises(Raced) as raced:
-        store.claim(session, Pending("123456", "body", "", 1, False, None), retry=True)
-    assert raced.value.turn == turn
-    opened = store.open("s-retry", same="body")
-    assert opened.same is not None and opened.same[0] == turn and opened.same[2] == original
+    original = Pending("abcdef", "body", "", 1)
+    turn = _open(store, "s-retry", original, retry=True).turn
+    retried = _open(store, "s-retry", Pending("123456", "body", "", 1), retry=True)
+    assert retried.turn is None and retried.same == (turn, None, original)
+    assert store.get("s-retry").calls == 1
     # A call that says it is new (not a retry) is a call of its own, even with the same body.
-    assert store.claim(session, Pending("fedcba", "body", "", 1, False, None), retry=False) == turn + 1
+    assert _open(store, "s-retry", Pending("fedcba", "body", "", 1)).turn == turn + 1
+    # Released (its job failed), the call no longer stands for a retry: the retry is claimed anew.
+    store.release("s-retry", turn + 1, Pending("fedcba", "body", "", 1))
+    assert _open(store, "s-retry", Pending("0a0a0a", "body", "", 1), retry=True).turn == turn + 2
 
 
 def test_a_session_past_its_limit_of_calls_is_refused_and_keeps_its_calls(redis_client: redis.Redis) -> None:
@@ -117,7 +131,7 @@ def test_a_session_past_its_limit_of_calls_is_refused_and_keeps_its_calls(redis_
     for i in range(2):
         _commit(store, "s-limit", [USER], [1], [([2], "x")], digest=f"d{i}")
     with pytest.raises(APIError) as refused:
-        store.claim(store.get("s-limit"), Pending("abcdef", "d9", "", 1, False, None), retry=False)
+        _open(store, "s-limit", Pending("abcdef", "d9", "", 1))
     assert refused.value.status == 413 and refused.value.code == "session_too_large"
     assert "2 calls" in refused.value.message and "--max-session-calls" in refused.value.message
     assert store.get("s-limit").turns == 2 and redis_client.hexists(keys.session_calls("s-limit"), "r:1")
