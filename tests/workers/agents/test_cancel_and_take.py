@@ -125,15 +125,16 @@ def test_a_canceled_episode_starts_no_turn_after_the_cancel(
                    "two episodes calling the model")
         run.cancel()
         for session_id in turns_of("turn"):
-            # The turns it started before the cancel: those committed, and the one in flight (if any).
-            session = store.get(session_id)
-            at_cancel[session_id] = session.turns + (session.pending is not None)
+            # The calls it started before the cancel: those committed, and those in flight (if any).
+            at_cancel[session_id] = store.get(session_id).calls
         wait_until(lambda: len(turns_of("refused")) == 2, 60, "each agent's next call refused")
 
     worker, alive = _with_agent_worker(redis_client, server, "calls_until_refused", 2, trainer)
     assert alive is False and worker.stats.canceled == 2
     assert {e["status"] for e in events(events_file) if e["kind"] == "refused"} == {409}
-    assert {s: store.get(s).turns for s in at_cancel} == at_cancel  # no turn started after the cancel
+    # No call started after the cancel, and each started before it was answered and recorded.
+    assert {s: store.get(s).calls for s in at_cancel} == at_cancel
+    assert {s: store.get(s).turns for s in at_cancel} == at_cancel
     counts = run.counts()
     assert (counts["canceled"], counts["duplicates"], counts["running"]) == (2, 0, 0)
     assert pipeline.read_trajectories("stopped", conn=redis_client).num_rows == 0
