@@ -11,8 +11,10 @@ Sentinel group (a master, two replicas, three sentinels: `tests.helpers.sentinel
 reaches through a `redis+sentinel://` URL; N times it SIGKILLs whichever server is master while
 jobs run (the requests go in N + 1 parts: the first at the start, each other right after a kill,
 while the master is down; with `--push-during-kill` the second kill lands in the middle of a weight
-push), prints the seconds from the kill to the first commit after it, counts the shards a follower
-(started at the first submit) received, and restarts the dead server as a replica. At the end it
+push; with `--demote` the master is not killed but demoted by `SENTINEL FAILOVER`, and it answers,
+taking writes the promotion loses, until the sentinels make it a replica), prints the seconds from
+the kill to the first commit after it, counts the shards a follower (started at the first submit)
+received, and restarts the dead server as a replica. At the end it
 prints
 
     requested: N samples  rows: R  missing: M  duplicated: D  (... seconds)
@@ -155,7 +157,7 @@ def run(
     *, requests: int = 2000, workers: int = 4, batch_size: int = 25, job_seconds: float = 0.1,
     kills: int = 6, kill_every: float = 0.6, restart_redis: bool = False, seed: int = 0,
     timeout: float = 120.0, retries: int = 6, directory: Path | None = None, engine: str = "fake",
-    step_seconds: float = 0.05, kill_master: int = 0, push_during_kill: bool = False,
+    step_seconds: float = 0.05, kill_master: int = 0, push_during_kill: bool = False, demote: bool = False,
 ) -> Outcome:
     """Run one chaos round and count what came out."""
     rng = random.Random(seed)
@@ -250,7 +252,7 @@ def run(
             if push_during_kill and len(recovery_s) == 1:  # the second kill lands in a weight push
                 push = threading.Thread(target=push_weights, args=(len(recovery_s),), daemon=True)
                 push.start()
-            dead = group.kill_master()
+            dead = group.demote_master() if demote else group.kill_master()
             killed_at = time.monotonic()
             batches.append(Batch(conn, submit_requests(conn, parts[len(batches)], run="chaos", output=output,
                                                        batch_size=batch_size, retries=retries)))
@@ -258,12 +260,14 @@ def run(
                 all_submitted.set()
             while conn.xlen(keys.commit_log("chaos")) <= commits:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"chaos: no commit within {timeout}s after the master on port {dead} died")
+                    raise TimeoutError(f"chaos: no commit within {timeout}s after the master on port {dead} "
+                                       f"{'was demoted' if demote else 'died'}")
                 time.sleep(0.01)
             recovery_s.append(time.monotonic() - killed_at)
-            print(f"master on port {dead} killed; {recovery_s[-1]:.2f} s to the next commit (master now on port "
-                  f"{group.master_port()})", file=sys.stderr)
-            group.restart(dead)  # a replica again once the sentinels notice it; the other replica takes the next kill
+            print(f"master on port {dead} {'demoted' if demote else 'killed'}; {recovery_s[-1]:.2f} s to the next "
+                  f"commit (master now on port {group.master_port()})", file=sys.stderr)
+            if not demote:
+                group.restart(dead)  # a replica again once the sentinels notice; the other replica takes the next kill
             if push is not None:
                 push.join()
 
@@ -380,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run Redis as a Sentinel group and SIGKILL its master this many times")
     parser.add_argument("--push-during-kill", action="store_true",
                         help="with --kill-master 2 or more: the second kill lands in a weight push")
+    parser.add_argument("--demote", action="store_true",
+                        help="with --kill-master: demote the master (SENTINEL FAILOVER) instead of killing it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--baseline", action="store_true", help="first run the same load without kills")
@@ -394,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         print("baseline:", base.line(), flush=True)
     outcome = run(**common, kills=args.kills, kill_every=args.kill_every,  # type: ignore[arg-type]
                   restart_redis=args.restart_redis, directory=args.directory, kill_master=args.kill_master,
-                  push_during_kill=args.push_during_kill)
+                  push_during_kill=args.push_during_kill, demote=args.demote)
     print(json.dumps(dataclasses.asdict(outcome)) if args.json else outcome.line())
     if args.baseline:
         print(f"time ratio chaos/baseline: {outcome.seconds / base.seconds:.2f}")

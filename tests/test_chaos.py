@@ -81,6 +81,23 @@ def test_sigkilled_redis_masters_fail_over_under_sentinel_and_lose_and_duplicate
                                  "shards": outcome["jobs"], "rows": 1440}, outcome["status"]
 
 
+def test_masters_demoted_while_they_still_answer_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    """The sentinels fail over from a master that still runs (`SENTINEL FAILOVER`, as an operator
+    does, and as the sentinels do to a master too busy to answer their pings for a second), twice
+    while sim workers run jobs: the old master answers, and takes writes, until the sentinels turn
+    it into a replica, which drops them. Each such write (a submit, commits) is noticed against the
+    master the sentinels name and made again there: every request still has exactly one row. (Before,
+    a write acknowledged by a master whose replicas had left counted as kept: the run stalled with
+    the submit and commits gone.)"""
+    outcome = chaos(tmp_path, "--engine", "sim", "--step-seconds", "0.05", "--requests", "800", "--workers", "3",
+                    "--batch-size", "25", "--kills", "0", "--kill-master", "2", "--demote")
+    assert outcome["master_kills"] == 2
+    assert_exactly_once(outcome, 960)
+    assert outcome["followed"] == outcome["followed_distinct"] == outcome["jobs"]
+    assert outcome["status"] == {"queued": 0, "retrying": 0, "started": 0, "failed": 0,
+                                 "shards": outcome["jobs"], "rows": 960}, outcome["status"]
+
+
 def _processes_under(directory: Path) -> list[int]:
     """Live processes whose working directory lies under `directory` (Redis servers run in their data dir)."""
     found = []

@@ -5,7 +5,8 @@ machine; a deployment runs its own (compose.yaml's `sentinel` profile). The sent
 same binary in sentinel mode (`redis-server sentinel.conf --sentinel`): each declares the master
 down after `down_after_ms` without an answer, and `quorum` of them agree to promote a replica.
 `kill_master()` SIGKILLs whichever server is master now; `restart(port)` brings a killed server
-back, and the sentinels turn it into a replica of the new master.
+back, and the sentinels turn it into a replica of the new master. `demote_master()` has the
+sentinels fail over from a master that still runs.
 """
 
 from __future__ import annotations
@@ -162,6 +163,22 @@ class SentinelGroup:
         pid = int((self.servers[port].directory / "redis.pid").read_text().strip())
         os.kill(pid, signal.SIGKILL)
         return port
+
+    def demote_master(self, timeout: float = READY_TIMEOUT_S) -> int:
+        """Have the sentinels promote a replica while the master still runs (`SENTINEL FAILOVER`, as
+        an operator does, and as sentinels do to a master that stops answering their pings for a
+        while): it answers, and takes writes the promotion loses, until they turn it into a replica.
+        Returns its port."""
+        port = self.master_port()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._sentinel(self.sentinel_ports[0]).execute_command("SENTINEL", "FAILOVER", self.master_name)
+                return port
+            except redis.ResponseError as error:  # INPROG, NOGOODSLAVE: an earlier failover still settling
+                if time.monotonic() > deadline:
+                    raise EmbeddedRedisError(f"the sentinels refused to fail over from port {port}: {error}") from None
+                time.sleep(0.2)
 
     def wait_for_failover(self, old_port: int, timeout: float = READY_TIMEOUT_S) -> int:
         """Until the sentinels name another master, and it answers as one; return its port."""

@@ -12,10 +12,14 @@ server it waits on:
   out), so that whichever the sentinels promote has the write, and not at all when it has none;
   a number waits for that many; `0` turns the wait off.
 - `PIPELINE_REDIS_WAIT_TIMEOUT_MS` (default 10000): how long to wait in all, in slices of at most
-  `SLICE_MS`. Each slice asks the master the sentinels name *now*, so a failover during the wait
-  is noticed: when the write is not on the new master, `WriteLostError` is raised and the caller
-  writes again (`write_until_kept`: a commit, a control change, an ack) or says so (a submit,
-  `pipeline.submit.enqueue`).
+  `SLICE_MS`. A slice that falls short asks the sentinels which master they name *now*, so a
+  failover during the wait is noticed, also one that demoted a master still answering (it takes
+  writes until the sentinels turn it into a replica, and they are lost then): when the write is
+  not on the new master, `WriteLostError` is raised and the caller writes again
+  (`write_until_kept`: a commit, a control change, an ack) or says so (a submit,
+  `pipeline.submit.enqueue`). Under Sentinel a replica that leaves while a write waits does not
+  lower the count waited for (a replica being promoted leaves its master first), and a master
+  with no replica to wait for is checked against the sentinels' answer before a write counts.
 - A wait that runs out while the write is still on a live master is reported, not raised: a
   warning names the write and how many replicas confirmed it; only that master's death in that
   window could still lose it (then a job re-runs; `workers.jobs.reconcile` finds what it orphaned).
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from redis.sentinel import SentinelConnectionPool
 
 from pipeline.core import settings
 from pipeline.core.broker import keys
@@ -89,8 +94,12 @@ def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
     name now does not have the write (it was lost with the master that took it). `what` names
     the write in errors and in the warning on a timeout."""
     want = wanted_replicas(conn)
+    sentinels = conn.connection_pool if isinstance(conn.connection_pool, SentinelConnectionPool) else None
     if want == 0:
+        if sentinels is not None and _master_moved(sentinels) and not proof.holds(conn.execute_command(*proof.args)):
+            raise WriteLostError(what)
         return None
+    started_with = want
     limit = settings.redis_wait_timeout_ms()
     deadline = time.monotonic() + limit / 1000
     while True:
@@ -106,13 +115,34 @@ def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
             return int(confirmed)
         if time.monotonic() >= deadline:
             break
-        want = wanted_replicas(conn, fresh=True)  # the replica may have gone (auto: nothing to wait for)
-        if want == 0:
-            return None
+        if sentinels is not None and _master_moved(sentinels):
+            continue  # the next slice runs on the master named now: its proof says whether the write is there
+        fresh = wanted_replicas(conn, fresh=True)
+        if sentinels is None:
+            want = fresh  # the replica may have gone (auto: nothing to wait for)
+            if want == 0:
+                return None
+        else:
+            # Under Sentinel a replica leaving a master is what a failover looks like: the replica
+            # being promoted stops replicating first, and the master answers (and takes writes the
+            # promotion loses) until the sentinels demote it. So wait for as many as before, asking
+            # the sentinels each slice, until the timeout.
+            want = max(fresh, started_with)
     log.warning("%s: written on the Redis master but %d of %d replica(s) confirmed it within %d ms "
                 "(%s); a failover now could lose it", what, int(confirmed), want, limit,
                 settings.REDIS_WAIT_TIMEOUT_MS.name)
     return int(confirmed)
+
+
+def _master_moved(pool: SentinelConnectionPool) -> bool:
+    """Whether the sentinels name a master other than the one `pool`'s connections went to (a
+    failover, whose old master may still answer: what it takes now is lost when it is demoted).
+    redis-py then drops the pool's idle connections, so the next command asks the new master."""
+    before = pool.master_address
+    try:
+        return pool.get_master_address() != before
+    except redis.RedisError:  # no sentinel names a master now (mid-failover): the next slice asks again
+        return False
 
 
 def write_until_kept(write: Callable[[], T], confirm: Callable[[T], object], what: str) -> T:
