@@ -55,7 +55,8 @@ CHECK_EVERY_S = 5.0
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_replicas_seen: weakref.WeakKeyDictionary[Any, tuple[float, int]] = weakref.WeakKeyDictionary()
+_replicas_seen: weakref.WeakKeyDictionary[Any, tuple[float, int, tuple[str, int] | None]] = (
+    weakref.WeakKeyDictionary())
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
     pool = conn.connection_pool
     now = time.monotonic()
     seen = _replicas_seen.get(pool)
-    if fresh or seen is None or now - seen[0] > CHECK_EVERY_S:
+    master = _master_address(conn)  # under Sentinel a count is the master's it was read from, not the next one's
+    if fresh or seen is None or now - seen[0] > CHECK_EVERY_S or seen[2] != master:
         try:
             info = conn.info("replication")
         except redis.ResponseError:  # a server without INFO (fakeredis): no replicas to wait for
@@ -83,9 +85,15 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
         # Replicas in sync (a replica still loading a full copy acknowledges nothing until it is done).
         connected = sum(1 for key, value in info.items()
                         if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
-        seen = (now, connected)
+        seen = (now, connected, master)
         _replicas_seen[pool] = seen
     return seen[1]
+
+
+def _master_address(conn: redis.Redis) -> tuple[str, int] | None:
+    """The address of the master a Sentinel client's connections go to (None for any other client)."""
+    pool = conn.connection_pool
+    return pool.master_address if isinstance(pool, SentinelConnectionPool) else None
 
 
 def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
@@ -99,7 +107,7 @@ def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
         if sentinels is not None and _master_moved(sentinels) and not proof.holds(conn.execute_command(*proof.args)):
             raise WriteLostError(what)
         return None
-    started_with = want
+    started_with, master = want, _master_address(conn)
     limit = settings.redis_wait_timeout_ms()
     deadline = time.monotonic() + limit / 1000
     while True:
@@ -118,16 +126,19 @@ def replicated(conn: redis.Redis, what: str, proof: Proof) -> int | None:
         if sentinels is not None and _master_moved(sentinels):
             continue  # the next slice runs on the master named now: its proof says whether the write is there
         fresh = wanted_replicas(conn, fresh=True)
-        if sentinels is None:
-            want = fresh  # the replica may have gone (auto: nothing to wait for)
-            if want == 0:
-                return None
-        else:
+        if sentinels is not None and _master_address(conn) == master:
             # Under Sentinel a replica leaving a master is what a failover looks like: the replica
             # being promoted stops replicating first, and the master answers (and takes writes the
             # promotion loses) until the sentinels demote it. So wait for as many as before, asking
             # the sentinels each slice, until the timeout.
             want = max(fresh, started_with)
+        else:
+            # The replica may have gone (auto: nothing to wait for); or the wait moved to the master
+            # the sentinels named after a failover, where the proof held: its own replicas count.
+            started_with, master = fresh, _master_address(conn)
+            want = fresh
+            if want == 0:
+                return None
     log.warning("%s: written on the Redis master but %d of %d replica(s) confirmed it within %d ms "
                 "(%s); a failover now could lose it", what, int(confirmed), want, limit,
                 settings.REDIS_WAIT_TIMEOUT_MS.name)
