@@ -76,7 +76,8 @@ def _spec(conn: redis.Redis, run: str) -> dict[str, Any]:
 
 def _empty_item(outcome: EpisodeOutcome) -> dict[str, Any]:
     return {"session_id": outcome.session_id or "", "lineage": 0, "lineages": 1, "parent_turn": None, "turns": [],
-            "input_ids": [], "loss_mask": [], "old_logprobs": [], "token_weight_version": [], "turn_starts": [],
+            "input_ids": [], "loss_mask": [], "old_logprobs": [], "token_weight_version": [], "adapter": None,
+            "token_adapter_version": [], "turn_starts": [],
             "rewards": None}
 
 

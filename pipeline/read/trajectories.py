@@ -13,6 +13,10 @@ call under the call it extends). Per item:
 - `old_logprobs` (float32): the sampling engine's logprob of each sampled token, 0 elsewhere;
 - `token_weight_version` (int64): the weight version that sampled each token, -1 elsewhere
   (a turn continued across a partial swap has several);
+- `adapter`: the LoRA adapter the lineage's calls ran on (null: the base weights; a session names
+  one for all its calls, `docs/adapters.md`); `token_adapter_version` (int64): the version of it that
+  sampled each token, -1 elsewhere and on the base (each call runs on the version current when its
+  job started, so a lineage may span several);
 - `turn_starts`: where each turn's sampled tokens begin; `turns`: those turns' indices;
 - `reward` and `rewards` (JSON): what `POST /sessions/<id>/reward` recorded (needs Redis): the
   session's reward applies to each of its lineages, unless the dict holds `"lineage_rewards":
@@ -59,9 +63,11 @@ from schemas.turn_id import TurnId
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
             "weight_version", "weight_version_segments", "prefix_break", "parent_turn", "parent_sample",
-            "finished_at", "worker_id", "prompt_tokens", "cached_tokens"]
-# Rows written before a session was a tree of calls have no parent pointers: every call a root.
-_POINTERS = ("parent_turn", "parent_sample")
+            "finished_at", "worker_id", "prompt_tokens", "cached_tokens", "adapter", "adapter_version"]
+# Rows written before a session was a tree of calls have no parent pointers (every call a root), and
+# rows written before adapters no adapter columns (the base weights).
+_LATER_COLUMNS = {"parent_turn": pa.int32(), "parent_sample": pa.int32(), "adapter": pa.string(),
+                  "adapter_version": pa.int64()}
 CALL_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 TRAJECTORY_SCHEMA = pa.schema([
@@ -74,6 +80,8 @@ TRAJECTORY_SCHEMA = pa.schema([
     pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
     pa.field("old_logprobs", pa.list_(pa.float32()), nullable=False),
     pa.field("token_weight_version", pa.list_(pa.int64()), nullable=False),
+    pa.field("adapter", pa.string()),
+    pa.field("token_adapter_version", pa.list_(pa.int64()), nullable=False),
     pa.field("turn_starts", pa.list_(pa.int32()), nullable=False),
     pa.field("reward", pa.float64()),
     pa.field("rewards", pa.string()),
@@ -123,10 +131,10 @@ def turn_rows(source: str, conn: redis.Redis | None = None) -> pa.Table:
 
 
 def _select(table: pa.Table) -> pa.Table:
-    """The columns stitching reads, null parent pointers where the rows predate them."""
-    for name in _POINTERS:
+    """The columns stitching reads, nulls where the rows predate a column."""
+    for name, kind in _LATER_COLUMNS.items():
         if name not in table.column_names:
-            table = table.append_column(name, pa.nulls(table.num_rows, pa.int32()))
+            table = table.append_column(name, pa.nulls(table.num_rows, kind))
     return table.select(_COLUMNS)
 
 
@@ -197,6 +205,8 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
     mask = np.zeros(len(ids), dtype=np.int8)
     logprobs = np.zeros(len(ids), dtype=np.float32)
     versions = np.full(len(ids), -1, dtype=np.int64)
+    adapter_versions = np.full(len(ids), -1, dtype=np.int64)
+    adapter = _adapter(session_id, turns)
     starts = []
     for row in turns:
         start, length = len(row["prompt_token_ids"]), len(row["completion_token_ids"])
@@ -205,12 +215,24 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
         if row["completion_logprobs"] is not None:
             logprobs[start:start + length] = row["completion_logprobs"]
         versions[start:start + length] = _versions(row)
+        if row["adapter_version"] is not None:
+            adapter_versions[start:start + length] = row["adapter_version"]
     scalar = own.get(last["turn"], None if reward is None else reward.get("reward"))
     return {"session_id": session_id, "lineage": index, "lineages": count, "parent_turn": lineage.parent_turn,
             "turns": [r["turn"] for r in turns], "input_ids": ids, "loss_mask": mask, "old_logprobs": logprobs,
-            "token_weight_version": versions, "turn_starts": starts,
-            "reward": None if scalar is None else float(scalar),
+            "token_weight_version": versions, "adapter": adapter, "token_adapter_version": adapter_versions,
+            "turn_starts": starts, "reward": None if scalar is None else float(scalar),
             "rewards": None if reward is None else json.dumps(reward)}
+
+
+def _adapter(session_id: str, calls: list[dict[str, Any]]) -> str | None:
+    """The one adapter a lineage's calls ran on (a session names one for all its calls)."""
+    names = {row["adapter"] for row in calls}
+    if len(names) > 1:
+        raise PipelineError(f"session {session_id!r}: the calls {[r['turn'] for r in calls]} of one lineage ran on "
+                            f"different adapters ({sorted(names, key=str)}); a lineage trains one policy, so a "
+                            "harness gives each adapter its own session")
+    return names.pop()
 
 
 def session_items(session_id: str, rows: list[dict[str, Any]], reward: dict[str, Any] | None) -> list[dict[str, Any]]:

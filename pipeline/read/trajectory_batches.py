@@ -3,10 +3,10 @@
 `RolloutBatches(source, trajectories=True)` yields these: per batch of `batch_size` episodes,
 `input_ids` [B, T] (right-padded with `pad_id`), `attention_mask`, `loss_mask` (1 exactly on the
 sampled tokens: TRL's `env_mask`, verl's `response_mask`), `old_logprobs` (0 elsewhere),
-`token_weight_version` (-1 elsewhere), `reward` [B] (NaN where none was recorded), and the
-`session_id`, `lineage` and `turn_starts` of each row as lists: one row per lineage (a root-to-leaf
-path of a session's calls, `pipeline.read.trajectories`). A tree packed into one sequence, each
-shared token computed once, is `pipeline.read.tree_packing`.
+`token_weight_version` and `token_adapter_version` (-1 elsewhere), `reward` [B] (NaN where none was
+recorded), and the `session_id`, `lineage`, `adapter` and `turn_starts` of each row as lists: one
+row per lineage (a root-to-leaf path of a session's calls, `pipeline.read.trajectories`). A tree
+packed into one sequence, each shared token computed once, is `pipeline.read.tree_packing`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def collate_trajectories(rows: list[dict[str, Any]], *, pad_id: int = 0,
     loss_mask = np.zeros(size, dtype=np.float32)
     old_logprobs = np.zeros(size, dtype=np.float32)
     versions = np.full(size, -1, dtype=np.int64)
+    adapter_versions = np.full(size, -1, dtype=np.int64)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         input_ids[i, :n] = row["input_ids"]
@@ -42,12 +43,14 @@ def collate_trajectories(rows: list[dict[str, Any]], *, pad_id: int = 0,
         loss_mask[i, :n] = row["loss_mask"]
         old_logprobs[i, :n] = row["old_logprobs"]
         versions[i, :n] = row["token_weight_version"]
+        adapter_versions[i, :n] = row["token_adapter_version"]
     rewards = np.array([np.nan if r["reward"] is None else r["reward"] for r in rows], dtype=np.float32)
     return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
             "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
-            "token_weight_version": torch.from_numpy(versions), "reward": torch.from_numpy(rewards),
+            "token_weight_version": torch.from_numpy(versions),
+            "token_adapter_version": torch.from_numpy(adapter_versions), "reward": torch.from_numpy(rewards),
             "session_id": [r["session_id"] for r in rows], "lineage": [r["lineage"] for r in rows],
-            "turn_starts": [r["turn_starts"] for r in rows]}
+            "adapter": [r["adapter"] for r in rows], "turn_starts": [r["turn_starts"] for r in rows]}
 
 
 def trajectory_batches(source: str | pa.Table, *, conn: redis.Redis | None, batch_size: int, pad_id: int,

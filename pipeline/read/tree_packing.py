@@ -10,8 +10,8 @@ with what makes one forward pass over it equal to a forward pass over each linea
   and sdpa alike);
 - `previous`: for each token, the token before it in its lineage (-1 for a root's first token), so
   the logprob of token i is read from the logits at `previous[i]` (`token_logprobs`);
-- `loss_mask`, `old_logprobs`, `token_weight_version`: the lineages' own, aligned (a token is shared
-  only where all four agree);
+- `loss_mask`, `old_logprobs`, `token_weight_version`, `token_adapter_version`: the lineages' own,
+  aligned (a token is shared only where all of them agree);
 - `lineage_positions[l]`: the packed positions of lineage l's tokens in order, so
   `input_ids[lineage_positions[l]]` is its row's `input_ids`, and a per-lineage loss (its reward, its
   advantage) is a gather away: a shared token's gradient gets every lineage's share, as if each
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.core.errors import PipelineError
 from pipeline.read.trees import TokenTree
 
 
@@ -52,6 +53,7 @@ class PackedTree:
     loss_mask: np.ndarray
     old_logprobs: np.ndarray
     token_weight_version: np.ndarray
+    token_adapter_version: np.ndarray
     lineage_positions: list[np.ndarray]
     lineages: list[dict[str, Any]]
 
@@ -63,7 +65,12 @@ class PackedTree:
 
 
 def pack_tree(tree: TokenTree) -> PackedTree:
-    """`tree` as one sequence (nodes in the tree's order: parents before children)."""
+    """`tree` as one sequence (nodes in the tree's order: parents before children). One forward pass
+    runs one LoRA adapter (or the base), so a tree whose lineages ran on several is refused."""
+    adapters = {lineage.get("adapter") for lineage in tree.lineages}
+    if len(adapters) > 1:
+        raise PipelineError(f"the tree's lineages ran on {len(adapters)} adapters ({sorted(adapters, key=str)}); "
+                            "one forward pass runs one: pack each adapter's lineages on their own")
     starts = np.cumsum([0] + [len(node) for node in tree.nodes])
     size = int(starts[-1])
     attention = np.zeros((size, size), dtype=bool)
@@ -86,13 +93,15 @@ def pack_tree(tree: TokenTree) -> PackedTree:
                                         or [np.zeros(0, dtype=np.int64)]).astype(np.int64)
                          for lineage in range(len(tree.leaves))]
     return PackedTree(column("input_ids").astype(np.int64), positions, attention, previous, column("loss_mask"),
-                      column("old_logprobs"), column("token_weight_version"), lineage_positions, tree.lineages)
+                      column("old_logprobs"), column("token_weight_version"), column("token_adapter_version"),
+                      lineage_positions, tree.lineages)
 
 
 def collate_tree(packed: PackedTree, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A batch of one packed tree: `input_ids`, `position_ids` [1, N], `attention_mask` [1, 1, N, N]
-    (additive, `dtype`), `loss_mask`, `old_logprobs`, `token_weight_version` [1, N], `previous` [N],
-    `lineage_positions` (a LongTensor per lineage) and `reward` [L] (NaN where none was recorded)."""
+    (additive, `dtype`), `loss_mask`, `old_logprobs`, `token_weight_version`, `token_adapter_version`
+    [1, N], `previous` [N], `lineage_positions` (a LongTensor per lineage) and `reward` [L] (NaN where
+    none was recorded)."""
     rewards = [np.nan if r.get("reward") is None else r["reward"] for r in packed.lineages]
     return {"input_ids": torch.from_numpy(packed.input_ids)[None],
             "position_ids": torch.from_numpy(packed.position_ids)[None],
@@ -100,6 +109,7 @@ def collate_tree(packed: PackedTree, *, dtype: torch.dtype = torch.float32) -> d
             "loss_mask": torch.from_numpy(packed.loss_mask.astype(np.float32))[None],
             "old_logprobs": torch.from_numpy(packed.old_logprobs.astype(np.float32))[None],
             "token_weight_version": torch.from_numpy(packed.token_weight_version.astype(np.int64))[None],
+            "token_adapter_version": torch.from_numpy(packed.token_adapter_version.astype(np.int64))[None],
             "previous": torch.from_numpy(packed.previous),
             "lineage_positions": [torch.from_numpy(p) for p in packed.lineage_positions],
             "reward": torch.tensor(rewards, dtype=torch.float32)}

@@ -1,8 +1,10 @@
 """Lineages as a tree: each token stored once, parent pointers.
 
 `token_tree(rows)` takes `read_trajectories` rows (lineages: one session's, an episode group's, any
-batch) and merges them into a radix tree: a node is a span of tokens (ids, loss mask, old logprobs
-and weight versions all equal) shared by the same lineages; its parent holds the tokens before it.
+batch) and merges them into a radix tree: a node is a span of tokens (ids, loss mask, old logprobs,
+weight and adapter versions all equal) shared by the same lineages of one adapter (under another
+LoRA adapter the same tokens have other states: lineages of two adapters share nothing); its parent
+holds the tokens before it.
 Lineages of one session share their common calls' tokens by construction (each lineage repeats the
 prompt + completion of every call on its path); lineages that start alike (sub-agents under one
 system prompt, the n episodes of one task) share their common leading tokens too. Both are exact to
@@ -23,14 +25,15 @@ import numpy as np
 import pyarrow as pa
 import redis
 
-FIELDS = ("input_ids", "loss_mask", "old_logprobs", "token_weight_version")
-_DTYPES = {"input_ids": np.int32, "loss_mask": np.int8, "old_logprobs": np.float32, "token_weight_version": np.int64}
+FIELDS = ("input_ids", "loss_mask", "old_logprobs", "token_weight_version", "token_adapter_version")
+_DTYPES = {"input_ids": np.int32, "loss_mask": np.int8, "old_logprobs": np.float32, "token_weight_version": np.int64,
+           "token_adapter_version": np.int64}
 
 
 @dataclass(frozen=True)
 class TreeNode:
     """A span of tokens: `parent` (index of the node holding the tokens before it, -1 for a root),
-    `position` (its first token's position in each of its lineages) and the four per-token arrays."""
+    `position` (its first token's position in each of its lineages) and the five per-token arrays."""
 
     parent: int
     position: int
@@ -38,6 +41,7 @@ class TreeNode:
     loss_mask: np.ndarray
     old_logprobs: np.ndarray
     token_weight_version: np.ndarray
+    token_adapter_version: np.ndarray
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -111,10 +115,12 @@ def _common(a: dict[str, np.ndarray], b: dict[str, np.ndarray], offset: int) -> 
 def token_tree(rows: Sequence[dict[str, Any]] | pa.Table) -> TokenTree:
     """The radix tree of `read_trajectories` rows (see the module docstring); lineage i is row i."""
     items = rows.to_pylist() if isinstance(rows, pa.Table) else list(rows)
-    root = _Building(None, {})
+    roots: dict[str | None, _Building] = {}  # one per adapter: lineages of two adapters share no token
     for index, item in enumerate(items):
-        arrays = {name: np.asarray(item[name], dtype=_DTYPES[name]) for name in FIELDS}
-        node, pos, length = root, 0, len(arrays["input_ids"])
+        arrays = {name: np.asarray(item.get(name, [-1] * len(item["input_ids"])) if name == "token_adapter_version"
+                                   else item[name], dtype=_DTYPES[name]) for name in FIELDS}
+        node = roots.setdefault(item.get("adapter"), _Building(None, {}))
+        pos, length = 0, len(arrays["input_ids"])
         while pos < length:
             child = node.children.get(_key(arrays, pos))
             if child is None:
@@ -129,7 +135,8 @@ def token_tree(rows: Sequence[dict[str, Any]] | pa.Table) -> TokenTree:
         node.ends.append(index)
     nodes: list[TreeNode] = []
     leaves = [-1] * len(items)
-    stack: list[tuple[_Building, int, int]] = [(c, -1, 0) for c in reversed(root.children.values())]
+    stack: list[tuple[_Building, int, int]] = [(c, -1, 0) for root in reversed(roots.values())
+                                               for c in reversed(root.children.values())]
     while stack:  # depth first, parents before children
         building, parent, position = stack.pop()
         nodes.append(TreeNode(parent, position, **building.arrays))

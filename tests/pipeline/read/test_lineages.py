@@ -135,3 +135,32 @@ def test_rollout_batches_give_a_padded_row_per_lineage() -> None:
         assert batch["input_ids"][row, :n].tolist() == item["input_ids"]
         assert batch["attention_mask"][row].sum().item() == n
         assert batch["loss_mask"][row].tolist() == item["loss_mask"] + [0] * (batch["loss_mask"].shape[1] - n)
+
+
+def on_adapter(row: dict[str, Any], adapter: str | None, version: int | None) -> dict[str, Any]:
+    return {**row, "adapter": adapter, "adapter_version": version}
+
+
+def adapter_table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=pa.schema([SHARD_SCHEMA.field(name)
+                                                        for name in [*COLUMNS, "adapter", "adapter_version"]]))
+
+
+def test_a_lineage_says_its_adapter_and_the_version_that_sampled_each_token() -> None:
+    """A session on adapter "sql" whose second call ran after a push of version 2: the lineage says
+    "sql", and each sampled token the version it was sampled under; a base session says null and -1."""
+    rows = [on_adapter(call(0, [1, 2], [3, 4]), "sql", 1),
+            on_adapter(call(1, [1, 2, 3, 4, 5], [6], parent=(0, 0)), "sql", 2),
+            on_adapter(call(0, [1, 2], [7], session="b"), None, None)]
+    base, sql = pipeline.read_trajectories(adapter_table(rows), rewards={}).to_pylist()
+    assert (sql["session_id"], sql["adapter"]) == ("s", "sql")
+    assert sql["token_adapter_version"] == [-1, -1, 1, 1, -1, 2]
+    assert (base["adapter"], base["token_adapter_version"]) == (None, [-1, -1, -1])
+    assert read(linear_conversation())[0]["adapter"] is None  # rows written before adapters: the base
+
+
+def test_a_lineage_whose_calls_ran_on_two_adapters_is_an_error() -> None:
+    rows = [on_adapter(call(0, [1, 2], [3]), "sql", 1),
+            on_adapter(call(1, [1, 2, 3, 4], [5], parent=(0, 0)), "math", 1)]
+    with pytest.raises(PipelineError, match=r"session 's': the calls \[0, 1\] of one lineage ran on different"):
+        pipeline.read_trajectories(adapter_table(rows), rewards={})

@@ -130,3 +130,23 @@ def test_read_trees_is_one_tree_per_session() -> None:
     assert [{lin["session_id"] for lin in tree.lineages} for tree in trees] == [{"s"}, {"t"}]
     assert [lin["reward"] for lin in trees[0].lineages] == [1.0] * 5
     assert collate_tree(pack_tree(trees[1]))["reward"].isnan().all()
+
+
+def test_lineages_of_two_adapters_share_no_token_and_are_not_packed_together() -> None:
+    """Under another LoRA adapter the same prompt has other states: two sessions with one prompt, one
+    on the base and one on an adapter, get a root each (the base ones share theirs), and packing
+    lineages of two adapters into one forward pass is refused."""
+    from tests.pipeline.read.test_lineages import adapter_table, on_adapter
+
+    rows = [on_adapter(call(0, [1, 2, 3], [4], session="a"), None, None),
+            on_adapter(call(0, [1, 2, 3], [5], session="b"), None, None),
+            on_adapter(call(0, [1, 2, 3], [6], session="c"), "sql", 3)]
+    items = pipeline.read_trajectories(adapter_table(rows), rewards={}).to_pylist()
+    tree = token_tree(items)
+    assert tree.tokens == 3 + 1 + 1 + 4  # the base sessions share [1, 2, 3]; the adapter's has its own
+    assert [tree.lineage(i)["token_adapter_version"].tolist() for i in range(3)] == [[-1] * 4, [-1] * 4,
+                                                                                     [-1, -1, -1, 3]]
+    with pytest.raises(pipeline.PipelineError, match=r"ran on 2 adapters \(\[None, 'sql'\]\)"):
+        pack_tree(tree)
+    packed = collate_tree(pack_tree(token_tree(items[:2])))
+    assert packed["token_adapter_version"].tolist() == [[-1] * 5]

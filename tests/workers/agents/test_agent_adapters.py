@@ -76,6 +76,18 @@ def test_every_turn_of_a_session_runs_on_its_adapter(client: pipeline.Client, re
     assert [(r["turn"], r["adapter"], r["adapter_version"]) for r in on_sql] == [(0, "sql", 1), (1, "sql", 1)]
     assert [(r["adapter"], r["adapter_version"]) for r in on_base] == [(None, None), (None, None)]
     assert on_sql[0]["completion_token_ids"] != on_base[0]["completion_token_ids"]  # same prompt, its own draws
+    # What a trainer reads: each lineage says its adapter, and each sampled token the version that sampled it.
+    lineages = {item["session_id"]: item for item in pipeline.read_trajectories("agents-default",
+                                                                               conn=redis_client).to_pylist()}
+    sql, base = lineages[opened["sql"]["session_id"]], lineages[opened[None]["session_id"]]
+    assert sql["adapter"] == "sql" and base["adapter"] is None
+    assert sql["token_adapter_version"] == [1 if m else -1 for m in sql["loss_mask"]]
+    assert set(base["token_adapter_version"]) == {-1}
+    batch = next(iter(pipeline.RolloutBatches("agents-default", conn=redis_client, trajectories=True,
+                                              batch_size=2)))
+    row = batch["session_id"].index(opened["sql"]["session_id"])
+    assert batch["adapter"][row] == "sql"
+    assert batch["token_adapter_version"][row][:len(sql["input_ids"])].tolist() == sql["token_adapter_version"]
 
 
 def test_a_session_naming_an_unknown_adapter_is_refused_with_the_names_there_are(
