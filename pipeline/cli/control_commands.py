@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from pipeline.core import settings
+from pipeline.core.adapters import DEFAULT_KEEP_VERSIONS
 from pipeline.core.command import EXIT_FAILED, Command, CommandGroup
 from pipeline.core.errors import PipelineError
 
@@ -67,6 +68,9 @@ class WeightsPushCommand(Command):
         parser.add_argument("--base", metavar="DIR",
                             help="with --adapter: the base model directory the adapter is checked against "
                                  "(default: the pool's weight store, else a live worker's model directory)")
+        parser.add_argument("--keep-versions", type=int, default=None, metavar="N",
+                            help=f"with --adapter: keep the adapter's last N versions in its store, pruning older ones "
+                                 f"no live worker holds (default {DEFAULT_KEEP_VERSIONS}; 0 keeps every version)")
         parser.add_argument("--timeout", type=float, default=600.0,
                             help="seconds to wait for acknowledgements (default 600)")
         parser.add_argument("--force", action="store_true",
@@ -98,6 +102,9 @@ class WeightsPushCommand(Command):
         if args.version is None:
             raise PipelineError("pipeline weights push PATH needs --version N (the new weight version), or "
                                 "--adapter NAME for a LoRA adapter")
+        if args.keep_versions is not None:
+            raise PipelineError("--keep-versions is an option of --adapter pushes (a base weight store keeps what "
+                                "its live workers serve); drop it")
         path = resolve(args.path)
         store = store_url(args.store, client.pool) if args.delta or args.store is not None else None
         _check_target(client.conn, client.pool, path, read_here=store is not None)
@@ -127,10 +134,12 @@ def _push_adapter(client: Client, args: argparse.Namespace) -> int:
         raise PipelineError(f"{', '.join(given)}: options of base weight pushes, not of --adapter (an adapter's "
                             "versions are numbered by the pool, each stored in full); drop them")
     base = None if args.base is None else resolve(args.base)
-    result = client.push_adapter(args.adapter, args.path, base=base, store=args.store)
+    keep = DEFAULT_KEEP_VERSIONS if args.keep_versions is None else args.keep_versions
+    result = client.push_adapter(args.adapter, args.path, base=base, store=args.store, keep=keep)
     status = "current" if result.current else "stored, but a newer version pushed at the same time is current"
+    pruned = f"; pruned v{', v'.join(map(str, result.pruned))}" if result.pruned else ""
     print(f"pool {client.pool}: adapter {result.name} v{result.version} from {args.path} "
-          f"({_size(result.stored_bytes)} stored at {result.url}, {result.seconds:.2f} s): {status}")
+          f"({_size(result.stored_bytes)} stored at {result.url}, {result.seconds:.2f} s): {status}{pruned}")
     return 0
 
 

@@ -25,6 +25,9 @@ from schemas.adapters import AdapterRecord
 
 # An adapter version's `adapter_config.json`, stored beside its tensors (what peft wrote).
 CONFIG_FILE = "adapter_config.json"
+# How many versions of an adapter a push keeps in its store (`pipeline.weights.adapter_push`); TRL's
+# async GRPO keeps max_staleness + 1 adapter versions registered (trl#7017).
+DEFAULT_KEEP_VERSIONS = 8
 
 # Publish `ARGV[2]` (a record of version `ARGV[3]`) under `ARGV[1]` unless a newer version is there.
 _PUBLISH = """

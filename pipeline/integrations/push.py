@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.client import Client
+from pipeline.core.adapters import DEFAULT_KEEP_VERSIONS
 from pipeline.core.broker.control_channel import DEFAULT_PUSH_TIMEOUT_S, PushResult
 from pipeline.weights.adapter_push import AdapterPushResult
 from schemas.control import SwapMode
@@ -34,8 +35,9 @@ def push_model(client: Client, model: Any, *, mode: SwapMode = "partial", store:
 
 
 def push_adapter(client: Client, model: Any, name: str, *, adapter_name: str = "default",
-                 base: str | None = None, store: str | None = None) -> AdapterPushResult:
+                 base: str | None = None, store: str | None = None,
+                 keep: int = DEFAULT_KEEP_VERSIONS) -> AdapterPushResult:
     """A peft model's LoRA adapter (`adapter_name`) to the pool as the next version of adapter `name`
-    (`Client.push_adapter`, `base` as there): megabytes, not the model; requests naming `name` take it
-    from their next job."""
-    return client.push_adapter(name, model, adapter_name=adapter_name, base=base, store=store)
+    (`Client.push_adapter`, `base` and `keep` as there): megabytes, not the model; requests naming
+    `name` take it from their next job."""
+    return client.push_adapter(name, model, adapter_name=adapter_name, base=base, store=store, keep=keep)

@@ -6,6 +6,11 @@ manifest last, before the registry names it (`pipeline.core.adapters.publish`): 
 part-way leaves the previous version current and nothing half-written served. Workers load an
 adapter version from the store when a job names the adapter (`workers.jobs.adapters`), so a
 worker that joins later, or evicted the adapter, reads the same bits.
+
+A push that is current prunes the adapter's store down to its last `keep` versions (default
+`DEFAULT_KEEP_VERSIONS`; 0 keeps every version), never one a live worker of the pool holds
+resident (a job running on it may read it again): a run that pushes each step keeps megabytes,
+not gigabytes. `pipeline verify` of a row needs its version, so keep what you will verify.
 """
 
 from __future__ import annotations
@@ -20,20 +25,21 @@ from pathlib import Path
 import redis
 
 from pipeline.core import adapters
-from pipeline.core.adapters import CONFIG_FILE, adapter_url
+from pipeline.core.adapters import CONFIG_FILE, DEFAULT_KEEP_VERSIONS, adapter_url
 from pipeline.core.broker import keys, registry
 from pipeline.core.broker.security import check_weight_path
 from pipeline.core.errors import AdapterError
 from pipeline.core.weights.store import WeightStore, checksum, version_dir
 from pipeline.weights.adapter_check import Adapter, base_shapes_of_dir, check_fits
 from pipeline.weights.push import store_url
-from schemas.adapters import ADAPTER_NAME_PATTERN, AdapterRecord
+from schemas.adapters import ADAPTER_NAME_PATTERN, AdapterRecord, split_pinned
 
 
 @dataclass(frozen=True)
 class AdapterPushResult:
     """What a push stored: the adapter's new version, its bytes, the seconds it took, and whether it
-    is the current version (False: a racing push of a newer version of the same name finished first)."""
+    is the current version (False: a racing push of a newer version of the same name finished first),
+    and the older versions it pruned from the adapter's store."""
 
     name: str
     version: int
@@ -41,6 +47,7 @@ class AdapterPushResult:
     seconds: float
     current: bool
     url: str
+    pruned: list[int]
 
 
 def base_shapes(conn: redis.Redis, pool: str | None, base: str | None, store: str | None
@@ -63,9 +70,12 @@ def base_shapes(conn: redis.Redis, pool: str | None, base: str | None, store: st
 
 def push_adapter_tensors(
     conn: redis.Redis, name: str, adapter: Adapter, *, base: Mapping[str, tuple[int, ...]],
-    pool: str | None = None, store: str | None = None,
+    pool: str | None = None, store: str | None = None, keep: int = DEFAULT_KEEP_VERSIONS,
 ) -> AdapterPushResult:
-    """Check `adapter` against the `base` shapes, store it as the next version of `name`, publish it."""
+    """Check `adapter` against the `base` shapes, store it as the next version of `name`, publish it,
+    prune the store to its last `keep` versions (0: keep all; see the module docstring)."""
+    if keep < 0:
+        raise AdapterError(f"keep must be 0 (every version) or more versions, not {keep}")
     started = time.monotonic()
     check_name(name)
     check_fits(adapter, base, f"adapter {name!r}")
@@ -82,7 +92,20 @@ def push_adapter_tensors(
                            target_modules=adapter.target_modules, config=adapter.config,
                            stored_bytes=manifest.stored_bytes)
     current = adapters.publish(conn, pool, record)
-    return AdapterPushResult(name, version, manifest.stored_bytes, time.monotonic() - started, current, url)
+    pruned = _prune(conn, pool, name, weights, version, keep) if current and keep else []
+    return AdapterPushResult(name, version, manifest.stored_bytes, time.monotonic() - started, current, url, pruned)
+
+
+def _prune(conn: redis.Redis, pool: str | None, name: str, weights: WeightStore, current: int, keep: int) -> list[int]:
+    """Delete the versions of adapter `name` older than its last `keep` (up to `current`) that no live
+    worker of the pool holds resident; the versions deleted."""
+    resident = {version for worker in registry.live_workers(conn, keys.pool_name(pool))
+                for held, version in map(split_pinned, worker.adapters) if held == name}
+    kept = sorted(v for v in weights.versions() if v <= current)[-keep:]
+    gone = [v for v in weights.versions() if v < kept[0] and v not in resident]
+    for version in gone:
+        weights.remove(version)
+    return gone
 
 
 def check_name(name: str) -> None:

@@ -28,3 +28,9 @@ def test_weights_push_adapter_and_status(pipeline_env: dict[str, str], tiny_mode
     assert not_peft.returncode == 2 and "not a PEFT adapter directory" in not_peft.stderr
     no_version = _cli(pipeline_env, "weights", "push", str(tiny_model_dir))
     assert no_version.returncode == 2 and "needs --version N" in no_version.stderr
+    kept = [_cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--base", str(tiny_model_dir),
+                 "--keep-versions", "1") for _ in range(2)]
+    assert "adapter sql v2 from" in kept[0].stdout and ": current; pruned v1" in kept[0].stdout, kept[0].stderr
+    assert ": current; pruned v2" in kept[1].stdout
+    base_keep = _cli(pipeline_env, "weights", "push", str(tiny_model_dir), "--version", "1", "--keep-versions", "2")
+    assert base_keep.returncode == 2 and "--keep-versions is an option of --adapter pushes" in base_keep.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,10 @@ from safetensors.numpy import load_file, save_file
 
 import pipeline
 from pipeline.core import adapters
+from pipeline.core.broker import registry
 from pipeline.core.errors import AdapterError
 from pipeline.core.weights.store import WeightStore
+from schemas.worker_info import WorkerInfo
 from tests.helpers.adapters import build_adapter, lora_model
 
 
@@ -116,3 +119,23 @@ def test_racing_pushes_of_one_name_get_distinct_versions_and_the_newer_stays_cur
     older = client.adapters()["sql"].model_copy(update={"version": 2})
     assert adapters.publish(redis_client, None, older) is False  # a late publish of an older version
     assert client.adapters()["sql"].version == 4
+
+
+def test_a_push_keeps_the_last_versions_and_any_a_live_worker_holds(
+        redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path, home: Path) -> None:
+    """A run that pushes its adapter every step keeps the store small: each current push prunes to the
+    last `keep` versions, except a version a live worker holds resident (a job running on it may read
+    it again); `keep=0` keeps every version."""
+    client = pipeline.Client(redis_client)
+    adapter = build_adapter(tiny_model_dir, tmp_path / "a", seed=1)
+    now = time.time()
+    registry.publish(redis_client, WorkerInfo(worker_id="w0", host="h", pid=1, engine="sim", model="m",
+                                              started_at=now, heartbeat_at=now, adapters=["sql@v1", "math@v2"]))
+    pruned = [client.push_adapter("sql", adapter, base=tiny_model_dir, keep=2).pruned for _ in range(5)]
+    assert pruned == [[], [], [], [2], [3]]  # v1 is resident on w0
+    store = WeightStore(client.adapters()["sql"].url)
+    assert store.versions() == [1, 4, 5]
+    assert client.push_adapter("sql", adapter, base=tiny_model_dir, keep=0).pruned == []
+    assert store.versions() == [1, 4, 5, 6]
+    with pytest.raises(AdapterError, match=r"keep must be 0 \(every version\) or more versions, not -1"):
+        client.push_adapter("sql", adapter, base=tiny_model_dir, keep=-1)
