@@ -177,7 +177,7 @@ async def _agents(url: str, run: str, mix: list[int], seed: int) -> tuple[float,
 
 
 def _rows(conn: redis.Redis, run: str) -> list[dict[str, Any]]:
-    from pipeline.read.trajectories import turn_rows
+    from pipeline.read.lineage_rows import turn_rows
 
     return turn_rows(run, conn).to_pylist()
 

@@ -314,7 +314,8 @@ def pipeline_traces(run: str, turns: int, sids: list[str], redis_url: str | None
     import pyarrow.compute as pc
 
     from pipeline.core.broker.connection import connect_redis
-    from pipeline.read.trajectories import read_trajectories, turn_rows
+    from pipeline.read.lineage_rows import turn_rows
+    from pipeline.read.trajectories import read_trajectories
 
     conn = connect_redis(redis_url) if redis_url else connect_redis()
     table = turn_rows(run, conn)

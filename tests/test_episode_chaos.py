@@ -16,7 +16,7 @@ import redis
 import pipeline
 from pipeline.core.broker import keys
 from pipeline.core.jobs import episodes
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.processes import free_port, stop_all, wait_healthy, wait_until
 

@@ -55,13 +55,13 @@ def _check_edge(session_id: str, child: Row, parent: Row) -> None:
     if parent_turn >= turn:
         raise PipelineError(f"session {session_id!r}: call {turn} names call {parent_turn} as its parent, which did "
                             "not start before it; the server's parent pointers are inconsistent (a server bug: report "
-                            "it with the session's rows, `pipeline.read.trajectories.turn_rows`)")
+                            "it with the session's rows, `pipeline.read.lineage_rows.turn_rows`)")
     head = parent["prompt_token_ids"] + parent["completion_token_ids"]
     if child["prompt_token_ids"][: len(head)] != head:
         raise PipelineError(f"session {session_id!r}: call {turn}'s prompt does not start with the prompt + completion "
                             f"of its parent, call {parent_turn} sample {parent['sample_index']}; the server placed it "
                             "wrongly (a server bug: report it with the session's rows, "
-                            "`pipeline.read.trajectories.turn_rows`)")
+                            "`pipeline.read.lineage_rows.turn_rows`)")
 
 
 def lineages(session_id: str, rows: list[Row]) -> list[Lineage]:

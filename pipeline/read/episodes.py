@@ -33,11 +33,11 @@ from pipeline.core.broker import keys, registry
 from pipeline.core.errors import UnknownRunError, WaitTimeoutError
 from pipeline.core.jobs import episodes
 from pipeline.core.suggest import did_you_mean, listing
-from pipeline.read.trajectories import (
+from pipeline.read.lineage_rows import (
     TRAJECTORY_SCHEMA,
     lineage_rewards,
+    lineage_table,
     own_reward,
-    read_trajectories,
     session_rewards,
     turn_rows,
 )
@@ -123,7 +123,7 @@ def _trajectories(conn: redis.Redis, run: str, outcomes: list[EpisodeOutcome],
         return {}
     rows = rows.filter(pc.is_in(rows.column("session_id"), pa.array(wanted, pa.string())))
     items: dict[str, list[dict[str, Any]]] = {}
-    for item in read_trajectories(rows, rewards=session_rewards(conn, wanted)).to_pylist():
+    for item in lineage_table(rows, session_rewards(conn, wanted)).to_pylist():
         items.setdefault(item["session_id"], []).append(item)
     return items
 

@@ -13,7 +13,7 @@ before its delete leaves the entries in the log: the next one writes them again 
 shard path (named by the first entry's id), so each turn's rows land in exactly one committed
 shard; readers dedupe commits by job id.
 
-Until flushed, a turn's rows are read from the log (`pipeline.read.trajectories`).
+Until flushed, a turn's rows are read from the log (`pipeline.read.lineage_rows`).
 """
 
 from __future__ import annotations

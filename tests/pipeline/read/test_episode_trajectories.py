@@ -106,7 +106,7 @@ def test_after_take_every_reader_returns_the_taken_groups_whole_and_nothing_canc
     batches = list(RolloutBatches("late", conn=redis_client, trajectories=True, batch_size=8))
     assert sorted(s for batch in batches for s in batch["session_id"]) == taken_sessions
     # The raw turns stay visible for inspection: every attempt's session was served and logged.
-    served = pipeline.read_trajectories(pipeline.read.trajectories.turn_rows("late", redis_client))
+    served = pipeline.read_trajectories(pipeline.read.lineage_rows.turn_rows("late", redis_client))
     assert sorted(served.column("session_id").to_pylist()) == sorted(sessions.values())
     # The report's episodes section counts what the readers return.
     (overview,) = Page(episodes_section(redis_client, "late") or "").table_with("in training")

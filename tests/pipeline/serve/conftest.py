@@ -112,7 +112,7 @@ def exact_trajectory(conn: redis.Redis, run: str, session_id: str, turns: int) -
     served: no prefix break), each turn's prompt extending the last turn's prompt + completion token
     by token, with the loss mask 1 exactly on sampled tokens; return the trajectory item."""
     import pipeline
-    from pipeline.read.trajectories import turn_rows
+    from pipeline.read.lineage_rows import turn_rows
 
     rows = sorted((r for r in turn_rows(run, conn).to_pylist() if r["session_id"] == session_id),
                   key=lambda r: (r["turn"], r["sample_index"]))
@@ -140,7 +140,7 @@ def exact_lineages(conn: redis.Redis, run: str, session_id: str, script: Script)
     completion, its path the parent pointers from the leaf, and its loss mask 1 exactly on the ids
     the engine sampled for the calls on the path. Return the lineages, in `read_trajectories` order."""
     import pipeline
-    from pipeline.read.trajectories import turn_rows
+    from pipeline.read.lineage_rows import turn_rows
 
     rows = {r["turn"]: r for r in turn_rows(run, conn).to_pylist() if r["session_id"] == session_id}
     given = {request.id: list(request.input_ids) for request in script.seen}

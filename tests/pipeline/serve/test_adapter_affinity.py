@@ -16,7 +16,7 @@ import redis
 
 import pipeline
 from pipeline.core.broker import registry
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.adapters import build_adapter
 from tests.helpers.processes import stop_all, wait_until

@@ -18,7 +18,7 @@ import redis
 import pipeline
 from pipeline.core.broker import commit_log, keys
 from pipeline.core.shards import read_rollouts
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.helpers.processes import wait_until
 from tests.pipeline.serve.conftest import Script, run_agent
 

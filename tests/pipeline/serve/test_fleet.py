@@ -20,7 +20,7 @@ import redis
 from pipeline.audit import status
 from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import lanes
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.processes import stop_all, wait_until
 from tests.helpers.session_calls import turn_ids_in_flight

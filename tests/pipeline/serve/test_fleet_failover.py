@@ -14,7 +14,7 @@ import openai
 
 from pipeline.core.broker import keys
 from pipeline.core.broker.connection import connect_redis
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from pipeline.serve.server import ServeConfig, Server
 from tests.conftest import PIPELINE
 from tests.helpers.processes import stop_all, wait_until

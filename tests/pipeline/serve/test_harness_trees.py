@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.pipeline.serve.conftest import TOKENIZER, Script, exact_lineages, run_agent
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.pipeline.serve.conftest import Script, exact_trajectory, run_agent
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'

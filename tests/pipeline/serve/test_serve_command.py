@@ -13,7 +13,7 @@ import openai
 import redis
 
 import pipeline
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.processes import free_port
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 
 from pipeline.core.broker.redis_server import RedisServer
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.conftest import PIPELINE
 from tests.helpers.processes import free_port, log_tail, stop_all, wait_healthy, wait_until
 from tests.helpers.refusing_redis import allow_writes, refusals, refuse_writes

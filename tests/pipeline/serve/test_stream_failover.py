@@ -21,7 +21,7 @@ import openai
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from tests.helpers.processes import wait_until
 from tests.workers.jobs.test_checkpoint_workers import FAST, HELD, HELD_WORKER, kill, saved, tokens
 

@@ -14,7 +14,7 @@ import pipeline
 from pipeline.core.broker import keys
 from pipeline.core.errors import AgentImportError, RequestFileError
 from pipeline.core.jobs import episodes
-from pipeline.read.trajectories import turn_rows
+from pipeline.read.lineage_rows import turn_rows
 from pipeline.serve.server import Server
 from tests.helpers.agents import TOOL_RESULT, events
 from tests.workers.agents.conftest import agent, run_episodes
