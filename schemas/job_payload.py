@@ -61,7 +61,7 @@ class TurnTag(BaseModel):
     A job of the interactive lane holds the turns that reached a server together, one request
     each (`turns` parallel to `requests`). Their rows are not a shard of the job's own: the worker
     logs each turn's rows in the run's turn log and answers its server under `turn_id`; a flusher
-    writes many turns to one shard (`workers.jobs.turn_log`).
+    writes many turns to one shard (`workers.jobs.turn_commits`).
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)

@@ -4,7 +4,7 @@ Workers take the lane queue (`keys.PoolKeys.lane_queue_name`) before their pool'
 so a turn waits for a free slot in the engine, not behind a 10 000-request run. A lane job is
 the project's job function like any batch (same allow-list, admission, retries, hand-backs,
 engine road); its payload carries one `TurnTag` per request, so the worker logs each turn's
-rows and answers its server (`workers.jobs.turn_log`) instead of writing a shard of one row.
+rows and answers its server (`workers.jobs.turn_commits`) instead of writing a shard of one row.
 
 Each turn goes to a worker chosen by the router (`routing`: its session's home while that is
 alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's own lane

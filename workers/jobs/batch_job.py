@@ -22,7 +22,7 @@ from workers.engines.request_support import check_request_supported
 from workers.errors import JobCanceledError, WorkerError
 from workers.jobs import context
 from workers.jobs.adapters import pin_adapters
-from workers.jobs.turn_log import commit_turns
+from workers.jobs.turn_commits import commit_turns
 from workers.rows.shard_writer import PendingShard, remove_shard
 from workers.rows.table import RowContext, build_table, utc_from_ms
 

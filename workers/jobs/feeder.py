@@ -134,7 +134,10 @@ class JobBookkeeping(Protocol):
 
 
 @dataclass(eq=False)
-class InFlight:
+class FedJob:
+    """A job the feeder has taken: its RQ job and execution, its prepared batch and progress on the
+    engine, its deadline, checkpoint and streamed turns."""
+
     job: Job
     queue: Queue
     execution: Execution
@@ -191,14 +194,14 @@ class Feeder:
         self.lane_active: Callable[[], bool] = lambda: False
         self._batch_job_samples = 0  # the last batch job's sequences: what the next one likely adds
         # Jobs whose batch resolved; None: stop; WAKE: a streamed turn was admitted (stream at once).
-        self._done: queue_mod.Queue[InFlight | str | None] = queue_mod.Queue()
-        self._entries: dict[str, InFlight] = {}
+        self._done: queue_mod.Queue[FedJob | str | None] = queue_mod.Queue()
+        self._entries: dict[str, FedJob] = {}
         self._cond = threading.Condition()
         # Every engine submission holds this; a partial swap holds it from the interrupt until the
         # continuations are submitted, so nothing reaches the engine while its weights change.
         self._submit_lock = threading.RLock()
         self._swapping = False
-        self._parked: list[InFlight] = []  # jobs stopped by the swap under way, to continue after it
+        self._parked: list[FedJob] = []  # jobs stopped by the swap under way, to continue after it
         self.can_interrupt = is_interruptible(engine)
         self.checkpoint_every_s = checkpoint_every_s
         self.checkpoints = CheckpointStore(connection) if checkpoint_every_s > 0 and self.can_interrupt else None
@@ -269,7 +272,7 @@ class Feeder:
         """Abort the jobs in flight that were canceled (`pipeline.runs.cancel`) at the engine's next step;
         each then ends with `JobCanceledError` (no shard, no commit). Returns how many."""
         entries = [e for e in list(self._entries.values()) if e.batch is not None and not e.canceled]
-        by_run: dict[str, list[InFlight]] = {}
+        by_run: dict[str, list[FedJob]] = {}
         for entry in entries:
             assert entry.batch is not None
             by_run.setdefault(entry.batch.job.run, []).append(entry)
@@ -298,7 +301,7 @@ class Feeder:
         except BaseException:
             self.gate.leave()
             raise
-        entry = InFlight(job, queue, execution)
+        entry = FedJob(job, queue, execution)
         with self._cond:
             self._entries[job.id] = entry
         self.jobs_changed(job)
@@ -330,7 +333,7 @@ class Feeder:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _restore(self, entry: InFlight) -> int:
+    def _restore(self, entry: FedJob) -> int:
         """Take back the job's checkpoint (an earlier run of it died): samples restored with tokens."""
         if self.checkpoints is None or entry.progress is None:
             return 0
@@ -348,7 +351,7 @@ class Feeder:
         log.info("job %s: resumed %d samples from its checkpoint (%d tokens kept)", entry.job.id, restored, tokens)
         return restored
 
-    def checkpoint(self, entries: list[InFlight] | None = None, *, live: bool = True) -> int:
+    def checkpoint(self, entries: list[FedJob] | None = None, *, live: bool = True) -> int:
         """Save what the jobs in flight (or `entries`) generated since their last checkpoint, with
         `live` the samples still running (the engine's `progress()`); the tokens saved."""
         if self.checkpoints is None:
@@ -388,7 +391,7 @@ class Feeder:
         stats.bytes += written
         return tokens
 
-    def _snapshot(self, entry: InFlight) -> tuple[Submission, Any] | None:
+    def _snapshot(self, entry: FedJob) -> tuple[Submission, Any] | None:
         """The engine's snapshot of the job's running submission (`progress()`), or None; the caller
         holds `_submit_lock`."""
         future, submission = entry.future, entry.submission
@@ -443,7 +446,7 @@ class Feeder:
         self._next_checkpoint = time.monotonic() + self.checkpoint_every_s
         self.checkpoint()
 
-    def _submit(self, entry: InFlight, submission: Submission) -> None:
+    def _submit(self, entry: FedJob, submission: Submission) -> None:
         """Hand a submission to the engine (holding `_submit_lock`); its end reaches the commit thread."""
         entry.submission = submission
         submit = self.engine.submit
@@ -477,7 +480,7 @@ class Feeder:
                     self._continue(entry)
         return stopped
 
-    def _continue(self, entry: InFlight) -> None:
+    def _continue(self, entry: FedJob) -> None:
         """Submit a job's unfinished samples again (after a swap's load); park them during one."""
         with self._cond:
             if self._swapping:
@@ -523,7 +526,7 @@ class Feeder:
                 if not entry.future.cancel():  # already done: its completion is queued
                     entry.timed_out = False
 
-    def _complete(self, entry: InFlight) -> None:
+    def _complete(self, entry: FedJob) -> None:
         try:
             if entry.canceled:
                 raise JobCanceledError(f"job {entry.job.id} was canceled; its requests were aborted, nothing written")
@@ -555,7 +558,7 @@ class Feeder:
             return
         self._finish(entry, None, summary)
 
-    def _finish(self, entry: InFlight, exc_info: ExcInfo | None, result: Any = None) -> None:
+    def _finish(self, entry: FedJob, exc_info: ExcInfo | None, result: Any = None) -> None:
         try:
             self.bookkeeping.finish(entry.job, entry.queue, entry.execution, exc_info, result)
         except Exception:  # bookkeeping must never kill the completion thread

@@ -50,7 +50,7 @@ from workers.jobs.allowed_job import RolloutJob
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S
 from workers.jobs.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder
 from workers.jobs.lane_job import LaneJob
-from workers.jobs.turn_log import TurnFlusher
+from workers.jobs.turn_commits import TurnFlusher
 from workers.process.control_follower import POLL_S, ControlFollower
 from workers.process.heartbeat import HEARTBEAT_INTERVAL_S, Heartbeat, worker_info
 from workers.process.intake import JobIntake

@@ -16,7 +16,7 @@ two lists into an RQ job of the same id on the pool's shared lane, where the nex
 takes it (its checkpoint, kept by job id, with it): one script per item removes it and writes the
 job, so an item moves once or not at all. An item moved while its worker still ran it (an entry
 expired by a partition, not a death) runs twice, and answers once: the turn log keeps the rows
-logged first (`workers.jobs.turn_log`).
+logged first (`workers.jobs.turn_commits`).
 """
 
 from __future__ import annotations

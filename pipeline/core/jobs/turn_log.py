@@ -1,6 +1,6 @@
 """The format of a run's agent-turn log (`keys.turn_log`), in one place for its writer and readers.
 
-Workers append each turn's rows once (`COMMIT_SCRIPT`, run by `workers.jobs.turn_log.commit_turns`)
+Workers append each turn's rows once (`COMMIT_SCRIPT`, run by `workers.jobs.turn_commits.commit_turns`)
 as a stream entry of two fields, the turn id (`TURN`) and its rows as Arrow IPC (`ROWS`), index it
 by turn id (`keys.turn_log_jobs`) and push the rows to their server's inbox
 (`pipeline.core.jobs.replies`); they later flush the oldest entries to a shard. The server

@@ -27,7 +27,7 @@ from pipeline.core.broker import keys
 from pipeline.core.errors import PipelineError
 
 ATTEMPT, SAMPLE, OFFSET, TOKENS, END = b"a", b"s", b"o", b"t", b"end"
-TTL_S = 600  # as long as a turn's reply is kept (`workers.jobs.turn_log.REPLY_TTL_S`)
+TTL_S = 600  # as long as a turn's reply is kept (`workers.jobs.turn_commits.REPLY_TTL_S`)
 EVERY_S = 0.04  # how often a worker publishes the tokens of its streamed turns (25 times a second)
 FIRST_EVERY_S = 0.01  # how often it looks while a streamed turn waits for its first tokens
 

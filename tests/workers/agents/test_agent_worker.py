@@ -211,7 +211,7 @@ def test_status_shows_a_runs_episodes_and_the_reasons_they_failed(redis_client: 
 
 def test_the_report_has_an_episodes_section(redis_client: redis.Redis, server: Server) -> None:
     from tests.pipeline.audit.test_report import Page, assert_self_contained
-    from workers.jobs.turn_log import flush_turns
+    from workers.jobs.turn_commits import flush_turns
 
     _submit(redis_client, "rejects", [{"id": "a", "question": "?", "turns": 2}, {"id": "b"}], n=2, retries=1)
     run_episodes(redis_client, server, "rejects")

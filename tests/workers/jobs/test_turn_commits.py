@@ -20,7 +20,7 @@ from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from tests.helpers.lanes import SERVER, answers
 from workers.engines.fake import FakeEngine
-from workers.jobs.turn_log import commit_turns, flush_turns
+from workers.jobs.turn_commits import commit_turns, flush_turns
 from workers.rows.table import RowContext, build_table
 
 
@@ -74,21 +74,21 @@ def test_a_job_run_twice_at_once_logs_each_turn_once_and_both_runs_answer_the_ro
 
 def test_turn_rows_read_during_a_flush_see_each_turn_once(redis_client: redis.Redis, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.read import trajectories
+    from pipeline.read import lineage_rows
 
     job, requests, table = _turn(redis_client, tmp_path, "s-1-00002-abcdef")
     commit_turns(job, requests, table, redis_client)
-    real_read = trajectories.read_rollouts
+    real_read = lineage_rows.read_rollouts
 
     def read_then_flush(*args: Any, **kwargs: Any) -> Any:  # a flusher moves the log to a shard meanwhile
         got = real_read(*args, **kwargs)
         assert flush_turns(redis_client, "agents", force=True) is not None
         return got
 
-    monkeypatch.setattr(trajectories, "read_rollouts", read_then_flush)
-    assert trajectories.turn_rows("agents", redis_client).num_rows == 1
-    monkeypatch.setattr(trajectories, "read_rollouts", real_read)
-    assert trajectories.turn_rows("agents", redis_client).num_rows == 1  # now from the shard alone
+    monkeypatch.setattr(lineage_rows, "read_rollouts", read_then_flush)
+    assert lineage_rows.turn_rows("agents", redis_client).num_rows == 1
+    monkeypatch.setattr(lineage_rows, "read_rollouts", real_read)
+    assert lineage_rows.turn_rows("agents", redis_client).num_rows == 1  # now from the shard alone
 
 
 def test_turns_whose_workers_store_routed_experts_at_different_widths_share_one_shard(

@@ -1,4 +1,4 @@
-"""Agent turns' rows (`pipeline serve`): logged once, answered at once, written many turns to a shard.
+"""Committing agent turns (`pipeline serve`): rows logged once, answered at once, written many turns to a shard.
 
 A turn is one request of a job in the pool's interactive lane (a server puts the turns that
 reach it together in one job). Its rows are not a shard of their own (a shard per turn would
