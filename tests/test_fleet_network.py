@@ -106,7 +106,7 @@ def test_the_masters_host_cut_off_fails_over_and_rejoins_as_a_replica(fleet: Fle
     wait_until(lambda: _shards(tmp_path) >= 3, 120, "work under way")
     fleet.cut("redis-a")
     assert trainer.poll() is None, "the run ended before the fault"  # type: ignore[attr-defined]
-    wait_until(lambda: fleet_redis.master(fleet) == fleet.ip("redis-b"), 60, "the sentinels to promote the replica")
+    fleet_redis.wait_for_promotion(fleet, tmp_path)
     wait_until(lambda: _shards(tmp_path) >= 6, 120, "work committing on the new master")
     fleet.heal("redis-a")
     wait_until(lambda: fleet_redis.in_sync(fleet, "redis-a"), 60, "the old master to rejoin as a replica, in sync")
@@ -130,7 +130,7 @@ def test_a_client_waiting_on_the_cut_off_master_follows_the_failover(fleet: Flee
     cli = [redis_binary("redis-cli"), "-h", fleet.ip("redis-a")]
     wait_until(lambda: "cmd=blpop" in fleet.run("trainer", [*cli, "client", "list"]), 60, "the follower's BLPOP")
     fleet.cut("redis-a")
-    wait_until(lambda: fleet_redis.master(fleet) == fleet.ip("redis-b"), 60, "the sentinels to promote the replica")
+    fleet_redis.wait_for_promotion(fleet, tmp_path)
     fleet.run("trainer", [redis_binary("redis-cli"), "-h", fleet.ip("redis-b"), "rpush", "dead-peer", "followed"])
     wait_until(lambda: follower.poll() is not None, 60, "the follower to read on the promoted master")
     assert log.read_text().split() == ["followed"], log.read_text()

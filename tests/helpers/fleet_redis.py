@@ -54,6 +54,22 @@ def master(fleet: Fleet) -> str:
     return out.split("\n")[0]
 
 
+# Sentinel's own election can take tens of seconds: a split vote is retried after twice the failover
+# timeout, and a sentinel whose timer jumped (a loaded host) sits out 30 s in TILT mode.
+PROMOTION_WAIT_S = 150.0
+
+
+def wait_for_promotion(fleet: Fleet, tmp_path: Path, host: str = "redis-b") -> None:
+    """Until the sentinels name `host` master; on a timeout the error carries each sentinel's log tail."""
+    try:
+        wait_until(lambda: master(fleet) == fleet.ip(host), PROMOTION_WAIT_S, f"the sentinels to promote {host}")
+    except AssertionError as error:
+        tails = {h: (tmp_path / f"{h}-sentinel.log").read_text().splitlines()[-15:] for h in SENTINELS
+                 if (tmp_path / f"{h}-sentinel.log").exists()}
+        raise AssertionError(f"{error}; sentinel logs: " + "\n".join(f"{h}:\n" + "\n".join(lines)
+                                                                    for h, lines in tails.items())) from None
+
+
 def in_sync(fleet: Fleet, host: str) -> bool:
     """A replica linked to its master, its first append-only file after the full sync written (Redis
     6.2 drops a SIGTERM that comes while it writes that file: "Writing initial AOF, can't exit")."""
