@@ -250,14 +250,18 @@ class Client:
     def push_adapter(
         self, name: str, source: str | Path | Any, *, base: str | Path | None = None, store: str | None = None,
         adapter_name: str = "default", pool: str | None = None, keep: int = adapter_registry.DEFAULT_KEEP_VERSIONS,
+        timeout: float | None = control_channel.DEFAULT_PUSH_TIMEOUT_S,
     ) -> AdapterPushResult:
         """Store a LoRA adapter as the next version of `name` and make it the pool's current one
         (docs/adapters.md). `source`: a PEFT adapter directory (what peft's `save_pretrained` writes), or
         a peft model in memory (its adapter `adapter_name`). It is checked against the base model
         (`base`, a model directory; default: the pool's weight store, else a live worker's model
-        directory) and refused naming the module that does not fit (`AdapterError`). Requests naming
-        `name` run on this version from their next job; rows record it (`adapter_version`). The store
-        keeps the adapter's last `keep` versions (0: all), and any a live worker holds."""
+        directory) and refused naming the module that does not fit (`AdapterError`). Returns once
+        every live worker serving adapters has read and checked the version (up to `timeout` s;
+        `AdapterPushError` names those that failed or did not answer, and a version no worker took is
+        undone): every job admitted after that runs it, jobs in flight finish on theirs; rows record
+        it (`adapter_version`). The store keeps the adapter's last `keep` versions (0: all), and any
+        a live worker holds."""
         from pipeline.weights import adapter_check
         from pipeline.weights.adapter_push import base_shapes, push_adapter_tensors
 
@@ -265,7 +269,8 @@ class Client:
                    else adapter_check.from_model(source, adapter_name))
         pool = self._pool(pool)
         shapes = base_shapes(self.conn, pool, None if base is None else str(base), store)
-        return push_adapter_tensors(self.conn, name, adapter, base=shapes, pool=pool, store=store, keep=keep)
+        return push_adapter_tensors(self.conn, name, adapter, base=shapes, pool=pool, store=store, keep=keep,
+                                    timeout=timeout)
 
     def adapters(self, *, pool: str | None = None) -> dict[str, AdapterRecord]:
         """The pool's adapters by name: each one's current version, rank, target modules and store."""

@@ -203,5 +203,7 @@ def describe(capabilities: Capabilities) -> str:
         parts.append("no stop strings")
     if capabilities.vocab_size is not None:
         parts.append(f"vocab {capabilities.vocab_size}")
+    if capabilities.lora_adapters:
+        parts.append("LoRA adapters")
     parts.extend(f"no {words}" for name, (words, _) in SAMPLING_RULES.items() if not getattr(capabilities, name))
     return ", ".join(parts)

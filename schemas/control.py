@@ -2,9 +2,10 @@
 
 When a shared secret is configured, every record is stored inside a `Signed` envelope: the
 record's JSON as `body` plus an HMAC-SHA256 over a purpose string and that body. The purpose
-binds a signature to where the record belongs (`desired-state`; `ack:<version>:<worker>`; pools
-other than `default` add their name), so a signed ack cannot be replayed as another worker's,
-another version's or another pool's. Readers holding
+binds a signature to where the record belongs (`desired-state`; `ack:<version>:<worker>`, and
+`adapter-ack:<name>:<version>:<worker>` for an adapter's; pools other than `default` add their
+name), so a signed ack cannot be replayed as another worker's, another version's, another
+adapter's or another pool's. Readers holding
 the secret refuse unsigned and forged records with a located `ControlMessageError`.
 """
 
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from schemas.adapters import AdapterName
 from schemas.worker_info import DEFAULT_POOL
 
 MAX_RECORD_BYTES = 64 * 1024
@@ -49,6 +51,9 @@ class DesiredState(BaseModel):
     swap_mode: SwapMode = "drain"
     # What `weight_path` names: see `WeightSource`.
     weight_source: WeightSource = "checkpoint"
+    # LoRA adapter name -> the newest version pushed with acknowledgements (`pipeline.weights.adapter_push`):
+    # each worker serving adapters reads and checks that version (or a newer one) and acknowledges it.
+    adapters: dict[AdapterName, Annotated[StrictInt, Field(ge=1)]] = {}
 
 
 class WeightAck(BaseModel):
@@ -69,6 +74,9 @@ class WeightAck(BaseModel):
     applied: Applied = "checkpoint"
     bytes_read: Annotated[StrictInt, Field(ge=0)] = 0
     detail: Annotated[StrictStr, Field(max_length=8192)] | None = None
+    # The LoRA adapter whose `version` this acknowledges (None: the base weights). Its worker has read
+    # that version from the adapter's store, checked every tensor, and runs it for every job it admits.
+    adapter: AdapterName | None = None
 
 
 class Signed(BaseModel):
@@ -96,8 +104,8 @@ def desired_state_purpose(pool: str = DEFAULT_POOL) -> str:
     return DESIRED_STATE_PURPOSE if pool == DEFAULT_POOL else f"{DESIRED_STATE_PURPOSE}:{pool}"
 
 
-def ack_purpose(version: int, worker: str, pool: str = DEFAULT_POOL) -> str:
-    purpose = f"ack:{version}:{worker}"
+def ack_purpose(version: int, worker: str, pool: str = DEFAULT_POOL, adapter: str | None = None) -> str:
+    purpose = f"ack:{version}:{worker}" if adapter is None else f"adapter-ack:{adapter}:{version}:{worker}"
     return purpose if pool == DEFAULT_POOL else f"pool:{pool}:{purpose}"
 
 

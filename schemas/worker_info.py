@@ -34,6 +34,8 @@ class Capabilities(BaseModel):
     tempered_prompt_logprobs: bool = True
     # SGLang's repetition penalty (over the generated tokens only).
     repetition_penalty: bool = True
+    # LoRA adapters (the engine keeps an adapter cache): such a worker acknowledges adapter pushes.
+    lora_adapters: bool = False
 
 
 class WorkerInfo(BaseModel):

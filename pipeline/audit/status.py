@@ -21,6 +21,7 @@ from pipeline.core.jobs import episodes, lanes
 from pipeline.core.jobs.queue import rollout_queue
 from pipeline.core.jobs.status import failure_reason
 from pipeline.core.suggest import did_you_mean, listing
+from schemas.adapters import AdapterRecord
 from schemas.capabilities import describe
 from schemas.control import DesiredState
 
@@ -234,10 +235,21 @@ def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
         from pipeline.core.weights.store import describe
 
         status["store"] = describe(desired["weight_path"])
-    status["adapters"] = [{"name": r.name, "version": r.version, "rank": r.rank, "target_modules": r.target_modules,
-                           "stored_bytes": r.stored_bytes}
-                          for r in sorted(adapters.records(conn, name).values(), key=lambda r: r.name)]
+    serving = [w.worker_id for w in registry.live_workers(conn, name) if w.capabilities.lora_adapters]
+    status["adapters"] = [_adapter_status(conn, name, record, serving)
+                          for record in sorted(adapters.records(conn, name).values(), key=lambda r: r.name)]
     return status
+
+
+def _adapter_status(conn: redis.Redis, pool: str, record: AdapterRecord, serving: list[str]) -> dict[str, Any]:
+    """An adapter's current version and which live workers serving adapters acknowledged it (or failed to)."""
+    answers = control_channel.read_adapter_acks(conn, record.name, pool)
+    current = {w: answers[w] for w in serving if w in answers and answers[w].version >= record.version}
+    return {"name": record.name, "version": record.version, "rank": record.rank,
+            "target_modules": record.target_modules, "stored_bytes": record.stored_bytes,
+            "acknowledged": sorted(w for w, ack in current.items() if ack.ok),
+            "failed": {w: ack.error for w, ack in sorted(current.items()) if not ack.ok},
+            "unanswered": sorted(w for w in serving if w not in current)}
 
 
 def format_weights(status: dict[str, Any]) -> str:
@@ -254,9 +266,14 @@ def format_weights(status: dict[str, Any]) -> str:
         lines.append(f"  {w['worker_id']}  v{w['weight_version']}  {w['state']:<9} "
                      + ("ok" if w["converged"] else f"BEHIND: {w['error'] or 'not loaded yet'}"))
     if status.get("adapters"):
-        lines.append(f"adapters: {len(status['adapters'])} (loaded by workers when a job names one)")
-        lines.extend(f"  {a['name']}  v{a['version']}  rank {a['rank']} on {', '.join(a['target_modules'])}  "
-                     f"{a['stored_bytes'] / 1e6:.2f} MB" for a in status["adapters"])
+        lines.append(f"adapters: {len(status['adapters'])} (read and checked by each worker serving adapters at "
+                     "the push; loaded by the first batch naming one)")
+        for a in status["adapters"]:
+            failed = "".join(f"; FAILED on {w}: {error}" for w, error in a["failed"].items())
+            unanswered = f"; not answered by {', '.join(a['unanswered'])}" if a["unanswered"] else ""
+            lines.append(f"  {a['name']}  v{a['version']}  rank {a['rank']} on {', '.join(a['target_modules'])}  "
+                         f"{a['stored_bytes'] / 1e6:.2f} MB  acknowledged by {len(a['acknowledged'])} worker(s)"
+                         f"{failed}{unanswered}")
     return "\n".join(lines)
 
 

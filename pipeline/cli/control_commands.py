@@ -63,8 +63,8 @@ class WeightsPushCommand(Command):
                             help="the new weight version (newer than the current); required without --adapter")
         parser.add_argument("--adapter", metavar="NAME",
                             help="push a LoRA adapter (the directory peft's save_pretrained wrote) as the next "
-                                 "version of NAME; requests naming NAME take it from their next job "
-                                 "(docs/adapters.md)")
+                                 "version of NAME, acknowledged by every live worker serving adapters; jobs "
+                                 "admitted after it run it, jobs in flight finish on theirs (docs/adapters.md)")
         parser.add_argument("--base", metavar="DIR",
                             help="with --adapter: the base model directory the adapter is checked against "
                                  "(default: the pool's weight store, else a live worker's model directory)")
@@ -133,13 +133,21 @@ def _push_adapter(client: Client, args: argparse.Namespace) -> int:
     if given:
         raise PipelineError(f"{', '.join(given)}: options of base weight pushes, not of --adapter (an adapter's "
                             "versions are numbered by the pool, each stored in full); drop them")
+    if args.mode != "drain":
+        raise PipelineError(f"--mode {args.mode}: an adapter push does not stop samples in flight (jobs admitted "
+                            "before it finish on the version they pinned; docs/adapters.md); drop --mode")
     base = None if args.base is None else resolve(args.base)
     keep = DEFAULT_KEEP_VERSIONS if args.keep_versions is None else args.keep_versions
-    result = client.push_adapter(args.adapter, args.path, base=base, store=args.store, keep=keep)
+    result = client.push_adapter(args.adapter, args.path, base=base, store=args.store, keep=keep,
+                                 timeout=args.timeout)
     status = "current" if result.current else "stored, but a newer version pushed at the same time is current"
     pruned = f"; pruned v{', v'.join(map(str, result.pruned))}" if result.pruned else ""
     print(f"pool {client.pool}: adapter {result.name} v{result.version} from {args.path} "
-          f"({_size(result.stored_bytes)} stored at {result.url}, {result.seconds:.2f} s): {status}{pruned}")
+          f"({_size(result.stored_bytes)} stored at {result.url}, {result.seconds:.2f} s): {status}{pruned}; "
+          f"{len(result.acks)} worker(s) acknowledged")
+    for ack in result.acks:
+        print(f"  {ack.worker}: ok (v{ack.version}, {_size(ack.bytes_read)} read and checked in "
+              f"{ack.prepare_seconds:.2f} s, no pause)")
     return 0
 
 

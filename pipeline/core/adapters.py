@@ -41,6 +41,15 @@ return 1
 """
 
 
+# Put back `ARGV[3]` (a record, or '' for none) under `ARGV[1]` if version `ARGV[2]` is still current.
+_RESTORE = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current or tonumber(cjson.decode(current)['version']) ~= tonumber(ARGV[2]) then return 0 end
+if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+return 1
+"""
+
+
 def adapter_url(store: str | None, pool: str | None, name: str) -> str:
     """Where the versions of adapter `name` are stored."""
     return f"{store or default_url(keys.pool_name(pool))}/adapters/{name}"
@@ -74,6 +83,13 @@ def publish(conn: redis.Redis, pool: str | None, record: AdapterRecord) -> bool:
     """Make `record` the adapter's current version; False when a newer version is already current."""
     key = keys.pool(keys.pool_name(pool)).adapters
     return bool(conn.eval(_PUBLISH, 1, key, record.name, record.model_dump_json(), str(record.version)))
+
+
+def restore(conn: redis.Redis, pool: str | None, name: str, pushed: int, previous: AdapterRecord | None) -> bool:
+    """Undo the publication of version `pushed` of `name` (no worker could take it): `previous` is
+    current again (or the adapter unknown, with none), unless a newer version was published since."""
+    key = keys.pool(keys.pool_name(pool)).adapters
+    return bool(conn.eval(_RESTORE, 1, key, name, str(pushed), "" if previous is None else previous.model_dump_json()))
 
 
 def records(conn: redis.Redis, pool: str | None) -> dict[str, AdapterRecord]:

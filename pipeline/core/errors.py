@@ -16,6 +16,7 @@
     ├── ControlSecretError             $PIPELINE_CONTROL_SECRET_FILE names a file that cannot be read, or is empty
     ├── WeightVersionError             a push named a version not newer than the current one
     ├── WeightPushError                workers failed to load pushed weights or did not acknowledge
+    │   └── AdapterPushError           workers failed to read a pushed adapter version or did not acknowledge
     ├── AdapterError                   a LoRA adapter that cannot be pushed or named (not PEFT, misfit, unknown)
     ├── JobsFailedError                some jobs of a batch failed (`failures`: job id -> reason)
     ├── WaitTimeoutError               a wait ran out of time before the batch finished
@@ -194,25 +195,48 @@ class WeightPushError(PipelineError):
         self, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck],
         *, rolled_back: DesiredState | None = None,
     ) -> None:
+        # The pool's desired state after a push no worker took was undone (None: the push stands).
+        self.rolled_back = rolled_back
+        if rolled_back is not None:
+            outcome = (f"no worker loaded it: nothing changed, the pool's weights are still "
+                       f"v{rolled_back.weight_version} ({rolled_back.weight_path or 'as the workers started'}); "
+                       f"version {version} can be pushed again")
+        else:
+            outcome = (f"the push stands: the workers named take no job until they load v{version} "
+                       "(`pipeline weights status`; re-push with --force to retry)")
+        self._answers(f"weight push of version {version}", version, failed, timed_out, acks, outcome)
+
+    def _answers(self, what: str, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck],
+                 outcome: str) -> None:
         self.version = version
         self.failed = failed
         self.timed_out = timed_out
         self.acks = acks
-        # The pool's desired state after a push no worker took was undone (None: the push stands).
-        self.rolled_back = rolled_back
         lines = [f"  {worker}: failed: {reason}" for worker, reason in sorted(failed.items())]
         lines += [f"  {worker}: no acknowledgement (timed out)" for worker in timed_out]
-        if rolled_back is not None:
-            lines.append(f"no worker loaded it: nothing changed, the pool's weights are still "
-                         f"v{rolled_back.weight_version} ({rolled_back.weight_path or 'as the workers started'}); "
-                         f"version {version} can be pushed again")
+        PipelineError.__init__(self, f"{what}: {len(failed)} worker(s) failed, {len(timed_out)} timed out:\n"
+                               + "\n".join([*lines, outcome]))
+
+
+class AdapterPushError(WeightPushError):
+    """Some live workers serving adapters could not read or check a pushed adapter version, or did
+    not acknowledge it in time (exit codes as for `WeightPushError`)."""
+
+    def __init__(self, name: str, version: int, failed: dict[str, str], timed_out: list[str], acks: list[WeightAck],
+                 *, rolled_back_to: int | None, undone: bool) -> None:
+        self.name = name
+        # The push was undone (no worker took it): the registry names `rolled_back_to` again (None: no version).
+        self.undone = undone
+        self.rolled_back_to = rolled_back_to
+        self.rolled_back = None
+        if undone:
+            before = "no version" if rolled_back_to is None else f"v{rolled_back_to}"
+            outcome = (f"no worker took it: nothing changed, adapter {name!r} is back at {before}; push it again "
+                       "once the workers can read the adapter's store")
         else:
-            lines.append(f"the push stands: the workers named take no job until they load v{version} "
-                         "(`pipeline weights status`; re-push with --force to retry)")
-        super().__init__(
-            f"weight push of version {version}: {len(failed)} worker(s) failed, "
-            f"{len(timed_out)} timed out:\n" + "\n".join(lines)
-        )
+            outcome = (f"the push stands: the workers named hand jobs naming {name!r} back until they can read "
+                       f"v{version} (`pipeline weights status`)")
+        self._answers(f"adapter push of {name} v{version}", version, failed, timed_out, acks, outcome)
 
 
 class JobsFailedError(PipelineError):

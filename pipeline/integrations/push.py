@@ -36,8 +36,9 @@ def push_model(client: Client, model: Any, *, mode: SwapMode = "partial", store:
 
 def push_adapter(client: Client, model: Any, name: str, *, adapter_name: str = "default",
                  base: str | None = None, store: str | None = None,
-                 keep: int = DEFAULT_KEEP_VERSIONS) -> AdapterPushResult:
+                 keep: int = DEFAULT_KEEP_VERSIONS, timeout: float | None = 600.0) -> AdapterPushResult:
     """A peft model's LoRA adapter (`adapter_name`) to the pool as the next version of adapter `name`
-    (`Client.push_adapter`, `base` and `keep` as there): megabytes, not the model; requests naming
-    `name` take it from their next job."""
-    return client.push_adapter(name, model, adapter_name=adapter_name, base=base, store=store, keep=keep)
+    (`Client.push_adapter`, `base`, `keep` and `timeout` as there): megabytes, not the model; returns
+    once the pool's workers serving adapters acknowledged it: jobs admitted after that run it."""
+    return client.push_adapter(name, model, adapter_name=adapter_name, base=base, store=store, keep=keep,
+                               timeout=timeout)

@@ -4,7 +4,8 @@ used evicted past the worker's `--max-adapters`.
 A job's requests name their adapter pinned to a version (`schemas.adapters.pinned`, set by
 `workers.jobs.adapters`, which also tells the cache that version's record). The engine calls
 `ensure` with the pinned adapters of the batch it is about to run, on its own thread between
-batches: each missing one is read from its store (every tensor's checksum checked) and handed to
+batches: each missing one is read from its store (every tensor's checksum checked; `stage` does
+that ahead, when a push is acknowledged) and handed to
 the engine's `load`; past the capacity the least recently used ones the batch does not need are
 handed to `unload`. A batch needing more adapters than the capacity keeps them all while it runs.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pipeline.core.errors import PipelineError
 from pipeline.core.weights.safetensors_io import TensorBits
 from pipeline.core.weights.store import WeightStore, checksum
-from schemas.adapters import AdapterRecord, pinned
+from schemas.adapters import AdapterRecord, pinned, split_pinned
 from workers.errors import UnsupportedRequestError
 
 DEFAULT_MAX_ADAPTERS = 8
@@ -38,6 +39,7 @@ class AdapterCache:
         self._records: dict[str, AdapterRecord] = {}
         self._lock = threading.Lock()
         self.resident: OrderedDict[str, None] = OrderedDict()
+        self._staged: dict[str, list[TensorBits]] = {}  # read and checked ahead of their first batch
         self.loads = 0
         self.evictions = 0
 
@@ -58,9 +60,10 @@ class AdapterCache:
                     self.resident.move_to_end(key)
                     continue
                 record = self._records.get(key)
+                staged = self._staged.pop(key, None)
             if record is None:
                 raise UnsupportedRequestError(f"adapter {key}: this worker was never told where it is stored")
-            tensors = read_version(record)
+            tensors = staged if staged is not None else read_version(record)
             try:
                 self._load(key, record, tensors)
             except Exception as exc:  # peft's own checks: the adapter does not fit this engine's model
@@ -73,6 +76,22 @@ class AdapterCache:
             with self._lock:
                 del self.resident[key]
             self.evictions += 1
+
+    def stage(self, record: AdapterRecord) -> int:
+        """Read and check the adapter version `record` names ahead of the first batch that needs it (an
+        adapter push's acknowledgement: `workers.process.adapter_follower`), so that batch's load
+        reads nothing; any other staged version of the adapter is dropped. The bytes read (0: it is
+        resident already). `UnsupportedRequestError` if it cannot be read or fails a checksum."""
+        key = self.note(record)
+        with self._lock:
+            if key in self.resident or key in self._staged:
+                return 0
+        tensors = read_version(record)
+        with self._lock:
+            for other in [k for k in self._staged if split_pinned(k)[0] == record.name]:
+                del self._staged[other]
+            self._staged[key] = tensors
+        return sum(t.words.nbytes for t in tensors)
 
     def held(self) -> list[str]:
         """The resident adapters' keys, least recently used first (safe from any thread)."""

@@ -12,7 +12,8 @@ in `partial` mode on an engine that can interrupt, stops the samples in flight, 
 continues them on the new weights (`Feeder.partial_swap`; an engine that cannot interrupt
 drains instead, and its acknowledgement says `mode: drain`). What of a load needs no pause (a
 store version staged and checked, or materialised: `prepare_load`) runs first, while the engine
-still generates. While the pool is paused the work
+still generates. Adapter versions the state names are staged and acknowledged by
+`workers.process.adapter_follower`. While the pool is paused the work
 loop waits in `wait_until_resumed`; a job dequeued meanwhile is handed back
 (`workers.process.intake`).
 """
@@ -30,8 +31,6 @@ from typing import Any
 import redis
 
 from pipeline.core.broker import control_channel, keys, registry
-from pipeline.core.broker.control_channel import encode_ack
-from pipeline.core.broker.replication import Proof, replicated, write_until_kept
 from pipeline.core.broker.security import check_weight_path
 from pipeline.core.errors import PolicyError, WriteLostError
 from schemas.control import DesiredState, SwapMode, WeightAck, WeightSource
@@ -39,6 +38,8 @@ from schemas.worker_info import WorkerState
 from workers.engines.base import Engine
 from workers.errors import WeightsRefusedError
 from workers.jobs.feeder import Feeder
+from workers.process.acks import write_ack
+from workers.process.adapter_follower import AdapterFollower
 from workers.process.heartbeat import Heartbeat
 from workers.process.store_load import prepare_store_load, scratch_dir
 
@@ -177,25 +178,6 @@ def load_weights(
     return prepare_load(engine, worker_id, path, version, source, have).load(mode)
 
 
-def write_ack(conn: redis.Redis, ack: WeightAck, pool: str | None = None, *, only_if_missing: bool = False) -> None:
-    """Acknowledge a push in `pool`'s acknowledgements of the version, once a replica has it (an ack
-    lost in a failover is written again on the new master)."""
-    key = keys.pool(pool).weight_acks(ack.version)
-    encoded = encode_ack(ack, pool)
-
-    def holds(raw: bytes | None) -> bool:  # any ack of this worker counts when only a missing one was due
-        return raw is not None if only_if_missing else raw in (encoded, encoded.encode())
-
-    def write() -> None:
-        if only_if_missing:
-            conn.hsetnx(key, ack.worker, encoded)
-        else:
-            conn.hset(key, ack.worker, encoded)
-
-    what = f"acknowledgement of weights v{ack.version} by {ack.worker}"
-    write_until_kept(write, lambda _: replicated(conn, what, Proof(("HGET", key, ack.worker), holds)), what)
-
-
 class ControlFollower:
     """One worker following its pool's desired state; `worker_id` and `engine` name what loads.
 
@@ -227,6 +209,7 @@ class ControlFollower:
         self._attempted: tuple[int, str | None, int] = (engine.weight_version, None, 0)
         self._last_ack: WeightAck | None = None
         self.weight_error: str | None = None
+        self.adapters = AdapterFollower(conn, pool, worker_id, engine)
         self.changed = threading.Event()  # set after every read of the state
         self.listener = ControlListener(conn, pool.control_channel, self._on_wake, poll_s=poll_s)
 
@@ -289,6 +272,7 @@ class ControlFollower:
                 elif self._last_ack is not None and self._last_ack.version == state.weight_version:
                     # Acks lost (Redis restarted, or a forced re-push of the same weights): answer again.
                     write_ack(self.conn, self._last_ack, self.pool.name, only_if_missing=True)
+                self.adapters.follow(state)
             except (redis.RedisError, WriteLostError) as exc:  # acked again at the next read of the state
                 log.warning("control acknowledgement failed: %s", exc)
             self.settle()

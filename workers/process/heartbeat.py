@@ -26,6 +26,7 @@ from rq.job import Job
 from pipeline.core.broker import registry
 from pipeline.core.jobs import rq_seam
 from schemas.worker_info import WorkerInfo
+from workers.engines.adapter_cache import serves_adapters
 from workers.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def worker_info(worker_id: str, pool: str, engine: Engine) -> WorkerInfo:
         engine=description.name,
         model=description.model,
         weight_version=engine.weight_version,
-        capabilities=description.served,
+        capabilities=description.served.model_copy(update={"lora_adapters": serves_adapters(engine)}),
         started_at=now,
         heartbeat_at=now,
     )

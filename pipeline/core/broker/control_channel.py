@@ -1,11 +1,13 @@
-"""The control channel, trainer side: pause, resume and acknowledged weight pushes.
+"""The control channel, trainer side: pause, resume, acknowledged weight and adapter pushes.
 
 Each pool (`pipeline.core.broker.keys.pool`) has its own control: the desired state
 (`schemas.control.DesiredState`) lives in one Redis key per pool, changed only in WATCH/MULTI
 transactions that bump its generation. A PUBLISH on the pool's wake-up channel only wakes its
 workers; they re-read the key, so a missed message changes nothing. Each worker acknowledges a
 weight push in the pool's hash `weight_acks(version)`; `push_weights` returns when every live
-worker of the pool has acknowledged, or raises naming who failed or timed out. Nothing here
+worker of the pool has acknowledged, or raises naming who failed or timed out. An adapter push
+names the adapter's version in the state (`announce_adapter`); each worker serving adapters
+answers in the hash `adapter_acks(name)`, its newest answer per worker. Nothing here
 reads or writes another pool's keys: a push or pause in one pool never touches another.
 
 With a shared secret configured (`pipeline.core.broker.security`), the state and the acks are signed
@@ -41,6 +43,7 @@ from schemas.control import (
     desired_state_purpose,
     encode,
 )
+from schemas.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,14 @@ def encode_state(state: DesiredState, pool: str | None = None) -> str:
 
 
 def encode_ack(ack: WeightAck, pool: str | None = None) -> str:
-    return encode(ack, secret=control_secret(), purpose=ack_purpose(ack.version, ack.worker, keys.pool_name(pool)))
+    return encode(ack, secret=control_secret(),
+                  purpose=ack_purpose(ack.version, ack.worker, keys.pool_name(pool), ack.adapter))
+
+
+def ack_key(ack: WeightAck, pool: str | None = None) -> str:
+    """The hash `ack` is written to: the acks of its weight version, or its adapter's acks."""
+    where = keys.pool(pool)
+    return where.weight_acks(ack.version) if ack.adapter is None else where.adapter_acks(ack.adapter)
 
 
 def _change(
@@ -204,22 +214,49 @@ def resume(conn: redis.Redis, pool: str | None = None) -> DesiredState:
 
 def read_acks(conn: redis.Redis, version: int, pool: str | None = None) -> dict[str, WeightAck]:
     """The pool's acknowledgements of `version`; malformed, unsigned or forged ones are logged and left out."""
+    where = keys.pool(pool)
+    return _verified_acks(conn.hgetall(where.weight_acks(version)), where.name, None, lambda _: version)
+
+
+def read_adapter_acks(conn: redis.Redis, name: str, pool: str | None = None) -> dict[str, WeightAck]:
+    """Each worker's newest acknowledgement of a push of adapter `name` (its version inside); malformed,
+    unsigned or forged ones are logged and left out."""
+    where = keys.pool(pool)
+    return _verified_acks(conn.hgetall(where.adapter_acks(name)), where.name, name, _claimed_version)
+
+
+def _verified_acks(raw_acks: dict[bytes, bytes], pool: str, adapter: str | None,
+                   version_of: Callable[[bytes], int]) -> dict[str, WeightAck]:
+    """The acks of a hash that verify under their purpose (`version_of`: the version an ack was signed for)."""
     acks: dict[str, WeightAck] = {}
     secret = control_secret()
-    where = keys.pool(pool)
-    for field_name, raw in conn.hgetall(where.weight_acks(version)).items():
+    what = "weights" if adapter is None else f"adapter {adapter}"
+    for field_name, raw in raw_acks.items():
         worker = field_name.decode(errors="replace")
+        version = version_of(raw)
         try:
-            ack = decode(raw, WeightAck, secret=secret, purpose=ack_purpose(version, worker, where.name))
+            ack = decode(raw, WeightAck, secret=secret, purpose=ack_purpose(version, worker, pool, adapter))
         except ControlMessageError as exc:
-            log.error("acknowledgement of v%d from %r refused: %s", version, worker, exc)
+            log.error("acknowledgement of %s v%d from %r refused: %s", what, version, worker, exc)
             continue
-        if ack.worker != worker or ack.version != version:
-            log.error("acknowledgement under %r for v%d names worker %r, v%d; refused", worker, version,
-                      ack.worker, ack.version)
+        if ack.worker != worker or ack.version != version or ack.adapter != adapter:
+            log.error("acknowledgement under %r for %s v%d names worker %r, %s v%d; refused", worker, what, version,
+                      ack.worker, ack.adapter or "weights", ack.version)
             continue
         acks[worker] = ack
     return acks
+
+
+def _claimed_version(raw: bytes | str) -> int:
+    """The version an adapter's ack claims (its signature, checked next, covers it); -1 if unreadable."""
+    try:
+        value = json.loads(raw)
+        if isinstance(value, dict) and "body" in value:
+            value = json.loads(value["body"])
+        version = value.get("version") if isinstance(value, dict) else None
+    except (ValueError, TypeError):
+        return -1
+    return version if isinstance(version, int) and 0 <= version < 2**62 else -1
 
 
 def _roll_back(conn: redis.Redis, pool: str, before: DesiredState, pushed: DesiredState) -> DesiredState:
@@ -244,6 +281,20 @@ class _AlreadyApplied(Exception):
     def __init__(self, state: DesiredState) -> None:
         super().__init__(state.generation)
         self.state = state
+
+
+def _change_unless_applied(
+    conn: redis.Redis, where: keys.PoolKeys, update: Callable[[DesiredState], DesiredState],
+    also: Callable[[redis.client.Pipeline], None] | None = None,
+) -> DesiredState:
+    """`_change`, where `update` raises `_AlreadyApplied` when the stored state already holds the
+    change: that state, confirmed on a replica and announced to the workers again."""
+    try:
+        return _change(conn, where.name, update, also)
+    except _AlreadyApplied as applied:
+        _confirm(conn, where, applied.state)
+        conn.publish(where.control_channel, str(applied.state.generation))
+        return applied.state
 
 
 def push_weights(
@@ -302,25 +353,10 @@ def push_weights(
     started = time.monotonic()
     # A fresh push collects fresh acknowledgements.
     where = keys.pool(pool)
-    try:
-        state = _change(conn, where.name, update, also=lambda pipe: pipe.delete(where.weight_acks(version)))
-    except _AlreadyApplied as applied:
-        state = applied.state
-        _confirm(conn, where, state)
-        conn.publish(where.control_channel, str(state.generation))
-    deadline = None if timeout is None else started + timeout
+    state = _change_unless_applied(conn, where, update, also=lambda pipe: pipe.delete(where.weight_acks(version)))
     had_workers = bool(before) and bool(conn.hlen(where.weight_acks(before[0].weight_version)))
-    while True:
-        live = [w.worker_id for w in registry.live_workers(conn, where.name)]
-        acks = read_acks(conn, version, where.name)
-        missing = [w for w in live if w not in acks]
-        now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            break
-        if not missing and (live or not had_workers or now - started >= NO_WORKERS_WAIT_S):
-            break
-        time.sleep(_POLL_S)
-    mine = [acks[w] for w in live if w in acks]
+    mine, missing = _await_acks(conn, where, lambda: read_acks(conn, version, where.name), lambda _: True,
+                                started=started, timeout=timeout, had_workers=had_workers)
     failed = {a.worker: a.error or "unknown error" for a in mine if not a.ok}
     if failed or missing:
         rolled_back = None
@@ -329,3 +365,76 @@ def push_weights(
         raise WeightPushError(version, failed, missing, mine, rolled_back=rolled_back)
     return PushResult(version=version, path=str(path), generation=state.generation,
                       seconds=time.monotonic() - started, acks=mine)
+
+
+def _await_acks(
+    conn: redis.Redis, where: keys.PoolKeys, read: Callable[[], dict[str, WeightAck]],
+    counts: Callable[[WeightAck], bool], *, started: float, timeout: float | None, had_workers: bool,
+    waits_for: Callable[[WorkerInfo], bool] = lambda _: True,
+) -> tuple[list[WeightAck], list[str]]:
+    """Wait until every live worker of the pool that `waits_for` has an ack that `counts` (or until
+    `timeout` after `started`); (those acks, the workers still missing). With no such worker, a pool
+    whose workers answered before (`had_workers`) is given `NO_WORKERS_WAIT_S` for their entries."""
+    deadline = None if timeout is None else started + timeout
+    while True:
+        live = [w.worker_id for w in registry.live_workers(conn, where.name) if waits_for(w)]
+        acks = {worker: ack for worker, ack in read().items() if counts(ack)}
+        missing = [w for w in live if w not in acks]
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            break
+        if not missing and (live or not had_workers or now - started >= NO_WORKERS_WAIT_S):
+            break
+        time.sleep(_POLL_S)
+    return [acks[w] for w in live if w in acks], missing
+
+
+@dataclass
+class AdapterAcks:
+    """The answers of a pool's adapter-serving workers to the push of an adapter version."""
+
+    name: str
+    version: int
+    generation: int
+    acks: list[WeightAck]  # one per live worker that answered, for this version or a newer one
+    failed: dict[str, str]  # worker -> why it could not read or check the version
+    missing: list[str]  # live workers serving adapters that did not answer in time
+
+
+def announce_adapter(conn: redis.Redis, name: str, version: int, *, timeout: float | None = DEFAULT_PUSH_TIMEOUT_S,
+                     pool: str | None = None) -> AdapterAcks:
+    """Tell the pool's workers that adapter `name` has version `version` (already published in the
+    adapter registry) and wait for every live worker serving adapters to acknowledge it, or a newer
+    version (a racing push's): each reads it from the store and checks it, and runs it for every job
+    it admits from then on. Never raises for the workers' answers: the caller decides."""
+    where = keys.pool(pool)
+
+    def update(state: DesiredState) -> DesiredState:
+        if state.adapters.get(name, 0) >= version:
+            raise _AlreadyApplied(state)  # a newer push of the name went first, or our own EXEC's reply was lost
+        return state.model_copy(update={"adapters": {**state.adapters, name: version}})
+
+    started = time.monotonic()
+    state = _change_unless_applied(conn, where, update)
+    mine, missing = _await_acks(
+        conn, where, lambda: read_adapter_acks(conn, name, where.name), lambda ack: ack.version >= version,
+        started=started, timeout=timeout, had_workers=bool(conn.hlen(where.adapter_acks(name))),
+        waits_for=lambda worker: worker.capabilities.lora_adapters)
+    failed = {a.worker: a.error or "unknown error" for a in mine if not a.ok}
+    return AdapterAcks(name, version, state.generation, mine, failed, missing)
+
+
+def withdraw_adapter(conn: redis.Redis, name: str, version: int, previous: int | None,
+                     pool: str | None = None) -> None:
+    """Undo `announce_adapter` of a version no worker took: the pool's state names `previous` again
+    (or no version of `name`), unless a newer push changed it meanwhile."""
+
+    def restore(state: DesiredState) -> DesiredState:
+        if state.adapters.get(name) != version:
+            return state
+        adapters = {k: v for k, v in state.adapters.items() if k != name}
+        if previous is not None:
+            adapters[name] = previous
+        return state.model_copy(update={"adapters": adapters})
+
+    _change(conn, pool, restore)

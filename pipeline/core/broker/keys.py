@@ -110,6 +110,10 @@ class PoolKeys:
         """A hash of LoRA adapter name → its current version's record (`schemas.adapters.AdapterRecord`)."""
         return f"{self._base}:adapters"
 
+    def adapter_acks(self, name: str) -> str:
+        """A hash of worker id → its newest acknowledgement (JSON) of a push of adapter `name`."""
+        return f"{self._base}:adapters:acks:{name}"
+
     @property
     def adapter_versions(self) -> str:
         """A hash of adapter name → the last version number handed to a push (racing pushes get distinct ones)."""
@@ -210,6 +214,11 @@ def prompts(job_id: str) -> str:
 def checkpoint(job_id: str) -> str:
     """A list of binary pieces: a job's samples in flight, saved by its worker (`workers.jobs.checkpoint`)."""
     return f"{PREFIX}:checkpoint:{job_id}"
+
+
+def checkpoint_adapters(job_id: str) -> str:
+    """The adapter versions a checkpointed job's tokens came from (JSON name -> version; `workers.jobs.checkpoint`)."""
+    return f"{PREFIX}:checkpoint:{job_id}:adapters"
 
 
 def canceled(run: str) -> str:

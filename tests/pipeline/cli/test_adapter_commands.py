@@ -34,3 +34,5 @@ def test_weights_push_adapter_and_status(pipeline_env: dict[str, str], tiny_mode
     assert ": current; pruned v2" in kept[1].stdout
     base_keep = _cli(pipeline_env, "weights", "push", str(tiny_model_dir), "--version", "1", "--keep-versions", "2")
     assert base_keep.returncode == 2 and "--keep-versions is an option of --adapter pushes" in base_keep.stderr
+    partial = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--mode", "partial")
+    assert partial.returncode == 2 and "an adapter push does not stop samples in flight" in partial.stderr

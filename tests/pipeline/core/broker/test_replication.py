@@ -25,7 +25,7 @@ from schemas.control import WeightAck
 from schemas.request import RolloutRequest
 from tests.helpers.processes import free_port, wait_until
 from tests.helpers.sentinel_group import SentinelGroup
-from workers.process.control_follower import write_ack
+from workers.process.acks import write_ack
 
 
 @pytest.fixture
