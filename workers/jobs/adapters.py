@@ -5,6 +5,8 @@ Before a job runs, every adapter its requests name is looked up in the pool's re
 under (continued samples after a partial swap included) and the one its rows record. A job
 naming an adapter the pool no longer has, or one on a worker whose engine serves no adapters,
 is refused (`UnsupportedRequestError`): handed back for another worker, never run on the base.
+A job resumed from a checkpoint is pinned again to the versions its saved tokens came from
+(`repin`), whatever the current one is: a sample never mixes two versions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Sequence
 import redis
 
 from pipeline.core import adapters
-from schemas.adapters import pinned
+from pipeline.core.errors import PipelineError
+from schemas.adapters import pinned, split_pinned
 from schemas.request import RolloutRequest
 from workers.engines.adapter_cache import serves_adapters
 from workers.engines.base import Engine
@@ -47,3 +50,39 @@ def pin_adapters(requests: Sequence[RolloutRequest], engine: Engine, conn: redis
         versions[name] = record.version
     return [r.model_copy(update={"adapter": pinned(r.adapter, versions[r.adapter])}) if r.adapter is not None else r
             for r in requests]
+
+
+def job_adapters(requests: Sequence[RolloutRequest]) -> dict[str, int]:
+    """The adapter versions pinned `requests` run on (name -> version)."""
+    found: dict[str, int] = {}
+    for request in requests:
+        if request.adapter is not None:
+            name, version = split_pinned(request.adapter)
+            if version is not None:
+                found[name] = version
+    return found
+
+
+def repin(requests: Sequence[RolloutRequest], versions: dict[str, int], engine: Engine, conn: redis.Redis,
+          pool: str) -> list[RolloutRequest]:
+    """Pinned `requests` pinned instead to `versions` (a checkpoint's), each version's record read from
+    its adapter's store and told to the engine's cache. `UnsupportedRequestError` when one is no
+    longer stored (pruned) or the adapter is gone: the caller then starts the samples over."""
+    current = adapters.records(conn, pool)
+    for name, version in versions.items():
+        record = current.get(name)
+        if record is None:
+            raise UnsupportedRequestError(adapters.unknown(name, current, pool))
+        if record.version != version:
+            try:
+                record = adapters.stored_record(record.url, name, version)
+            except (PipelineError, OSError) as exc:
+                raise UnsupportedRequestError(f"adapter {name!r} v{version} is no longer stored: {exc}") from exc
+        engine.adapters.note(record)  # type: ignore[attr-defined]
+    out = []
+    for request in requests:
+        name = None if request.adapter is None else split_pinned(request.adapter)[0]
+        if name is not None and name in versions:
+            request = request.model_copy(update={"adapter": pinned(name, versions[name])})
+        out.append(request)
+    return out

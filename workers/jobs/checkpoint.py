@@ -16,6 +16,11 @@ RPUSH (only what is new since the last checkpoint), binary-packed (never pickle)
     top ids int32 x tokens*k, top logprobs float32 x tokens*k
     finish  JSON [kind, matched]                  (flag FINISHED: the sample ended with this piece)
 
+A job whose requests name LoRA adapters also keeps, beside its list, the adapter versions its
+samples run on (`keys.checkpoint_adapters`: JSON name -> version, written once with the first
+save): the worker that resumes it pins those versions again, so every token of a sample comes
+from one adapter version even when the adapter was pushed meanwhile (`workers.jobs.adapters.repin`).
+
 A piece with flag RESET starts its sample over (it was restarted from the prompt: penalties, the
 staleness bound). The list expires `CHECKPOINT_TTL_S` after its last write and is deleted when the
 job commits (`workers.jobs.batch_job.commit_batch`).
@@ -37,7 +42,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import redis
@@ -150,8 +155,11 @@ class CheckpointStore:
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
 
-    def save(self, saves: Sequence[tuple[str, int, Sequence[Piece]]]) -> int:
-        """Append each job's pieces (`(job id, writer, pieces)`) in one round trip; the bytes written."""
+    def save(self, saves: Sequence[tuple[str, int, Sequence[Piece]]],
+             adapters: Mapping[str, Mapping[str, int]] | None = None) -> int:
+        """Append each job's pieces (`(job id, writer, pieces)`) in one round trip, with the adapter
+        versions of the jobs in `adapters` (job id -> name -> version; kept from the first save on);
+        the bytes written."""
         written = 0
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id, writer, pieces in saves:
@@ -162,11 +170,30 @@ class CheckpointStore:
                 key = keys.checkpoint(job_id)
                 pipe.rpush(key, *elements)
                 pipe.expire(key, CHECKPOINT_TTL_S)
+                pins = (adapters or {}).get(job_id)
+                if pins:
+                    pins_key = keys.checkpoint_adapters(job_id)
+                    pipe.set(pins_key, json.dumps(dict(pins), sort_keys=True), nx=True)
+                    pipe.expire(pins_key, CHECKPOINT_TTL_S)
             pipe.execute()
         return written
 
     def load(self, job_id: str) -> dict[tuple[int, int], list[Piece]]:
         return chains(self.conn.lrange(keys.checkpoint(job_id), 0, -1), job_id)
 
+    def load_adapters(self, job_id: str) -> dict[str, int] | None:
+        """The adapter versions the job's checkpointed tokens came from (None: none recorded)."""
+        raw = self.conn.get(keys.checkpoint_adapters(job_id))
+        if raw is None:
+            return None
+        try:
+            pins = json.loads(raw)
+        except ValueError:
+            pins = None
+        if not isinstance(pins, dict) or not all(isinstance(k, str) and type(v) is int for k, v in pins.items()):
+            raise CheckpointError(f"job {job_id}: {keys.checkpoint_adapters(job_id)} is not a JSON object of adapter "
+                                  "versions; it is written only by the worker's checkpoints")
+        return pins
+
     def delete(self, job_id: str) -> None:
-        self.conn.delete(keys.checkpoint(job_id))
+        self.conn.delete(keys.checkpoint(job_id), keys.checkpoint_adapters(job_id))

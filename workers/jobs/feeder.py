@@ -53,7 +53,9 @@ from rq.timeouts import JobTimeoutException
 from pipeline.core.jobs import turn_stream
 from pipeline.core.jobs.status import canceled_jobs
 from workers.engines.base import ConcurrentEngine, is_checkpointable, is_interruptible
-from workers.errors import JobCanceledError
+from workers.errors import JobCanceledError, UnsupportedRequestError
+from workers.jobs import context
+from workers.jobs.adapters import job_adapters, repin
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S, CheckpointStore, writer_id
 from workers.jobs.turn_streams import TurnStreams
@@ -344,12 +346,37 @@ class Feeder:
         if not chains:
             return 0
         entry.checkpointed = True
+        if not self._adapters_of_checkpoint(entry):
+            return 0
         restored = entry.progress.restore(chains)
         tokens = sum(len(p.token_ids) for chain in chains.values() for p in chain)
         self.checkpoint_stats.resumed_samples += restored
         self.checkpoint_stats.resumed_tokens += tokens
         log.info("job %s: resumed %d samples from its checkpoint (%d tokens kept)", entry.job.id, restored, tokens)
         return restored
+
+    def _adapters_of_checkpoint(self, entry: FedJob) -> bool:
+        """Pin the job's requests to the adapter versions its checkpoint's tokens came from (an adapter
+        pushed since runs from the job's next run on, not mid-sample); False when one of them is no
+        longer stored: the checkpoint is not used and the samples start over on the current version."""
+        assert entry.batch is not None and entry.progress is not None and self.checkpoints is not None
+        pins = job_adapters(entry.batch.requests)
+        if not pins:
+            return True
+        saved = self.checkpoints.load_adapters(entry.job.id)
+        self.checkpoint_stats.commands += 1
+        if saved is None or saved == pins:
+            return True
+        try:
+            requests = repin(entry.batch.requests, saved, self.engine, self.connection, context.current().pool)
+        except UnsupportedRequestError as exc:
+            log.warning("job %s: its checkpoint is not used (%s); its samples start over on %s", entry.job.id, exc,
+                        pins)
+            return False
+        entry.batch.requests = entry.progress.requests = requests
+        log.info("job %s: resumed on the adapter versions its checkpoint holds (%s; current %s)", entry.job.id,
+                 saved, pins)
+        return True
 
     def checkpoint(self, entries: list[FedJob] | None = None, *, live: bool = True) -> int:
         """Save what the jobs in flight (or `entries`) generated since their last checkpoint, with
@@ -374,7 +401,9 @@ class Feeder:
         if not saves:
             return 0
         try:
-            written = self.checkpoints.save([(e.job.id, e.writer, pieces) for e, pieces in saves])
+            written = self.checkpoints.save([(e.job.id, e.writer, pieces) for e, pieces in saves],
+                                            {e.job.id: job_adapters(e.batch.requests) for e, _ in saves
+                                             if e.batch is not None})
         except redis.RedisError as exc:
             log.warning("worker %s: a checkpoint was not saved (%s); the next one saves it", self.worker_id, exc)
             return 0

@@ -1,4 +1,4 @@
-"""`pipeline worker` on an hf engine the test can hold: each decode group stops after
+"""`pipeline worker` on an hf engine the test can hold (with or without LoRA adapters): each decode group stops after
 `HELD_AFTER_TOKENS` tokens of every sample and waits there until the group is stopped (a partial
 swap interrupts it; it then ends with exactly those tokens) or the process is killed.
 
@@ -44,14 +44,15 @@ class _HoldingModel:
 
 class HeldHFEngine(hf.HFEngine):
     def _decode_group(self, requests: Sequence[Any], routing: Any, stop: threading.Event | None) -> Any:
-        real = self.model
+        where = "model" if self._peft is None else "_peft"  # with adapters loaded, peft's wrapper decodes
+        real = getattr(self, where)
         held = _HoldingModel(real, stop, int(os.environ[HOLD_VARIABLE]))
-        self.model = held
+        setattr(self, where, held)
         try:
             return super()._decode_group(requests, routing, stop)
         finally:
-            if self.model is held:  # a swap may have put the new weights' model there meanwhile
-                self.model = real
+            if getattr(self, where) is held:  # a swap may have put the new weights' model there meanwhile
+                setattr(self, where, real)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 
 import pipeline
 from pipeline.core.broker import commit_log, keys, registry
+from tests.helpers.adapters import build_adapter
 from tests.helpers.processes import wait_until
 from tests.workers.jobs.held_hf_worker import HOLD_VARIABLE
 from workers.jobs.checkpoint import CheckpointStore
@@ -152,6 +154,37 @@ def test_a_worker_killed_after_a_partial_swap_resumes_on_the_new_weights(
         assert [(s["start"], s["version"]) for s in row["weight_version_segments"]] == [(0, 0), (boundary, 1)]
         assert row["resumed_at"] == [2 * HELD] and len(row["completion_token_ids"]) == LENGTH
     check_verified(redis_client, "swap", {0: tiny_model_dir, 1: v1_model_dir}, rows)
+
+
+def test_a_job_resumed_after_an_adapter_push_keeps_the_version_its_tokens_came_from(
+    redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, pipeline_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[..., subprocess.Popen],
+) -> None:
+    """Killed mid-sample on adapter sql v1, pushed v2 meanwhile: the worker that resumes the job runs
+    its samples on v1 to the end (a sample never mixes versions), and its rows say v1; the job after
+    it runs v2. Each logprob is checked under base + the version its row names."""
+    monkeypatch.setenv("PIPELINE_HOME", pipeline_env["PIPELINE_HOME"])  # the workers' default store too
+    client = pipeline.Client(redis_client)
+    client.push_adapter("sql", build_adapter(tiny_model_dir, tmp_path / "sql1", seed=1), base=tiny_model_dir)
+    on_sql = [{**request, "adapter": "sql"} for request in long_requests()]
+    batch = client.submit(on_sql, run="pinned", output=f"file://{tmp_path}", batch_size=8)
+    (job_id,) = batch.job_ids
+    victim = start_worker("--checkpoint-every", "0.2", *FAST, **HELD_WORKER)
+    wait_until(lambda: len(saved(redis_client, job_id)) == 3 and all(
+        len(tokens(c)) == HELD for c in saved(redis_client, job_id).values()), 300, "a checkpoint of every sample")
+    assert CheckpointStore(redis_client).load_adapters(job_id) == {"sql": 1}
+    pushed = client.push_adapter("sql", build_adapter(tiny_model_dir, tmp_path / "sql2", seed=2), base=tiny_model_dir)
+    assert [(a.version, a.ok) for a in pushed.acks] == [(2, True)]  # the held victim answers all the same
+    kill(victim)
+    start_worker("--checkpoint-every", "0.2", *FAST)
+    assert batch.wait(timeout=300).counts["finished"] == 1
+    rows = batch.read().to_pylist()
+    assert [(r["adapter"], r["adapter_version"], r["resumed_at"]) for r in rows] == [("sql", 1, [HELD])] * 3
+    check_verified(redis_client, "pinned", {0: tiny_model_dir}, rows)
+    assert not redis_client.exists(keys.checkpoint_adapters(job_id))  # deleted with the commit
+    after = client.submit(on_sql[1:], run="after", output=f"file://{tmp_path}")
+    after.wait(timeout=300)
+    assert [r["adapter_version"] for r in after.read().to_pylist()] == [2]
 
 
 def test_a_negative_interval_is_refused_before_anything_loads(pipeline_env: dict[str, str]) -> None:
