@@ -329,7 +329,10 @@ def pipeline_traces(run: str, turns: int, sids: list[str], redis_url: str | None
     out = check_turns(per, turns)
     traj = read_trajectories(table, rewards={})
     out["trajectory_items"] = traj.num_rows
-    out["trajectory_segments_gt1"] = sum(1 for s in traj.column("segments").to_pylist() if s > 1)
+    # Sessions read as more than one lineage (a call that extended no earlier one: a broken prefix).
+    firsts = [n for n, lineage in zip(traj.column("lineages").to_pylist(), traj.column("lineage").to_pylist(),
+                                      strict=True) if lineage == 0]
+    out["trajectory_lineages_gt1"] = sum(1 for n in firsts if n > 1)
     return out
 
 
