@@ -9,7 +9,7 @@ step submits its prompts naming the adapter (every row records `adapter` and `ad
 waits for them (synchronous: a job runs on the adapter version current at its start), takes one
 GRPO step on the LoRA parameters (`learn_grpo.train_step`: group-normalised advantages, TIS
 against the logprobs the rows were sampled with) and pushes the adapter again
-(`pipeline.push_adapter`): megabytes, applied from the next job, no pause of the workers.
+(`pipeline.push_adapter`): megabytes, acknowledged by the worker, applied from the next job, no pause.
 
 Prints the held-out reward (16 problems never trained on, 2 samples each) before and after, each
 adapter push's seconds and bytes, and, as the baseline, a full push of the same model written to a
@@ -31,8 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from examples.learn_grpo import COLUMNS, Settings, heldout_set, problems, requests, rewards_of, train_step
 from pipeline.integrations.push import push_adapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: `examples` importable
+
+from examples.learn_grpo import (
+    COLUMNS,
+    Settings,
+    heldout_set,
+    problems,
+    requests,
+    rewards_of,
+    train_step,
+)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
