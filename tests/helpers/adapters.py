@@ -51,3 +51,17 @@ def greedy_reference(base_dir: Path, adapter_dir: Path | None, prompt: Sequence[
             out.append(token)
             ids.append(token)
     return out
+
+
+def push_racing(client: Any, name: str, dirs: Sequence[Path], base: Path) -> list[Any]:
+    """Push every adapter directory of `dirs` as adapter `name` at once, one thread each; their results."""
+    import threading
+
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda d=d: results.append(client.push_adapter(name, d, base=base)))
+               for d in dirs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results

@@ -5,7 +5,6 @@ answers the versions pushed before it; racing pushes are each acknowledged, the 
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from pipeline.audit.status import weights as weights_status
 from pipeline.core.broker import registry
 from pipeline.core.broker.control_channel import read_adapter_acks, read_state
 from pipeline.core.errors import AdapterError, AdapterPushError
-from tests.helpers.adapters import build_adapter
+from tests.helpers.adapters import build_adapter, push_racing
 from tests.helpers.processes import wait_until
 
 
@@ -95,13 +94,7 @@ def test_racing_pushes_are_each_acknowledged_and_the_newer_stays_current(
     start_worker()
     [worker] = _live(redis_client, 1)
     dirs = [build_adapter(tiny_model_dir, tmp_path / f"a{i}", seed=i) for i in range(3)]
-    results: list[Any] = []
-    threads = [threading.Thread(target=lambda d=d: results.append(client.push_adapter("sql", d, base=tiny_model_dir)))
-               for d in dirs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = push_racing(client, "sql", dirs, tiny_model_dir)
     assert sorted(r.version for r in results) == [1, 2, 3]
     for result in results:  # each push returned on an ack of its version or a newer one
         [ack] = result.acks

@@ -4,7 +4,6 @@ adapter store as the next version, published in the registry; bad input refused,
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from pipeline.core.broker import registry
 from pipeline.core.errors import AdapterError
 from pipeline.core.weights.store import WeightStore
 from schemas.worker_info import WorkerInfo
-from tests.helpers.adapters import build_adapter, lora_model
+from tests.helpers.adapters import build_adapter, lora_model, push_racing
 
 
 @pytest.fixture
@@ -105,13 +104,7 @@ def test_racing_pushes_of_one_name_get_distinct_versions_and_the_newer_stays_cur
         redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path, home: Path) -> None:
     client = pipeline.Client(redis_client)
     dirs = [build_adapter(tiny_model_dir, tmp_path / f"a{i}", seed=i) for i in range(4)]
-    results = []
-    threads = [threading.Thread(target=lambda d=d: results.append(client.push_adapter("sql", d, base=tiny_model_dir)))
-               for d in dirs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = push_racing(client, "sql", dirs, tiny_model_dir)
     assert sorted(r.version for r in results) == [1, 2, 3, 4]
     assert client.adapters()["sql"].version == 4
     assert WeightStore(client.adapters()["sql"].url).versions() == [1, 2, 3, 4]
