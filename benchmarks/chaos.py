@@ -158,11 +158,12 @@ def run(
     kills: int = 6, kill_every: float = 0.6, restart_redis: bool = False, seed: int = 0,
     timeout: float = 120.0, retries: int = 6, directory: Path | None = None, engine: str = "fake",
     step_seconds: float = 0.05, kill_master: int = 0, push_during_kill: bool = False, demote: bool = False,
+    down_after_ms: int = 1000,
 ) -> Outcome:
     """Run one chaos round and count what came out."""
     rng = random.Random(seed)
     work = Path(directory or tempfile.mkdtemp(prefix="chaos-"))
-    group = SentinelGroup(work / "sentinel", replicas=2, password="chaos", down_after_ms=1000,
+    group = SentinelGroup(work / "sentinel", replicas=2, password="chaos", down_after_ms=down_after_ms,
                                                   appendfsync="always") if kill_master else None
     server = RedisServer(work / "redis", port=free_port(), appendfsync="always")
     url = group.start() if group else server.ensure_started()
@@ -386,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --kill-master 2 or more: the second kill lands in a weight push")
     parser.add_argument("--demote", action="store_true",
                         help="with --kill-master: demote the master (SENTINEL FAILOVER) instead of killing it")
+    parser.add_argument("--down-after-ms", type=int, default=1000,
+                        help="with --kill-master: the sentinels' down-after-milliseconds (a busy machine can stall a "
+                             "live master or a sentinel that long, and the sentinels then fail over from it too)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--baseline", action="store_true", help="first run the same load without kills")
@@ -400,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         print("baseline:", base.line(), flush=True)
     outcome = run(**common, kills=args.kills, kill_every=args.kill_every,  # type: ignore[arg-type]
                   restart_redis=args.restart_redis, directory=args.directory, kill_master=args.kill_master,
-                  push_during_kill=args.push_during_kill, demote=args.demote)
+                  push_during_kill=args.push_during_kill, demote=args.demote, down_after_ms=args.down_after_ms)
     print(json.dumps(dataclasses.asdict(outcome)) if args.json else outcome.line())
     if args.baseline:
         print(f"time ratio chaos/baseline: {outcome.seconds / base.seconds:.2f}")

@@ -67,10 +67,13 @@ def test_sigkilled_redis_masters_fail_over_under_sentinel_and_lose_and_duplicate
     requests submitted while it is down, once in the middle of a weight push): workers and the
     submitter follow each failover without a restart, every request still has exactly one row, a
     follower received every shard once, `pipeline status` adds up and every worker serves the
-    pushed weights."""
+    pushed weights. The sentinels judge a master down after 3 s: at 1 s a busy machine (CI's) stalls
+    a live master or a sentinel that long, a few times in ten runs, and they fail over from it as
+    well, which is the next test's subject, not this one's (and which can still lose a write made in
+    the second after such a promotion by a client that counted no replica, docs/failover.md)."""
     outcome = chaos(tmp_path, "--engine", "sim", "--step-seconds", "0.05", "--requests", "1200", "--workers", "3",
                     "--batch-size", "25", "--kills", "1", "--kill-every", "1", "--kill-master", "3",
-                    "--push-during-kill")
+                    "--push-during-kill", "--down-after-ms", "3000")
     assert outcome["master_kills"] == 3 and len(outcome["recovery_s"]) == 3
     assert len(outcome["pushes"]) == 1 and "failed" not in outcome["pushes"][0], outcome["pushes"]
     assert outcome["desired_version"] == 1 and set(outcome["weight_versions"].values()) == {1}, outcome

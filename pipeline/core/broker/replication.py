@@ -20,6 +20,9 @@ server it waits on:
   `pipeline.submit.enqueue`). Under Sentinel a replica that leaves while a write waits does not
   lower the count waited for (a replica being promoted leaves its master first), and a master
   with no replica to wait for is checked against the sentinels' answer before a write counts.
+  Nor does a count re-read lower while a replica that left now answers as a master (or follows
+  another one): the sentinels are promoting it, and for a second or so they still name the old
+  master, whose remaining replicas would confirm writes the promotion drops (`_departed_promoted`).
 - A wait that runs out while the write is still on a live master is reported, not raised: a
   warning names the write and how many replicas confirmed it; only that master's death in that
   window could still lose it (then a job re-runs; `workers.jobs.reconcile` finds what it orphaned).
@@ -36,6 +39,7 @@ retries, so the proof is always read where the wait happens.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -43,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from pipeline.core import settings
@@ -52,11 +58,23 @@ from pipeline.core.errors import WriteLostError
 SLICE_MS = 500
 LOST_WRITE_ATTEMPTS = 3  # writes lost in failovers in a row before `WriteLostError` reaches the caller
 CHECK_EVERY_S = 5.0
+PROMOTION_PROBE_TIMEOUT_S = 0.5  # asking a replica that left its master whether it is being promoted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_replicas_seen: weakref.WeakKeyDictionary[Any, tuple[float, int, tuple[str, int] | None]] = (
-    weakref.WeakKeyDictionary())
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """A client's last count of its master's replicas: when, how many, which master, which replicas."""
+
+    at: float
+    count: int
+    master: tuple[str, int] | None
+    replicas: frozenset[tuple[str, int]]
+
+
+_replicas_seen: weakref.WeakKeyDictionary[Any, _Seen] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -77,17 +95,63 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
     now = time.monotonic()
     seen = _replicas_seen.get(pool)
     master = _master_address(conn)  # under Sentinel a count is the master's it was read from, not the next one's
-    if fresh or seen is None or now - seen[0] > CHECK_EVERY_S or seen[2] != master:
+    if fresh or seen is None or now - seen.at > CHECK_EVERY_S or seen.master != master:
         try:
             info = conn.info("replication")
         except redis.ResponseError:  # a server without INFO (fakeredis): no replicas to wait for
             info = {}
         # Replicas in sync (a replica still loading a full copy acknowledges nothing until it is done).
-        connected = sum(1 for key, value in info.items()
-                        if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
-        seen = (now, connected, master)
+        online = frozenset((str(value.get("ip")), int(value.get("port", 0))) for key, value in info.items()
+                           if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+        if (master is not None and seen is not None and seen.master == master and len(online) < seen.count
+                and _departed_promoted(pool, master, seen.replicas - online)):
+            online = seen.replicas  # this master is being demoted: wait for as many as before (see above)
+        seen = _Seen(now, len(online), master, online)
         _replicas_seen[pool] = seen
-    return seen[1]
+    return seen.count
+
+
+def _departed_promoted(pool: SentinelConnectionPool, master: tuple[str, int],
+                       departed: frozenset[tuple[str, int]]) -> bool:
+    """Whether a replica that left `master` answers as a master, or as another master's replica: the
+    sentinels are failing over from `master` (they promote a replica first, then name it), so what
+    `master` takes now is lost. One that does not answer is taken for gone (a dead replica)."""
+    kwargs = pool.connection_kwargs
+    auth = {key: kwargs[key] for key in ("username", "password") if kwargs.get(key) is not None}
+    tls = {key: value for key, value in kwargs.items() if key.startswith("ssl_")}
+    for host, port in departed:
+        replica = redis.Redis(host=host, port=port, socket_timeout=PROMOTION_PROBE_TIMEOUT_S,
+                              socket_connect_timeout=PROMOTION_PROBE_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
+                              ssl=issubclass(pool.connection_class, redis.SSLConnection), **auth, **tls)
+        try:
+            role = replica.execute_command("ROLE")
+        except (redis.RedisError, OSError):
+            continue
+        finally:
+            replica.close()
+        kind = _text(role[0])
+        if kind == "master":
+            return True
+        if kind == "slave" and not _same_address((_text(role[1]), int(role[2])), master):
+            return True
+    return False
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two addresses name one server (a host name against an IP resolved: replicas and
+    sentinels may spell the master differently)."""
+    if a == b:
+        return True
+    if a[1] != b[1]:
+        return False
+    try:
+        return socket.gethostbyname(a[0]) == socket.gethostbyname(b[0])
+    except OSError:
+        return False
 
 
 def _master_address(conn: redis.Redis) -> tuple[str, int] | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -208,6 +210,61 @@ def test_a_submit_lost_with_its_master_is_submitted_again_into_the_same_run(
     assert plan.run == "again" and new.smembers(keys.run_batches("again")) == {plan.batch_id.encode()}
     queued = [j.decode() for j in new.lrange(rollout_queue(new).key, 0, -1)]
     assert sorted(queued) == sorted(plan.job_ids) and len(plan.job_ids) == 2
+
+
+@pytest.fixture
+def two_replicas(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[SentinelGroup, int, int, int]]:
+    """A Sentinel group with two replicas (sentinels slow to judge, so that only the test fails
+    over), and a client counting both; yields the group and the master's and replicas' ports."""
+    monkeypatch.delenv("PIPELINE_REDIS_WAIT_REPLICAS", raising=False)  # auto: every replica the master has
+    monkeypatch.setenv("PIPELINE_REDIS_WAIT_TIMEOUT_MS", "1500")
+    with SentinelGroup(tmp_path / "sentinel", replicas=2, down_after_ms=30000, failover_timeout_ms=60000) as group:
+        master = group.master_port()
+        first, second = (port for port in group.servers if port != master)
+        yield group, master, first, second
+
+
+def _write(conn: redis.Redis, key: str) -> int | None:
+    conn.set(key, 1)
+    return replicated(conn, f"the write of {key}", Proof(("EXISTS", key)))
+
+
+def test_a_replica_promoted_away_from_the_master_is_still_waited_for(
+    two_replicas: tuple[SentinelGroup, int, int, int], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first step of a failover from a master that still answers: the sentinels promote a
+    replica (`REPLICAOF NO ONE`), and only a second or so later name it. Meanwhile the old master
+    takes writes, and its other replica confirms them, until that replica follows the new master
+    and drops them. A client that counts the master's replicas again then must not wait for one
+    fewer: the write is not acknowledged on the other replica's word. (Before, it was, and CI's
+    chaos run lost a whole submit that way.)"""
+    group, master, promoted, _ = two_replicas
+    conn = connect_redis(group.url)
+    assert _write(conn, "before") == 2
+    group.servers[promoted].client().execute_command("REPLICAOF", "NO", "ONE")
+    wait_until(lambda: group.servers[master].client().info("replication")["connected_slaves"] == 1,
+               what="the promoted replica to leave its master")
+    assert wanted_replicas(conn, fresh=True) == 2
+    with caplog.at_level(logging.WARNING, logger="pipeline.core.broker.replication"):
+        assert _write(conn, "during") == 1
+    assert "the write of during: written on the Redis master but 1 of 2 replica(s) confirmed it" in caplog.text
+
+
+def test_a_dead_replica_is_not_waited_for(
+    two_replicas: tuple[SentinelGroup, int, int, int], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica that dies lowers the count at once (no wait for it, no warning): only one that
+    answers as a master, or as another master's replica, keeps it."""
+    group, master, _, dead = two_replicas
+    conn = connect_redis(group.url)
+    assert _write(conn, "before") == 2
+    os.kill(int((group.servers[dead].directory / "redis.pid").read_text()), signal.SIGKILL)
+    wait_until(lambda: group.servers[master].client().info("replication")["connected_slaves"] == 1,
+               what="the master to lose its replica")
+    with caplog.at_level(logging.WARNING, logger="pipeline.core.broker.replication"):
+        assert wanted_replicas(conn, fresh=True) == 1
+        assert _write(conn, "after") == 1
+    assert "replica(s) confirmed" not in caplog.text
 
 
 def _busy(server: RedisServer) -> bool:
