@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 from pipeline.core.broker import keys  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 from pipeline.serve.answers import canonical_assistant  # noqa: E402
+from pipeline.serve.conversation import Conversation  # noqa: E402
 from pipeline.serve.sessions import (  # noqa: E402
     Choice,
-    Conversation,
     Pending,
     Placed,
     SessionStore,

@@ -21,11 +21,13 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import anyio
+import numpy as np
 import redis
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -50,19 +52,18 @@ MAX_JSON_DEPTH = 64
 THREADS = 256  # threads for the short steps of calls (rendering, Redis); calls wait on the loop
 
 
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of parsed JSON, stopping past `limit`."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return depth
-        deepest = max(deepest, depth)
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+    """Nesting depth of valid JSON text, a scalar counting as a level (`1` is 1, `[1]` 2): the
+    brackets outside strings, counted on the bytes at C speed (a walk of the parsed value cost a
+    long conversation's call more than its new messages did)."""
+    structure = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
+    steps = np.isin(structure, _OPENERS).astype(np.int32) - np.isin(structure, _CLOSERS)
+    return int(np.cumsum(steps).max(initial=0)) + 1
 
 
 async def read_json(request: Request, max_bytes: int, *, empty: Any = None) -> Any:
@@ -90,7 +91,7 @@ async def read_json(request: Request, max_bytes: int, *, empty: Any = None) -> A
         raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
     except ValueError as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+    if json_depth(raw) > MAX_JSON_DEPTH:
         raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     return data
 

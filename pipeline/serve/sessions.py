@@ -42,6 +42,7 @@ from pipeline.core import adapters
 from pipeline.core.broker import keys
 from pipeline.core.errors import AdapterError
 from pipeline.serve.api_error import APIError
+from pipeline.serve.conversation import Conversation
 from pipeline.serve.turn_counts import TurnCounts
 from schemas.turn_id import TurnId
 
@@ -183,37 +184,6 @@ def check_history(history: Any) -> str:
     if history not in HISTORY_MODES:
         raise APIError(400, f"history is one of {', '.join(HISTORY_MODES)}, not {history!r}", param="history")
     return history
-
-
-def digest(value: Any) -> str:
-    """A stable digest of JSON-able data (sorted keys, no spaces)."""
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _chain(head: str, message_digest: str) -> str:
-    return hashlib.sha256(f"{head}:{message_digest}".encode()).hexdigest()[:32]
-
-
-class Conversation:
-    """Digests of a conversation's beginnings, each message encoded once: the digest of the first
-    `n + 1` messages chains the digest of the first `n` with message `n`'s."""
-
-    def __init__(self, messages: list[dict[str, Any]]) -> None:
-        self._heads = [""]
-        for message in messages:
-            self._heads.append(_chain(self._heads[-1], digest(message)))
-
-    def first(self, n: int) -> str:
-        return self._heads[n]
-
-    def whole(self) -> str:
-        return self._heads[-1]
-
-    def reply_key(self, n: int, assistant: dict[str, Any]) -> str:
-        """The index field of the conversation's first `n` messages followed by `assistant` (a canonical
-        assistant message): where a call that replied `assistant` after those messages is found."""
-        return "m:" + _chain(self._heads[n], digest(assistant))
 
 
 def pack_ids(ids: Any) -> str:

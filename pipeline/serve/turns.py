@@ -45,13 +45,13 @@ from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.core.stop_tokens import matched_stop_ids
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
 from pipeline.serve.api_error import APIError
+from pipeline.serve.conversation import Conversation, Conversations, digest
 from pipeline.serve.lane import Lane
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import (
     MAX_CALLS,
     Choice,
-    Conversation,
     Opened,
     Parent,
     Pending,
@@ -59,7 +59,6 @@ from pipeline.serve.sessions import (
     Session,
     SessionStore,
     TurnRecord,
-    digest,
 )
 from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
@@ -154,6 +153,7 @@ class Turns:
         self.renderer = renderer
         self.counts = TurnCounts(conn)  # the pool's turn counts, written every half second
         self.sessions = SessionStore(conn, self.counts, max_calls=settings.max_session_calls)
+        self.conversations = Conversations()
         self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s, affinity=settings.affinity,
                          load_factor=settings.load_factor)
 
@@ -273,7 +273,7 @@ class Turns:
         client's headers that say which call this is (`CallIdentity.of`)."""
         self._tokenizer()
         messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
-        conversation = Conversation(messages)
+        conversation = self.conversations.of(session_id, messages)  # digests of the new messages only
         # The call's digest (a client's retry is the same call): the conversation's and the rest's.
         body_digest = digest({"messages": conversation.whole(), **body.model_dump(
             mode="json", exclude={"stream", "stream_options", "messages"}, exclude_none=True)})
@@ -287,8 +287,7 @@ class Turns:
         if keep_specials:
             body = body.model_copy(update={"skip_special_tokens": False})
         # The replies a parent may have sent: each assistant message followed by more, the latest first.
-        reply_keys = [conversation.reply_key(j, canonical_assistant(messages[j]))
-                      for j in range(len(messages) - 2, -1, -1) if messages[j].get("role") == "assistant"]
+        reply_keys = conversation.earlier_replies(canonical_assistant)
 
         pending = Pending.new(identity.digest, conversation.whole(), len(messages))
 

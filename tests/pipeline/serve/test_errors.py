@@ -11,6 +11,7 @@ import redis
 
 from pipeline.core.broker import control_channel, keys
 from pipeline.core.errors import PipelineError
+from pipeline.serve.app import json_depth
 from pipeline.serve.server import ServeConfig, check_config
 from tests.pipeline.serve.conftest import Script, run_agent
 
@@ -155,3 +156,8 @@ def test_an_unknown_path_or_method_answers_in_openais_error_shape(serve: Any) ->
     missing = _error(httpx.post(url + "/v1/chat/completion", json={}), 404)  # a typo'd path
     assert missing["code"] == "not_found" and "no route POST /v1/chat/completion" in missing["message"]
     assert _error(httpx.get(url + "/v1/chat/completions"), 405)["code"] == "405"
+
+
+def test_json_depth_counts_brackets_outside_strings() -> None:
+    assert [json_depth(text) for text in (b"1", b"[1]", b'{"a": {"b": []}}', b'{"a": "[[{{\\"]]"}')] == [1, 2, 4, 2]
+    assert json_depth(b'{"m": ' + b"[" * 70 + b"]" * 70 + b"}") == 72

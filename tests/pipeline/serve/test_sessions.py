@@ -11,11 +11,11 @@ import redis
 
 from pipeline.core.broker import keys
 from pipeline.serve.api_error import APIError
+from pipeline.serve.conversation import Conversation
 from pipeline.serve.sessions import (
     SESSION_TTL_S,
     TTL_REFRESH_S,
     Choice,
-    Conversation,
     Opened,
     Pending,
     Placed,
