@@ -86,28 +86,47 @@ def _server(url: str, port: int, output: str, run: str) -> None:
     Server(config).run()
 
 
-async def _session(client: aiohttp.ClientSession, url: str, turns: int, latencies: list[float], mode: str) -> None:
-    async with client.post(f"{url}/sessions", json={}) as created:
-        sid = (await created.json())["session_id"]
-    messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me something."}]
-    ids = list(range(10, 60))
-    for turn in range(turns):
-        started = time.perf_counter()
-        if mode == "chat":
-            route, body = "chat/completions", {"model": "m", "messages": messages, "max_tokens": 16}
+class Agent:
+    """One session, one turn at a time; its history grows as an agent's does (every turn replays the
+    history plus the assistant's answer and a new user message; `tokens`: the last prompt's ids plus the
+    sampled ids and a tool result)."""
+
+    def __init__(self, client: aiohttp.ClientSession, url: str, mode: str) -> None:
+        self.client, self.url, self.mode = client, url, mode
+        self.messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me something."}]
+        self.ids = list(range(10, 60))
+        self.sid = ""
+        self.turns = 0
+
+    async def open(self) -> None:
+        async with self.client.post(f"{self.url}/sessions", json={}) as created:
+            self.sid = (await created.json())["session_id"]
+
+    async def turn(self) -> None:
+        if self.mode == "chat":
+            route, body = "chat/completions", {"model": "m", "messages": self.messages, "max_tokens": 16}
         else:
-            route, body = "completions", {"model": "m", "prompt": ids, "max_tokens": 16}
-        async with client.post(f"{url}/sessions/{sid}/v1/{route}", json=body) as answer:
+            route, body = "completions", {"model": "m", "prompt": self.ids, "max_tokens": 16}
+        async with self.client.post(f"{self.url}/sessions/{self.sid}/v1/{route}", json=body) as answer:
             got = await answer.json()
             if answer.status != 200:
-                raise SystemExit(f"turn {turn} of session {sid}: HTTP {answer.status}: {got}")
-        latencies.append(time.perf_counter() - started)
+                raise SystemExit(f"turn {self.turns + 1} of session {self.sid}: HTTP {answer.status}: {got}")
         choice = got["choices"][0]
-        if mode == "chat":
-            messages += [{"role": "assistant", "content": choice["message"]["content"]},
-                         {"role": "user", "content": f"And more ({turn})."}]
-        else:  # the agent's next prompt extends the last one with the sampled ids and a tool result
-            ids = ids + choice["token_ids"] + [11, 12, 13]
+        if self.mode == "chat":
+            self.messages += [{"role": "assistant", "content": choice["message"]["content"]},
+                              {"role": "user", "content": f"And more ({self.turns})."}]
+        else:  # the next prompt extends the last one with the sampled ids and a tool result
+            self.ids = self.ids + choice["token_ids"] + [11, 12, 13]
+        self.turns += 1
+
+
+async def _session(client: aiohttp.ClientSession, url: str, turns: int, latencies: list[float], mode: str) -> None:
+    agent = Agent(client, url, mode)
+    await agent.open()
+    for _ in range(turns):
+        started = time.perf_counter()
+        await agent.turn()
+        latencies.append(time.perf_counter() - started)
 
 
 async def _load(url: str, sessions: int, turns: int, concurrency: int, mode: str) -> tuple[float, list[float]]:

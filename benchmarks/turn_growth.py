@@ -32,12 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import free_port, stop_processes, wait_for_serve  # noqa: E402
-from benchmarks.serve import _server, _worker  # noqa: E402
+from benchmarks.serve import Agent, _server, _worker  # noqa: E402
 from pipeline.core import settings  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
 
 
-def _cpu_s(pid: int) -> float:
+def _threads_cpu_s(pid: int) -> float:
     """CPU seconds a process's threads have run, in nanoseconds' precision (`/proc/PID/task/*/schedstat`:
     `/proc/PID/stat` counts 10 ms ticks, too coarse for a phase of a few dozen turns; a thread that
     ended during the phase takes its time with it, so the server's thread pools are warmed first)."""
@@ -53,38 +53,6 @@ def _cpu_s(pid: int) -> float:
 WINDOW = 4  # phases each end's figure is the median of: turns 2-5 and the last four
 
 
-class Agent:
-    """One session, one turn at a time; its history grows as an agent's does."""
-
-    def __init__(self, client: aiohttp.ClientSession, url: str, mode: str) -> None:
-        self.client, self.url, self.mode = client, url, mode
-        self.messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me something."}]
-        self.ids = list(range(10, 60))
-        self.sid = ""
-        self.turns = 0
-
-    async def open(self) -> None:
-        async with self.client.post(f"{self.url}/sessions", json={}) as created:
-            self.sid = (await created.json())["session_id"]
-
-    async def turn(self) -> None:
-        if self.mode == "chat":
-            route, body = "chat/completions", {"model": "m", "messages": self.messages, "max_tokens": 16}
-        else:
-            route, body = "completions", {"model": "m", "prompt": self.ids, "max_tokens": 16}
-        async with self.client.post(f"{self.url}/sessions/{self.sid}/v1/{route}", json=body) as answer:
-            got = await answer.json()
-            if answer.status != 200:
-                raise SystemExit(f"turn {self.turns + 1} of session {self.sid}: HTTP {answer.status}: {got}")
-        self.turns += 1
-        choice = got["choices"][0]
-        if self.mode == "chat":
-            self.messages += [{"role": "assistant", "content": choice["message"]["content"]},
-                              {"role": "user", "content": f"And more ({self.turns})."}]
-        else:  # the next prompt extends the last one with the sampled ids and a tool result
-            self.ids = self.ids + choice["token_ids"] + [11, 12, 13]
-
-
 async def _phases(url: str, sessions: int, turns: int, mode: str, pids: dict[str, int]) -> list[dict[str, float]]:
     """CPU milliseconds per turn of each process, for each turn number 1..`turns`."""
     connector = aiohttp.TCPConnector(limit=sessions)
@@ -93,9 +61,9 @@ async def _phases(url: str, sessions: int, turns: int, mode: str, pids: dict[str
         await asyncio.gather(*(a.open() for a in agents))
         phases = []
         for _ in range(turns):
-            before = {name: _cpu_s(pid) for name, pid in pids.items()}
+            before = {name: _threads_cpu_s(pid) for name, pid in pids.items()}
             await asyncio.gather(*(a.turn() for a in agents))
-            phases.append({name: (_cpu_s(pid) - before[name]) / sessions * 1000 for name, pid in pids.items()})
+            phases.append({name: (_threads_cpu_s(pid) - before[name]) / sessions * 1000 for name, pid in pids.items()})
         return phases
 
 

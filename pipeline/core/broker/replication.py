@@ -66,10 +66,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class _Seen:
-    """A client's last count of its master's replicas: when, how many, which master, which replicas."""
+    """A client's last count of its master's replicas: when, which master, which replicas."""
 
     at: float
-    count: int
     master: tuple[str, int] | None
     replicas: frozenset[tuple[str, int]]
 
@@ -103,12 +102,12 @@ def wanted_replicas(conn: redis.Redis, *, fresh: bool = False) -> int:
         # Replicas in sync (a replica still loading a full copy acknowledges nothing until it is done).
         online = frozenset((str(value.get("ip")), int(value.get("port", 0))) for key, value in info.items()
                            if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
-        if (master is not None and seen is not None and seen.master == master and len(online) < seen.count
+        if (master is not None and seen is not None and seen.master == master and len(online) < len(seen.replicas)
                 and _departed_promoted(pool, master, seen.replicas - online)):
             online = seen.replicas  # this master is being demoted: wait for as many as before (see above)
-        seen = _Seen(now, len(online), master, online)
+        seen = _Seen(now, master, online)
         _replicas_seen[pool] = seen
-    return seen.count
+    return len(seen.replicas)
 
 
 def _departed_promoted(pool: SentinelConnectionPool, master: tuple[str, int],
