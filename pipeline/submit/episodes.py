@@ -163,7 +163,7 @@ def submit_episodes(conn: redis.Redis, tasks: list[Task], *, agent: str, run: st
             "max_staleness": max_staleness, "groups_per_step": groups_per_step,
             "base_version": base_version or 0, "submitted_at_ms": now_ms, "adapter": adapter}
     stream = where.episode_stream(agent)
-    episodes.ensure_group(conn, stream)
+    episodes.STREAMS.ensure_group(conn, stream)
     ids = run_ids.encode([episode_id(t.task_id, s) for t in tasks for s in range(n)])
     run_key = keys.episode_run(run)
     while True:
@@ -187,7 +187,7 @@ def submit_episodes(conn: redis.Redis, tasks: list[Task], *, agent: str, run: st
                 pipe.sadd(keys.POOLS, where.name)
                 pipe.sadd(where.episode_agents, agent)
                 for job in jobs:
-                    pipe.xadd(stream, episodes.encode(job))
+                    episodes.STREAMS.add(pipe, stream, job.model_dump_json())
                 pipe.execute()
                 break
             except redis.WatchError:

@@ -109,7 +109,7 @@ class AgentWorker:
 
     async def _work(self, burst: bool) -> WorkerStats:
         for stream in self.streams:
-            episodes.ensure_group(self.conn, stream)
+            episodes.STREAMS.ensure_group(self.conn, stream)
         self._loop = asyncio.get_running_loop()
         self._install_signals()
         serve = ServeClient(self.serve_url, self.api_key)
@@ -133,7 +133,7 @@ class AgentWorker:
                         next_take_over = time.monotonic() + max(0.5, self.claim_after_s / 4)
                     if len(claimed) < free:
                         block = None if claimed else (100 if running else READ_BLOCK_MS)  # None: do not block
-                        claimed += await asyncio.to_thread(episodes.read_new, self.conn, self.streams,
+                        claimed += await asyncio.to_thread(episodes.STREAMS.read_new, self.conn, self.streams,
                                                            self.worker_id, free - len(claimed), block)
                 except redis.RedisError as exc:  # the episodes in flight carry on
                     log.warning("agent worker %s: reading episodes failed (%s); trying again", self.worker_id, exc)
@@ -206,7 +206,7 @@ class AgentWorker:
             if len(taken) >= count:
                 break
             # Entries of its own this worker runs already (its keep-alive was late) are not run twice.
-            taken += [entry for entry in episodes.take_over(self.conn, stream, self.worker_id,
+            taken += [entry for entry in episodes.STREAMS.take_over(self.conn, stream, self.worker_id,
                                                             int(self.claim_after_s * 1000), count - len(taken))
                       if entry.entry_id not in self._held]
         if taken:
@@ -216,13 +216,7 @@ class AgentWorker:
 
     def _nothing_left(self) -> bool:
         """No entry queued or held by anyone (burst mode's end): dead workers' entries count until taken over."""
-        for stream in self.streams:
-            groups = self.conn.xinfo_groups(stream)
-            for group in groups:
-                if group["name"] in (episodes.GROUP, episodes.GROUP.encode()) and (
-                        group["pending"] or (group.get("lag") or 0)):
-                    return False
-        return True
+        return episodes.STREAMS.backlog(self.conn, self.streams) == (0, 0)
 
     def _keep_alive(self) -> None:
         """Its own thread: the episodes this worker holds are kept fresh however busy its event loop
@@ -238,7 +232,7 @@ class AgentWorker:
     def _heartbeat(self) -> None:
         held = list(self._held.values())
         if held:
-            episodes.keep_claimed(self.conn, self.worker_id, held)
+            episodes.STREAMS.keep_claimed(self.conn, self.worker_id, held)
             self._stop_canceled(held)
         info = {"worker_id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
                 "agents": sorted(self.agents), "concurrency": self.concurrency, "running": len(held),

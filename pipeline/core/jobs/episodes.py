@@ -2,13 +2,11 @@
 
 An episode job (`schemas.episode.EpisodeJob`) is an entry of its pool's stream for its agent
 (`keys.PoolKeys.episode_stream`), read through one consumer group (`keys.EPISODE_GROUP`) by the
-agent workers started with that agent: Redis hands each entry to one worker and keeps it in the
-group's pending list until that worker acknowledges it. A worker keeps the entries it holds fresh
-(`keep_claimed`, every few seconds); an entry whose holder stopped doing so (SIGKILLed, its host
-gone) goes idle and another worker takes it over (`take_over`, after `claim_after_s`). RQ is not
-used here: an RQ worker runs one job at a time per process, an agent worker runs hundreds of
-episodes at once in one event loop, and a stream's pending list is Redis's own record of who holds
-what.
+agent workers started with that agent, with the project's one mechanism for work routed to live
+consumers (`pipeline.core.broker.work_streams`, `STREAMS`): Redis hands each entry to one worker,
+the worker keeps the entries it holds fresh, and an entry whose holder went silent is taken over
+after `claim_after_s`. RQ is not used here: an RQ worker runs one job at a time per process, an
+agent worker runs hundreds of episodes at once in one event loop.
 
 Each attempt is recorded before it starts (`start_attempt`): its session, worker and number. A
 new attempt discards the session of the one before it (a retry after an error or timeout, or a
@@ -28,7 +26,6 @@ groups off, never half of one; every trajectory reader and the report apply this
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,12 +34,15 @@ from typing import Any
 import redis
 
 from pipeline.core.broker import keys
+from pipeline.core.broker.work_streams import Claimed as Held
+from pipeline.core.broker.work_streams import WorkStreams
 from schemas.episode import EpisodeJob, EpisodeOutcome, episode_id
 
 GROUP = keys.EPISODE_GROUP
-JOB_FIELD = b"job"
+# The pool's episode streams, one per agent (`keys.PoolKeys.episode_stream`), read through one group.
+STREAMS: WorkStreams[EpisodeJob] = WorkStreams(GROUP, EpisodeJob.model_validate_json)
+Claimed = Held[EpisodeJob]
 COUNTS = ("submitted", "finished", "failed", "canceled", "retried", "abandoned", "handed_back", "duplicates")
-HANDED_BACK_IDLE_MS = 10**9  # a handed-back entry looks idle this long: any worker takes it over at once
 ENDED = ("finished", "failed", "canceled")  # the statuses of an outcome
 
 # KEYS: attempts, discarded, run hash, outcomes, the pool's open sessions. ARGV: episode id, attempt JSON,
@@ -155,36 +155,9 @@ return canceled
 
 
 @dataclass(frozen=True)
-class Claimed:
-    """An entry a worker holds: its stream, id and job."""
-
-    stream: str
-    entry_id: str
-    job: EpisodeJob
-
-
-@dataclass(frozen=True)
 class Attempt:
     number: int  # 1 for the first; one more for each retry or take-over
     failures: int  # attempts before this one that raised or timed out
-
-
-def ensure_group(conn: redis.Redis, stream: str) -> None:
-    """Create the stream's consumer group (and the stream) unless it exists."""
-    try:
-        conn.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
-def encode(job: EpisodeJob) -> dict[str, str]:
-    return {JOB_FIELD.decode(): job.model_dump_json()}
-
-
-def decode(stream: str, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Claimed:
-    entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return Claimed(stream, entry, EpisodeJob.model_validate_json(fields[JOB_FIELD]))
 
 
 def start_attempt(conn: redis.Redis, job: EpisodeJob, *, session_id: str, worker_id: str,
@@ -217,74 +190,18 @@ def commit(conn: redis.Redis, claimed: Claimed, outcome: EpisodeOutcome) -> bool
 def acknowledge(conn: redis.Redis, claimed: Claimed) -> None:
     """Drop an entry whose episode has an outcome already (nothing to run)."""
     with conn.pipeline(transaction=True) as pipe:
-        pipe.xack(claimed.stream, GROUP, claimed.entry_id)
-        pipe.xdel(claimed.stream, claimed.entry_id)
-        pipe.execute()
-
-
-def keep_claimed(conn: redis.Redis, consumer: str, held: list[Claimed]) -> None:
-    """Reset the idle time of the entries this worker holds, so nobody takes them over."""
-    by_stream: dict[str, list[str]] = {}
-    for claimed in held:
-        by_stream.setdefault(claimed.stream, []).append(claimed.entry_id)
-    with conn.pipeline(transaction=False) as pipe:
-        for stream, ids in by_stream.items():
-            pipe.xclaim(stream, GROUP, consumer, 0, ids, justid=True)
+        STREAMS.acknowledge(pipe, claimed)
         pipe.execute()
 
 
 def hand_back(conn: redis.Redis, consumer: str, stopped: list[Claimed]) -> None:
     """Episodes this worker stopped on shutdown: their attempts marked handed back, their entries made
-    idle so that any worker takes them over at once (`take_over`), not after `claim_after_s`."""
+    idle so that any worker takes them over at once (`WorkStreams.take_over`), not after `claim_after_s`."""
     with conn.pipeline(transaction=False) as pipe:
         for claimed in stopped:
             pipe.eval(_HAND_BACK, 1, keys.episode_attempts(claimed.job.run), claimed.job.episode_id, consumer)
-            pipe.xclaim(claimed.stream, GROUP, consumer, 0, [claimed.entry_id], idle=HANDED_BACK_IDLE_MS, justid=True)
+            STREAMS.hand_back(pipe, consumer, claimed)
         pipe.execute()
-
-
-def take_over(conn: redis.Redis, stream: str, consumer: str, idle_ms: int, count: int) -> list[Claimed]:
-    """Entries of `stream` whose holder has not kept them for `idle_ms` (it died), now this consumer's."""
-    entries = conn.xautoclaim(stream, GROUP, consumer, idle_ms, start_id="0-0", count=count)[1]  # 2 or 3 parts
-    gone = [entry_id for entry_id, fields in entries if not fields]  # deleted while pending: nothing to run
-    if gone:
-        conn.xack(stream, GROUP, *gone)
-    return [decode(stream, entry_id, fields) for entry_id, fields in entries if fields]
-
-
-def read_new(conn: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None) -> list[Claimed]:
-    """Up to `count` entries no worker has had yet, across all `streams` together, blocking up to
-    `block_ms` for the first (None: not at all; never 0, which blocks forever).
-
-    XREADGROUP's COUNT bounds each stream, not the read: one read of several streams would hand this
-    consumer up to `count` of each. So the streams are read one by one (from a random one, so that
-    no agent's backlog starves another's) until `count` are had; with none had, the wait is a plain
-    XREAD from each group's last delivered entry, which hands out nothing, then the streams are read
-    again."""
-    claimed = _read_each(conn, streams, consumer, count)
-    if claimed or block_ms is None:
-        return claimed
-    with conn.pipeline(transaction=False) as pipe:
-        for stream in streams:
-            pipe.xinfo_groups(stream)
-        infos = pipe.execute()
-    delivered = {stream: next((g["last-delivered-id"] for g in groups if g["name"] in (GROUP, GROUP.encode())), "0")
-                 for stream, groups in zip(streams, infos, strict=True)}
-    if conn.xread(delivered, count=1, block=block_ms):
-        claimed = _read_each(conn, streams, consumer, count)
-    return claimed
-
-
-def _read_each(conn: redis.Redis, streams: list[str], consumer: str, count: int) -> list[Claimed]:
-    claimed: list[Claimed] = []
-    start = random.randrange(len(streams))
-    for stream in streams[start:] + streams[:start]:
-        if len(claimed) >= count:
-            break
-        answer = conn.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(claimed))
-        claimed += [decode(stream, entry_id, fields) for _, entries in answer or [] for entry_id, fields in entries
-                    if fields]
-    return claimed
 
 
 def outcomes(conn: redis.Redis, run: str) -> dict[str, EpisodeOutcome]:

@@ -68,7 +68,7 @@ def test_after_take_every_reader_returns_the_taken_groups_whole_and_nothing_canc
     store = SessionStore(redis_client)
     stream = keys.pool(None).episode_stream(AGENT)
     claimed = {f"{c.job.task_id}:{c.job.sample}": c
-               for c in episodes.read_new(redis_client, [stream], "w", 10, None)}
+               for c in episodes.STREAMS.read_new(redis_client, [stream], "w", 10, None)}
     sessions = {episode: _start(redis_client, store, c) for episode, c in claimed.items()}
     # Task a's group ends whole; b:0 ends, b:1 and task c are in flight when the trainer takes one group.
     for episode in ("a:0", "a:1", "b:0"):
@@ -119,7 +119,7 @@ def test_an_episode_is_one_row_per_lineage_each_with_the_reward_the_agent_gave_i
     client.submit_episodes([{"id": "a"}], agent=AGENT, run="trees", n=2)
     store = SessionStore(redis_client)
     stream = keys.pool(None).episode_stream(AGENT)
-    claimed = sorted(episodes.read_new(redis_client, [stream], "w", 10, None), key=lambda c: c.job.sample)
+    claimed = sorted(episodes.STREAMS.read_new(redis_client, [stream], "w", 10, None), key=lambda c: c.job.sample)
     sessions = [_start(redis_client, store, c) for c in claimed]
     for session in sessions:  # a second root: a sub-agent, or a compacted history
         _log_turn(redis_client, "trees", session, turn=1)

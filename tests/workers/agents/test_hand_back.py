@@ -60,7 +60,7 @@ def test_the_session_of_an_attempt_a_dead_worker_left_is_no_longer_open(redis_cl
     """A take-over discards the dead worker's session: counted as abandoned, and no longer open."""
     run = pipeline.Client(redis_client).submit_episodes([{"id": "a"}], agent=agent("solve"), run="ep-1")
     stream = keys.pool(None).episode_stream(agent("solve"))
-    (claimed,) = episodes.read_new(redis_client, [stream], "dead", 1, None)
+    (claimed,) = episodes.STREAMS.read_new(redis_client, [stream], "dead", 1, None)
     store = SessionStore(redis_client)
     for session_id, worker in (("ep-dead", "dead"), ("ep-alive", "alive")):
         store.create(run="ep-1", pool="default", output="file:///x", session_id=session_id)
