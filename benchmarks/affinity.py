@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import free_port, percentile  # noqa: E402
 from pipeline.core.broker import keys, registry  # noqa: E402
 from pipeline.core.broker.redis_server import RedisServer  # noqa: E402
-from pipeline.core.jobs.lanes import parse_turn_job  # noqa: E402
+from pipeline.core.jobs.turn_queue import parse_turn_job  # noqa: E402
 
 PIPELINE = [sys.executable, "-m", "pipeline.cli.main"]
 SYSTEM = list(range(1000, 1200))  # the system prompt every session shares
@@ -155,14 +155,14 @@ def _where(session_id: str) -> str:
     turn_id = json.loads(pending)["turn_id"]
     job_id, worker = parse_turn_job(conn.get(keys.turn_job(turn_id)))
     job_id = job_id or "?"
-    found = [name.decode() for name in conn.scan_iter("*") if conn.type(name) == b"list"
-             and any(job_id.encode() in entry for entry in conn.lrange(name, 0, -1))]
+    found = [name.decode() for name in conn.scan_iter("*") if conn.type(name) == b"stream"
+             and any(job_id.encode() in fields.get(b"job", b"") for _, fields in conn.xrange(name))]
     job = {k.decode(): v.decode()[:80] for k, v in conn.hgetall(f"rq:job:{job_id}").items()
            if k in (b"status", b"origin", b"worker_name")}
     live = [w.worker_id for w in registry.live_workers(conn)]
-    lanes = sorted(m.decode() for m in conn.smembers(keys.pool(None).lane_workers))
-    return (f"job {job_id} (routed to {worker or 'the shared lane'}) {job} in lists {found}; live workers {live}; "
-            f"lanes {lanes}")
+    queues = sorted(m.decode() for m in conn.smembers(keys.pool(None).turn_queue_owners))
+    return (f"job {job_id} (routed to {worker or 'the shared lane'}) {job} in streams {found}; live workers {live}; "
+            f"turn queues {queues}")
 
 
 async def _agents(url: str, run: str, mix: list[int], seed: int) -> tuple[float, list[float]]:

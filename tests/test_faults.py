@@ -32,7 +32,7 @@ from workers.engines.base import SampleOutput
 from workers.engines.fake import FakeEngine
 from workers.engines.sim.engine import SimConfig, SimEngine
 from workers.errors import EngineUnavailableError
-from workers.process.lane_keeper import LaneKeeper
+from workers.process.turn_reader import TurnReader
 from workers.process.worker import RolloutWorker
 
 REQUESTS = [RolloutRequest(id=f"r{i}", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2}) for i in range(3)]
@@ -88,15 +88,15 @@ class SignalNoting(RolloutWorker):
 def _hold_shutdown(conn: redis.Redis) -> None:
     """Stop the shutdown sequence before it waits for the jobs in flight (as a loaded machine might)
     until the test says go: a second signal then lands outside that wait."""
-    original = LaneKeeper.stop
+    original = TurnReader.stop
 
-    def held(self: LaneKeeper) -> None:
+    def held(self: TurnReader) -> None:
         conn.set(HELD_KEY, 1)
         while not conn.exists(GO_KEY):
             time.sleep(0.01)
         original(self)
 
-    LaneKeeper.stop = held  # type: ignore[method-assign]  # in the forked worker only
+    TurnReader.stop = held  # type: ignore[method-assign]  # in the forked worker only
 
 
 def _serve(url: str, job_s: float, flag: str | None, slow_sim: bool = False, hold: bool = False) -> None:

@@ -17,7 +17,7 @@ from rq.serializers import JSONSerializer
 from pipeline.core import adapters
 from pipeline.core.broker import commit_log, control_channel, keys, registry, reward_log
 from pipeline.core.errors import UnknownRunError
-from pipeline.core.jobs import episodes, lanes
+from pipeline.core.jobs import episodes, turn_queue
 from pipeline.core.jobs.queue import rollout_queue
 from pipeline.core.jobs.status import failure_reason
 from pipeline.core.suggest import did_you_mean, listing
@@ -104,20 +104,22 @@ def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) 
 
 
 def routed_turns(conn: redis.Redis, pool: keys.PoolKeys) -> dict[str, int]:
-    """Jobs of agent turns in the pool's workers' own lanes (`pipeline.core.jobs.lanes`): waiting
-    (`routed`) and taken by their worker (`taken`)."""
-    owners = sorted(m.decode() for m in conn.smembers(pool.lane_workers))
+    """Jobs of agent turns in the pool's workers' turn queues (`pipeline.core.jobs.turn_queue`):
+    waiting (`routed`) and taken by a worker (`taken`)."""
+    owners = sorted(m.decode() for m in conn.smembers(pool.turn_queue_owners))
     with conn.pipeline(transaction=False) as pipe:
         for worker in owners:
-            lanes.queued(pipe, pool, worker)
-            pipe.llen(pool.turn_lane_in_flight(worker))
-        counts = pipe.execute()
-    return {"routed": sum(counts[0::2]), "taken": sum(counts[1::2])}
+            turn_queue.queued(pipe, pool, worker)
+            pipe.xpending(pool.turn_queue(worker), turn_queue.TURNS.group)
+        counts = pipe.execute(raise_on_error=False)
+    entries = [c if isinstance(c, int) else 0 for c in counts[0::2]]
+    taken = [int(p["pending"]) if isinstance(p, dict) else 0 for p in counts[1::2]]  # a stream without its group
+    return {"routed": sum(entries) - sum(taken), "taken": sum(taken)}
 
 
 def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
     """One pool: its desired state, queue, interactive lane (`lane`: agent-turn jobs queued in the shared
-    lane, and routed to workers' own lanes: waiting, and taken but not done), open agent
+    lane, and routed to workers' turn queues: waiting, and taken but not done), open agent
     sessions (`sessions`, see `open_sessions`), live workers and the capability classes they serve, jobs
     waiting for a capability no live worker has (`workers.jobs.admission`), runs and failed jobs."""
     where = keys.pool(pool)
@@ -316,7 +318,7 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         + f" (generation {desired['generation']})",
         f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
         f"{q['failed']} failed",
-        f"lane {status['lane']['name']}: {status['lane']['queued']} queued agent-turn job(s); workers' own lanes: "
+        f"lane {status['lane']['name']}: {status['lane']['queued']} queued agent-turn job(s); workers' turn queues: "
         f"{status['lane']['routed']} waiting, {status['lane']['taken']} running",
     ]
     sessions = status["sessions"]

@@ -7,12 +7,11 @@ engine road); its payload carries one `TurnTag` per request, so the worker logs 
 rows and answers its server (`workers.jobs.turn_commits`) instead of writing a shard of one row.
 
 Each turn goes to a worker chosen by the router (`routing`: its session's home while that is
-alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's own lane
-(a plain list, `pipeline.core.jobs.lanes`: no RQ job); with no such worker it waits as an RQ job in
-the pool's shared lane for any.
-Turns reaching a server together share a lane job (`turn_batching`); workers answer them in the
-server's inbox (`inbox`); a server's waiter looks elsewhere between blocks and moves dead workers'
-turns back to the shared lane (`turn_wait`). A failed job fails each of its turns (RQ retries it once first).
+alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's turn queue
+(a Redis stream, `pipeline.core.jobs.turn_queue`: no RQ job); with no such worker it waits as an
+RQ job in the pool's shared lane for any. Turns reaching a server together share a job
+(`turn_batching`); workers answer them in the server's inbox (`inbox`); a server's waiter looks
+elsewhere between blocks (`turn_wait`). A failed job fails each of its turns (after one retry).
 """
 
 from __future__ import annotations

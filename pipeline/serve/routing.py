@@ -1,6 +1,5 @@
 """Where an agent turn goes: the pool's live workers and desired version (cached per server), each
-worker's load in active sessions, the bounded-load choice (`pipeline.core.affinity.choose`), and
-moving the turns of dead workers back to the shared lane.
+worker's load in active sessions, and the bounded-load choice (`pipeline.core.affinity.choose`).
 
 A worker's load is the number of active sessions homed there (`keys.PoolKeys.lane_load`: a session
 counts while it had a turn in the last `ACTIVE_S`, and leaves its old home's count when it moves),
@@ -12,7 +11,6 @@ moved).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -24,16 +22,12 @@ from pipeline.core import adapters
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route, choose
 from pipeline.core.broker import control_channel, keys, registry
 from pipeline.core.errors import PipelineError
-from pipeline.core.jobs import lanes
 from pipeline.submit.placement import Placement
 from schemas.adapters import pinned
 from schemas.worker_info import WorkerInfo
 
-log = logging.getLogger(__name__)
-
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
 LOADS_TTL_S = 0.05  # workers' loads are read at most this often per server (counted locally between)
-REHOME_S = 1.0  # dead workers' lanes are looked for at most this often per server
 ACTIVE_S = 120.0  # a session without a turn for this long no longer counts in its home's load
 
 
@@ -52,7 +46,6 @@ class Router:
         self._loads: tuple[float, dict[str, int]] = (0.0, {})
         # Sessions this server placed (+1) or moved away (-1) whose load entries are not yet written.
         self._unwritten: Counter[str] = Counter()
-        self._rehomed_at = 0.0
         self._lock = threading.Lock()
 
     def live_workers(self) -> list[WorkerInfo]:
@@ -141,17 +134,3 @@ class Router:
                 self._unwritten[worker] -= 1
                 if home is not None:
                     self._unwritten[home] += 1
-
-    def rehome(self) -> None:
-        """Move dead workers' turns to the shared lane (at most every `REHOME_S` per server)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._rehomed_at < REHOME_S:
-                return
-            self._rehomed_at = now
-        with self._lock:
-            self._workers = (0.0, self._workers[1])  # read the registry afresh
-        live = {w.worker_id for w in self.live_workers()}
-        moved = lanes.rehome_orphans(self.conn, self.keys, live)
-        if moved:
-            log.warning("moved %d lane item(s) of dead worker(s) of pool %r to the shared lane", moved, self.keys.name)

@@ -4,7 +4,8 @@ when it comes round as one lane job (per run, output, worker class and target wo
 While the server's lane jobs in flight already keep the pool's live workers busy (two jobs each),
 new turns wait for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost
 is paid once for many turns; a turn reaching an idle pool is enqueued at once. A job goes to its
-chosen worker's own lane (`pipeline.core.jobs.lanes`), or to the pool's shared lane for any worker.
+chosen worker's turn queue (`pipeline.core.jobs.turn_queue`), or to the pool's shared lane (RQ) for any
+worker.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis
 from rq import Queue
 
 from pipeline.core.broker import keys
-from pipeline.core.jobs import lanes
+from pipeline.core.jobs import turn_queue
 from pipeline.core.jobs.queue import job_args, job_data
 from pipeline.serve.routing import ACTIVE_S, Router
 from schemas.capabilities import Needs
@@ -136,7 +137,7 @@ class TurnBatcher:
                         pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
                     self.shared_lane.enqueue_many([data], pipeline=pipe)
                 else:
-                    lanes.push(pipe, self.keys, worker, lanes.new_item(
+                    turn_queue.push(pipe, self.keys, worker, turn_queue.new_job(
                         job_id, job_args(payload), needs.as_dict(), description,
                         timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES))
                     active_until = time.time() + ACTIVE_S

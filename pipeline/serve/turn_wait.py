@@ -3,10 +3,10 @@ blocks the waiter looks elsewhere.
 
 Between blocks a waiter looks for the answer another server's waiter recorded, the rows in the turn
 log or the shard they were flushed to (the answer went to another server, or a waiter that is
-gone), a failed job, and dead workers' turns to move to the shared lane (`Router.rehome`), so a
-turn whose worker was killed runs again elsewhere within the registry's expiry (three heartbeats)
-and a second. Past the turn timeout it says 503 (`Retry-After`) when no live worker of the pool
-could take the turn or the pool is paused, else 504. The job stays queued: the agent's retry of
+gone), and a failed job. A turn whose worker was killed runs again on a live worker, which takes
+it from the dead worker's turn queue (`pipeline.core.jobs.turn_queue`). Past the turn timeout it
+says 503 (`Retry-After`) when no live worker of the pool could take the turn or the pool is
+paused, else 504. The job stays queued: the agent's retry of
 the same call waits for it again instead of generating it twice.
 """
 
@@ -27,7 +27,7 @@ import redis.asyncio
 from pipeline.core.broker import control_channel, keys
 from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.errors import PipelineError
-from pipeline.core.jobs import lanes, turn_log, turn_stream
+from pipeline.core.jobs import turn_log, turn_queue, turn_stream
 from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.api_error import APIError
@@ -44,7 +44,7 @@ Answered = pa.Table | dict[str, Any]  # a turn's rows, or its answer recorded by
 
 
 def _rows(reply: bytes) -> pa.Table:
-    """An answer from the inbox: the turn's rows, or `APIError` when its worker failed it (`lanes.fail`)."""
+    """An answer from the inbox: the turn's rows, or `APIError` when its worker failed it (`turn_queue.fail`)."""
     failure = TurnFailure.decode(reply)
     if failure is not None:
         raise _failed(failure)
@@ -75,8 +75,8 @@ class TurnWaiter:
         self._read_threads: anyio.CapacityLimiter | None = None
 
     def job_of(self, turn_id: str) -> tuple[str | None, str | None]:
-        """The turn's job id, and the worker whose own lane holds it (None: an RQ job of the shared lane)."""
-        return lanes.parse_turn_job(self.conn.get(keys.turn_job(turn_id)))
+        """The turn's job id, and the worker whose turn queue holds it (None: an RQ job of the shared lane)."""
+        return turn_queue.parse_turn_job(self.conn.get(keys.turn_job(turn_id)))
 
     async def wait_async(self, turn_id: str, run: str, started: float,
                          settled: Callable[[], dict[str, Any] | None]) -> pa.Table | dict[str, Any]:
@@ -160,17 +160,16 @@ class TurnWaiter:
         answered = settled()
         if answered is not None:
             return answered
-        self.router.rehome()
         job_id, worker = self.job_of(turn_id)
-        if worker is not None:  # in a live worker's own lane (a dead one's were made RQ jobs just now)
-            failure = lanes.turn_failure(self.conn, turn_id)
+        if worker is not None:  # in a worker's turn queue (a dead one's is read by the live ones)
+            failure = turn_queue.turn_failure(self.conn, turn_id)
             if failure is not None:
                 raise _failed(failure)
             logged = self._logged(run, turn_id)  # answered, but the answer went to another server or a waiter gone
             if logged is None and worker not in {w.worker_id for w in self.router.live_workers()}:
-                # Routed to a worker that died before the push (its lane already moved and forgotten):
-                # known again, so the next rehome moves it.
-                lanes.register(self.conn, self.keys, worker)
+                # Routed to a worker that died before the push (its queue already emptied and forgotten):
+                # known again, so that the live workers read it.
+                turn_queue.register(self.conn, self.keys, worker)
             return logged
         status = None if job_id is None else read_status(self.conn, job_id)
         if status == b"finished":  # answered, but the answer went to another server or a waiter gone
@@ -216,7 +215,7 @@ class TurnWaiter:
     def _late(self, turn_id: str) -> APIError:
         job_id, worker = self.job_of(turn_id)
         if worker is not None:
-            status = "queued"  # in its worker's own lane, taken or not
+            status = "queued"  # in its worker's turn queue, taken or not
         else:
             status = "" if job_id is None else (read_status(self.conn, job_id) or b"").decode()
         try:

@@ -1,17 +1,18 @@
 """Running jobs on an engine, one shard per job, keeping a concurrent engine fed across job boundaries.
 
-Every job a worker runs goes through its `Feeder`. RQ's work loop runs one job at a time; the
-worker's `execute_job` hands each job to the feeder, which does RQ's start-of-job bookkeeping,
-validates the payload, submits the requests to the engine (`workers.engines.base.ConcurrentEngine`)
-and returns as soon as the engine has room for more, so the loop dequeues the next job while
-the last long sequences of this one still run. A completion thread then finishes each job on
-its own: rows, shard and commit (`workers.jobs.batch_job.commit_batch`), and RQ's success or
-failure handling (retries included) exactly as `perform_job` would. An engine with only
-`generate()` (the fake, in-process SGLang, or any engine with `--no-feed`) is fed through
+Every job a worker runs goes through its `Feeder`, as a `workers.jobs.work.Work`: an RQ job of a
+trainer's batch, or a job of agent turns from the worker's turn queue, each with its own records.
+RQ's work loop runs one job at a time; the worker's `execute_job` hands each job to the feeder,
+which starts its records, validates the payload, submits the requests to the engine
+(`workers.engines.base.ConcurrentEngine`) and returns as soon as the engine has room for more, so
+the loop dequeues the next job while the last long sequences of this one still run. A completion
+thread then finishes each job on its own: rows, shard and commit
+(`workers.jobs.batch_job.commit_batch`), and the job's end (`Work.finish`: for an RQ job, RQ's
+success or failure handling, retries included, exactly as `perform_job` would). An engine with
+only `generate()` (the fake, in-process SGLang, or any engine with `--no-feed`) is fed through
 `workers.engines.serial.SerialEngine`, one job at a time (`max_jobs_in_flight=1`).
 
-The feeder owns its state: the jobs in flight and the `Gate`. It talks to its worker through
-`JobBookkeeping` (RQ's side of each job: `pipeline.core.jobs.rq_seam.WorkerBookkeeping`) and one
+The feeder owns its state: the jobs in flight and the `Gate`. It talks to its worker through one
 callback, `jobs_changed`, called whenever a job enters or leaves the jobs in flight.
 
 The `Gate` keeps weight loads apart from batches: a load waits until every job in flight has
@@ -38,16 +39,13 @@ import queue as queue_mod
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import redis
-from rq.executions import Execution
-from rq.job import Job
-from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
 from pipeline.core.jobs import turn_stream
@@ -59,6 +57,7 @@ from workers.jobs.adapters import job_adapters, repin
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S, CheckpointStore, writer_id
 from workers.jobs.turn_streams import TurnStreams
+from workers.jobs.work import ExcInfo, Work
 from workers.rows.continuation import Progress, Submission
 from workers.runtime import logs
 
@@ -115,34 +114,13 @@ class Gate:
             return self._cond.wait_for(lambda: self._jobs == 0, timeout)
 
 
-ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
-
-
-class JobBookkeeping(Protocol):
-    """RQ's side of each job a `Feeder` runs, done by its worker (`pipeline.core.jobs.rq_seam.WorkerBookkeeping`)."""
-
-    def open(self, job: Job) -> Execution:
-        """This worker's execution of `job` (RQ's `prepare_execution`)."""
-        ...
-
-    def start(self, job: Job) -> int:
-        """RQ's start of the job (started status and registry, heartbeat); returns its timeout in
-        seconds (none when not positive)."""
-        ...
-
-    def finish(self, job: Job, queue: Queue, execution: Execution, exc_info: ExcInfo | None, result: Any) -> None:
-        """RQ's end of the job: success with `result` when `exc_info` is None, else failure (retries)."""
-        ...
-
-
 @dataclass(eq=False)
 class FedJob:
-    """A job the feeder has taken: its RQ job and execution, its prepared batch and progress on the
-    engine, its deadline, checkpoint and streamed turns."""
+    """A job the feeder has taken: its work, its prepared batch and progress on the engine, its
+    deadline, checkpoint and streamed turns."""
 
-    job: Job
-    queue: Queue
-    execution: Execution
+    work: Work
+    timeout_s: int = 0
     batch: PreparedBatch | None = None
     progress: Progress | None = None
     submission: Submission | None = None
@@ -171,19 +149,18 @@ class CheckpointStats:
 
 
 class Feeder:
-    """Jobs in flight on one concurrent engine (up to `max_jobs_in_flight`); RQ bookkeeping per job.
+    """Jobs in flight on one concurrent engine (up to `max_jobs_in_flight`), each ended by its `Work`.
 
-    `jobs_changed(job)` is called after `job` entered the jobs in flight, `jobs_changed(None)`
-    after one left them (`jobs()` lists them, oldest first)."""
+    `jobs_changed(work)` is called after `work` entered the jobs in flight, `jobs_changed(None)`
+    after one left them (`works()` lists them, oldest first)."""
 
     def __init__(
-        self, engine: ConcurrentEngine, bookkeeping: JobBookkeeping, *, connection: redis.Redis, worker_id: str,
-        jobs_changed: Callable[[Job | None], None] = lambda _: None,
+        self, engine: ConcurrentEngine, *, connection: redis.Redis, worker_id: str,
+        jobs_changed: Callable[[Work | None], None] = lambda _: None,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
         checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S, lane_reserve: int | None = None,
     ) -> None:
         self.engine = engine
-        self.bookkeeping = bookkeeping
         self.connection = connection
         self.worker_id = worker_id
         self.jobs_changed = jobs_changed
@@ -221,9 +198,9 @@ class Feeder:
     def in_flight(self) -> int:
         return len(self._entries)
 
-    def jobs(self) -> list[tuple[Job, Execution]]:
-        """The jobs in flight with their executions, oldest first."""
-        return [(e.job, e.execution) for e in list(self._entries.values())]
+    def works(self) -> list[Work]:
+        """The jobs in flight, oldest first."""
+        return [e.work for e in list(self._entries.values())]
 
     def start(self) -> None:
         if self._thread is None:
@@ -280,9 +257,9 @@ class Feeder:
             by_run.setdefault(entry.batch.job.run, []).append(entry)
         aborted = 0
         for run, in_run in by_run.items():
-            canceled = canceled_jobs(self.connection, run, [e.job.id for e in in_run])
+            canceled = canceled_jobs(self.connection, run, [e.work.id for e in in_run])
             for entry in in_run:
-                if entry.job.id in canceled:
+                if entry.work.id in canceled:
                     entry.canceled = True
                     aborted += 1
                     if entry.future is not None:
@@ -291,34 +268,33 @@ class Feeder:
 
     # -- admission (the work loop's thread) -------------------------------------------------
 
-    def admit(self, job: Job, queue: Queue) -> None:
-        """Start `job` on the engine; failures before the engine runs it are finalised here."""
-        with logs.job_scope(job, self.worker_id):
-            self._admit(job, queue)
+    def admit(self, work: Work) -> None:
+        """Start `work` on the engine; failures before the engine runs it are finalised here."""
+        with logs.job_scope(work.id, work.payload, self.worker_id):
+            self._admit(work)
 
-    def _admit(self, job: Job, queue: Queue) -> None:
+    def _admit(self, work: Work) -> None:
         self.gate.enter()
         try:
-            execution = self.bookkeeping.open(job)
+            work.open()
         except BaseException:
             self.gate.leave()
             raise
-        entry = FedJob(job, queue, execution)
+        entry = FedJob(work)
         with self._cond:
-            self._entries[job.id] = entry
-        self.jobs_changed(job)
+            self._entries[work.id] = entry
+        self.jobs_changed(work)
         try:
-            timeout = self.bookkeeping.start(job)
-            job.func  # noqa: B018 - the job class refuses any function but the project's own
-            if timeout and timeout > 0:
-                entry.deadline = time.monotonic() + timeout
-            batch = prepare_batch(job.args[0], self.connection)
+            payload, entry.timeout_s = work.start()
+            if entry.timeout_s and entry.timeout_s > 0:
+                entry.deadline = time.monotonic() + entry.timeout_s
+            batch = prepare_batch(payload, self.connection)
             entry.batch = batch
             entry.samples = sum(r.sampling_params.n for r in batch.requests)
             if batch.job.turns is None:
                 self._batch_job_samples = entry.samples
             progress = entry.progress = Progress(batch.requests, max_staleness=batch.job.max_staleness)
-            entry.writer = writer_id(execution.id)
+            entry.writer = writer_id(uuid.uuid4().hex)
             if self.can_stream:
                 entry.streams = TurnStreams.of(batch.requests, batch.job.turns, entry.writer)
                 if entry.streams is not None:
@@ -329,7 +305,7 @@ class Feeder:
                 batch.weight_version = version = self.engine.weight_version
                 self._submit(entry, progress.resume(version, untouched_whole=True) if restored
                              else progress.first(version))
-            self.admitted.append((time.monotonic(), job.id))
+            self.admitted.append((time.monotonic(), work.id))
         except BaseException:
             self._finish(entry, sys.exc_info())
 
@@ -339,9 +315,9 @@ class Feeder:
         """Take back the job's checkpoint (an earlier run of it died): samples restored with tokens."""
         if self.checkpoints is None or entry.progress is None:
             return 0
-        if not getattr(entry.job, "ran_before", True):  # a job known never to have run (a lane item's first run)
+        if not entry.work.ran_before:  # a job known never to have run (a turn job's first run)
             return 0
-        chains = self.checkpoints.load(entry.job.id)
+        chains = self.checkpoints.load(entry.work.id)
         self.checkpoint_stats.commands += 1
         if not chains:
             return 0
@@ -352,7 +328,7 @@ class Feeder:
         tokens = sum(len(p.token_ids) for chain in chains.values() for p in chain)
         self.checkpoint_stats.resumed_samples += restored
         self.checkpoint_stats.resumed_tokens += tokens
-        log.info("job %s: resumed %d samples from its checkpoint (%d tokens kept)", entry.job.id, restored, tokens)
+        log.info("job %s: resumed %d samples from its checkpoint (%d tokens kept)", entry.work.id, restored, tokens)
         return restored
 
     def _adapters_of_checkpoint(self, entry: FedJob) -> bool:
@@ -363,18 +339,18 @@ class Feeder:
         pins = job_adapters(entry.batch.requests)
         if not pins:
             return True
-        saved = self.checkpoints.load_adapters(entry.job.id)
+        saved = self.checkpoints.load_adapters(entry.work.id)
         self.checkpoint_stats.commands += 1
         if saved is None or saved == pins:
             return True
         try:
             requests = repin(entry.batch.requests, saved, self.engine, self.connection, context.current().pool)
         except UnsupportedRequestError as exc:
-            log.warning("job %s: its checkpoint is not used (%s); its samples start over on %s", entry.job.id, exc,
+            log.warning("job %s: its checkpoint is not used (%s); its samples start over on %s", entry.work.id, exc,
                         pins)
             return False
         entry.batch.requests = entry.progress.requests = requests
-        log.info("job %s: resumed on the adapter versions its checkpoint holds (%s; current %s)", entry.job.id,
+        log.info("job %s: resumed on the adapter versions its checkpoint holds (%s; current %s)", entry.work.id,
                  saved, pins)
         return True
 
@@ -401,8 +377,8 @@ class Feeder:
         if not saves:
             return 0
         try:
-            written = self.checkpoints.save([(e.job.id, e.writer, pieces) for e, pieces in saves],
-                                            {e.job.id: job_adapters(e.batch.requests) for e, _ in saves
+            written = self.checkpoints.save([(e.work.id, e.writer, pieces) for e, pieces in saves],
+                                            {e.work.id: job_adapters(e.batch.requests) for e, _ in saves
                                              if e.batch is not None})
         except redis.RedisError as exc:
             log.warning("worker %s: a checkpoint was not saved (%s); the next one saves it", self.worker_id, exc)
@@ -518,11 +494,11 @@ class Feeder:
         try:
             assert entry.progress is not None
             if entry.canceled:
-                raise JobCanceledError(f"job {entry.job.id} was canceled; nothing was written")
+                raise JobCanceledError(f"job {entry.work.id} was canceled; nothing was written")
             with self._submit_lock:
                 self._submit(entry, entry.progress.resume(self.engine.weight_version))
         except BaseException:
-            with logs.job_scope(entry.job, self.worker_id):
+            with logs.job_scope(entry.work.id, entry.work.payload, self.worker_id):
                 self._finish(entry, sys.exc_info())
 
     # -- completion (the feeder's thread) ---------------------------------------------------
@@ -541,7 +517,7 @@ class Feeder:
             if isinstance(entry, str):  # WAKE
                 self._stream_if_due()
                 continue
-            with logs.job_scope(entry.job, self.worker_id):
+            with logs.job_scope(entry.work.id, entry.work.payload, self.worker_id):
                 self._complete(entry)
             self._check_deadlines()
             self._checkpoint_if_due()
@@ -558,10 +534,10 @@ class Feeder:
     def _complete(self, entry: FedJob) -> None:
         try:
             if entry.canceled:
-                raise JobCanceledError(f"job {entry.job.id} was canceled; its requests were aborted, nothing written")
+                raise JobCanceledError(f"job {entry.work.id} was canceled; its requests were aborted, nothing written")
             if entry.timed_out:
                 raise JobTimeoutException(
-                    f"Task exceeded maximum timeout value ({entry.job.timeout} seconds); its requests were aborted"
+                    f"Task exceeded maximum timeout value ({entry.timeout_s} seconds); its requests were aborted"
                 )
             outputs = entry.future.result()
             assert entry.batch is not None and entry.progress is not None and entry.submission is not None
@@ -580,7 +556,7 @@ class Feeder:
             if progress.resumed:
                 summary.update(resumed=progress.resumed)
             if entry.checkpointed and self.checkpoints is not None:
-                self.checkpoints.delete(entry.job.id)
+                self.checkpoints.delete(entry.work.id)
                 self.checkpoint_stats.commands += 1
         except BaseException:
             self._finish(entry, sys.exc_info())
@@ -589,12 +565,12 @@ class Feeder:
 
     def _finish(self, entry: FedJob, exc_info: ExcInfo | None, result: Any = None) -> None:
         try:
-            self.bookkeeping.finish(entry.job, entry.queue, entry.execution, exc_info, result)
-        except Exception:  # bookkeeping must never kill the completion thread
-            log.exception("worker %s: finishing job %s failed", self.worker_id, entry.job.id)
+            entry.work.finish(exc_info, result)
+        except Exception:  # a job's end must never kill the completion thread
+            log.exception("worker %s: finishing job %s failed", self.worker_id, entry.work.id)
         finally:
             with self._cond:
-                self._entries.pop(entry.job.id, None)
+                self._entries.pop(entry.work.id, None)
                 self._cond.notify_all()
             self.jobs_changed(None)
             self.gate.leave()

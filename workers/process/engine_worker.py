@@ -12,7 +12,9 @@ composition of the parts a worker holds, and overrides RQ's hooks only to hand e
   followed on a listener thread and before every job; weight loads and their acknowledgements;
 - `workers.process.intake.JobIntake`: which dequeued jobs run (pause, capabilities, weight
   versions); the others are handed back untouched;
-- `workers.jobs.feeder.Feeder`: every job's run on the engine, RQ's bookkeeping per job. With an
+- `workers.process.turn_reader.TurnReader`: the turns routed to this worker (its turn queue, a
+  Redis stream), read on a thread of their own straight into the feeder, not through RQ;
+- `workers.jobs.feeder.Feeder`: every job's run on the engine, each ended by its records. With an
   engine that has the concurrent interface (hf, sim, sglang-http, vllm-http) `execute_job`
   returns once the engine has room, so the next job's requests reach the engine while this one's
   last sequences finish; each job still gets its own shard, commit, heartbeats and RQ result. An
@@ -39,7 +41,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from pipeline.core.broker import keys
-from pipeline.core.jobs import lanes, rq_seam
+from pipeline.core.jobs import rq_seam
 from schemas.control import DesiredState
 from schemas.worker_info import WorkerState
 from workers.engines.adapter_cache import resident_adapters
@@ -49,14 +51,14 @@ from workers.jobs import admission, context
 from workers.jobs.allowed_job import RolloutJob
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S
 from workers.jobs.feeder import DEFAULT_MAX_JOBS_IN_FLIGHT, Feeder
-from workers.jobs.lane_job import LaneJob
 from workers.jobs.turn_commits import TurnFlusher
+from workers.jobs.work import RqWork, Work
 from workers.process.control_follower import POLL_S, ControlFollower
 from workers.process.heartbeat import HEARTBEAT_INTERVAL_S, Heartbeat, worker_info
 from workers.process.intake import JobIntake
-from workers.process.lane_keeper import LaneKeeper
 from workers.process.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, queue_wait_s
-from workers.process.own_lane import LaneBookkeeping, OwnLane
+from workers.process.turn_reader import TurnReader
+from workers.process.turn_work import TurnEnds, TurnWork
 
 log = logging.getLogger(__name__)
 RQ_HEARTBEAT_S = 30  # RQ's own worker key (it lives 8 minutes), refreshed no more often than this
@@ -74,7 +76,7 @@ def new_worker_id() -> str:
 def pool_queues(conn: redis.Redis, pool: keys.PoolKeys) -> list[Queue]:
     """The RQ queues a worker of `pool` takes jobs from, in the order it looks at them: agent turns
     (`pipeline serve`) of the pool's shared lane first, so a turn never waits behind a batch run.
-    The turns routed to this worker come through its own lane (`workers.process.own_lane`)."""
+    The turns routed to this worker come through its turn queue (`workers.process.turn_reader`)."""
     return [Queue(name, connection=conn, serializer=JSONSerializer) for name in (pool.lane_queue_name, pool.queue_name)]
 
 
@@ -123,9 +125,10 @@ class EngineWorker(SimpleWorker):
         self._waiting_for_job = False  # the loop blocks in RQ's dequeue (`_shutdown`)
         self._lane_checked_at = float("-inf")
         self._lane_seen = False
-        self.bookkeeping = LaneBookkeeping(rq_seam.WorkerBookkeeping(self), conn, self.pool, worker_id, self.metrics)
+        self.rq_bookkeeping = rq_seam.WorkerBookkeeping(self)
+        self.turn_ends = TurnEnds(conn, worker_id, self.metrics)
         self.feeder = Feeder(
-            self._serial or engine, self.bookkeeping,
+            self._serial or engine,
             connection=conn, worker_id=worker_id, jobs_changed=self._jobs_changed,
             max_jobs_in_flight=max_jobs_in_flight, headroom=feed_headroom, checkpoint_every_s=checkpoint_every_s,
         )
@@ -139,17 +142,19 @@ class EngineWorker(SimpleWorker):
             conn, self.pool, worker_id, self.info.capabilities, engine, self.control, self.feeder, self.metrics,
             fail=lambda job, queue, reason: admission.fail(self, job, queue, self.pool.name, reason),
         )
-        # The turns routed to this worker: taken by a thread of their own, not through RQ.
-        self.own_lane = OwnLane(conn, self.pool, worker_id, self.feeder, ready=self._ready_for_turns)
+        # The turns routed to this worker: read by a thread of their own, not through RQ.
+        self.turn_reader = TurnReader(conn, self.pool, worker_id, self.feeder, self.turn_ends,
+                                      ready=self._ready_for_turns)
         if metrics_port is not None:
             self.metrics.serve(metrics_port, metrics_host)
 
     def _rq_jobs(self) -> list[tuple[Job, Execution]]:
-        """The jobs in flight that RQ keeps records of (whose heartbeats are due): not the own lane's."""
-        return [(job, execution) for job, execution in self.feeder.jobs() if not isinstance(job, LaneJob)]
+        """The jobs in flight that RQ keeps records of (whose heartbeats are due): not the turn queue's."""
+        return [(work.job, work.execution) for work in self.feeder.works()
+                if isinstance(work, RqWork) and work.execution is not None]
 
     def _ready_for_turns(self) -> bool:
-        """Whether the worker takes turns from its own lane now: not stopping, paused, nor behind the
+        """Whether the worker takes turns from its turn queue now: not stopping, paused, nor behind the
         pool's weights (the work loop's checks for RQ jobs, `workers.process.intake`)."""
         desired = self.control.desired
         return not rq_seam.stop_requested(self) and not desired.paused and not self.control.behind(desired)
@@ -176,13 +181,13 @@ class EngineWorker(SimpleWorker):
             if not self.feeder.in_flight:
                 self.set_registry_state(self._resting_state())
 
-    def _jobs_changed(self, started: Job | None) -> None:
+    def _jobs_changed(self, started: Work | None) -> None:
         """A job entered (`started`) or left the feeder: busy with the oldest RQ job in flight, or
-        resting. Turns of the worker's own lane leave the registry's state alone (they come and go
+        resting. Turns of the worker's turn queue leave the registry's state alone (they come and go
         many times a second; `pipeline status` counts them in its lane line)."""
         if started is not None:
             self.metrics.job_started(queue_wait_s(started))
-            if isinstance(started, LaneJob):
+            if isinstance(started, TurnWork):
                 return
         with self.presence.lock:
             current = next((job.id for job, _ in self._rq_jobs()), None)
@@ -283,7 +288,7 @@ class EngineWorker(SimpleWorker):
         self.pubsub.close()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        self.feeder.admit(job, queue)
+        self.feeder.admit(RqWork(job, queue, self.rq_bookkeeping))
         self.feeder.wait_for_room(lambda: rq_seam.stop_requested(self))
 
     def _finalize_success(self, job: Job, queue: Queue, execution: Execution, return_value: Any) -> None:
@@ -320,15 +325,12 @@ class EngineWorker(SimpleWorker):
         # Agent turns' rows, logged in Redis as they commit, written many turns to a shard.
         flusher = TurnFlusher(lambda: self.connection)
         flusher.start()
-        # Its own lane of agent turns (session affinity) registered; dead neighbours' turns moved.
-        keeper = LaneKeeper(self.connection, self.pool, self.worker_id)
-        keeper.start()
-        self.own_lane.start()
+        # Its turn queue (session affinity), and what no live worker runs of dead neighbours'.
+        self.turn_reader.start()
         try:
             return super().work(*args, **kwargs)
         finally:
-            self.own_lane.stop()
-            keeper.stop()
+            self.turn_reader.stop()
             flusher.stop(flush=True)
             try:
                 self._drain_feeder()
@@ -337,14 +339,13 @@ class EngineWorker(SimpleWorker):
                 self.feeder.drain(timeout=10)
                 raise
             finally:
+                self.turn_reader.close()
                 self.feeder.stop()
                 if self._serial is not None:
                     self._serial.close()
             self.control.listener.stop()
             try:
-                self.presence.stop()
-                # Turns still routed to it go to the shared lane now, not when a neighbour notices.
-                lanes.rehome_orphans(self.connection, self.pool)
+                self.presence.stop()  # out of the registry: its turn queue is read by the live workers now
             except redis.RedisError as exc:  # Redis gone at shutdown: the entry expires with its TTL
                 log.warning("worker %s: leaving the registry skipped, Redis unreachable (%s)", self.worker_id, exc)
             context.uninstall()

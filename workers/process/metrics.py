@@ -36,6 +36,7 @@ from prometheus_client.exposition import start_http_server
 
 from pipeline.core import settings
 from schemas.worker_info import WorkerState
+from workers.jobs.work import Work
 
 log = logging.getLogger(__name__)
 
@@ -199,19 +200,14 @@ class RewardMetrics(MetricsEndpoint):
         self._jobs.labels(self.worker_id, "failed").inc()
 
 
-def queue_wait_s(job: Any) -> float | None:
-    """Seconds since the trainer submitted `job` (its payload's `submitted_at_ms`; else RQ's enqueue time)."""
-    try:
-        payload = job.args[0] if job.args else None
-    except Exception:  # unreadable arguments: the job fails on its own path, without a wait
-        payload = None
+def queue_wait_s(work: Work) -> float | None:
+    """Seconds since the trainer submitted `work` (its payload's `submitted_at_ms`; else its enqueue time)."""
+    payload = work.payload
     submitted_ms = payload.get("submitted_at_ms") if isinstance(payload, dict) else None
     if isinstance(submitted_ms, int | float) and not isinstance(submitted_ms, bool):
         return time.time() - submitted_ms / 1000
-    enqueued = getattr(job, "enqueued_at", None)
+    enqueued = work.enqueued_at
     if isinstance(enqueued, datetime):
-        if enqueued.tzinfo is None:
-            enqueued = enqueued.replace(tzinfo=UTC)
         return (datetime.now(UTC) - enqueued).total_seconds()
     return None
 

@@ -76,7 +76,7 @@ class RolloutWorker(EngineWorker):
             # One for all of the pool's queues: a job is held if any of them holds it.
             reconcilers=[Reconciler(conn, self.queues, self.pool.name, grace_s=stuck_after_s, interval_s=interval)],
         )
-        self.bookkeeping.handback_reason = lambda exc: self.shutdown.handback_reason(exc) or self.health.job_failed(exc)
+        self.turn_ends.handback_reason = lambda exc: self.shutdown.handback_reason(exc) or self.health.job_failed(exc)
         # RQ passes a failing job's exception to handle_exception, then (same thread) calls
         # handle_job_failure without it. Jobs fail on two threads (the work loop, and the
         # feeder's completion thread), so the exception is kept per thread.

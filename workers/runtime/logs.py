@@ -53,20 +53,16 @@ def current_job() -> JobLogContext | None:
     return _job.get()
 
 
-def job_run(job: Any) -> str | None:
-    """The run named in an RQ job's payload, or None (a foreign or malformed job)."""
-    try:
-        payload = job.args[0] if job.args else None
-    except Exception:  # a job whose arguments cannot be read still gets its id logged
-        return None
+def payload_run(payload: Any) -> str | None:
+    """The run a job's payload names, or None (a foreign or malformed job)."""
     run = payload.get("run") if isinstance(payload, dict) else None
     return run if isinstance(run, str) else None
 
 
 @contextlib.contextmanager
-def job_scope(job: Any, worker_id: str | None = None) -> Iterator[None]:
-    """Every line logged in this block (on this thread) names `job` and its run."""
-    token = _job.set(JobLogContext(job_id=str(job.id), run=job_run(job), worker_id=worker_id))
+def job_scope(job_id: str, payload: Any, worker_id: str | None = None) -> Iterator[None]:
+    """Every line logged in this block (on this thread) names the job and the run its payload names."""
+    token = _job.set(JobLogContext(job_id=str(job_id), run=payload_run(payload), worker_id=worker_id))
     try:
         yield
     finally:

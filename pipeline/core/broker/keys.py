@@ -58,28 +58,19 @@ class PoolKeys:
         """The set of the pool's open agent sessions (`pipeline serve`)."""
         return f"{self._base}:sessions:open"
 
-    def turn_lane(self, worker_id: str) -> str:
-        """One worker's own lane: a list of the turns routed to it (session affinity,
-        `pipeline.core.affinity`; `pipeline.core.jobs.lanes`), which it takes before the pool's shared lane."""
-        return f"{self._base}:lane:w:{worker_id}"
-
-    def turn_lane_in_flight(self, worker_id: str) -> str:
-        """The items a worker took from its own lane and has not finished (moved there as it takes them)."""
-        return f"{self._base}:lane:w:{worker_id}:in-flight"
+    def turn_queue(self, worker_id: str) -> str:
+        """One worker's turn queue: a stream of the jobs of turns routed to it (session affinity,
+        `pipeline.core.affinity`; `pipeline.core.jobs.turn_queue`), read through `TURN_GROUP`."""
+        return f"{self._base}:turn-queue:{worker_id}"
 
     @property
-    def lane_workers(self) -> str:
-        """The set of workers with a lane of their own: a dead one's turns are moved to the shared lane."""
-        return f"{self._base}:lane:workers"
+    def turn_queue_owners(self) -> str:
+        """The set of workers with a turn queue: a dead one's is read by the live ones until it is empty."""
+        return f"{self._base}:turn-queues"
 
     def lane_load(self, worker_id: str) -> str:
         """A sorted set of the turns routed to a worker and not yet answered (score: when to forget one)."""
         return f"{self._base}:lane:load:{worker_id}"
-
-    @property
-    def lane_rehome_claim(self) -> str:
-        """Held (a few seconds) by the worker moving the pool's dead workers' turns this round."""
-        return f"{self._base}:lane:rehome-claim"
 
     @property
     def lane_stats(self) -> str:
@@ -286,13 +277,13 @@ def turn_stream(turn_id: str) -> str:
 
 
 def turn_job(turn_id: str) -> str:
-    """The id of the lane job that holds a turn (the server's turns travel in jobs of several), with
-    the worker whose own lane holds it (`pipeline.core.jobs.lanes.turn_job_value`)."""
+    """The id of the job that holds a turn (the server's turns travel in jobs of several), with the
+    worker whose turn queue holds it (`pipeline.core.jobs.turn_queue.turn_job_value`)."""
     return f"{PREFIX}:turn:{turn_id}:job"
 
 
 def turn_failed(turn_id: str) -> str:
-    """Why a turn of a worker's own lane failed for good (`pipeline.core.jobs.lanes.fail`)."""
+    """Why a turn's job failed for good (`pipeline.core.jobs.turn_queue.fail`)."""
     return f"{PREFIX}:turn:{turn_id}:failed"
 
 
@@ -333,6 +324,7 @@ def run_turn_stats(run: str) -> str:
 
 # Agent episodes (`pipeline submit --agent`, `pipeline agent-worker`), keyed by run.
 EPISODE_GROUP = "agent-workers"
+TURN_GROUP = "workers"  # the consumer group of the pool's workers on each turn queue
 EPISODE_RUNS = f"{PREFIX}:episodes:runs"
 
 

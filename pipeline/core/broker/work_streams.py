@@ -15,6 +15,7 @@ list is the record of who holds what: nothing here is a home-made broker.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,10 @@ from typing import Generic, TypeVar
 import redis
 from redis.client import Pipeline
 
+log = logging.getLogger(__name__)
+
 JOB_FIELD = b"job"
+SCAN_PENDING = 1000  # pending entries looked at per take-over from gone consumers
 HANDED_BACK_IDLE_MS = 10**9  # a handed-back entry looks idle this long: any consumer takes it over at once
 
 J = TypeVar("J")
@@ -59,9 +63,21 @@ class WorkStreams(Generic[J]):
         """Queue a job (its JSON) at the end of `stream`."""
         pipe.xadd(stream, {JOB_FIELD: job_json})
 
-    def claimed(self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Claimed[J]:
-        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        return Claimed(stream, entry, self.decode(fields[JOB_FIELD]))
+    def _claimed(self, conn: redis.Redis, stream: str,
+                 entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Claimed[J]]:
+        """The entries read as jobs; one that is no job of this project's (unreadable) is logged and dropped."""
+        claimed: list[Claimed[J]] = []
+        for entry_id, fields in entries:
+            entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            try:
+                claimed.append(Claimed(stream, entry, self.decode(fields[JOB_FIELD])))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error("dropped entry %s of %s: not a job (%s): %.200r", entry, stream, exc, fields)
+                with conn.pipeline(transaction=True) as pipe:
+                    pipe.xack(stream, self.group, entry)
+                    pipe.xdel(stream, entry)
+                    pipe.execute()
+        return claimed
 
     def acknowledge(self, pipe: Pipeline, claimed: Claimed[J]) -> None:
         """The entry is done: it leaves the pending list and the stream (in the caller's pipeline)."""
@@ -90,25 +106,41 @@ class WorkStreams(Generic[J]):
         gone = [entry_id for entry_id, fields in entries if not fields]  # deleted while pending: nothing to run
         if gone:
             conn.xack(stream, self.group, *gone)
-        return [self.claimed(stream, entry_id, fields) for entry_id, fields in entries if fields]
+        return self._claimed(conn, stream, [(entry_id, fields) for entry_id, fields in entries if fields])
 
-    def read_new(self, conn: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None, *,
-                 in_order: bool = False) -> list[Claimed[J]]:
+    def take_over_from(self, conn: redis.Redis, stream: str, consumer: str, gone: Callable[[str], bool],
+                       count: int, *, idle_ms: int = 1000) -> list[Claimed[J]]:
+        """Up to `count` entries of `stream` held by consumers known to be gone (`gone(name)`), now
+        `consumer`'s, without waiting for a claim-after time. `idle_ms` keeps two consumers taking
+        over at once from taking each other's: an entry just claimed is not idle."""
+        pending = conn.xpending_range(stream, self.group, min="-", max="+", count=max(count, SCAN_PENDING),
+                                      idle=idle_ms)
+        ids = [p["message_id"] for p in pending if gone(p["consumer"].decode())][:count]
+        if not ids:
+            return []
+        entries = conn.xclaim(stream, self.group, consumer, idle_ms, ids)
+        gone_ids = [entry_id for entry_id, fields in entries if not fields]
+        if gone_ids:
+            conn.xack(stream, self.group, *gone_ids)
+        return self._claimed(conn, stream, [(entry_id, fields) for entry_id, fields in entries if fields])
+
+    def read_new(self, conn: redis.Redis, streams: list[str], consumer: str, count: int,
+                 block_ms: int | None) -> list[Claimed[J]]:
         """Up to `count` entries no consumer has had yet, across all `streams` together, blocking up to
         `block_ms` for the first (None: not at all; never 0, which blocks forever).
 
         XREADGROUP's COUNT bounds each stream, not the read: one read of several streams would hand
-        this consumer up to `count` of each. So the streams are read one by one (`in_order`: in the
-        order given, else from a random one, so that no stream's backlog starves another's) until
-        `count` are had. With none had, a single stream is read blocking; several are waited on with a
-        plain XREAD from each group's last delivered entry, which hands out nothing, then read again."""
-        claimed = self._read_each(conn, streams, consumer, count, in_order)
+        this consumer up to `count` of each. So the streams are read one by one (from a random one,
+        so that no stream's backlog starves another's) until `count` are had. A single stream is
+        read blocking at once; with none had from several, they are waited on with a plain XREAD
+        from each group's last delivered entry, which hands out nothing, then read again."""
+        if len(streams) == 1 and block_ms is not None:  # one command, whether an entry waits or not
+            answer = conn.xreadgroup(self.group, consumer, {streams[0]: ">"}, count=count, block=block_ms)
+            return self._claimed(conn, streams[0], [(entry_id, fields) for _, entries in answer or []
+                                                    for entry_id, fields in entries if fields])
+        claimed = self._read_each(conn, streams, consumer, count)
         if claimed or block_ms is None or not streams:
             return claimed
-        if len(streams) == 1:
-            answer = conn.xreadgroup(self.group, consumer, {streams[0]: ">"}, count=count, block=block_ms)
-            return [self.claimed(streams[0], entry_id, fields) for _, entries in answer or []
-                    for entry_id, fields in entries if fields]
         with conn.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.xinfo_groups(stream)
@@ -117,19 +149,18 @@ class WorkStreams(Generic[J]):
         delivered = {stream: next((g["last-delivered-id"] for g in groups if g["name"] in (self.group, group)), "0")
                      for stream, groups in zip(streams, infos, strict=True)}
         if conn.xread(delivered, count=1, block=block_ms):
-            claimed = self._read_each(conn, streams, consumer, count, in_order)
+            claimed = self._read_each(conn, streams, consumer, count)
         return claimed
 
-    def _read_each(self, conn: redis.Redis, streams: list[str], consumer: str, count: int,
-                   in_order: bool) -> list[Claimed[J]]:
+    def _read_each(self, conn: redis.Redis, streams: list[str], consumer: str, count: int) -> list[Claimed[J]]:
         claimed: list[Claimed[J]] = []
-        start = 0 if in_order or not streams else random.randrange(len(streams))
+        start = random.randrange(len(streams)) if streams else 0
         for stream in streams[start:] + streams[:start]:
             if len(claimed) >= count:
                 break
             answer = conn.xreadgroup(self.group, consumer, {stream: ">"}, count=count - len(claimed))
-            claimed += [self.claimed(stream, entry_id, fields) for _, entries in answer or []
-                        for entry_id, fields in entries if fields]
+            claimed += self._claimed(conn, stream, [(entry_id, fields) for _, entries in answer or []
+                                                    for entry_id, fields in entries if fields])
         return claimed
 
     def backlog(self, conn: redis.Redis, streams: list[str]) -> tuple[int, int]:

@@ -14,11 +14,12 @@ from pipeline.audit.status import collect, format_sessions, format_status, open_
 from pipeline.cli.main import main
 from pipeline.core.broker import commit_log, keys, registry
 from pipeline.core.errors import UnknownRunError
-from pipeline.core.jobs import lanes
+from pipeline.core.jobs import turn_queue
 from pipeline.core.jobs.queue import JOB_FUNCTION, rollout_queue
+from pipeline.core.jobs.turn_queue import TURNS
 from pipeline.serve.sessions import Pending, Placed, Session, SessionStore, TurnRecord
 from schemas.worker_info import WorkerInfo
-from tests.helpers.lanes import item, push
+from tests.helpers.turn_jobs import push, turn_job
 
 
 def test_runs_show_how_far_their_oldest_tokens_are_behind_the_pushed_version(redis_client: redis.Redis) -> None:
@@ -107,10 +108,10 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
     store.end(ended.session_id)
     store.create(run="other", pool="p2", output="file:///x")  # another pool's session
     redis_client.rpush(f"rq:queue:{keys.pool(None).lane_queue_name}", "job-a", "job-b")  # two queued lane jobs
-    lanes.register(redis_client, keys.pool(None), "w1")
+    turn_queue.register(redis_client, keys.pool(None), "w1")
     for job_id in ("own-1", "own-2", "own-3"):  # three routed to worker w1, which took one
-        push(redis_client, "w1", item(job_id, f"turn-{job_id}"))
-    lanes.take(redis_client, keys.pool(None), "w1", 1)
+        push(redis_client, "w1", turn_job(job_id, f"turn-{job_id}"))
+    TURNS.read_new(redis_client, [keys.pool(None).turn_queue("w1")], "w1", 1, None)
     redis_client.sadd(keys.pool(None).runs, "batch-only")
 
     status = collect(redis_client, pool="default")
@@ -121,7 +122,7 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
     assert pool["runs"]["agents"]["agent_turns"] == {"turns": 6, "prefix_breaks": 1}
     assert pool["runs"]["batch-only"]["agent_turns"] is None
     text = format_status(status)
-    assert "lane lane.rollouts: 2 queued agent-turn job(s); workers' own lanes: 2 waiting, 1 running" in text
+    assert "lane lane.rollouts: 2 queued agent-turn job(s); workers' turn queues: 2 waiting, 1 running" in text
     assert ("agent sessions: 4 open session(s) over weight versions 3..5 (2 with turns on more than one version, "
             "1 with no turn yet)") in text
     assert "agents: 0 shards, 0 rows, 0 completion tokens, weights [], 6 agent turns, 1 prefix breaks" in text

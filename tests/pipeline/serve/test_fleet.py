@@ -19,8 +19,9 @@ import redis
 
 from pipeline.audit import status
 from pipeline.core.broker import keys, registry
-from pipeline.core.jobs import lanes
+from pipeline.core.jobs.turn_queue import TURNS
 from pipeline.read.lineage_rows import turn_rows
+from schemas.turn_job import TurnJob
 from tests.conftest import PIPELINE
 from tests.helpers.processes import stop_all, wait_until
 from tests.helpers.session_calls import turn_ids_in_flight
@@ -152,11 +153,13 @@ def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
                                                                 timeout=120)))
     call.start()
 
-    def running_at_home() -> bool:  # taken from its own lane: in its in-flight list
+    def running_at_home() -> bool:  # read from its turn queue: pending to it
         turn_id = _pending_turn_id(redis_client, session)
+        stream = keys.pool(None).turn_queue(home)
+        held = redis_client.xpending_range(stream, TURNS.group, "-", "+", 100, consumername=home)
         return turn_id is not None and any(
-            turn_id in lanes.LaneItem.decode(raw).turn_ids
-            for raw in redis_client.lrange(keys.pool(None).turn_lane_in_flight(home), 0, -1))
+            turn_id in TurnJob.decode(fields[b"job"]).turn_ids
+            for entry in held for _, fields in redis_client.xrange(stream, entry["message_id"], entry["message_id"]))
 
     wait_until(running_at_home, timeout=30, what="turn 1 to start on its home worker")
     os.kill(home_process.pid, signal.SIGKILL)

@@ -1,8 +1,9 @@
 """A turn whose push a Redis failover lost (replication is asynchronous; a restart from the
 append-only file loses the last second) fails at once, as a failed turn (code `turn_failed`, which
 releases its session's turn, so the client's retry runs it again), instead of waiting out the turn
-timeout; a turn whose item still waits in the lane waits on. The push writes the item before the
-turn's job key (`tests/pipeline/core/jobs/test_lanes.py`), so the key never survives its item."""
+timeout; a turn whose job still waits in its worker's turn queue waits on. The push writes the
+entry before the turn's job key (`tests/pipeline/core/jobs/test_turn_queue.py`), so the key never
+survives its entry."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 import redis
 
 from pipeline.core.broker import keys, registry
+from pipeline.core.jobs import turn_queue
 from pipeline.serve.api_error import APIError
 from pipeline.serve.lane import Lane
 from schemas.worker_info import WorkerInfo
-from tests.helpers.lanes import item, push
+from tests.helpers.turn_jobs import push, turn_job
 
 POOL = keys.pool(None)
 
@@ -39,8 +41,8 @@ def _live(conn: redis.Redis, worker_id: str) -> None:
 
 def test_a_turn_whose_push_was_lost_fails_at_once(redis_client: redis.Redis) -> None:
     _live(redis_client, "w")
-    push(redis_client, "w", item("lane-1", "t1"))
-    redis_client.delete(POOL.turn_lane("w"), keys.turn_job("t1"))  # the failover kept neither
+    push(redis_client, "w", turn_job("lane-1", "t1"))
+    redis_client.delete(POOL.turn_queue("w"), keys.turn_job("t1"))  # the failover kept neither
     started = time.monotonic()
     error = _wait(redis_client, "t1", timeout_s=60)
     assert (error.status, error.code) == (500, "turn_failed")
@@ -48,9 +50,9 @@ def test_a_turn_whose_push_was_lost_fails_at_once(redis_client: redis.Redis) -> 
     assert time.monotonic() - started < 30  # long before the turn's timeout
 
 
-def test_a_turn_still_in_its_workers_lane_waits_for_it(redis_client: redis.Redis) -> None:
+def test_a_turn_still_in_its_workers_turn_queue_waits_for_it(redis_client: redis.Redis) -> None:
     _live(redis_client, "w")
-    push(redis_client, "w", item("lane-1", "t1"))
+    push(redis_client, "w", turn_job("lane-1", "t1"))
     error = _wait(redis_client, "t1", timeout_s=2.5)  # nobody takes it: it waits out its timeout
     assert (error.status, error.code) == (504, "turn_timeout")
-    assert redis_client.llen(POOL.turn_lane("w")) == 1
+    assert turn_queue.queued(redis_client, POOL, "w") == 1

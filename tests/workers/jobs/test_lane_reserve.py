@@ -18,7 +18,7 @@ class Loaded(SimEngine):
 
 
 def _feeder(engine: Loaded) -> Feeder:
-    return Feeder(engine, bookkeeping=None, connection=fakeredis.FakeRedis(), worker_id="w",  # type: ignore[arg-type]
+    return Feeder(engine, connection=fakeredis.FakeRedis(), worker_id="w",
                   checkpoint_every_s=0)
 
 

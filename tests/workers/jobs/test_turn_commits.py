@@ -18,7 +18,7 @@ from pipeline.core.broker import keys
 from pipeline.serve.lane import Lane
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
-from tests.helpers.lanes import SERVER, answers
+from tests.helpers.turn_jobs import SERVER, answers
 from workers.engines.fake import FakeEngine
 from workers.jobs.turn_commits import commit_turns, flush_turns
 from workers.rows.table import RowContext, build_table

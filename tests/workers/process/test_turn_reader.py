@@ -1,27 +1,32 @@
-"""A worker's own lane: turns routed to it are served with no RQ record, failures reach each turn's
-server (at once for a request it cannot serve, after one retry otherwise), and a paused pool's
-worker takes nothing from it until resumed (a real redis-server, the worker in this process)."""
+"""A worker's turn queue: turns routed to it are served with no RQ record, failures reach each turn's
+server (at once for a request it cannot serve, after one retry otherwise), a paused pool's worker
+takes nothing from it until resumed, and what no live worker runs (a dead worker's entries, an
+entry whose read's reply was lost) is taken over (a real redis-server, the worker in this process)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
+import pytest
 import redis
 from rq.job import Job
 
 import pipeline
 from pipeline.core.broker import keys
-from pipeline.core.jobs import lanes
+from pipeline.core.jobs import turn_queue
 from pipeline.core.jobs.queue import job_args
+from pipeline.core.jobs.turn_queue import TURNS
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc
 from schemas.turn_failure import TurnFailure
-from tests.helpers.lanes import SERVER, answers, item, push
 from tests.helpers.processes import wait_until
+from tests.helpers.turn_jobs import SERVER, answers, push, turn_job
+from tests.pipeline.core.jobs.test_turn_queue import alive
 from workers.engines.fake import FakeEngine
 from workers.process.worker import RolloutWorker
 
@@ -37,7 +42,7 @@ def _serve(conn: redis.Redis, worker: RolloutWorker, driver: Callable[[], None])
     def drive() -> None:
         try:
             # RQ's handlers are in place (the SIGTERM below is the worker's warm shutdown, not the end
-            # of this process): the own lane's thread may answer a turn before the work loop starts.
+            # of this process): the turn reader may answer a turn before the work loop starts.
             wait_until(lambda: signal.getsignal(signal.SIGTERM) is not default, 30, "the worker's signal handlers")
             driver()
         except BaseException as exc:  # reported by the test, after the worker stopped
@@ -57,9 +62,9 @@ def _reply(conn: redis.Redis, turn_id: str) -> bytes:
     return answers(conn)[turn_id]
 
 
-def test_a_turn_in_a_workers_own_lane_is_answered_with_no_rq_record(redis_client: redis.Redis) -> None:
+def test_a_turn_in_a_workers_turn_queue_is_answered_with_no_rq_record(redis_client: redis.Redis) -> None:
     worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1", control_poll_s=0.1)
-    turn = item("lane-1", "t1")
+    turn = turn_job("lane-1", "t1")
 
     def driver() -> None:
         push(redis_client, "w1", turn)
@@ -67,7 +72,7 @@ def test_a_turn_in_a_workers_own_lane_is_answered_with_no_rq_record(redis_client
         assert [(r["session_id"], r["turn"], r["worker_id"]) for r in rows] == [("s-t1", 0, "w1")]
 
     _serve(redis_client, worker, driver)
-    assert redis_client.llen(POOL.turn_lane_in_flight("w1")) == 0 and redis_client.llen(POOL.turn_lane("w1")) == 0
+    assert turn_queue.queued(redis_client, POOL, "w1") == 0  # acknowledged and deleted
     assert not redis_client.exists(Job.key_for("lane-1"))  # no RQ job: no hash, registry, result
     assert not redis_client.keys("rq:*lane-1*")
 
@@ -79,16 +84,16 @@ def test_a_request_the_worker_cannot_serve_fails_its_turn_at_once_with_400(redis
                               submitted_at_ms=0, turns=[TurnTag(turn_id="t1", session_id="s", turn=0, reply_to=SERVER)])
 
     def driver() -> None:
-        push(redis_client, "w1", lanes.new_item("lane-1", job_args(payload), {}, "1 turn", timeout_s=60, retries=1))
+        push(redis_client, "w1", turn_queue.new_job("lane-1", job_args(payload), {}, "1 turn", timeout_s=60,
+                                                    retries=1))
         failure = TurnFailure.decode(_reply(redis_client, "t1"))
         assert failure is not None and failure.code == "unservable"
         assert "Unsupported" in failure.reason and "logprobs" in failure.reason
 
     _serve(redis_client, worker, driver)
-    recorded = lanes.turn_failure(redis_client, "t1")
+    recorded = turn_queue.turn_failure(redis_client, "t1")
     assert recorded is not None and recorded.code == "unservable"
-    assert redis_client.llen(POOL.turn_lane_in_flight("w1")) == 0
-    assert redis_client.llen(POOL.turn_lane("w1")) == 0  # not retried: every retry would be refused too
+    assert turn_queue.queued(redis_client, POOL, "w1") == 0  # not retried: every retry would be refused too
 
 
 def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_client: redis.Redis) -> None:
@@ -100,7 +105,8 @@ def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_cli
                                         turns=[TurnTag(turn_id="t1", session_id="s", turn=0, reply_to=SERVER)])
 
     def driver() -> None:
-        push(redis_client, "w1", lanes.new_item("lane-1", job_args(payload), {}, "1 turn", timeout_s=60, retries=1))
+        push(redis_client, "w1", turn_queue.new_job("lane-1", job_args(payload), {}, "1 turn", timeout_s=60,
+                                                    retries=1))
         failure = TurnFailure.decode(_reply(redis_client, "t1"))
         assert failure is not None and failure.code == "failed" and "gone from Redis" in failure.reason
 
@@ -109,7 +115,7 @@ def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_cli
         "pipeline_worker_jobs_total", {"worker": "w1", "engine": "fake", "outcome": outcome}) for outcome in
         ("retried", "failed")}
     assert outcomes == {"retried": 1, "failed": 1}
-    assert redis_client.llen(POOL.turn_lane_in_flight("w1")) == 0 and redis_client.llen(POOL.turn_lane("w1")) == 0
+    assert turn_queue.queued(redis_client, POOL, "w1") == 0
 
 
 def test_a_paused_pools_worker_takes_no_turn_until_resumed(redis_client: redis.Redis) -> None:
@@ -118,31 +124,57 @@ def test_a_paused_pools_worker_takes_no_turn_until_resumed(redis_client: redis.R
     worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1", control_poll_s=0.1)
 
     def driver() -> None:
-        push(redis_client, "w1", item("lane-1", "t1"))
+        push(redis_client, "w1", turn_job("lane-1", "t1"))
         assert redis_client.blpop([keys.serve_inbox(SERVER)], timeout=1.5) is None  # paused: not taken
-        assert redis_client.llen(POOL.turn_lane("w1")) == 1
+        assert turn_queue.queued(redis_client, POOL, "w1") == 1
         client.resume()
         rows_from_ipc(_reply(redis_client, "t1"))
 
     _serve(redis_client, worker, driver)
 
 
-def test_a_quiet_lane_blocks_within_the_connections_read_timeout(redis_url: str) -> None:
-    """RQ gives the worker's connections a read timeout (11 s with a 1 s maintenance interval): a take
-    on a quiet lane blocks for half of it at most, so a busy worker's late read is no TimeoutError."""
+def test_a_quiet_queue_blocks_within_the_connections_read_timeout(redis_url: str) -> None:
+    """RQ gives the worker's connections a read timeout (11 s with a 1 s maintenance interval): a read
+    of a quiet queue blocks for half of it at most, so a busy worker's late read is no TimeoutError."""
     conn = redis.Redis.from_url(redis_url)
     worker = RolloutWorker(conn, FakeEngine(), worker_id="w1", maintenance_interval_s=1)
+    reader = worker.turn_reader
+    reader.take_over_s = reader.block_s = 60.0
+    reader._next_take_over = time.monotonic() + 60
     read_timeout = conn.connection_pool.connection_kwargs["socket_timeout"]
-    assert worker.own_lane._block_s() == min(10.0, read_timeout / 2)
+    assert reader._block_s() == pytest.approx(read_timeout / 2)
 
 
-def test_an_item_moved_as_the_takes_reply_was_lost_goes_back_to_the_lane(redis_client: redis.Redis) -> None:
-    """A take whose reply never came (a read timeout, a dropped connection) after Redis moved the
-    item: the item is in the in-flight list, held by no job; the lane thread puts it back."""
+def test_an_entry_read_as_the_reply_was_lost_is_taken_back_by_its_worker(redis_client: redis.Redis) -> None:
+    """A read whose reply never came (a read timeout, a dropped connection) after Redis handed the
+    entry to the worker: it is pending, held by no job; the worker takes it over once it is idle."""
     worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1")
-    push(redis_client, "w1", item("lane-1", "t1"))
-    lanes.take(redis_client, POOL, "w1", 1)  # moved; its reply "lost": nothing admitted it
-    worker.own_lane._reclaim()
-    assert redis_client.llen(POOL.turn_lane_in_flight("w1")) == 0
-    back = lanes.LaneItem.decode(redis_client.lindex(POOL.turn_lane("w1"), -1))
-    assert (back.job_id, back.attempts) == ("lane-1", 1)
+    turn_queue.register(redis_client, POOL, "w1")
+    push(redis_client, "w1", turn_job("lane-1", "t1"))
+    TURNS.read_new(redis_client, [POOL.turn_queue("w1")], "w1", 1, None)  # handed out; its reply "lost"
+    reader = worker.turn_reader
+    reader.claim_after_s = 60
+    assert reader.take_over() == []  # not idle long enough: it may be in flight
+    reader.claim_after_s, reader._next_own_claim = 0, 0.0
+    [back] = reader.take_over()
+    assert back.job.job_id == "lane-1"
+
+
+def test_a_dead_workers_turns_are_taken_over_by_a_live_one(redis_client: redis.Redis) -> None:
+    """A dead worker's stream: the entry it held and the one no worker had are both taken, at once,
+    by the live worker's next take-over; the stream is forgotten once they are done."""
+    alive(redis_client, "w1")
+    worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1")
+    turn_queue.register(redis_client, POOL, "dead")
+    push(redis_client, "dead", turn_job("held", "t1"))
+    push(redis_client, "dead", turn_job("queued", "t2"))
+    TURNS.read_new(redis_client, [POOL.turn_queue("dead")], "dead", 1, None)  # the dead worker had one
+    time.sleep(1.1)  # the take-over leaves an entry claimed within the last second to its taker
+
+    def driver() -> None:
+        answered = answers(redis_client, 2)
+        assert sorted(answered) == ["t1", "t2"]
+        wait_until(lambda: not redis_client.exists(POOL.turn_queue("dead")), 30, "the dead queue forgotten")
+
+    _serve(redis_client, worker, driver)
+    assert redis_client.smembers(POOL.turn_queue_owners) == {b"w1"}

@@ -1,4 +1,4 @@
-"""Items of a worker's own lane (`pipeline.core.jobs.lanes`), as `pipeline serve` pushes them."""
+"""Jobs of a worker's turn queue (`pipeline.core.jobs.turn_queue`), as `pipeline serve` pushes them."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import time
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.core.jobs import lanes, replies
+from pipeline.core.jobs import replies, turn_queue
 from pipeline.core.jobs.queue import job_args
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
+from schemas.turn_job import TurnJob
 
 SERVER = "test-server"  # the server the items' turns are answered to
 
@@ -27,19 +28,19 @@ def answers(conn: redis.Redis, count: int = 1, timeout: float = 30) -> dict[str,
     return got
 
 
-def item(job_id: str, *turn_ids: str, retries: int = 1) -> lanes.LaneItem:
-    """A lane job of one 3-token request per turn of run `r`, session `s-<turn id>`."""
+def turn_job(job_id: str, *turn_ids: str, retries: int = 1) -> TurnJob:
+    """A job of one 3-token request per turn of run `r`, session `s-<turn id>`."""
     requests = [RolloutRequest.model_validate({"id": f"{t}:0", "input_ids": [1, 2, 3]}) for t in turn_ids]
     payload = JobPayload.pack(requests, run="r", job_id=job_id, batch_id=job_id, output="file:///tmp/out",
                               submitted_at_ms=0,
                               turns=[TurnTag(turn_id=t, session_id=f"s-{t}", turn=0, reply_to=SERVER)
                                      for t in turn_ids])
-    return lanes.new_item(job_id, job_args(payload), {}, f"{len(turn_ids)} agent turn(s) of run r",
-                          timeout_s=60, retries=retries)
+    return turn_queue.new_job(job_id, job_args(payload), {}, f"{len(turn_ids)} agent turn(s) of run r",
+                                timeout_s=60, retries=retries)
 
 
-def push(conn: redis.Redis, worker: str, lane_item: lanes.LaneItem, pool: str | None = None) -> None:
-    """Route `lane_item` to `worker`'s own lane."""
+def push(conn: redis.Redis, worker: str, job: TurnJob, pool: str | None = None) -> None:
+    """Route `job` to `worker`'s turn queue."""
     with conn.pipeline(transaction=False) as pipe:
-        lanes.push(pipe, keys.pool(pool), worker, lane_item)
+        turn_queue.push(pipe, keys.pool(pool), worker, job)
         pipe.execute()
