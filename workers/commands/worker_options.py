@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.core import settings
-from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS
+from workers.engines.adapters.cache import DEFAULT_MAX_ADAPTERS
 from workers.engines.factory import ENGINES, EngineOptions
 
 

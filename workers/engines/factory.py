@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS
+from workers.engines.adapters.cache import DEFAULT_MAX_ADAPTERS
 from workers.engines.base import Engine
 from workers.errors import EngineUnavailableError
 

@@ -19,7 +19,7 @@ from pipeline.core import adapters
 from pipeline.core.errors import PipelineError
 from schemas.adapters import pinned, split_pinned
 from schemas.request import RolloutRequest
-from workers.engines.adapter_cache import serves_adapters
+from workers.engines.adapters.cache import serves_adapters
 from workers.engines.base import Engine
 from workers.errors import UnsupportedRequestError, WorkerError
 

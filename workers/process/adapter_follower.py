@@ -24,7 +24,7 @@ import redis
 from pipeline.core import adapters
 from pipeline.core.broker import keys
 from schemas.control import DesiredState, WeightAck
-from workers.engines.adapter_cache import serves_adapters
+from workers.engines.adapters.cache import serves_adapters
 from workers.engines.base import Engine
 from workers.errors import UnsupportedRequestError
 from workers.process.acks import write_ack

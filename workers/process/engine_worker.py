@@ -44,7 +44,7 @@ from pipeline.core.broker import keys
 from pipeline.core.jobs import rq_seam
 from schemas.control import DesiredState
 from schemas.worker_info import WorkerState
-from workers.engines.adapter_cache import resident_adapters
+from workers.engines.adapters.cache import resident_adapters
 from workers.engines.base import Engine, is_concurrent
 from workers.engines.serial import SerialEngine
 from workers.jobs import admission, context

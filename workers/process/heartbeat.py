@@ -26,7 +26,7 @@ from rq.job import Job
 from pipeline.core.broker import registry
 from pipeline.core.jobs import rq_seam
 from schemas.worker_info import WorkerInfo
-from workers.engines.adapter_cache import serves_adapters
+from workers.engines.adapters.cache import serves_adapters
 from workers.engines.base import Engine
 
 log = logging.getLogger(__name__)

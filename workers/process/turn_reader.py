@@ -152,7 +152,7 @@ class TurnReader:
         room = max(1, self.feeder.max_jobs_in_flight - self.feeder.in_flight)
         taken: list[Claimed[TurnJob]] = []
         if time.monotonic() >= self._next_own_claim:
-            self._next_own_claim = time.monotonic() + self.claim_after_s / 2
+            self._next_own_claim = time.monotonic() + self.claim_after_s
             held = {claimed.entry_id for claimed in self.held()}
             # Entries of its own this worker runs already (its keeper was late) are not run twice.
             taken += [claimed for claimed in TURNS.take_over(self.conn, self.stream, self.worker_id,

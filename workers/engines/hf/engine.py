@@ -28,7 +28,7 @@ decoded with it, in the same batch as base requests and other adapters' (peft's 
 forward, `adapter_names`: each row through its own adapter, `__base__` rows through the base
 weights alone). The adapters a batch needs are loaded from their store on the engine's thread
 before it runs; past `max_adapters` the least recently used are deleted
-(`workers.engines.adapter_cache`). Base weight pushes change the base tensors under them in place;
+(`workers.engines.adapters.cache`). Base weight pushes change the base tensors under them in place;
 a reload from a directory (`update_weights`) drops them (they load again on demand).
 """
 
@@ -47,7 +47,7 @@ from pipeline.core.weights.safetensors_io import TensorBits
 from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest, SamplingParams
 from schemas.worker_info import Capabilities
-from workers.engines.adapter_cache import BASE, DEFAULT_MAX_ADAPTERS, AdapterCache
+from workers.engines.adapters.cache import BASE, DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import INTERRUPTED, EngineDescription, EngineIdentity, Finish, SampleOutput
 from workers.engines.hf.expert_capture import RoutingCapture
 from workers.engines.seeds import request_sample_seed

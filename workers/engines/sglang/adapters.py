@@ -1,6 +1,6 @@
 """LoRA adapters on SGLang servers (launched with `--enable-lora`): loaded by name.
 
-A pinned adapter version (`NAME@vN`) is written to a PEFT directory (`workers.engines.adapter_files`),
+A pinned adapter version (`NAME@vN`) is written to a PEFT directory (`workers.engines.adapters.files`),
 then loaded on every server under its pinned name with
 `POST /load_lora_adapter {"lora_name", "lora_path"}`; a `/generate` call names it in `lora_path`.
 Evicted ones are unloaded with `POST /unload_lora_adapter {"lora_name"}` (SGLang 0.5.23,

@@ -12,7 +12,7 @@ aborted `/generate` normally, with the tokens it generated so far and a finish o
 
 LoRA adapters (servers launched with `--enable-lora`): the adapters a batch names are loaded on
 every server before it is sent, under their pinned names, `max_adapters` kept resident (LRU,
-`workers.engines.adapter_cache`); see `workers.engines.sglang.adapters`.
+`workers.engines.adapters.cache`); see `workers.engines.sglang.adapters`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pipeline.core.weights.safetensors_io import TensorBits
 from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines import adapter_files
-from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
+from workers.engines.adapters import files as adapter_files
+from workers.engines.adapters.cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http.backends import Answer, error_message, parse_weight_version
 from workers.engines.http.engine import HTTPEngine

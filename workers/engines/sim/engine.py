@@ -43,7 +43,7 @@ from pipeline.core.weights.safetensors_io import TensorBits
 from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities, WorkerInfo
-from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
+from workers.engines.adapters.cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import (
     INTERRUPTED,
     ContinuedRequest,
@@ -85,7 +85,7 @@ class SimConfig:
     prefill_tokens_per_s: float = 50_000.0
     prefix_cache_tokens: int = 1 << 20
     block_tokens: int = 16
-    # LoRA adapters kept resident (`workers.engines.adapter_cache`); each changes the draws by its bits.
+    # LoRA adapters kept resident (`workers.engines.adapters.cache`); each changes the draws by its bits.
     max_adapters: int = DEFAULT_MAX_ADAPTERS
 
     @property

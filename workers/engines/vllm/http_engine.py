@@ -30,9 +30,9 @@ answers each aborted completion with what it generated so far and `finish_reason
 
 LoRA adapters (servers started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, which
 adds vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`; vllm/entrypoints/serve/lora/): the
-adapters a batch names are written to PEFT directories (`workers.engines.adapter_files`) and loaded
+adapters a batch names are written to PEFT directories (`workers.engines.adapters.files`) and loaded
 on every server under their pinned names (`NAME@vN`) before it is sent, `max_adapters` kept
-resident (LRU, `workers.engines.adapter_cache`); a completion names its adapter in `model`. vLLM
+resident (LRU, `workers.engines.adapters.cache`); a completion names its adapter in `model`. vLLM
 0.32 can also reload an adapter in place under the same name (`load_inplace`); the engine does not:
 a job pins one version, and its rows say which, so each version is its own name. A server that lost
 an adapter (restarted) answers 404 "The model `NAME@vN` does not exist": the job is handed back,
@@ -58,8 +58,9 @@ from pipeline.core.weights.store import WeightStore, version_dir
 from schemas.adapters import AdapterRecord
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
-from workers.engines import adapter_files, model_config
-from workers.engines.adapter_cache import DEFAULT_MAX_ADAPTERS, AdapterCache
+from workers.engines import model_config
+from workers.engines.adapters import files as adapter_files
+from workers.engines.adapters.cache import DEFAULT_MAX_ADAPTERS, AdapterCache
 from workers.engines.base import EngineDescription, SampleOutput
 from workers.engines.http.backends import Answer, Backends, answered, error_message, parse_weight_version
 from workers.engines.http.client import Aborts, GenerateClient, RetryPolicy, Wire
