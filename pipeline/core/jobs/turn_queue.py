@@ -86,12 +86,11 @@ def queued(conn: redis.Redis | Pipeline, pool: keys.PoolKeys, worker: str) -> An
     return conn.xlen(pool.turn_queue(worker))
 
 
-def done(conn: redis.Redis | Pipeline, claimed: Claimed[TurnJob]) -> None:
-    """The job's turns are answered: its entry leaves the stream."""
-    if isinstance(conn, Pipeline):
-        TURNS.acknowledge(conn, claimed)
-        return
-    with conn.pipeline(transaction=True) as pipe:
+def done(conn: redis.Redis, claimed: Claimed[TurnJob]) -> None:
+    """The job's turns are answered: its entry leaves the group's pending list and the stream (XACK and
+    XDEL in one round trip, no MULTI: an entry acknowledged and left in the stream is never read again,
+    and only keeps its stream from being forgotten)."""
+    with conn.pipeline(transaction=False) as pipe:
         TURNS.acknowledge(pipe, claimed)
         pipe.execute()
 
