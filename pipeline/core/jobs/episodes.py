@@ -33,15 +33,13 @@ from typing import Any
 
 import redis
 
-from pipeline.core.broker import keys
-from pipeline.core.broker.work_streams import Claimed as Held
-from pipeline.core.broker.work_streams import WorkStreams
+from pipeline.core.broker import keys, work_streams
 from schemas.episode import EpisodeJob, EpisodeOutcome, episode_id
 
 GROUP = keys.EPISODE_GROUP
 # The pool's episode streams, one per agent (`keys.PoolKeys.episode_stream`), read through one group.
-STREAMS: WorkStreams[EpisodeJob] = WorkStreams(GROUP, EpisodeJob.model_validate_json)
-Claimed = Held[EpisodeJob]
+STREAMS = work_streams.WorkStreams(GROUP, EpisodeJob.model_validate_json)
+Claimed = work_streams.Claimed[EpisodeJob]  # an entry an agent worker holds
 COUNTS = ("submitted", "finished", "failed", "canceled", "retried", "abandoned", "handed_back", "duplicates")
 ENDED = ("finished", "failed", "canceled")  # the statuses of an outcome
 
