@@ -64,19 +64,31 @@ class WorkStreams(Generic[J]):
         pipe.xadd(stream, {JOB_FIELD: job_json})
 
     def _claimed(self, conn: redis.Redis, stream: str,
-                 entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Claimed[J]]:
-        """The entries read as jobs; one that is no job of this project's (unreadable) is logged and dropped."""
+                 entries: list[tuple[bytes, dict[bytes, bytes]] | None]) -> list[Claimed[J]]:
+        """Entries read or claimed, as jobs. One deleted while pending (no fields) is acknowledged: nothing
+        to run. One that is no job of this project's (unreadable) is logged, acknowledged and deleted."""
         claimed: list[Claimed[J]] = []
-        for entry_id, fields in entries:
+        gone: list[bytes | str] = []
+        bad: list[bytes | str] = []
+        for item in entries:
+            if item is None:  # an entry deleted while pending, as some Redis versions answer XCLAIM
+                continue
+            entry_id, fields = item
             entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            if not fields:
+                gone.append(entry)
+                continue
             try:
                 claimed.append(Claimed(stream, entry, self.decode(fields[JOB_FIELD])))
             except (KeyError, TypeError, ValueError) as exc:
                 log.error("dropped entry %s of %s: not a job (%s): %.200r", entry, stream, exc, fields)
-                with conn.pipeline(transaction=True) as pipe:
-                    pipe.xack(stream, self.group, entry)
-                    pipe.xdel(stream, entry)
-                    pipe.execute()
+                bad.append(entry)
+        if gone or bad:
+            with conn.pipeline(transaction=True) as pipe:
+                pipe.xack(stream, self.group, *gone, *bad)
+                if bad:
+                    pipe.xdel(stream, *bad)
+                pipe.execute()
         return claimed
 
     def acknowledge(self, pipe: Pipeline, claimed: Claimed[J]) -> None:
@@ -103,10 +115,7 @@ class WorkStreams(Generic[J]):
         """Up to `count` entries of `stream` whose holder has not kept them for `idle_ms` (it died, or
         handed them back), now `consumer`'s."""
         entries = conn.xautoclaim(stream, self.group, consumer, idle_ms, start_id="0-0", count=count)[1]
-        gone = [entry_id for entry_id, fields in entries if not fields]  # deleted while pending: nothing to run
-        if gone:
-            conn.xack(stream, self.group, *gone)
-        return self._claimed(conn, stream, [(entry_id, fields) for entry_id, fields in entries if fields])
+        return self._claimed(conn, stream, entries)
 
     def take_over_from(self, conn: redis.Redis, stream: str, consumer: str, gone: Callable[[str], bool],
                        count: int, *, idle_ms: int = 1000) -> list[Claimed[J]]:
@@ -118,11 +127,7 @@ class WorkStreams(Generic[J]):
         ids = [p["message_id"] for p in pending if gone(p["consumer"].decode())][:count]
         if not ids:
             return []
-        entries = conn.xclaim(stream, self.group, consumer, idle_ms, ids)
-        gone_ids = [entry_id for entry_id, fields in entries if not fields]
-        if gone_ids:
-            conn.xack(stream, self.group, *gone_ids)
-        return self._claimed(conn, stream, [(entry_id, fields) for entry_id, fields in entries if fields])
+        return self._claimed(conn, stream, conn.xclaim(stream, self.group, consumer, idle_ms, ids))
 
     def read_new(self, conn: redis.Redis, streams: list[str], consumer: str, count: int,
                  block_ms: int | None) -> list[Claimed[J]]:
@@ -136,8 +141,7 @@ class WorkStreams(Generic[J]):
         from each group's last delivered entry, which hands out nothing, then read again."""
         if len(streams) == 1 and block_ms is not None:  # one command, whether an entry waits or not
             answer = conn.xreadgroup(self.group, consumer, {streams[0]: ">"}, count=count, block=block_ms)
-            return self._claimed(conn, streams[0], [(entry_id, fields) for _, entries in answer or []
-                                                    for entry_id, fields in entries if fields])
+            return self._claimed(conn, streams[0], [entry for _, entries in answer or [] for entry in entries])
         claimed = self._read_each(conn, streams, consumer, count)
         if claimed or block_ms is None or not streams:
             return claimed
@@ -159,8 +163,7 @@ class WorkStreams(Generic[J]):
             if len(claimed) >= count:
                 break
             answer = conn.xreadgroup(self.group, consumer, {stream: ">"}, count=count - len(claimed))
-            claimed += self._claimed(conn, stream, [(entry_id, fields) for _, entries in answer or []
-                                                    for entry_id, fields in entries if fields])
+            claimed += self._claimed(conn, stream, [entry for _, entries in answer or [] for entry in entries])
         return claimed
 
     def backlog(self, conn: redis.Redis, streams: list[str]) -> tuple[int, int]:
