@@ -8,6 +8,10 @@ turn. The tree is built from the pointers alone; each edge used is checked (the 
 starts with its parent's prompt + completion) and a broken one is an error naming the session and
 the calls: the server placed a call where its tokens do not fit.
 
+A lineage is one policy's: a call that ran on another LoRA adapter than the call it extends (a
+call's `model` names its adapter) starts a lineage of its own, the earlier calls' tokens its prompt
+(sampled by another policy: not its to train on), and does not end its parent's lineage.
+
 A turn logged twice (a worker died after logging it and its retry logged it again) counts once:
 its latest row.
 """
@@ -30,6 +34,11 @@ class Lineage:
 
     calls: list[Row]
     parent_turn: int | None
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter every call of the lineage ran on (None: the base weights)."""
+        return self.calls[0].get("adapter")
 
     @property
     def leaf(self) -> Row:
@@ -64,6 +73,10 @@ def _check_edge(session_id: str, child: Row, parent: Row) -> None:
                             "`pipeline.read.lineage_rows.turn_rows`)")
 
 
+def _same_policy(parent: Row, child: Row) -> bool:
+    return parent.get("adapter") == child.get("adapter")
+
+
 def lineages(session_id: str, rows: list[Row]) -> list[Lineage]:
     """The session's lineages, by leaf turn (see the module docstring)."""
     by_turn = _latest(rows)
@@ -80,17 +93,23 @@ def lineages(session_id: str, rows: list[Row]) -> list[Lineage]:
                                 "name to include its turn log) or the server's pointers are wrong")
         for row in samples.values():
             _check_edge(session_id, row, parent_row)
-        named.add(parent_turn)
+        if _same_policy(parent_row, next(iter(samples.values()))):
+            named.add(parent_turn)
     out: list[Lineage] = []
     covered: set[tuple[int, int]] = set()
     for leaf in sorted(set(by_turn) - named):
         samples = by_turn[leaf]
         path = [samples[min(samples)]]
+        cut = None  # the call of another adapter the lineage's root extends
         while (parent := _parent(path[-1])) is not None:
-            path.append(by_turn[parent[0]][parent[1]])
+            above = by_turn[parent[0]][parent[1]]
+            if not _same_policy(above, path[-1]):
+                cut = parent[0]
+                break
+            path.append(above)
         path.reverse()
         nodes = [(int(r["turn"]), int(r["sample_index"])) for r in path]
         first_new = next(i for i, node in enumerate(nodes) if node not in covered)
-        out.append(Lineage(path, None if first_new == 0 else nodes[first_new - 1][0]))
+        out.append(Lineage(path, cut if first_new == 0 else nodes[first_new - 1][0]))
         covered.update(nodes)
     return out

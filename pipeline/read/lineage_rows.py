@@ -170,7 +170,6 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
     logprobs = np.zeros(len(ids), dtype=np.float32)
     versions = np.full(len(ids), -1, dtype=np.int64)
     adapter_versions = np.full(len(ids), -1, dtype=np.int64)
-    adapter = _adapter(session_id, turns)
     starts = []
     for row in turns:
         start, length = len(row["prompt_token_ids"]), len(row["completion_token_ids"])
@@ -184,19 +183,10 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
     scalar = own.get(last["turn"], None if reward is None else reward.get("reward"))
     return {"session_id": session_id, "lineage": index, "lineages": count, "parent_turn": lineage.parent_turn,
             "turns": [r["turn"] for r in turns], "input_ids": ids, "loss_mask": mask, "old_logprobs": logprobs,
-            "token_weight_version": versions, "adapter": adapter, "token_adapter_version": adapter_versions,
+            "token_weight_version": versions, "adapter": lineage.adapter, "token_adapter_version": adapter_versions,
             "turn_starts": starts, "reward": None if scalar is None else float(scalar),
             "rewards": None if reward is None else json.dumps(reward)}
 
-
-def _adapter(session_id: str, calls: list[dict[str, Any]]) -> str | None:
-    """The one adapter a lineage's calls ran on (a session names one for all its calls)."""
-    names = {row["adapter"] for row in calls}
-    if len(names) > 1:
-        raise PipelineError(f"session {session_id!r}: the calls {[r['turn'] for r in calls]} of one lineage ran on "
-                            f"different adapters ({sorted(names, key=str)}); a lineage trains one policy, so a "
-                            "harness gives each adapter its own session")
-    return names.pop()
 
 
 def session_items(session_id: str, rows: list[dict[str, Any]], reward: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -197,8 +197,13 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
     completions = openai_route(CompletionBody, turns.completion)
 
     async def models(request: Request) -> Response:
+        """The served model and the pool's LoRA adapters, each a `model` a call may name (vLLM's cards)."""
+        base = turns.settings.model
+        adapters = await in_thread(turns.lane.router.adapter_versions)
         return JSONResponse({"object": "list", "data": [
-            {"id": turns.settings.model, "object": "model", "created": 0, "owned_by": "rollout-pipeline"}]})
+            {"id": base, "object": "model", "created": 0, "owned_by": "rollout-pipeline"},
+            *({"id": name, "object": "model", "created": 0, "owned_by": "rollout-pipeline", "parent": base,
+               "root": f"{name}@v{version}"} for name, version in sorted(adapters.items()))]})
 
     async def health(request: Request) -> Response:
         try:  # not `turns.conn`'s retries: a Redis down answers 503 within about PROBE_TIMEOUT_S

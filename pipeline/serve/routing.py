@@ -67,11 +67,12 @@ class Router:
                 self._desired = (time.monotonic(), version)
             return version
 
-    def adapter_versions(self) -> dict[str, int]:
-        """The pool's adapters' current versions (read at most every `WORKERS_TTL_S` per server)."""
+    def adapter_versions(self, *, fresh: bool = False) -> dict[str, int]:
+        """The pool's adapters' current versions (read at most every `WORKERS_TTL_S` per server, unless
+        `fresh`: an adapter pushed a moment ago is looked up again before a call naming it is refused)."""
         with self._lock:
             read_at, versions = self._adapters
-            if time.monotonic() - read_at > WORKERS_TTL_S:
+            if fresh or time.monotonic() - read_at > WORKERS_TTL_S:
                 records = adapters.records(self.conn, self.keys.name)
                 versions = {name: record.version for name, record in records.items()}
                 self._adapters = (time.monotonic(), versions)

@@ -29,7 +29,9 @@ thread).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.errors import RenderError
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.core.stop_tokens import matched_stop_ids
+from pipeline.core.suggest import did_you_mean, listing
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
 from pipeline.serve.api_error import APIError
 from pipeline.serve.conversation import Conversation, Conversations, digest
@@ -63,9 +66,13 @@ from pipeline.serve.sessions import (
 from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
 from pipeline.submit.render import ChatRenderer
+from schemas.adapters import ADAPTER_NAME_PATTERN
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
 from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
+
+ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
+TYPO_CUTOFF = 0.8  # a `model` this close to an adapter's name (difflib's ratio) is taken for a typo of it
 
 
 def _decode(tokenizer: Any, skip_special_tokens: bool, ids: Sequence[int]) -> str:
@@ -245,8 +252,27 @@ class Turns:
         held = matched_stop_ids(self.settings.stop_ids, body.stop_token_ids, ignore_eos=bool(body.ignore_eos))
         return TextRules(functools.partial(_decode, tokenizer, skip_special_tokens), held, stops)
 
-    def _head(self, answer_id: str, kind: str) -> dict[str, Any]:
-        return {"id": answer_id, "object": kind, "created": int(time.time()), "model": self.settings.model}
+    def _head(self, answer_id: str, kind: str, model: str) -> dict[str, Any]:
+        return {"id": answer_id, "object": kind, "created": int(time.time()), "model": model}
+
+    def named_adapter(self, model: str | None) -> str | None:
+        """The pool's LoRA adapter a call's `model` names (vLLM's convention), or None: the call runs on
+        its session's adapter, else the base weights. The served model's name names none, nor does a
+        name that is no adapter's (a harness's fixed model name); a name a letter or two from an
+        adapter's is refused (404, did you mean), never served by the base weights."""
+        if model is None or model == self.settings.model or not ADAPTER_NAME.match(model):
+            return None
+        router = self.lane.router
+        known = router.adapter_versions()
+        if model not in known:
+            known = router.adapter_versions(fresh=True)  # pushed since the last read?
+        if model in known:
+            return model
+        if difflib.get_close_matches(model, list(known), n=1, cutoff=TYPO_CUTOFF):
+            raise APIError(404, f"the model {model!r} does not exist{did_you_mean(model, known)} (models: "
+                                f"{self.settings.model}, adapters: {listing(known)})", param="model",
+                           code="model_not_found")
+        return None
 
     def _budget(self, prompt: Prompt, asked: int | None) -> int:
         """max_new_tokens for the turn; 400 when the prompt (and what was asked) exceed the context."""
@@ -271,7 +297,9 @@ class Turns:
         its answer when the call was answered before (a client's retry), else the call in flight
         (`wait`/`wait_async` for its rows, then `finish`). `idempotency_key` and `retry_count`: the
         client's headers that say which call this is (`CallIdentity.of`)."""
+        adapter = self.named_adapter(body.model)  # as vLLM checks a call's model first
         self._tokenizer()
+        model = adapter or self.settings.model
         messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
         conversation = self.conversations.of(session_id, messages)  # digests of the new messages only
         # The call's digest (a client's retry is the same call): the conversation's and the rest's.
@@ -304,15 +332,15 @@ class Turns:
         def live(turn_id: str) -> LiveTurn:
             return LiveTurn(chat=True, n=body.n, text=self._text_rules(body, skip_special_tokens=not keep_specials),
                             rules=rules, include_usage=body.include_usage,
-                            head=self._head(f"chatcmpl-{turn_id}", "chat.completion.chunk"))
+                            head=self._head(f"chatcmpl-{turn_id}", "chat.completion.chunk", model))
 
         def answer(rows: list[dict[str, Any]], call: InFlight) -> dict[str, Any]:
-            return chat_answer(rows, turn_id=call.turn_id, model=self.settings.model,
+            return chat_answer(rows, turn_id=call.turn_id, model=model,
                                session_id=call.session.session_id, turn=call.turn, rules=rules,
                                token_text=self.token_text, logprobs=body.logprobs,
                                text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
-        return self._call(body, open_call, prompt, pending, answer, conversation,
+        return self._call(body, open_call, prompt, pending, answer, conversation, adapter,
                           assistant_of=lambda choice: choice["message"], live=live)
 
     def _chat_request(self, body: ChatCompletionBody) -> ChatRequest:
@@ -354,6 +382,8 @@ class Turns:
     def completion(self, body: CompletionBody, session_id: str | None, *, create: bool = False,
                    idempotency_key: str | None = None, retry_count: str | None = None) -> dict[str, Any] | InFlight:
         """Start a token-level call (`/v1/completions`); see `chat`."""
+        adapter = self.named_adapter(body.model)
+        model = adapter or self.settings.model
         if isinstance(body.prompt, str):
             ids = list(self._tokenizer()(body.prompt)["input_ids"])
             text: str | None = body.prompt
@@ -373,16 +403,16 @@ class Turns:
             return Prompt(ids, text, parent, parent is None and opened.session.turns > 0)
 
         def answer(rows: list[dict[str, Any]], call: InFlight) -> dict[str, Any]:
-            return text_answer(rows, turn_id=call.turn_id, model=self.settings.model,
+            return text_answer(rows, turn_id=call.turn_id, model=model,
                                session_id=call.session.session_id, turn=call.turn, text_of=self._text_of,
                                token_text=self.token_text, logprobs=body.logprobs)
 
         def live(turn_id: str) -> LiveTurn:
             skip = body.skip_special_tokens is not False
-            return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip),
-                            include_usage=body.include_usage, head=self._head(f"cmpl-{turn_id}", "text_completion"))
+            return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip), include_usage=body.include_usage,
+                            head=self._head(f"cmpl-{turn_id}", "text_completion", model))
 
-        return self._call(body, open_call, prompt, pending, answer, None,
+        return self._call(body, open_call, prompt, pending, answer, None, adapter,
                           assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]}, live=live)
 
     # -- the call -----------------------------------------------------------------------------
@@ -390,7 +420,7 @@ class Turns:
     def _call(self, body: ChatCompletionBody | CompletionBody, open_call: Callable[[], Opened],
               prompt_of: Callable[[Opened], Prompt], pending: Pending,
               answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]], conversation: Conversation | None,
-              *, assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
+              adapter: str | None, *, assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
               live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
         opened = open_call()
@@ -403,13 +433,13 @@ class Turns:
                 return InFlight(session, turn, original, started, answer, assistant_of, live, conversation)
             try:
                 return self._start(session, opened.turn, pending, body, prompt_of(opened), conversation, started,
-                                   answer, assistant_of, live)
+                                   adapter or session.adapter, answer, assistant_of, live)
             except BaseException:
                 self.sessions.release(session.session_id, opened.turn, pending)
                 raise
 
     def _start(self, session: Session, turn: int, pending: Pending, body: ChatCompletionBody | CompletionBody,
-               prompt: Prompt, conversation: Conversation | None, started: float,
+               prompt: Prompt, conversation: Conversation | None, started: float, adapter: str | None,
                answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]],
                assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
                live: Callable[[str], LiveTurn]) -> InFlight:
@@ -421,7 +451,7 @@ class Turns:
             "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
             "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
             "routing_key": session.session_id,  # the worker's server holding the session's prefix
-            "adapter": session.adapter,
+            "adapter": adapter,
         })
         # Affinity follows the tree: the worker that served the parent holds its ids in its prefix cache.
         home = prompt.parent.record.served_by if prompt.parent is not None else session.home

@@ -159,8 +159,15 @@ def test_a_lineage_says_its_adapter_and_the_version_that_sampled_each_token() ->
     assert read(linear_conversation())[0]["adapter"] is None  # rows written before adapters: the base
 
 
-def test_a_lineage_whose_calls_ran_on_two_adapters_is_an_error() -> None:
+def test_a_call_on_another_adapter_starts_a_lineage_of_that_policy() -> None:
+    """Call 1 extends call 0 but ran on another adapter (its `model` named one): each policy trains on
+    its own samples only. Call 0 ends the sql lineage; call 1 starts the math one, call 0's tokens its
+    prompt (loss mask 0), its parent named; call 2, back on sql, extends call 1 and starts a third."""
     rows = [on_adapter(call(0, [1, 2], [3]), "sql", 1),
-            on_adapter(call(1, [1, 2, 3, 4], [5], parent=(0, 0)), "math", 1)]
-    with pytest.raises(PipelineError, match=r"session 's': the calls \[0, 1\] of one lineage ran on different"):
-        pipeline.read_trajectories(adapter_table(rows), rewards={})
+            on_adapter(call(1, [1, 2, 3, 4], [5], parent=(0, 0)), "math", 1),
+            on_adapter(call(2, [1, 2, 3, 4, 5, 6], [7], parent=(1, 0)), "sql", 1)]
+    sql, math, back = pipeline.read_trajectories(adapter_table(rows), rewards={}).to_pylist()
+    assert [(t["adapter"], t["turns"], t["parent_turn"]) for t in (sql, math, back)] == [
+        ("sql", [0], None), ("math", [1], 0), ("sql", [2], 1)]
+    assert (math["input_ids"], math["loss_mask"]) == ([1, 2, 3, 4, 5], [0, 0, 0, 0, 1])
+    assert back["loss_mask"] == [0, 0, 0, 0, 0, 0, 1]

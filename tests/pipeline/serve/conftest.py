@@ -9,6 +9,7 @@ episodes are exact; the tiny-tools fixture tokenizer renders and parses them.
 from __future__ import annotations
 
 import itertools
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +21,12 @@ from transformers import AutoTokenizer
 
 from pipeline.serve.server import ServeConfig, Server
 from schemas.request import RolloutRequest
-from tests.helpers.processes import drive_worker
+from tests.conftest import PIPELINE
+from tests.helpers.processes import drive_worker, stop_all
 from workers.engines.fake import FakeEngine
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers" / "tiny-tools"
+SIM = ("--sim-step-ms", "1", "--sim-median-tokens", "8", "--sim-p99-tokens", "9")
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +96,22 @@ def serve(redis_client: redis.Redis, tmp_path: Path) -> Iterator[Callable[..., S
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def sim_workers(pipeline_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
+    """`sim_workers()`: one more real `pipeline worker --engine sim` process (it serves LoRA adapters)."""
+    processes: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        log = (tmp_path / f"worker{len(processes)}.log").open("w")
+        processes.append(subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", "--heartbeat-interval", "0.5",
+                                           "--log-level", "WARNING", *SIM],
+                                          env=pipeline_env, stdout=log, stderr=subprocess.STDOUT))
+        return processes[-1]
+
+    yield start
+    stop_all(processes)
 
 
 def _turns(config: ServeConfig, conn: redis.Redis) -> Any:

@@ -6,7 +6,7 @@ adapter goes to the worker holding that version, within the bounded load's slack
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +17,8 @@ import redis
 import pipeline
 from pipeline.core.broker import registry
 from pipeline.read.lineage_rows import turn_rows
-from tests.conftest import PIPELINE
 from tests.helpers.adapters import build_adapter
-from tests.helpers.processes import stop_all, wait_until
-
-SIM = ("--sim-step-ms", "1", "--sim-median-tokens", "8", "--sim-p99-tokens", "9")
-
-
-@pytest.fixture
-def sim_workers(pipeline_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
-    processes: list[subprocess.Popen] = []
-
-    def start() -> subprocess.Popen:
-        log = (tmp_path / f"worker{len(processes)}.log").open("w")
-        processes.append(subprocess.Popen([*PIPELINE, "worker", "--engine", "sim", "--heartbeat-interval", "0.5",
-                                           "--log-level", "WARNING", *SIM],
-                                          env=pipeline_env, stdout=log, stderr=subprocess.STDOUT))
-        return processes[-1]
-
-    yield start
-    stop_all(processes)
+from tests.helpers.processes import wait_until
 
 
 def _entries(conn: redis.Redis) -> dict[str, list[str]]:
