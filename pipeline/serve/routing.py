@@ -27,6 +27,7 @@ from schemas.adapters import pinned
 from schemas.worker_info import WorkerInfo
 
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
+REREAD_S = 0.25  # the pool's adapters are read again at most this often for a name not among them
 LOADS_TTL_S = 0.05  # workers' loads are read at most this often per server (counted locally between)
 ACTIVE_S = 120.0  # a session without a turn for this long no longer counts in its home's load
 
@@ -68,11 +69,12 @@ class Router:
             return version
 
     def adapter_versions(self, *, fresh: bool = False) -> dict[str, int]:
-        """The pool's adapters' current versions (read at most every `WORKERS_TTL_S` per server, unless
-        `fresh`: an adapter pushed a moment ago is looked up again before a call naming it is refused)."""
+        """The pool's adapters' current versions (read at most every `WORKERS_TTL_S` per server; with
+        `fresh`, every `REREAD_S`: a name no adapter had a moment ago is looked up again, but a client
+        naming no adapter on every call costs at most a read each `REREAD_S`)."""
         with self._lock:
             read_at, versions = self._adapters
-            if fresh or time.monotonic() - read_at > WORKERS_TTL_S:
+            if time.monotonic() - read_at > (REREAD_S if fresh else WORKERS_TTL_S):
                 records = adapters.records(self.conn, self.keys.name)
                 versions = {name: record.version for name, record in records.items()}
                 self._adapters = (time.monotonic(), versions)
