@@ -49,7 +49,7 @@ COLUMNS = ["rollout_id", "job_id", "worker_id", "engine", "weight_version", "com
            "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "submitted_at",
            "started_at", "finished_at"]
 # Columns a shard may lack (written before they existed): read as nulls.
-OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break"]
+OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break", "adapter", "adapter_version"]
 LOGPROB_BINS = np.linspace(-20.0, 0.0, 81)
 READ_BATCH_ROWS = 4096
 
@@ -67,6 +67,10 @@ class RunFigures:
     logprob_count: int = 0
     entropy: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     workers: Counter = field(default_factory=Counter)  # (worker, engine) -> rows
+    # (LoRA adapter, its version; None, None: the base weights) -> rows, tokens, rewards
+    policies: Counter = field(default_factory=Counter)
+    policy_tokens: Counter = field(default_factory=Counter)
+    policy_rewards: dict[tuple[str | None, int | None], list[float]] = field(default_factory=lambda: defaultdict(list))
     worker_tokens: Counter = field(default_factory=Counter)
     # job -> (its rows' first start, last finish, completion tokens)
     job_times: dict[str, tuple[datetime, datetime, int]] = field(default_factory=dict)
@@ -88,6 +92,11 @@ class RunFigures:
             self.lengths[version].append(n)
             stop = row["stop_reason_text"] if row["stop_reason_text"] is not None else row["stop_reason_token"]
             self.finishes[(version, row["finish_reason"], "" if stop is None else repr(stop))] += 1
+            policy = (row["adapter"], row["adapter_version"])
+            self.policies[policy] += 1
+            self.policy_tokens[policy] += n
+            if row["reward"] is not None:
+                self.policy_rewards[policy].append(float(row["reward"]))
             key = (row["worker_id"], row["engine"])
             self.workers[key] += 1
             self.worker_tokens[key] += n
@@ -199,6 +208,20 @@ def _workers_section(f: RunFigures) -> str:
     rows = [[w, e, f.workers[(w, e)], f.worker_tokens[(w, e)]] for w, e in keys]
     return html_section("Rows and tokens per worker", png(fig),
                         html_table(["worker", "engine", "rows", "tokens"], rows))
+
+
+def _adapters_section(f: RunFigures) -> str | None:
+    """Rows, tokens and mean reward per LoRA adapter version and the base; None when no row ran on one."""
+    if all(name is None for name, _ in f.policies):
+        return None
+    keys = sorted(f.policies, key=lambda k: (k[0] is not None, k[0] or "", k[1] or 0))
+    rows = [["base" if name is None else name, "—" if version is None else f"v{version}", f.policies[(name, version)],
+             f.policy_tokens[(name, version)],
+             f"{np.mean(f.policy_rewards[(name, version)]):.4g}" if f.policy_rewards[(name, version)] else "—"]
+            for name, version in keys]
+    table = html_table(["adapter", "version", "rows", "tokens", "mean reward"], rows)
+    return html_section("LoRA adapters", None, table,
+                        note="each row's adapter and adapter version (docs/adapters.md); base: no adapter")
 
 
 def _generating_s(intervals: np.ndarray) -> float:
@@ -323,6 +346,9 @@ def render(source: str, figures: RunFigures, *, verify: VerifyReport | None = No
         _lengths_section(figures), _finish_section(figures), _logprob_section(figures), _workers_section(figures),
         _throughput_section(figures), _staleness_section(figures),
     ]
+    adapters = _adapters_section(figures)
+    if adapters is not None:
+        sections.insert(0, adapters)
     rewards = rewards_section(figures.rewards)
     if rewards is not None:
         sections.insert(0, rewards)

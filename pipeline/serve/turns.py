@@ -268,7 +268,7 @@ class Turns:
             known = router.adapter_versions(fresh=True)  # pushed since the last read?
         if model in known:
             return model
-        if difflib.get_close_matches(model, list(known), n=1, cutoff=TYPO_CUTOFF):
+        if known and difflib.get_close_matches(model, list(known), n=1, cutoff=TYPO_CUTOFF):
             raise APIError(404, f"the model {model!r} does not exist{did_you_mean(model, known)} (models: "
                                 f"{self.settings.model}, adapters: {listing(known)})", param="model",
                            code="model_not_found")

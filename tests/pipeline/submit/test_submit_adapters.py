@@ -40,3 +40,22 @@ def test_an_unknown_adapter_is_refused_at_submit_naming_those_that_exist(
     payload = JobPayload.model_validate(job.args[0])
     requests = payload.unpack(redis_client.get(payload.prompt_key))
     assert [r.adapter for r in requests] == [None, "sql"] and batch.plan.requests == 2
+
+
+def test_a_datasets_adapter_column_names_each_rows_adapter(
+        redis_client: redis.Redis, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    client = pipeline.Client(redis_client, pool="p")
+    client.push_adapter("sql", build_adapter(tiny_model_dir, tmp_path / "a", seed=1), base=tiny_model_dir)
+    with pytest.raises(AdapterError, match=r"request '1': adapter 'sqll' was never pushed.*did you mean 'sql'"):
+        client.submit(pa.table({"input_ids": [[1, 2, 3], [4, 5]], "adapter": ["sql", "sqll"]}),
+                      output=f"file://{tmp_path}")
+    assert rollout_queue(redis_client, "p").count == 0
+
+    client.submit(pa.table({"prompt_ids": [[1, 2, 3], [4, 5]], "lora": [None, "sql"]}),
+                  columns={"input_ids": "prompt_ids", "adapter": "lora"}, output=f"file://{tmp_path}")
+    [job] = rollout_queue(redis_client, "p").get_jobs()
+    payload = JobPayload.model_validate(job.args[0])
+    assert [r.adapter for r in payload.unpack(redis_client.get(payload.prompt_key))] == [None, "sql"]
