@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from pipeline.core.command import Command
 from pipeline.core.errors import PipelineError
+from pipeline.core.suggest import missing_file
 
 _DEFAULT = "default for every line or row that does not set it"
 # Sampling flags of `pipeline submit`: defaults for every row of a dataset or line of a JSONL file (a row's
@@ -93,6 +95,9 @@ class SubmitCommand(Command):
         from pipeline.client import connect
         from pipeline.core.demo_model import resolve
 
+        if not Path(args.file).exists():  # before anything starts (the embedded Redis)
+            raise PipelineError(missing_file(Path(args.file), "a JSONL file of tasks" if args.agent else
+                                             "a JSONL file of requests or a dataset (Parquet, Arrow, Feather)"))
         client = connect(args.redis, pool=args.pool)
         if args.agent is not None:
             return self._episodes(client, args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from pathlib import Path
 
 SHOWN = 10
 # Names from OpenAI's and other engines' APIs (and their flags), and the name a request field (or
@@ -31,3 +32,11 @@ def listing(names: Iterable[str]) -> str:
     if not ordered:
         return "nothing"
     return ", ".join(ordered[:SHOWN]) + (f", ... ({len(ordered)} in all)" if len(ordered) > SHOWN else "")
+
+
+def missing_file(path: Path, what: str) -> str:
+    """Why `path` cannot be read: it does not exist; the closest name in its directory, if any."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f"no such file: {path} (its directory {folder} does not exist either); give the path of {what}"
+    return f"no such file: {path}{did_you_mean(path.name, (p.name for p in folder.iterdir()))}; give the path of {what}"

@@ -166,3 +166,14 @@ def test_a_command_runs_through_the_one_protocol(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(SystemExit) as usage:  # a group needs its subcommand
         cli.main(["pair"])
     assert usage.value.code == EXIT_USAGE
+
+
+def test_a_mistyped_file_to_submit_names_the_closest_file_and_starts_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_REDIS_URL", "redis://127.0.0.1:1")  # never reached: nothing is connected
+    (tmp_path / "rollouts.jsonl").write_text("")
+    assert cli.main(["submit", str(tmp_path / "rollout.jsonl")]) != 0
+    err = capsys.readouterr().err
+    assert f"error: no such file: {tmp_path / 'rollout.jsonl'}; did you mean 'rollouts.jsonl'?" in err
+    assert cli.main(["submit", str(tmp_path / "gone" / "r.jsonl"), "--agent", "m:f"]) != 0
+    assert "(its directory" in capsys.readouterr().err
