@@ -16,7 +16,7 @@ import pytest
 
 import pipeline
 from tests.helpers import slurm_cluster
-from tests.helpers.processes import free_port, wait_until
+from tests.helpers.processes import free_ports, wait_until
 from tests.helpers.slurm_cluster import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, trainer: str, *, gpus_per_node:
     output = tmp_path / "job.out"
     env = {**slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
            "GPUS_PER_NODE": str(gpus_per_node), "WORKER_ARGS": "--engine sim --sim-step-ms 5",
-           "REDIS_PORT": str(free_port()), "SENTINEL_PORT": str(free_port()), "STATE_DIR": str(tmp_path / "state"),
+           "REDIS_PORT": str(free_ports(2)), "SENTINEL_PORT": str(free_ports(3)), "STATE_DIR": str(tmp_path / "state"),
            "STOP_GRACE": "10"}
     env["PIPELINE_CONTROL_SECRET"] = "slurm-test-key"
     env.pop("PIPELINE_REDIS_URL", None)
@@ -55,14 +55,16 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, trainer: str, *, gpus_per_node:
     return job, output
 
 
-def _left_behind(job: str) -> list[str]:
-    """The command lines of processes still carrying this job's id."""
+def _left_behind(job: str, workdir: Path) -> list[str]:
+    """The command lines of processes still carrying this job's id, or working in the job's directory
+    (`pipeline worker` sets its title over its environment, so its job id no longer shows there)."""
     left = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+            if (f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0")
+                    or Path(os.readlink(proc / "cwd")) == workdir):
                 left.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
         except OSError:
             continue
@@ -85,10 +87,13 @@ def test_a_submit_runs_through_the_allocation_and_scancel_leaves_no_process(slur
         wait_until(lambda: (tmp_path / "submitted").exists() or slurm.job_gone(job), 240, "the trainer's submit")
         assert (tmp_path / "submitted").exists(), output.read_text()
         assert _rows(tmp_path) == sorted(f"q{i}" for i in range(REQUESTS))
-        assert _left_behind(job), "the check for leftovers sees nothing of a running job"
+        assert _left_behind(job, tmp_path), "the check for leftovers sees nothing of a running job"
+        assert any(line.startswith("pipeline worker (") for line in _left_behind(job, tmp_path)), \
+            "the check for leftovers sees no worker of a running job"
     finally:
         slurm.run(*scancel, job)
-    wait_until(lambda: slurm.job_gone(job) and not _left_behind(job), 120, "the cancelled job's processes to end")
+    wait_until(lambda: slurm.job_gone(job) and not _left_behind(job, tmp_path), 120,
+               "the cancelled job's processes to end")
     if "--batch" in scancel:
         log = output.read_text()
         assert "stopping: workers, then serve" in log and "stopped (logs and Redis's data in" in log, log
@@ -100,7 +105,9 @@ def test_the_trainer_exiting_stops_everything(slurm: SlurmCluster, tmp_path: Pat
     log = output.read_text()
     assert "trainer exited with status 0" in log and "stopped (logs and Redis's data in" in log, log
     assert _rows(tmp_path) == sorted(f"q{i}" for i in range(REQUESTS))
-    assert _left_behind(job) == []
+    # A worker still shutting down when Slurm ends the step (srun ends a step it is signalled to stop)
+    # gets SIGTERM when its node's shell dies, and ends within seconds; none runs on.
+    wait_until(lambda: not _left_behind(job, tmp_path), 60, "the job's workers to end")
     assert "ExitCode=0:0" in slurm.run("scontrol", "show", "job", job)
 
 
@@ -112,4 +119,4 @@ def test_an_allocation_with_fewer_gpus_than_asked_is_refused(slurm: SlurmCluster
     assert (f"has {slurm_cluster.GPUS} GPU(s) in job {job} and GPUS_PER_NODE asks for {slurm_cluster.GPUS + 2}"
             in log), log
     assert f"--gres gpu:{slurm_cluster.GPUS + 2}" in log and "nothing was started" in log
-    assert not (tmp_path / "state").exists() and _left_behind(job) == []
+    assert not (tmp_path / "state").exists() and _left_behind(job, tmp_path) == []

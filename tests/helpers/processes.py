@@ -24,6 +24,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that nothing listens on right now (for a
+    launcher that takes a base port and uses the next ones too)."""
+    for _ in range(100):
+        base = free_port()
+        sockets = []
+        try:
+            for port in range(base + 1, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 def wait_until(check: Callable[[], bool], timeout: float = 10, what: str = "the condition") -> None:
     """Poll `check` until it holds; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
