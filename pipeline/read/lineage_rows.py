@@ -188,7 +188,6 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
             "rewards": None if reward is None else json.dumps(reward)}
 
 
-
 def session_items(session_id: str, rows: list[dict[str, Any]], reward: dict[str, Any] | None) -> list[dict[str, Any]]:
     """A session's items, one per lineage (see the module docstring), from its rows."""
     found = lineages(session_id, rows)

@@ -147,7 +147,8 @@ def test_logprobs_a_vllm_worker_cannot_give_exactly_fail_at_submit(redis_url: st
 def test_a_missing_file_or_an_unreachable_redis_is_a_clear_error(tmp_path: Path, pipeline_env: dict[str, str]) -> None:
     missing = subprocess.run([*PIPELINE, "submit", str(tmp_path / "nope.jsonl")], env=pipeline_env,
                              capture_output=True, text=True)
-    assert missing.returncode == 2 and "nope.jsonl: No such file or directory" in missing.stderr
+    assert missing.returncode == 2 and f"error: no such file: {tmp_path / 'nope.jsonl'}; give the path of a JSONL" \
+        in missing.stderr
     path = write_lines(tmp_path / "rollouts.jsonl", good_lines(2))
     down = subprocess.run([*PIPELINE, "submit", str(path), "--redis", "redis://127.0.0.1:9"],
                           env={**pipeline_env, "PIPELINE_REDIS_RECONNECT_S": "1"}, capture_output=True, text=True)
