@@ -37,19 +37,23 @@ def tools_tokenizer() -> Any:
 @dataclass
 class Script:
     """A scripted model: the text each turn of a session answers (by turn index), tokenized; or, with
-    `by_prompt`, the text it answers a prompt with (for calls made in parallel, whose turn numbers
-    are in the order they reach the server). `seen` holds each request, `sampled` the ids answered."""
+    `by_prompt` (or `by_request`), the text it answers a prompt (or a request) with (for calls made in
+    parallel, whose turn numbers are in the order they reach the server). `seen` holds each request,
+    `sampled` the ids answered."""
 
     tokenizer: Any
     turns: dict[int, str] = field(default_factory=dict)
     default: str = "ok"
     by_prompt: Callable[[str], str] | None = None
+    by_request: Callable[[RolloutRequest, str], str] | None = None  # (request, its prompt's text) -> reply
     seen: list[RolloutRequest] = field(default_factory=list)
     sampled: dict[str, list[int]] = field(default_factory=dict)
 
     def reply(self, request: RolloutRequest, index: int) -> Sequence[int]:
         self.seen.append(request)
-        if self.by_prompt is not None:
+        if self.by_request is not None:
+            text = self.by_request(request, self.tokenizer.decode(request.input_ids, skip_special_tokens=False))
+        elif self.by_prompt is not None:
             text = self.by_prompt(self.tokenizer.decode(request.input_ids, skip_special_tokens=False))
         else:
             text = self.turns.get(int(request.id.rsplit(":", 1)[1]), self.default)
