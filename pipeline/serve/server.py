@@ -23,6 +23,7 @@ from pipeline.core.broker import keys
 from pipeline.core.broker.connection import connect_redis
 from pipeline.core.errors import PipelineError
 from pipeline.core.stop_tokens import model_stop_ids
+from pipeline.core.warm_up import warm_up
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -103,6 +104,7 @@ def check_config(config: ServeConfig) -> None:
 
 def build_turns(config: ServeConfig, conn: redis.Redis | None = None) -> Turns:
     check_config(config)
+    warm_up()
     # Each thread holds a connection at most (the inbox's taker one); where streamed calls read their
     # tokens in threads (no asyncio twin of this Redis: Sentinel, TLS) each such call holds one too.
     conn = conn or connect_redis(config.redis_url, max_connections=THREADS + ASYNC_CONNECTIONS)

@@ -48,6 +48,7 @@ class WorkerCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from pipeline.core.broker.connection import connect_redis
+        from pipeline.core.warm_up import warm_up
         from workers.commands.worker_options import engine_options
         from workers.engines.factory import build_engine
         from workers.errors import WorkerError
@@ -63,6 +64,7 @@ class WorkerCommand(Command):
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
         worker_id = args.worker_id or new_worker_id()
         logs.set_worker_id(worker_id)
+        warm_up()
         try:
             engine = build_engine(engine_options(args))
         except WorkerError as exc:
