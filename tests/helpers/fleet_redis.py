@@ -40,6 +40,17 @@ def start_group(fleet: Fleet, tmp_path: Path, extra: list[str]) -> None:
         fleet.start(host, [redis_binary("redis-server"), str(conf), "--sentinel"],
                     log=tmp_path / f"{host}-sentinel.log")
     wait_until(lambda: replicas_seen(fleet) == 1, 60, "the sentinels to see the master and its replica")
+    # Sentinels find each other through the master (a hello every 2 s): a master cut off before they
+    # have is never failed over (no quorum), as a loaded CI run found.
+    wait_until(lambda: all(other_sentinels(fleet, host) == len(SENTINELS) - 1 for host in SENTINELS), 60,
+               "the sentinels to know each other")
+
+
+def other_sentinels(fleet: Fleet, host: str) -> int:
+    """How many other sentinels the sentinel on `host` knows of."""
+    out = fleet.run("trainer", [redis_binary("redis-cli"), "-h", fleet.ip(host), "-p", "26379", "sentinel",
+                                "sentinels", "pipeline"])
+    return out.split("\n").count("flags")
 
 
 def replicas_seen(fleet: Fleet) -> int:
