@@ -96,8 +96,10 @@ class SubmitCommand(Command):
         from pipeline.core.demo_model import resolve
 
         if not Path(args.file).exists():  # before anything starts (the embedded Redis)
+            from pipeline.submit.dataset_source import DATASET_KINDS
+
             raise PipelineError(missing_file(Path(args.file), "a JSONL file of tasks" if args.agent else
-                                             "a JSONL file of requests or a dataset (Parquet, Arrow, Feather)"))
+                                             f"a JSONL file of requests or {DATASET_KINDS}"))
         client = connect(args.redis, pool=args.pool)
         if args.agent is not None:
             return self._episodes(client, args)

@@ -18,11 +18,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import ColumnMappingError, PipelineError
+from pipeline.core.suggest import missing_file
 
 DATASET_SUFFIXES = (".parquet", ".pq", ".arrow", ".feather", ".ipc")
 _PARQUET = (".parquet", ".pq")
 # Rows decoded at a time (bounds the submitter's memory besides the jobs it packs).
 BATCH_ROWS = 8192
+
+DATASET_KINDS = "a dataset: Parquet, Arrow or Feather, or a directory of them"
 
 
 def is_dataset_path(path: str | Path) -> bool:
@@ -45,7 +48,7 @@ def open_path(path: str | Path) -> DatasetSource:
     if target.is_dir():
         return _directory(target)
     if not target.exists():
-        raise PipelineError(f"{path}: no such file or directory")
+        raise PipelineError(missing_file(target, DATASET_KINDS))
     if target.suffix.lower() in _PARQUET:
         return _parquet(str(path), [target])
     return _ipc(str(path), [target])
