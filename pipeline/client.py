@@ -250,7 +250,7 @@ class Client:
     def push_adapter(
         self, name: str, source: str | Path | Any, *, base: str | Path | None = None, store: str | None = None,
         adapter_name: str = "default", pool: str | None = None, keep: int = adapter_registry.DEFAULT_KEEP_VERSIONS,
-        timeout: float | None = control_channel.DEFAULT_PUSH_TIMEOUT_S,
+        timeout: float | None = control_channel.DEFAULT_PUSH_TIMEOUT_S, mode: SwapMode = "drain",
     ) -> AdapterPushResult:
         """Store a LoRA adapter as the next version of `name` and make it the pool's current one
         (docs/adapters.md). `source`: a PEFT adapter directory (what peft's `save_pretrained` writes), or
@@ -259,9 +259,11 @@ class Client:
         directory) and refused naming the module that does not fit (`AdapterError`). Returns once
         every live worker serving adapters has read and checked the version (up to `timeout` s;
         `AdapterPushError` names those that failed or did not answer, and a version no worker took is
-        undone): every job admitted after that runs it, jobs in flight finish on theirs; rows record
-        it (`adapter_version`). The store keeps the adapter's last `keep` versions (0: all), and any
-        a live worker holds."""
+        undone): every job admitted after that runs it and its rows record it (`adapter_version`);
+        jobs in flight finish on theirs, or with `mode="partial"` their samples on an older version
+        of `name` stop and continue on this one (rows record each token's version:
+        `adapter_version_segments`). The store keeps the adapter's last `keep` versions (0: all), and
+        any a live worker holds."""
         from pipeline.weights import adapter_check
         from pipeline.weights.adapter_push import base_shapes, push_adapter_tensors
 
@@ -270,7 +272,7 @@ class Client:
         pool = self._pool(pool)
         shapes = base_shapes(self.conn, pool, None if base is None else str(base), store)
         return push_adapter_tensors(self.conn, name, adapter, base=shapes, pool=pool, store=store, keep=keep,
-                                    timeout=timeout)
+                                    timeout=timeout, mode=mode)
 
     def adapters(self, *, pool: str | None = None) -> dict[str, AdapterRecord]:
         """The pool's adapters by name: each one's current version, rank, target modules and store."""

@@ -54,6 +54,11 @@ class DesiredState(BaseModel):
     # LoRA adapter name -> the newest version pushed with acknowledgements (`pipeline.weights.adapter_push`):
     # each worker serving adapters reads and checks that version (or a newer one) and acknowledges it.
     adapters: dict[AdapterName, Annotated[StrictInt, Field(ge=1)]] = {}
+    # How the push of each adapter's version in `adapters` swaps (`SwapMode`; absent: "drain"). An
+    # adapter push never pauses: with "drain" jobs in flight finish on the version they pinned; with
+    # "partial" a worker stops the samples in flight on an older version of the adapter and continues
+    # them on this one, each token keeping the adapter version that generated it.
+    adapter_swap_modes: dict[AdapterName, SwapMode] = {}
 
 
 class WeightAck(BaseModel):

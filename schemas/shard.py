@@ -57,6 +57,10 @@ ROW_FIELDS: list[pa.Field] = [
     # The LoRA adapter the row was generated with and its version (`docs/adapters.md`); null on the base.
     pa.field("adapter", pa.string()),
     pa.field("adapter_version", pa.int64()),
+    # Per-token adapter versions of a row continued across a partial adapter push, as
+    # `weight_version_segments` are for the weights; `adapter_version` is then the oldest. Null when
+    # every token came from `adapter_version`, and in shards written before this column.
+    pa.field("adapter_version_segments", values_of(VERSION_SEGMENT)),
     pa.field("temperature", pa.float32(), nullable=False),
     pa.field("top_p", pa.float32(), nullable=False),
     pa.field("top_k", pa.int32(), nullable=False),

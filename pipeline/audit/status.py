@@ -238,7 +238,8 @@ def weights(conn: redis.Redis, pool: str | None = None) -> dict[str, Any]:
 
         status["store"] = describe(desired["weight_path"])
     serving = [w.worker_id for w in registry.live_workers(conn, name) if w.capabilities.lora_adapters]
-    status["adapters"] = [_adapter_status(conn, name, record, serving)
+    status["adapters"] = [{**_adapter_status(conn, name, record, serving),
+                           "swap_mode": desired["adapter_swap_modes"].get(record.name, "drain")}
                           for record in sorted(adapters.records(conn, name).values(), key=lambda r: r.name)]
     return status
 
@@ -273,9 +274,10 @@ def format_weights(status: dict[str, Any]) -> str:
         for a in status["adapters"]:
             failed = "".join(f"; FAILED on {w}: {error}" for w, error in a["failed"].items())
             unanswered = f"; not answered by {', '.join(a['unanswered'])}" if a["unanswered"] else ""
+            partial = ", partial" if a["swap_mode"] == "partial" else ""
             lines.append(f"  {a['name']}  v{a['version']}  rank {a['rank']} on {', '.join(a['target_modules'])}  "
-                         f"{a['stored_bytes'] / 1e6:.2f} MB  acknowledged by {len(a['acknowledged'])} worker(s)"
-                         f"{failed}{unanswered}")
+                         f"{a['stored_bytes'] / 1e6:.2f} MB{partial}  acknowledged by "
+                         f"{len(a['acknowledged'])} worker(s){failed}{unanswered}")
     return "\n".join(lines)
 
 

@@ -78,9 +78,10 @@ class WeightsPushCommand(Command):
                                  "to load the current weights try again (recovery: re-push the same path and "
                                  "version)")
         parser.add_argument("--mode", choices=SWAP_MODES, default="drain",
-                            help="drain (default): samples in flight finish on the old weights first; partial: "
-                                 "they stop at the next step and continue on the new weights, each token keeping "
-                                 "its version")
+                            help="drain (default): samples in flight finish on the old weights first (with "
+                                 "--adapter: on the adapter version they pinned; nothing pauses); partial: they "
+                                 "stop at the next step and continue on the new weights (adapter version), each "
+                                 "token keeping its version")
         parser.add_argument("--delta", action="store_true",
                             help="write the checkpoint into a weight store as a delta against the version before "
                                  "(a full version first, and every --full-every); workers apply it in place and "
@@ -133,21 +134,20 @@ def _push_adapter(client: Client, args: argparse.Namespace) -> int:
     if given:
         raise PipelineError(f"{', '.join(given)}: options of base weight pushes, not of --adapter (an adapter's "
                             "versions are numbered by the pool, each stored in full); drop them")
-    if args.mode != "drain":
-        raise PipelineError(f"--mode {args.mode}: an adapter push does not stop samples in flight (jobs admitted "
-                            "before it finish on the version they pinned; docs/adapters.md); drop --mode")
     base = None if args.base is None else resolve(args.base)
     keep = DEFAULT_KEEP_VERSIONS if args.keep_versions is None else args.keep_versions
     result = client.push_adapter(args.adapter, args.path, base=base, store=args.store, keep=keep,
-                                 timeout=args.timeout)
+                                 timeout=args.timeout, mode=args.mode)
     status = "current" if result.current else "stored, but a newer version pushed at the same time is current"
     pruned = f"; pruned v{', v'.join(map(str, result.pruned))}" if result.pruned else ""
     print(f"pool {client.pool}: adapter {result.name} v{result.version} from {args.path} "
           f"({_size(result.stored_bytes)} stored at {result.url}, {result.seconds:.2f} s): {status}{pruned}; "
           f"{len(result.acks)} worker(s) acknowledged")
     for ack in result.acks:
+        # A partial push says how many samples its worker stopped and continued on the new version.
+        how = f"{ack.mode}: {ack.detail}" if ack.detail else "no pause"
         print(f"  {ack.worker}: ok (v{ack.version}, {_size(ack.bytes_read)} read and checked in "
-              f"{ack.prepare_seconds:.2f} s, no pause)")
+              f"{ack.prepare_seconds:.2f} s, {how})")
     return 0
 
 

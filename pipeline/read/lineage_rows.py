@@ -23,15 +23,18 @@ from pipeline.core.jobs import turn_log
 from pipeline.core.shards import is_location, read_rollouts
 from pipeline.core.suggest import did_you_mean, listing
 from pipeline.read.call_tree import Lineage, lineages
+from schemas.shard import VERSION_SEGMENT, values_of
 from schemas.turn_id import TurnId
 
 _COLUMNS = ["session_id", "turn", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
             "weight_version", "weight_version_segments", "prefix_break", "parent_turn", "parent_sample",
-            "finished_at", "worker_id", "prompt_tokens", "cached_tokens", "adapter", "adapter_version"]
+            "finished_at", "worker_id", "prompt_tokens", "cached_tokens", "adapter", "adapter_version",
+            "adapter_version_segments"]
 # Rows written before a session was a tree of calls have no parent pointers (every call a root), and
 # rows written before adapters no adapter columns (the base weights).
 _LATER_COLUMNS = {"parent_turn": pa.int32(), "parent_sample": pa.int32(), "adapter": pa.string(),
-                  "adapter_version": pa.int64()}
+                  "adapter_version": pa.int64(),
+                  "adapter_version_segments": values_of(VERSION_SEGMENT)}
 CALL_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 TRAJECTORY_SCHEMA = pa.schema([
@@ -116,10 +119,11 @@ def _first_of_each_sample(table: pa.Table) -> pa.Table:
     return table if len(keep) == table.num_rows else table.take(keep)
 
 
-def _versions(row: dict[str, Any]) -> np.ndarray:
+def _versions(row: dict[str, Any], scalar: str = "weight_version") -> np.ndarray:
+    """Each completion token's version: `scalar`'s, or per segment (`<scalar>_segments`)."""
     length = len(row["completion_token_ids"])
-    out = np.full(length, row["weight_version"], dtype=np.int64)
-    for segment in row["weight_version_segments"] or []:
+    out = np.full(length, row[scalar], dtype=np.int64)
+    for segment in row[f"{scalar}_segments"] or []:
         out[segment["start"]:] = segment["version"]
     return out
 
@@ -179,7 +183,7 @@ def _item(session_id: str, index: int, count: int, lineage: Lineage, reward: dic
             logprobs[start:start + length] = row["completion_logprobs"]
         versions[start:start + length] = _versions(row)
         if row["adapter_version"] is not None:
-            adapter_versions[start:start + length] = row["adapter_version"]
+            adapter_versions[start:start + length] = _versions(row, "adapter_version")
     scalar = own.get(last["turn"], None if reward is None else reward.get("reward"))
     return {"session_id": session_id, "lineage": index, "lineages": count, "parent_turn": lineage.parent_turn,
             "turns": [r["turn"] for r in turns], "input_ids": ids, "loss_mask": mask, "old_logprobs": logprobs,

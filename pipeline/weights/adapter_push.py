@@ -43,7 +43,7 @@ from pipeline.core.weights.store import WeightStore, checksum, version_dir
 from pipeline.weights.adapter_check import Adapter, base_shapes_of_dir, check_fits
 from pipeline.weights.push import store_url
 from schemas.adapters import ADAPTER_NAME_PATTERN, AdapterRecord, split_pinned
-from schemas.control import WeightAck
+from schemas.control import SwapMode, WeightAck
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,13 @@ def base_shapes(conn: redis.Redis, pool: str | None, base: str | None, store: st
 def push_adapter_tensors(
     conn: redis.Redis, name: str, adapter: Adapter, *, base: Mapping[str, tuple[int, ...]],
     pool: str | None = None, store: str | None = None, keep: int = DEFAULT_KEEP_VERSIONS,
-    timeout: float | None = DEFAULT_PUSH_TIMEOUT_S,
+    timeout: float | None = DEFAULT_PUSH_TIMEOUT_S, mode: SwapMode = "drain",
 ) -> AdapterPushResult:
     """Check `adapter` against the `base` shapes, store it as the next version of `name`, publish it,
     wait for the acknowledgements of the pool's workers serving adapters (up to `timeout` seconds;
-    None: no limit), prune the store to its last `keep` versions (0: keep all; see the module
-    docstring). `AdapterPushError` names the workers that failed or did not answer."""
+    None: no limit; `mode="partial"`: each first continues its samples in flight on it), prune the
+    store to its last `keep` versions (0: keep all; see the module docstring). `AdapterPushError`
+    names the workers that failed or did not answer."""
     if keep < 0:
         raise AdapterError(f"keep must be 0 (every version) or more versions, not {keep}")
     started = time.monotonic()
@@ -108,7 +109,7 @@ def push_adapter_tensors(
                            stored_bytes=manifest.stored_bytes)
     previous = adapters.records(conn, pool).get(name)
     current = adapters.publish(conn, pool, record)
-    answers = announce_adapter(conn, name, version, timeout=timeout, pool=pool)
+    answers = announce_adapter(conn, name, version, timeout=timeout, pool=pool, mode=mode)
     if answers.failed or answers.missing:
         undone = not any(ack.ok for ack in answers.acks)
         if undone:

@@ -17,7 +17,8 @@ across partial swaps), and tokens of versions without a model are counted as unc
 LoRA adapters: a row generated with an adapter (`adapter`, `adapter_version`) is recomputed under
 the base model plus that version of the adapter, read from its store (`store`: the pool's weight
 store URL, under which adapters are kept; default the default pool's), in the same forward as
-the base rows (the hf engine's mixed-batch forward).
+the base rows (the hf engine's mixed-batch forward). A row continued across a partial adapter push
+(`adapter_version_segments`) is recomputed once per adapter version, each token checked under its own.
 
 Routed experts (MoE rows that carry them): the forward's router hooks (`RoutingCapture`) give
 the recomputed top-k per (position, layer), compared as sets with the stored ones; a row's
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -51,7 +52,8 @@ from schemas.request import RolloutRequest, SamplingParams
 REQUIRED_COLUMNS = ["rollout_id", "engine", "prompt_token_ids", "completion_token_ids", "completion_logprobs",
                     "weight_version", "temperature"]
 PENALTY_COLUMNS = ["frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"]
-OPTIONAL_COLUMNS = ["weight_version_segments", "resumed_at", "adapter", "adapter_version", *PENALTY_COLUMNS,
+OPTIONAL_COLUMNS = ["weight_version_segments", "resumed_at", "adapter", "adapter_version", "adapter_version_segments",
+                    *PENALTY_COLUMNS,
                     *ROUTED_EXPERTS_COLUMNS]
 DEFAULT_THRESHOLD = 0.1
 DEFAULT_MEMORY_MB = 512
@@ -110,19 +112,34 @@ class _Row:
     experts: np.ndarray | None
     experts_start: int
     adapter: str | None  # pinned (`schemas.adapters.pinned`), None for the base
+    covers: np.ndarray | None = None  # the completion tokens this check is for (bool); None: all
+    counted: bool = True  # counted as a row (one row checked under two adapter versions counts once)
 
 
-def _versions(row: dict[str, Any], length: int) -> np.ndarray:
-    segments = row.get("weight_version_segments")
-    out = np.full(length, int(row["weight_version"]), dtype=np.int64)
+def _versions(row: dict[str, Any], length: int, column: str = "weight_version_segments",
+              scalar: str = "weight_version") -> np.ndarray:
+    segments = row.get(column)
+    out = np.full(length, int(row[scalar]), dtype=np.int64)
     if segments:
         starts = [int(s["start"]) for s in segments]
         if starts[0] != 0 or starts != sorted(starts) or starts[-1] > max(length - 1, 0):
-            raise PipelineError(f"row {row['rollout_id']!r}: weight_version_segments {segments} do not fit its "
+            raise PipelineError(f"row {row['rollout_id']!r}: {column} {segments} do not fit its "
                                 f"{length} completion tokens; the shard is inconsistent")
         for s, end in zip(segments, [*starts[1:], length], strict=True):
             out[int(s["start"]):end] = int(s["version"])
     return out
+
+
+def _per_adapter_version(row: dict[str, Any], base: _Row) -> Iterator[_Row]:
+    """`base` once per adapter version its tokens came from (`adapter_version_segments`), each
+    covering that version's tokens; `base` itself when they came from one."""
+    if base.adapter is None or not row.get("adapter_version_segments"):
+        yield base
+        return
+    versions = _versions(row, len(base.completion), "adapter_version_segments", "adapter_version")
+    for index, version in enumerate(np.unique(versions)):
+        yield replace(base, adapter=pinned(row["adapter"], int(version)), covers=versions == version,
+                      counted=index == 0)
 
 
 def _params(row: dict[str, Any]) -> SamplingParams:
@@ -189,9 +206,10 @@ def _rows_of(batch: pa.RecordBatch, vocab: int, skipped: dict[str, int]) -> Iter
         if adapter is not None and row.get("adapter_version") is None:
             raise PipelineError(f"row {rid!r}: adapter {adapter!r} without an adapter_version; the shard is "
                                 "inconsistent")
-        yield _Row(rid, row["engine"], prompt, completion, logprobs, _versions(row, len(completion)), _params(row),
-                   experts[i] if experts is not None else None, int(row.get("routed_experts_start") or 0),
-                   None if adapter is None else pinned(adapter, int(row["adapter_version"])))
+        yield from _per_adapter_version(row, _Row(
+            rid, row["engine"], prompt, completion, logprobs, _versions(row, len(completion)), _params(row),
+            experts[i] if experts is not None else None, int(row.get("routed_experts_start") or 0),
+            None if adapter is None else pinned(adapter, int(row["adapter_version"]))))
 
 
 class _Checker:
@@ -367,9 +385,9 @@ def _check_batch(
     for row in rows:
         for version in np.unique(row.versions):
             stats = group(int(version), row.engine)
-            stats.rows += 1
+            stats.rows += row.counted
             if models.get(None, models.get(int(version))) is None:
-                stats.unchecked_tokens += int((row.versions == version).sum())
+                stats.unchecked_tokens += int(_mine(row, version).size)
     for path, checker in checkers.items():
         mine = [r for r in rows if None in models or any(models.get(int(v)) == path for v in np.unique(r.versions))]
         for part in _groups_by_memory(mine, checker.vocab, memory_mb, max_batch_rows):
@@ -379,10 +397,20 @@ def _check_batch(
                 for version in np.unique(row.versions):
                     if None not in models and models.get(int(version)) != path:
                         continue
-                    where = np.flatnonzero(row.versions == version)
-                    group(int(version), row.engine).add(row.rollout_id, where, row.logprobs[where], values[where])
-                if experts_row is not None and row.experts is not None and _routing_version(row, models) == path:
+                    where = _mine(row, version)
+                    if where.size:
+                        group(int(version), row.engine).add(row.rollout_id, where, row.logprobs[where], values[where])
+                # A row's routing is its last segment's (adapter version too): checked once, with that one.
+                last = row.covers is None or bool(row.covers[-1])
+                if experts_row is not None and last and row.experts is not None and \
+                        _routing_version(row, models) == path:
                     _compare_experts(row, experts_row, experts)
+
+
+def _mine(row: _Row, version: int) -> np.ndarray:
+    """The completion positions of `row` from weight `version` that this check of it covers."""
+    same = row.versions == version
+    return np.flatnonzero(same if row.covers is None else same & row.covers)
 
 
 def _routing_version(row: _Row, models: dict[int | None, str]) -> str | None:

@@ -78,6 +78,9 @@ class SampleOutput:
     # Per-token provenance of a sample continued across partial swaps: (start, version) runs over
     # `token_ids`, set by `workers.rows.continuation`; None: every token from `weight_version`.
     version_segments: list[tuple[int, int]] | None = None
+    # The same for the LoRA adapter's versions, across partial adapter swaps; None: every token from
+    # the version the request pinned.
+    adapter_version_segments: list[tuple[int, int]] | None = None
     # Completion offsets where the sample was resumed from a checkpoint after its worker was lost
     # (`workers.jobs.checkpoint`); None: never resumed.
     resumed_at: list[int] | None = None

@@ -2,11 +2,13 @@
 
 Before a job runs, every adapter its requests name is looked up in the pool's registry
 (`pipeline.core.adapters`) once; the version found is the one every sample of the job runs
-under (continued samples after a partial swap included) and the one its rows record. A job
+under (continued samples after a partial weight swap included) and the one its rows record. A job
 naming an adapter the pool no longer has, or one on a worker whose engine serves no adapters,
 is refused (`UnsupportedRequestError`): handed back for another worker, never run on the base.
 A job resumed from a checkpoint is pinned again to the versions its saved tokens came from
-(`repin`), whatever the current one is: a sample never mixes two versions.
+(`pin_stored`, `repin`), whatever the current one is: a sample continues on the version it ran on.
+Only a partial adapter push moves the samples in flight on to a newer version
+(`workers.jobs.feeder.Feeder.repin_adapter`); their rows then keep each token's adapter version.
 """
 
 from __future__ import annotations
@@ -63,11 +65,10 @@ def job_adapters(requests: Sequence[RolloutRequest]) -> dict[str, int]:
     return found
 
 
-def repin(requests: Sequence[RolloutRequest], versions: dict[str, int], engine: Engine, conn: redis.Redis,
-          pool: str) -> list[RolloutRequest]:
-    """Pinned `requests` pinned instead to `versions` (a checkpoint's), each version's record read from
-    its adapter's store and told to the engine's cache. `UnsupportedRequestError` when one is no
-    longer stored (pruned) or the adapter is gone: the caller then starts the samples over."""
+def pin_stored(versions: dict[str, int], engine: Engine, conn: redis.Redis, pool: str) -> None:
+    """Tell the engine's cache where each adapter version of `versions` (a checkpoint's) is stored.
+    `UnsupportedRequestError` when one is no longer stored (pruned) or the adapter is gone: the
+    caller then starts the samples over."""
     current = adapters.records(conn, pool)
     for name, version in versions.items():
         record = current.get(name)
@@ -79,6 +80,10 @@ def repin(requests: Sequence[RolloutRequest], versions: dict[str, int], engine: 
             except (PipelineError, OSError) as exc:
                 raise UnsupportedRequestError(f"adapter {name!r} v{version} is no longer stored: {exc}") from exc
         engine.adapters.note(record)  # type: ignore[attr-defined]
+
+
+def repin(requests: Sequence[RolloutRequest], versions: dict[str, int]) -> list[RolloutRequest]:
+    """Pinned `requests` pinned instead to `versions` (name -> version) for the adapters it names."""
     out = []
     for request in requests:
         name = None if request.adapter is None else split_pinned(request.adapter)[0]

@@ -9,17 +9,19 @@ each sample from where it was saved (`Progress.restore`) instead of generating i
 Layout: one Redis list per job (`keys.checkpoint(job_id)`), one element per piece, appended with
 RPUSH (only what is new since the last checkpoint), binary-packed (never pickle):
 
-    header  <BBHIIIIqIH  magic, flags, k (top logprobs per token), request index, sample index,
-                         writer, start (completion offset), weight version, tokens, finish bytes
+    header  <BBHIIIIqIHI magic, flags, k (top logprobs per token), request index, sample index,
+                         writer, start (completion offset), weight version, tokens, finish bytes,
+                         LoRA adapter version (0: the base)
     ids     int32 x tokens
     logprobs float32 x tokens                     (flag LOGPROBS)
     top ids int32 x tokens*k, top logprobs float32 x tokens*k
     finish  JSON [kind, matched]                  (flag FINISHED: the sample ended with this piece)
 
 A job whose requests name LoRA adapters also keeps, beside its list, the adapter versions its
-samples run on (`keys.checkpoint_adapters`: JSON name -> version, written once with the first
-save): the worker that resumes it pins those versions again, so every token of a sample comes
-from one adapter version even when the adapter was pushed meanwhile (`workers.jobs.adapters.repin`).
+samples run on now (`keys.checkpoint_adapters`: JSON name -> version, written with each save; a
+partial adapter push moves them on): the worker that resumes it pins those versions again
+(`workers.jobs.adapters.repin`), so a sample continues on the version it ran on, not on one pushed
+since, and each piece's own adapter version keeps the provenance of the tokens before.
 
 A piece with flag RESET starts its sample over (it was restarted from the prompt: penalties, the
 staleness bound). The list expires `CHECKPOINT_TTL_S` after its last write and is deleted when the
@@ -32,7 +34,7 @@ heartbeats lost in a failover) cannot splice its tokens into the chain of the wo
 the job. Whatever does not decode is an error naming the job and the element (`CheckpointError`):
 a job's checkpoint is written only by this module.
 
-Cost: per checkpointed token 8 bytes (+ 8 per top logprob) plus a 34-byte header and Redis's list
+Cost: per checkpointed token 8 bytes (+ 8 per top logprob) plus a 38-byte header and Redis's list
 overhead per piece; per worker one pipelined RPUSH + EXPIRE per job with new tokens per interval
 (`benchmarks/checkpoints.py` measures both).
 """
@@ -55,11 +57,12 @@ from workers.rows.continuation import Piece
 DEFAULT_CHECKPOINT_EVERY_S = 10.0
 CHECKPOINT_TTL_S = 24 * 3600
 
-MAGIC = 1
+MAGIC = 2
 LOGPROBS = 1
 RESET = 2
 FINISHED = 4
-_HEADER = struct.Struct("<BBHIIIIqIH")
+_HEADER = struct.Struct("<BBHIIIIqIHI")
+_HEADER_V1 = struct.Struct("<BBHIIIIqIH")  # format 1: no adapter version (pieces on the base, or from before)
 
 
 
@@ -80,7 +83,7 @@ def encode(piece: Piece, writer: int) -> bytes:
     tops = piece.top_logprobs
     k = len(tops[0]) if tops else 0
     parts = [_HEADER.pack(MAGIC, flags, k, piece.slot[0], piece.slot[1], writer, piece.start, piece.version,
-                          count, len(finish)),
+                          count, len(finish), piece.adapter_version or 0),
              np.asarray(piece.token_ids, dtype="<i4").tobytes()]
     if piece.logprobs is not None:
         parts.append(np.asarray(piece.logprobs, dtype="<f4").tobytes())
@@ -94,15 +97,16 @@ def encode(piece: Piece, writer: int) -> bytes:
 
 def decode(data: bytes, where: str) -> tuple[Piece, int]:
     """A list element back to its piece and writer; `CheckpointError` naming `where` if it is not one."""
-    if len(data) < _HEADER.size:
-        raise CheckpointError(f"{where}: {len(data)} bytes, shorter than a checkpoint header ({_HEADER.size})")
-    magic, flags, k, r, i, writer, start, version, count, finish_len = _HEADER.unpack_from(data)
+    header = _HEADER_V1 if data[:1] == b"\x01" else _HEADER
+    if len(data) < header.size:
+        raise CheckpointError(f"{where}: {len(data)} bytes, shorter than a checkpoint header ({header.size})")
+    magic, flags, k, r, i, writer, start, version, count, finish_len, *adapter = header.unpack_from(data)
     lp_len = 4 * count if flags & LOGPROBS else 0
-    expected = _HEADER.size + 4 * count + lp_len + 8 * count * k + finish_len
-    if magic != MAGIC or len(data) != expected:
+    expected = header.size + 4 * count + lp_len + 8 * count * k + finish_len
+    if magic not in (1, MAGIC) or len(data) != expected:
         raise CheckpointError(f"{where}: not a checkpoint piece (format {magic}, {len(data)} bytes for "
                               f"{count} tokens, expected {expected}); delete the key to regenerate its samples")
-    at = _HEADER.size
+    at = header.size
     ids = np.frombuffer(data, dtype="<i4", count=count, offset=at).astype(np.int32)
     at += 4 * count
     logprobs = None
@@ -124,7 +128,8 @@ def decode(data: bytes, where: str) -> tuple[Piece, int]:
             raise CheckpointError(f"{where}: its finish does not decode ({exc})") from None
         finish = Finish(kind, matched=matched)
     piece = Piece(slot=(r, i), start=start, version=version, token_ids=ids, logprobs=logprobs, top_logprobs=tops,
-                  finish=finish, reset=bool(flags & RESET), writer=writer)
+                  finish=finish, reset=bool(flags & RESET), writer=writer,
+                  adapter_version=adapter[0] if adapter and adapter[0] else None)
     return piece, writer
 
 
@@ -158,8 +163,7 @@ class CheckpointStore:
     def save(self, saves: Sequence[tuple[str, int, Sequence[Piece]]],
              adapters: Mapping[str, Mapping[str, int]] | None = None) -> int:
         """Append each job's pieces (`(job id, writer, pieces)`) in one round trip, with the adapter
-        versions of the jobs in `adapters` (job id -> name -> version; kept from the first save on);
-        the bytes written."""
+        versions the jobs in `adapters` run on now (job id -> name -> version); the bytes written."""
         written = 0
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id, writer, pieces in saves:
@@ -173,7 +177,7 @@ class CheckpointStore:
                 pins = (adapters or {}).get(job_id)
                 if pins:
                     pins_key = keys.checkpoint_adapters(job_id)
-                    pipe.set(pins_key, json.dumps(dict(pins), sort_keys=True), nx=True)
+                    pipe.set(pins_key, json.dumps(dict(pins), sort_keys=True))
                     pipe.expire(pins_key, CHECKPOINT_TTL_S)
             pipe.execute()
         return written

@@ -53,7 +53,7 @@ from pipeline.core.jobs.status import canceled_jobs
 from workers.engines.base import ConcurrentEngine, is_checkpointable, is_interruptible
 from workers.errors import JobCanceledError, UnsupportedRequestError
 from workers.jobs import context
-from workers.jobs.adapters import job_adapters, repin
+from workers.jobs.adapters import job_adapters, pin_stored, repin
 from workers.jobs.batch_job import PreparedBatch, commit_batch, prepare_batch
 from workers.jobs.checkpoint import DEFAULT_CHECKPOINT_EVERY_S, CheckpointStore, writer_id
 from workers.jobs.turn_streams import TurnStreams
@@ -344,7 +344,8 @@ class Feeder:
         if saved is None or saved == pins:
             return True
         try:
-            requests = repin(entry.batch.requests, saved, self.engine, self.connection, context.current().pool)
+            pin_stored(saved, self.engine, self.connection, context.current().pool)
+            requests = repin(entry.batch.requests, saved)
         except UnsupportedRequestError as exc:
             log.warning("job %s: its checkpoint is not used (%s); its samples start over on %s", entry.work.id, exc,
                         pins)
@@ -378,8 +379,8 @@ class Feeder:
             return 0
         try:
             written = self.checkpoints.save([(e.work.id, e.writer, pieces) for e, pieces in saves],
-                                            {e.work.id: job_adapters(e.batch.requests) for e, _ in saves
-                                             if e.batch is not None})
+                                            {e.work.id: job_adapters(e.progress.requests) for e, _ in saves
+                                             if e.progress is not None})
         except redis.RedisError as exc:
             log.warning("worker %s: a checkpoint was not saved (%s); the next one saves it", self.worker_id, exc)
             return 0
@@ -484,6 +485,25 @@ class Feeder:
                 for entry in parked:
                     self._continue(entry)
         return stopped
+
+    def repin_adapter(self, name: str, version: int) -> int:
+        """Pin the jobs in flight that run an older version of adapter `name` to `version` (during a
+        partial swap's load, the engine's samples stopped): their samples continue on it. The rows
+        keep each token's version (`Progress`); the job's admission pin stays its `adapter_version`.
+        Returns the number of jobs re-pinned."""
+        count = 0
+        for entry in list(self._entries.values()):
+            progress = entry.progress
+            if progress is None or job_adapters(progress.requests).get(name, version) >= version:
+                continue
+            progress.requests = repin(progress.requests, {name: version})
+            count += 1
+        return count
+
+    def adapter_jobs(self, name: str, older_than: int) -> int:
+        """How many jobs in flight run a version of adapter `name` older than `older_than`."""
+        return sum(1 for entry in list(self._entries.values()) if entry.progress is not None
+                   and job_adapters(entry.progress.requests).get(name, older_than) < older_than)
 
     def _continue(self, entry: FedJob) -> None:
         """Submit a job's unfinished samples again (after a swap's load); park them during one."""

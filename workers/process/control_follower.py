@@ -209,7 +209,7 @@ class ControlFollower:
         self._attempted: tuple[int, str | None, int] = (engine.weight_version, None, 0)
         self._last_ack: WeightAck | None = None
         self.weight_error: str | None = None
-        self.adapters = AdapterFollower(conn, pool, worker_id, engine)
+        self.adapters = AdapterFollower(conn, pool, worker_id, engine, feeder)
         self.changed = threading.Event()  # set after every read of the state
         self.listener = ControlListener(conn, pool.control_channel, self._on_wake, poll_s=poll_s)
 

@@ -8,7 +8,10 @@ generated ids, the remaining budget, the same stops). Once every sample has fini
 held over the whole completion:
 
 - per-token provenance: `version_segments` (start, version) runs; `logprobs[t]` is the logprob
-  under the version that generated token t (the behaviour policy);
+  under the version that generated token t (the behaviour policy). A sample on a LoRA adapter
+  keeps the adapter version of each segment too (`adapter_version_segments`): a partial adapter
+  push (`workers.process.adapter_follower`) re-pins the samples in flight to the new version, so
+  each continuation names the version it runs under;
 - `max_new_tokens` / `min_new_tokens` count the whole completion (a continuation gets what
   remains); `n` and seeds keep their meaning (a continuation is sample i of request r,
   `seeds.continuation_seed`);
@@ -41,10 +44,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import numpy as np
 
+from schemas.adapters import split_pinned
 from schemas.request import RolloutRequest, SamplingParams
 from workers.engines.base import INTERRUPTED, ContinuedRequest, Finish, SampleOutput
 from workers.errors import ContractViolation
@@ -66,6 +70,7 @@ class Submission:
 class _Part:
     output: SampleOutput
     version: int
+    adapter_version: int | None = None  # the pinned LoRA adapter version it ran under (None: the base)
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Piece:
     reset: bool = False
     writer: int = 0  # who wrote it (read back from a checkpoint)
     epoch: int = 0  # the sample's restarts when taken (`Progress.mark_saved`; not stored)
+    adapter_version: int | None = None  # the LoRA adapter version that generated it (None: the base)
 
 
 def checkpointable(request: RolloutRequest) -> bool:
@@ -145,15 +151,16 @@ class Progress:
                     raise ContractViolation(f"request {request.id!r}: sample {i} came back twice")
                 parts = self._parts[r][i]
                 version = submission.version if sample.weight_version is None else sample.weight_version
+                adapter_version = pinned_version(request)
                 original = self.requests[r]
                 if not sample.finish.interrupted:
-                    parts.append(_Part(sample, version))
+                    parts.append(_Part(sample, version, adapter_version))
                     self._finish(r, i)
                     continue
                 self._interrupted[r][i] = True
                 if not len(sample.token_ids):  # stopped before its first token: nothing to keep
                     continue
-                parts.append(_Part(sample, version))
+                parts.append(_Part(sample, version, adapter_version))
                 kept = sum(len(p.output.token_ids) for p in parts)
                 if kept >= original.sampling_params.max_new_tokens:  # stopped on its last token: done
                     parts[-1].output = _with_finish(sample, Finish("length"))
@@ -233,6 +240,9 @@ class Progress:
             return parts[0].output
         merged = merge(request, [(p.output, p.version) for p in parts], decode)
         merged.resumed_at = [t for t in self._resumed_at[r][i] if t < len(merged.token_ids)] or None
+        if request.adapter is not None:  # its runs, even one: a continuation may run on a newer version
+            merged.adapter_version_segments = runs(
+                [(len(p.output.token_ids), p.adapter_version) for p in parts], len(merged.token_ids)) or None
         return merged
 
     # -- checkpoints (`workers.jobs.checkpoint`) ---------------------------------------------
@@ -263,7 +273,7 @@ class Progress:
                 tokens[(r, i)] = np.concatenate(parts) if parts else np.empty(0, np.int32)
         return tokens
 
-    def _unsaved_of(self, r: int, i: int, running: tuple[SampleOutput, int] | None) -> list[Piece]:
+    def _unsaved_of(self, r: int, i: int, running: tuple[SampleOutput, int, int | None] | None) -> list[Piece]:
         epoch = self._restarts[r][i]
         saved_epoch, saved, final = self._saved.get((r, i), (0, 0, False))
         reset = saved_epoch != epoch
@@ -271,14 +281,14 @@ class Progress:
             saved, final = 0, False
         if final:
             return []
-        parts = [(p.output, p.version) for p in self._parts[r][i]]
+        parts = [(p.output, p.version, p.adapter_version) for p in self._parts[r][i]]
         finished = self._finished[r][i]
         if not finished and running is not None and len(running[0].token_ids):
             parts.append(running)
             finished = not running[0].finish.interrupted
         pieces: list[Piece] = []
         offset = 0
-        for index, (output, version) in enumerate(parts):
+        for index, (output, version, adapter_version) in enumerate(parts):
             end = offset + len(output.token_ids)
             last = index == len(parts) - 1
             if end > saved or (last and finished):
@@ -288,7 +298,7 @@ class Progress:
                     (r, i), offset + a, version, np.asarray(output.token_ids[a:], dtype=np.int32),
                     None if output.logprobs is None else np.asarray(output.logprobs[a:], dtype=np.float32),
                     None if tops is None else list(tops[a:]), output.finish if last and finished else None,
-                    reset=reset and not pieces and offset + a == 0, epoch=epoch))
+                    reset=reset and not pieces and offset + a == 0, epoch=epoch, adapter_version=adapter_version))
             offset = end
         if reset and not pieces:
             pieces.append(Piece((r, i), 0, 0, np.empty(0, np.int32), reset=True, epoch=epoch))
@@ -328,16 +338,35 @@ class Progress:
         return count
 
 
-def _running(live: tuple[Submission, Sequence[Sequence[SampleOutput]]] | None) -> dict[Slot, tuple[SampleOutput, int]]:
-    """The samples of an engine's snapshot of a running submission, by slot, with their versions."""
-    running: dict[Slot, tuple[SampleOutput, int]] = {}
+def _running(live: tuple[Submission, Sequence[Sequence[SampleOutput]]] | None
+             ) -> dict[Slot, tuple[SampleOutput, int, int | None]]:
+    """The samples of an engine's snapshot of a running submission, by slot, with their weight and
+    adapter versions."""
+    running: dict[Slot, tuple[SampleOutput, int, int | None]] = {}
     if live is not None:
         submission, outputs = live
-        for samples, slots in zip(outputs, submission.slots, strict=True):
+        for request, samples, slots in zip(submission.requests, outputs, submission.slots, strict=True):
             for sample, slot in zip(samples, slots, strict=True):
                 version = submission.version if sample.weight_version is None else sample.weight_version
-                running[slot] = (sample, version)
+                running[slot] = (sample, version, pinned_version(request))
     return running
+
+
+def pinned_version(request: RolloutRequest) -> int | None:
+    """The LoRA adapter version a request is pinned to (`workers.jobs.adapters`); None on the base."""
+    return None if request.adapter is None else split_pinned(request.adapter)[1]
+
+
+def runs(lengths: Sequence[tuple[int, int | None]], total: int) -> list[tuple[int, int]]:
+    """(start, version) runs over the first `total` tokens of consecutive `(tokens, version)` parts:
+    a new run where the version changes; parts without tokens, or without a version, start none."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for count, version in lengths:
+        if count and version is not None and start < total and (not out or out[-1][1] != version):
+            out.append((start, version))
+        start += count
+    return out
 
 
 def _restored_parts(request: RolloutRequest, chain: Sequence[Piece]) -> list[_Part] | None:
@@ -355,14 +384,16 @@ def _restored_parts(request: RolloutRequest, chain: Sequence[Piece]) -> list[_Pa
     parts: list[_Part] = []
     run: list[Piece] = []
     for piece in [*chain, None]:
-        if run and (piece is None or (piece.writer, piece.version) != (run[0].writer, run[0].version)):
+        if run and (piece is None or (piece.writer, piece.version, piece.adapter_version)
+                    != (run[0].writer, run[0].version, run[0].adapter_version)):
             parts.append(_Part(SampleOutput(
                 token_ids=np.concatenate([p.token_ids for p in run]).astype(np.int32),
                 finish=run[-1].finish or Finish("abort", message=INTERRUPTED),
                 logprobs=None if request.logprobs is None else np.concatenate([p.logprobs for p in run]),
                 top_logprobs=[t for p in run for t in (p.top_logprobs or [])] if k else None,
                 weight_version=run[0].version,
-            ), run[0].version))
+            # A piece of format 1 has no adapter version: the job's checkpointed pin, which it then was.
+            ), run[0].version, pinned_version(request) if run[0].adapter_version is None else run[0].adapter_version))
             run = []
         if piece is not None:
             run.append(piece)
@@ -405,18 +436,9 @@ def merge(request: RolloutRequest, parts: Sequence[tuple[SampleOutput, int]], de
         if any(o.top_logprobs is None for o in outputs):
             raise ContractViolation(f"{who}: a segment has no top logprobs")
         tops = [position for o in outputs for position in (o.top_logprobs or [])]
-    segments: list[tuple[int, int]] = []
-    boundaries: list[int] = []
-    start = 0
-    for output, version in parts:
-        if len(output.token_ids):
-            if start:
-                boundaries.append(start)
-            if not segments or segments[-1][1] != version:
-                segments.append((start, version))
-            start += len(output.token_ids)
-    if not segments:
-        segments = [(0, parts[-1][1])]
+    lengths = [(len(output.token_ids), version) for output, version in parts]
+    boundaries = list(accumulate(n for n, _ in lengths if n))[:-1]  # where each later non-empty segment starts
+    segments = runs(lengths, len(tokens)) or [(0, parts[-1][1])]
     last = outputs[-1]
     finish = last.finish
     routed = last.routed_experts

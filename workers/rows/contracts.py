@@ -17,6 +17,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from schemas.adapters import split_pinned
 from schemas.request import RolloutRequest
 from workers.engines.base import Finish, SampleOutput
 from workers.errors import ContractViolation
@@ -117,7 +118,30 @@ def token_version_segments(request: RolloutRequest, sample: SampleOutput, job_ve
                 f"{who}: engine reports weight version {version}, the worker serves {job_version}"
             )
         return [(0, version)]
-    n_tokens = len(sample.token_ids)
+    return checked_runs(who, "weight version", segments, len(sample.token_ids))
+
+
+def token_adapter_segments(request: RolloutRequest, sample: SampleOutput) -> list[tuple[int, int]] | None:
+    """The (start, version) runs of the LoRA adapter versions of the sample's completion tokens, checked;
+    None on the base. A sample without them ran on the version its request was pinned to; one
+    continued across a partial adapter push has them (`workers.rows.continuation`)."""
+    if request.adapter is None:
+        if sample.adapter_version_segments is not None:
+            raise ContractViolation(f"request {request.id!r}: adapter version segments on a request without an "
+                                    "adapter")
+        return None
+    segments = sample.adapter_version_segments
+    if segments is None:
+        version = split_pinned(request.adapter)[1]
+        if version is None:
+            raise ContractViolation(f"request {request.id!r}: adapter {request.adapter!r} was not pinned to a version "
+                                    "before it ran (workers.jobs.adapters)")
+        return [(0, version)]
+    return checked_runs(f"request {request.id!r}", "adapter version", segments, len(sample.token_ids))
+
+
+def checked_runs(who: str, what: str, segments: list[tuple[int, int]], n_tokens: int) -> list[tuple[int, int]]:
+    """`segments` if they are runs over `n_tokens` starting at 0, ascending, versions changing."""
     starts = [start for start, _ in segments]
     versions = [version for _, version in segments]
     if (
@@ -126,7 +150,7 @@ def token_version_segments(request: RolloutRequest, sample: SampleOutput, job_ve
         or any(a == b for a, b in pairwise(versions))
     ):
         raise ContractViolation(
-            f"{who}: weight version segments {segments} do not cover {n_tokens} completion tokens as "
+            f"{who}: {what} segments {segments} do not cover {n_tokens} completion tokens as "
             "runs starting at 0 with ascending starts and changing versions"
         )
     return list(segments)

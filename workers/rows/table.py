@@ -18,7 +18,13 @@ from schemas.request import RolloutRequest
 from schemas.shard import shard_schema
 from workers.engines.base import SampleOutput
 from workers.errors import ContractViolation
-from workers.rows.contracts import check_sample, resolve_finish, token_version_segments, trim_stop_text
+from workers.rows.contracts import (
+    check_sample,
+    resolve_finish,
+    token_adapter_segments,
+    token_version_segments,
+    trim_stop_text,
+)
 
 
 @dataclass(frozen=True)
@@ -99,10 +105,11 @@ def build_table(
             raise ContractViolation(f"request {request.id!r}: {len(samples)} samples for n={params.n}")
         metadata = json.dumps(request.metadata, separators=(",", ":"), ensure_ascii=False)
         prompt = np.asarray(request.input_ids, dtype=np.int32)
-        adapter, adapter_version = split_pinned(request.adapter) if request.adapter else (None, None)
+        adapter = split_pinned(request.adapter)[0] if request.adapter else None
         for index, sample in enumerate(samples):
             check_sample(request, sample)
             segments = token_version_segments(request, sample, ctx.weight_version)
+            adapter_segments = token_adapter_segments(request, sample)
             stop = resolve_finish(request, sample.finish)
             routed = sample.routed_experts if request.return_routed_experts else None
             tokens = np.asarray(sample.token_ids, dtype=np.int32)
@@ -128,7 +135,10 @@ def build_table(
                 len(request.input_ids), len(tokens), sample.cached_tokens, metadata, request.prompt_text,
                 min(v for _, v in segments),
                 None if len(segments) == 1 else [{"start": a, "version": v} for a, v in segments],
-                sample.resumed_at or None, adapter, adapter_version,
+                sample.resumed_at or None, adapter,
+                None if adapter_segments is None else min(v for _, v in adapter_segments),
+                None if adapter_segments is None or len(adapter_segments) == 1
+                else [{"start": a, "version": v} for a, v in adapter_segments],
                 None if turn is None else turn.session_id, None if turn is None else turn.turn,
                 None if turn is None else turn.prefix_break,
                 None if turn is None else turn.parent_turn, None if turn is None else turn.parent_sample,
@@ -174,7 +184,7 @@ _PER_ROW = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
     "prompt_tokens", "completion_tokens", "cached_tokens", "metadata", "prompt_text",
-    "weight_version", "weight_version_segments", "resumed_at", "adapter", "adapter_version",
+    "weight_version", "weight_version_segments", "resumed_at", "adapter", "adapter_version", "adapter_version_segments",
     "session_id", "turn", "prefix_break", "parent_turn", "parent_sample",
 )
 

@@ -402,17 +402,22 @@ class AdapterAcks:
 
 
 def announce_adapter(conn: redis.Redis, name: str, version: int, *, timeout: float | None = DEFAULT_PUSH_TIMEOUT_S,
-                     pool: str | None = None) -> AdapterAcks:
+                     pool: str | None = None, mode: SwapMode = "drain") -> AdapterAcks:
     """Tell the pool's workers that adapter `name` has version `version` (already published in the
     adapter registry) and wait for every live worker serving adapters to acknowledge it, or a newer
     version (a racing push's): each reads it from the store and checks it, and runs it for every job
-    it admits from then on. Never raises for the workers' answers: the caller decides."""
+    it admits from then on; with `mode="partial"` it also stops the samples in flight on an older
+    version of `name` and continues them on this one before it answers. Never raises for the
+    workers' answers: the caller decides."""
     where = keys.pool(pool)
 
     def update(state: DesiredState) -> DesiredState:
         if state.adapters.get(name, 0) >= version:
             raise _AlreadyApplied(state)  # a newer push of the name went first, or our own EXEC's reply was lost
-        return state.model_copy(update={"adapters": {**state.adapters, name: version}})
+        modes = {k: v for k, v in state.adapter_swap_modes.items() if k != name}
+        if mode != "drain":
+            modes[name] = mode
+        return state.model_copy(update={"adapters": {**state.adapters, name: version}, "adapter_swap_modes": modes})
 
     started = time.monotonic()
     state = _change_unless_applied(conn, where, update)
@@ -435,6 +440,7 @@ def withdraw_adapter(conn: redis.Redis, name: str, version: int, previous: int |
         adapters = {k: v for k, v in state.adapters.items() if k != name}
         if previous is not None:
             adapters[name] = previous
-        return state.model_copy(update={"adapters": adapters})
+        modes = {k: v for k, v in state.adapter_swap_modes.items() if k != name}
+        return state.model_copy(update={"adapters": adapters, "adapter_swap_modes": modes})
 
     _change(conn, pool, restore)

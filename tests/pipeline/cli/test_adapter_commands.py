@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -34,5 +35,15 @@ def test_weights_push_adapter_and_status(pipeline_env: dict[str, str], tiny_mode
     assert ": current; pruned v2" in kept[1].stdout
     base_keep = _cli(pipeline_env, "weights", "push", str(tiny_model_dir), "--version", "1", "--keep-versions", "2")
     assert base_keep.returncode == 2 and "--keep-versions is an option of --adapter pushes" in base_keep.stderr
-    partial = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--mode", "partial")
-    assert partial.returncode == 2 and "an adapter push does not stop samples in flight" in partial.stderr
+    # A partial adapter push (no worker here: nothing to continue) names its mode in the pool's state.
+    partial = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--base", str(tiny_model_dir),
+                   "--mode", "partial")
+    assert partial.returncode == 0 and "adapter sql v4 from" in partial.stdout, partial.stderr
+    status = json.loads(_cli(pipeline_env, "weights", "status", "--json").stdout)
+    assert [(a["name"], a["version"], a["swap_mode"]) for a in status["adapters"]] == [("sql", 4, "partial")]
+    assert "sql  v4  rank 4 on q_proj, v_proj  " in _cli(pipeline_env, "weights", "status").stdout
+    assert "MB, partial  acknowledged by 0 worker(s)" in _cli(pipeline_env, "weights", "status").stdout
+    drained = _cli(pipeline_env, "weights", "push", "--adapter", "sql", str(adapter), "--base", str(tiny_model_dir))
+    assert drained.returncode == 0, drained.stderr
+    status = json.loads(_cli(pipeline_env, "weights", "status", "--json").stdout)
+    assert [(a["name"], a["version"], a["swap_mode"]) for a in status["adapters"]] == [("sql", 5, "drain")]

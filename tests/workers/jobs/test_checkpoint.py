@@ -4,6 +4,8 @@ tests/workers/jobs/test_checkpoint_workers.py)."""
 
 from __future__ import annotations
 
+import struct
+
 import fakeredis
 import numpy as np
 import pytest
@@ -37,8 +39,20 @@ def test_a_piece_round_trips_through_its_bytes() -> None:
     assert back.token_ids.tolist() == [5, 6, 7] and back.logprobs is not None
     assert back.logprobs.tolist() == [-0.25, -1.5, -3.0]
     assert back.top_logprobs == piece.top_logprobs and back.finish == Finish("stop", matched=7)
-    # 34-byte header, 8 bytes a token, 8 per top logprob, the finish's JSON.
-    assert len(encode(piece, 99)) == 34 + 3 * 8 + 3 * 2 * 8 + len(b'["stop", 7]')
+    assert back.adapter_version is None  # on the base
+    # 38-byte header, 8 bytes a token, 8 per top logprob, the finish's JSON.
+    assert len(encode(piece, 99)) == 38 + 3 * 8 + 3 * 2 * 8 + len(b'["stop", 7]')
+
+
+def test_a_piece_keeps_its_adapter_version_and_format_1_pieces_still_read() -> None:
+    """A piece generated on a LoRA adapter keeps that adapter's version (a partial adapter push
+    changes it mid-sample); a piece written before the field existed (format 1) reads as the base's."""
+    on_adapter = Piece((0, 1), 3, 2, np.asarray([4, 5], np.int32), adapter_version=6)
+    back, _ = decode(encode(on_adapter, 1), "here")
+    assert (back.start, back.version, back.adapter_version) == (3, 2, 6)
+    old = struct.pack("<BBHIIIIqIH", 1, 0, 0, 0, 1, 7, 3, 2, 2, 0) + np.asarray([4, 5], "<i4").tobytes()
+    back, writer = decode(old, "here")
+    assert writer == 7 and back.token_ids.tolist() == [4, 5] and back.adapter_version is None
 
 
 def test_garbage_in_a_checkpoint_is_an_error_naming_the_job_and_element() -> None:

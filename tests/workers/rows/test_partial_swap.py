@@ -14,18 +14,23 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import redis
 
 import pipeline
+from pipeline.core import adapters
 from pipeline.core.broker import control_channel
 from schemas.request import RolloutRequest
+from tests.helpers.adapters import build_adapter
 from tests.helpers.models import token_id
 from tests.helpers.processes import wait_until
+from workers.engines.adapters.cache import read_version
 from workers.engines.base import Engine
 from workers.engines.hf.engine import HFEngine
-from workers.engines.sim.engine import SimConfig, SimEngine, simulate_sample
+from workers.engines.sim.engine import SimConfig, SimEngine, adapter_seed, simulate_sample
 from workers.process.worker import RolloutWorker
 
 CONFIG = SimConfig(step_s=0.002, median_tokens=10_000, p99_tokens=10_001, capacity=16)
@@ -54,8 +59,10 @@ def lines(prefix: str, tokens: Sequence[int], n: int = 1) -> list[dict]:
 
 
 def run_with_push(conn: redis.Redis, engine: Engine, mode: str, ready: Callable[[], bool] | None = None,
-                  path: str = "/ckpt/v1", **worker_options: object) -> list[dict]:
-    """Run a worker; once `ready()` (default: the sim engine decoded 40 steps), push `path` as v1 in `mode`."""
+                  path: str = "/ckpt/v1", push_now: Callable[[], Sequence[Any]] | None = None,
+                  **worker_options: object) -> list[dict]:
+    """Run a worker; once `ready()` (default: the sim engine decoded 40 steps), push `path` as v1 in `mode`
+    (or call `push_now`, which pushes and returns the acknowledgements)."""
     acks: list = []
     errors: list[BaseException] = []
     if ready is None:
@@ -66,7 +73,8 @@ def run_with_push(conn: redis.Redis, engine: Engine, mode: str, ready: Callable[
     def push() -> None:
         try:
             wait_until(ready, timeout=60, what="decoding")
-            acks.extend(control_channel.push_weights(conn, path, 1, timeout=60, mode=mode).acks)  # type: ignore[arg-type]
+            acks.extend(push_now() if push_now is not None else
+                        control_channel.push_weights(conn, path, 1, timeout=60, mode=mode).acks)  # type: ignore[arg-type]
         except BaseException as exc:
             errors.append(exc)
 
@@ -124,6 +132,57 @@ def test_partial_swap_continues_samples_on_the_new_weights(redis_client: redis.R
                 assert segments is not None and [s["version"] for s in segments] == [0, 1]
                 assert segments[0]["start"] == 0 and 0 < segments[1]["start"] < row["completion_tokens"]
     assert sorted(c.weight_version for c in batch.commits()) == [0, 0]  # the oldest version in each shard
+
+
+def adapter_lines(tokens: Sequence[int], adapter: str | None) -> list[dict]:
+    return [{"id": f"{adapter or 'base'}{i}", "input_ids": [1, 2], "adapter": adapter,
+             "sampling_params": {"max_new_tokens": t, "seed": i}} for i, t in enumerate(tokens)]
+
+
+def test_partial_adapter_push_continues_its_samples_on_the_new_version(
+        redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial push of adapter v2 while a job runs v1: its samples in flight stop and continue on v2
+    (each token from the version the sim draws for it), a sample that had finished stays all v1,
+    and a base sample in the same job is continued on the base, unchanged."""
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    client = pipeline.Client(redis_client)
+    client.push_adapter("sql", build_adapter(tiny_model_dir, tmp_path / "v1", seed=1), base=tiny_model_dir)
+    v2 = build_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
+    # Long enough (3 s on the sim) for the push to land while they run on a loaded machine.
+    requests = adapter_lines([1500, 1500, 5], "sql") + adapter_lines([1500], None)
+    batch = client.submit(requests, run="adapter-partial", output=f"file://{tmp_path}/out", batch_size=8)
+    engine = SimEngine(CONFIG)
+    acks = run_with_push(redis_client, engine, "partial", push_now=lambda: client.push_adapter(
+        "sql", v2, base=tiny_model_dir, mode="partial").acks)
+    assert [(a["adapter"], a["version"], a["mode"]) for a in acks] == [("sql", 2, "partial")]
+    assert acks[0]["detail"] == "3 sample(s) stopped, 1 job(s) continued on v2"  # the 5-token one had finished
+    assert batch.wait(timeout=10).counts["finished"] == 1
+    rows = {r["request_id"]: r for r in batch.read().to_pylist()}
+    record = client.adapters()["sql"]
+    seeds = {v: adapter_seed(read_version(adapters.stored_record(record.url, "sql", v))) for v in (1, 2)}
+    for request in requests:
+        parsed = RolloutRequest.model_validate(request)
+        row = rows[parsed.id]
+        assert row["weight_version_segments"] is None and row["weight_version"] == 0  # the weights did not change
+        if parsed.adapter is None:
+            assert (row["adapter"], row["adapter_version"], row["adapter_version_segments"]) == (None, None, None)
+            assert row["completion_token_ids"] == simulate_sample(CONFIG, parsed, 0, 0).token_ids.tolist()
+            continue
+        assert (row["adapter"], row["adapter_version"]) == ("sql", 1)  # the oldest of its tokens
+        on = {v: simulate_sample(CONFIG, parsed, 0, 0, seeds[v]) for v in (1, 2)}
+        if parsed.sampling_params.max_new_tokens == 5:  # finished before the push: all v1, no segments
+            assert row["adapter_version_segments"] is None
+            assert row["completion_token_ids"] == on[1].token_ids.tolist()
+            continue
+        segments = row["adapter_version_segments"]
+        assert [s["version"] for s in segments] == [1, 2] and segments[0]["start"] == 0
+        k = segments[1]["start"]
+        assert 0 < k < 1500 and len(row["completion_token_ids"]) == 1500
+        # Tokens before the push are v1's draws, after it v2's: each token from the version it names.
+        expected = on[1].token_ids[:k].tolist() + on[2].token_ids[k:].tolist()
+        assert row["completion_token_ids"] == expected
+        assert row["completion_logprobs"] == on[1].logprobs[:k].tolist() + on[2].logprobs[k:].tolist()  # type: ignore[index]
+        assert on[1].token_ids[k:].tolist() != on[2].token_ids[k:].tolist()  # the versions do differ there
 
 
 def test_a_worker_that_cannot_interrupt_drains_and_says_so(redis_client: redis.Redis, tmp_path: Path) -> None:
