@@ -49,7 +49,8 @@ COLUMNS = ["rollout_id", "job_id", "worker_id", "engine", "weight_version", "com
            "finish_reason", "stop_reason_text", "stop_reason_token", "completion_logprobs", "submitted_at",
            "started_at", "finished_at"]
 # Columns a shard may lack (written before they existed): read as nulls.
-OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break", "adapter", "adapter_version"]
+OPTIONAL = ["weight_version_segments", "sample_index", "session_id", "prefix_break", "adapter", "adapter_version",
+            "adapter_version_segments"]
 LOGPROB_BINS = np.linspace(-20.0, 0.0, 81)
 READ_BATCH_ROWS = 4096
 
@@ -70,6 +71,7 @@ class RunFigures:
     # (LoRA adapter, its version; None, None: the base weights) -> rows, tokens, rewards
     policies: Counter = field(default_factory=Counter)
     policy_tokens: Counter = field(default_factory=Counter)
+    policy_continued: Counter = field(default_factory=Counter)  # rows continued on a newer adapter version
     policy_rewards: dict[tuple[str | None, int | None], list[float]] = field(default_factory=lambda: defaultdict(list))
     worker_tokens: Counter = field(default_factory=Counter)
     # job -> (its rows' first start, last finish, completion tokens)
@@ -94,7 +96,14 @@ class RunFigures:
             self.finishes[(version, row["finish_reason"], "" if stop is None else repr(stop))] += 1
             policy = (row["adapter"], row["adapter_version"])
             self.policies[policy] += 1
-            self.policy_tokens[policy] += n
+            adapter_segments = row["adapter_version_segments"]
+            if adapter_segments:  # continued across a partial adapter push: tokens to each version
+                self.policy_continued[policy] += 1
+                ends = [int(s["start"]) for s in adapter_segments[1:]] + [n]
+                for s, end in zip(adapter_segments, ends, strict=True):
+                    self.policy_tokens[(row["adapter"], int(s["version"]))] += end - int(s["start"])
+            else:
+                self.policy_tokens[policy] += n
             if row["reward"] is not None:
                 self.policy_rewards[policy].append(float(row["reward"]))
             key = (row["worker_id"], row["engine"])
@@ -214,14 +223,16 @@ def _adapters_section(f: RunFigures) -> str | None:
     """Rows, tokens and mean reward per LoRA adapter version and the base; None when no row ran on one."""
     if all(name is None for name, _ in f.policies):
         return None
-    keys = sorted(f.policies, key=lambda k: (k[0] is not None, k[0] or "", k[1] or 0))
+    keys = sorted(set(f.policies) | set(f.policy_tokens), key=lambda k: (k[0] is not None, k[0] or "", k[1] or 0))
     rows = [["base" if name is None else name, "—" if version is None else f"v{version}", f.policies[(name, version)],
-             f.policy_tokens[(name, version)],
+             f.policy_continued[(name, version)], f.policy_tokens[(name, version)],
              f"{np.mean(f.policy_rewards[(name, version)]):.4g}" if f.policy_rewards[(name, version)] else "—"]
             for name, version in keys]
-    table = html_table(["adapter", "version", "rows", "tokens", "mean reward"], rows)
+    table = html_table(["adapter", "version", "rows", "continued", "tokens", "mean reward"], rows)
     return html_section("LoRA adapters", None, table,
-                        note="each row's adapter and adapter version (docs/adapters.md); base: no adapter")
+                        note="each row's adapter and adapter version, the oldest of its tokens (docs/adapters.md); "
+                             "continued: rows a partial adapter push moved on to a newer version mid-sample; "
+                             "tokens: those each version generated; base: no adapter")
 
 
 def _generating_s(intervals: np.ndarray) -> float:

@@ -212,19 +212,24 @@ def test_throughput_of_rows_too_short_to_time_says_so_instead_of_a_rate(tmp_path
 
 def test_report_shows_rows_tokens_per_adapter_version_and_the_base(tmp_path: Path) -> None:
     now = datetime.now(UTC)
-    for job_id, adapters in (("base", [None]), ("lora", ["sql@v1", "sql@v2", "math@v1", "sql@v2"])):
+    for job_id, adapters in (("base", [None]), ("lora", ["sql@v1", "sql@v2", "math@v1", "sql@v2", "sql@v1"])):
         base = RolloutRequest.model_validate({"id": "r", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8}})
         requests = [base.model_copy(update={"id": f"{job_id}-{i}", "adapter": adapter})  # pinned, as a worker runs it
                     for i, adapter in enumerate(adapters)]
         outputs = [[SampleOutput(token_ids=np.arange(1, 2 + i, dtype=np.int32), finish=Finish("length"),
                                  logprobs=np.full(1 + i, -1.0, np.float32))]
                    for i in range(len(adapters))]
+        if job_id == "lora":  # the last row was continued on v2 by a partial push after 2 of its 5 tokens
+            outputs[-1][0].adapter_version_segments = [(0, 1), (2, 2)]
         ctx = RowContext(run="lora", job_id=job_id, engine="sim", model="m", worker_id="w", weight_version=0,
                          submitted_at=now, started_at=now, finished_at=now)
         write_shard(build_table(requests, outputs, ctx), f"file://{tmp_path}", "lora", job_id)
     (table,) = [t for t in Page(pipeline.report(str(tmp_path / "lora"))).tables if t[0][0] == "adapter"]
-    assert table[1:] == [["base", "—", "1", "1", "—"], ["math", "v1", "1", "3", "—"], ["sql", "v1", "1", "1", "—"],
-                         ["sql", "v2", "2", "6", "—"]]  # tokens: 1, then 1, 2, 3, 4 a row
+    # Tokens: 1, then 1, 2, 3, 4, 5 a row; the last row counts under v1 (its oldest), its tokens under each.
+    assert table[0] == ["adapter", "version", "rows", "continued", "tokens", "mean reward"]
+    assert table[1:] == [["base", "—", "1", "0", "1", "—"], ["math", "v1", "1", "0", "3", "—"],
+                         ["sql", "v1", "2", "1", "3", "—"],
+                         ["sql", "v2", "2", "0", "9", "—"]]
     timed_shard(tmp_path, "j1", 4, 0.0, 1.0)  # a run on the base alone has no such section
     assert "LoRA adapters" not in pipeline.report(str(tmp_path / "timed"))
 

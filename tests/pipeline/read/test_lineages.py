@@ -137,13 +137,15 @@ def test_rollout_batches_give_a_padded_row_per_lineage() -> None:
         assert batch["loss_mask"][row].tolist() == item["loss_mask"] + [0] * (batch["loss_mask"].shape[1] - n)
 
 
-def on_adapter(row: dict[str, Any], adapter: str | None, version: int | None) -> dict[str, Any]:
-    return {**row, "adapter": adapter, "adapter_version": version}
+def on_adapter(row: dict[str, Any], adapter: str | None, version: int | None,
+               segments: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    return {**row, "adapter": adapter, "adapter_version": version,
+            "adapter_version_segments": None if segments is None else [{"start": a, "version": v} for a, v in segments]}
 
 
 def adapter_table(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=pa.schema([SHARD_SCHEMA.field(name)
-                                                        for name in [*COLUMNS, "adapter", "adapter_version"]]))
+    names = [*COLUMNS, "adapter", "adapter_version", "adapter_version_segments"]
+    return pa.Table.from_pylist(rows, schema=pa.schema([SHARD_SCHEMA.field(name) for name in names]))
 
 
 def test_a_lineage_says_its_adapter_and_the_version_that_sampled_each_token() -> None:
@@ -157,6 +159,14 @@ def test_a_lineage_says_its_adapter_and_the_version_that_sampled_each_token() ->
     assert sql["token_adapter_version"] == [-1, -1, 1, 1, -1, 2]
     assert (base["adapter"], base["token_adapter_version"]) == (None, [-1, -1, -1])
     assert read(linear_conversation())[0]["adapter"] is None  # rows written before adapters: the base
+
+
+def test_a_call_continued_across_a_partial_adapter_push_gives_each_token_its_version() -> None:
+    """The second call's sample was stopped by a partial push of v3 after two tokens and continued on it."""
+    rows = [on_adapter(call(0, [1, 2], [3, 4]), "sql", 2),
+            on_adapter(call(1, [1, 2, 3, 4, 5], [6, 7, 8, 9], parent=(0, 0)), "sql", 2, [(0, 2), (2, 3)])]
+    (sql,) = pipeline.read_trajectories(adapter_table(rows), rewards={}).to_pylist()
+    assert sql["token_adapter_version"] == [-1, -1, 2, 2, -1, 2, 2, 3, 3]
 
 
 def test_a_call_on_another_adapter_starts_a_lineage_of_that_policy() -> None:

@@ -198,3 +198,34 @@ def test_staleness_bound_at_commit_restarts_finished_samples_that_fell_behind() 
     assert progress.stale(2) == 0
     (first, second), = progress.outputs(decode)
     assert first.version_segments == [(0, 2)] and second.version_segments == [(0, 2)]
+
+
+def test_a_sample_repinned_to_a_new_adapter_version_keeps_each_tokens_adapter_version() -> None:
+    """A partial adapter push re-pins the job (`Feeder.repin_adapter`): the continuation names the new
+    version, the merged sample has adapter segments, a sample stopped before its first token is all
+    the new version's, and the checkpoint's pieces carry the versions back through a restore."""
+    from workers.jobs.adapters import repin
+    from workers.jobs.checkpoint import chains, encode
+
+    original = RolloutRequest(id="r", input_ids=[1, 2, 3], adapter="sql", sampling_params={"max_new_tokens": 8, "n": 2})
+    original = repin([original], {"sql": 1})[0]  # as the worker pins it at admission
+    progress = Progress([original])
+    progress.record(progress.first(0), [[out("abc", STOPPED, 0), out("", STOPPED, 0)]])
+    progress.requests = repin(progress.requests, {"sql": 2})
+    resumed = progress.resume(0)
+    assert [r.adapter for r in resumed.requests] == ["sql@v2", "sql@v2"]
+    pieces = progress.unsaved()
+    assert [(p.slot, p.adapter_version) for p in pieces] == [((0, 0), 1)]
+    progress.mark_saved(pieces)
+    progress.record(resumed, [[out("defgh", Finish("length"), 0)], [out("abcdefgh", Finish("length"), 0)]])
+    first, second = progress.outputs(decode)[0]
+    assert first.adapter_version_segments == [(0, 1), (3, 2)] and first.version_segments == [(0, 0)]
+    assert second.adapter_version_segments == [(0, 2)]  # stopped before its first token: all v2's
+    # The worker dies after saving; the next one restores the pieces with their adapter versions.
+    pieces += progress.unsaved()
+    restored = Progress(repin([original], {"sql": 2}))
+    assert restored.restore(chains([encode(p, 7) for p in pieces], "j")) == 2
+    again_first, again_second = restored.outputs(decode)[0]
+    assert again_first.adapter_version_segments == [(0, 1), (3, 2)]
+    assert again_first.token_ids.tolist() == ids("abcdefgh").tolist()
+    assert again_second.adapter_version_segments == [(0, 2)]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import redis
 
@@ -24,7 +25,7 @@ import pipeline
 from pipeline.core import adapters
 from pipeline.core.broker import control_channel
 from schemas.request import RolloutRequest
-from tests.helpers.adapters import build_adapter
+from tests.helpers.adapters import build_adapter, greedy_reference
 from tests.helpers.models import token_id
 from tests.helpers.processes import wait_until
 from workers.engines.adapters.cache import read_version
@@ -292,6 +293,57 @@ def test_hf_partial_swap_logprobs_are_each_tokens_version(
         assert not np.allclose(stored[boundary:], other[boundary:], atol=1e-3)
     sampled = [r for r in rows if r["request_id"] == "sampled"]
     assert sampled[0]["completion_token_ids"] != sampled[1]["completion_token_ids"]  # n=2 keep distinct seeds
+
+
+def test_hf_partial_adapter_push_each_token_checked_under_its_adapter_version(
+    redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hf engine (peft) across a partial push of adapter v2: a greedy row's tokens are v1's greedy
+    tokens up to the boundary and v2's greedy continuation after it, each recomputed by peft alone;
+    `pipeline verify` checks every token under base + its own adapter version, and flags the same
+    rows once their adapter segments are dropped (so it cannot pass by checking all under v1)."""
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    client = pipeline.Client(redis_client)
+    dirs = {v: build_adapter(tiny_model_dir, tmp_path / f"sql{v}", seed=v) for v in (1, 2)}
+    client.push_adapter("sql", dirs[1], base=tiny_model_dir)
+    tokens = 40
+    requests = [
+        {"id": "greedy", "input_ids": [9, 8], "adapter": "sql",
+         "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}},
+        {"id": "sampled", "input_ids": [5, 6, 7], "adapter": "sql",
+         "sampling_params": {"max_new_tokens": tokens, "temperature": 0.8, "seed": 3, "ignore_eos": True}},
+        {"id": "base", "input_ids": [1, 2, 3, 4],
+         "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}},
+    ]
+    batch = client.submit(requests, run="hf-adapter-partial", output=f"file://{tmp_path}/out", batch_size=8)
+    engine = CountingHF(tiny_model_dir)
+    acks = run_with_push(redis_client, engine, "partial", ready=lambda: engine.forwards >= 20, push_now=lambda:
+                         client.push_adapter("sql", dirs[2], base=tiny_model_dir, mode="partial").acks)
+    assert [(a["version"], a["mode"]) for a in acks] == [(2, "partial")]
+    assert batch.wait(timeout=30).counts["finished"] == 1
+    rows = {r["request_id"]: r for r in batch.read().to_pylist()}
+    for rid in ("greedy", "sampled"):
+        segments = rows[rid]["adapter_version_segments"]
+        assert [s["version"] for s in segments] == [1, 2] and rows[rid]["adapter_version"] == 1
+        assert 0 < segments[1]["start"] < tokens
+    greedy = rows["greedy"]
+    k = greedy["adapter_version_segments"][1]["start"]
+    prompt, completion = greedy["prompt_token_ids"], greedy["completion_token_ids"]
+    assert completion[:k] == greedy_reference(tiny_model_dir, dirs[1], prompt, k)
+    assert completion[k:] == greedy_reference(tiny_model_dir, dirs[2], prompt + completion[:k], tokens - k)
+    assert rows["base"]["adapter_version_segments"] is None and rows["base"]["adapter"] is None
+    assert rows["base"]["completion_token_ids"] == greedy_reference(tiny_model_dir, None, [1, 2, 3, 4], tokens)
+
+    report = pipeline.verify("hf-adapter-partial", str(tiny_model_dir), conn=redis_client)
+    assert report.tokens == 3 * tokens and report.max_abs_diff < 1e-3
+    table = batch.read()
+    dropped = table.set_column(table.schema.get_field_index("adapter_version_segments"), "adapter_version_segments",
+                               pa.nulls(table.num_rows, table.schema.field("adapter_version_segments").type))
+    (tmp_path / "dropped").mkdir()
+    pq.write_table(dropped, tmp_path / "dropped" / "rows.parquet")
+    assert pipeline.verify(str(tmp_path / "dropped"), str(tiny_model_dir)).max_abs_diff > 0.05
 
 
 def test_hf_partial_swap_routed_experts_are_the_last_segments_for_every_position(

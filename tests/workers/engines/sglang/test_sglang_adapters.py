@@ -136,3 +136,30 @@ def test_a_server_without_lora_refuses_the_load_and_the_job_fails_with_why_never
     [reason] = failed.value.failures.values()
     assert "adapter sql@v1 does not load on this worker" in reason and "--enable-lora" in reason
     assert lora_server.stats()["http_generate"] == 0 and not list((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_a_partial_adapter_push_aborts_the_call_and_continues_it_under_the_new_version(
+        client: pipeline.Client, lora_server: Standin, redis_client: redis.Redis, tiny_model_dir: Path,
+        tmp_path: Path) -> None:
+    """A partial push of sql v2 while the worker's call on sql v1 waits on the server: the worker aborts it
+    (`/abort_request`), loads v2 on the server and sends the continuation with v2's `lora_path`; the row,
+    stopped before its first token, is all v2's (`adapter_version` 2, no segments), never the base's."""
+    from tests.workers.rows.test_partial_swap import run_with_push
+    from workers.engines.sglang.http_engine import SGLangHTTPEngine
+
+    lora_server.faults(delays={"slow-": 120})  # the first call waits (abortable); the continuation does not
+    batch = client.submit([{**_request(0, "sql"), "id": "slow"}], run="partial", output=f"file://{tmp_path}/out")
+    v2 = build_adapter(tiny_model_dir, tmp_path / "sql2", seed=5)
+    engine = SGLangHTTPEngine([lora_server.url], adapter_dir=tmp_path / "adapters")
+    acks = run_with_push(redis_client, engine, "partial", ready=lambda: lora_server.stats()["generate"] >= 1,
+                         push_now=lambda: client.push_adapter("sql", v2, base=tiny_model_dir, mode="partial").acks)
+    assert [(a["version"], a["mode"], a["detail"]) for a in acks] == [
+        (2, "partial", "1 sample(s) stopped, 1 job(s) continued on v2")]
+    assert batch.wait(timeout=30).counts["finished"] == 1
+    stats = lora_server.stats()
+    assert stats["abort_requests"] == [{"rid": stats["rids"][0]}]
+    assert [r.split("-")[0] for r in stats["rids"]] == ["slow", "slow+0"]
+    assert [b["lora_name"] for b in _loads(lora_server)] == ["sql@v1", "sql@v2"]
+    (row,) = batch.read().to_pylist()
+    assert (row["adapter"], row["adapter_version"], row["adapter_version_segments"]) == ("sql", 2, None)
+    assert row["completion_token_ids"] != _base_tokens(lora_server)

@@ -152,3 +152,39 @@ def test_an_adapter_the_server_lost_is_handed_back_and_served_loaded_again_never
     [row] = lost.read().to_pylist()
     assert (row["adapter"], row["adapter_version"]) == ("math", 1)
     assert row["completion_token_ids"] == want
+
+
+def test_a_partial_adapter_push_continues_the_sample_on_the_new_version_each_token_verified(
+        client: tuple[pipeline.Client, dict[str, Path]], redis_client: redis.Redis, lora_vllm: VLLMServer,
+        lora_base: Path, demo_prompts: list[list[int]], tmp_path: Path) -> None:
+    """A partial push of sql v2 while vLLM generates on sql v1: the worker aborts the request, the
+    continuation names v2 (loaded on the server at runtime) and the row keeps each token's adapter
+    version; peft's greedy steps agree on both sides of the boundary, and `pipeline verify` checks
+    every token under base + its own version."""
+    from tests.workers.engines.vllm.test_vllm_http_server import LONG, generated_tokens
+    from tests.workers.rows.test_partial_swap import run_with_push
+    from workers.engines.vllm.http_engine import VLLMHTTPEngine
+
+    pipe, dirs = client
+    v2 = build_adapter(lora_base, tmp_path / "sql2", seed=3)
+    prompt = demo_prompts[0]
+    batch = pipe.submit([{**_request(0, prompt, "sql"), "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": LONG, "ignore_eos": True}}], run="partial", output=f"file://{tmp_path}/p")
+    before = generated_tokens(lora_vllm)
+    engine = VLLMHTTPEngine([lora_vllm.url], adapter_dir=tmp_path / "adapters")
+    acks = run_with_push(redis_client, engine, "partial", ready=lambda: generated_tokens(lora_vllm) >= before + 20,
+                         push_now=lambda: pipe.push_adapter("sql", v2, base=lora_base, mode="partial").acks)
+    assert [(a["version"], a["mode"], a["detail"]) for a in acks] == [
+        (2, "partial", "1 sample(s) stopped, 1 job(s) continued on v2")]
+    batch.wait(timeout=600)
+    (row,) = batch.read().to_pylist()
+    segments = row["adapter_version_segments"]
+    assert segments, "every token on one version: the push came after the sample ended"
+    assert [s["version"] for s in segments] == [1, 2] and row["adapter_version"] == 1
+    k, completion = segments[1]["start"], row["completion_token_ids"]
+    assert k >= 6 and len(completion) == LONG
+    assert completion[k - 6:k] == greedy_reference(lora_base, dirs["sql"], prompt + completion[:k - 6], 6)
+    assert completion[k:k + 6] == greedy_reference(lora_base, v2, prompt + completion[:k], 6)
+    assert "sql@v2" in _loaded(lora_vllm)
+    report = pipeline.verify("partial", str(lora_base), conn=redis_client)
+    assert report.tokens == LONG and report.max_abs_diff < LOGPROB_TOLERANCE
