@@ -186,6 +186,22 @@ def test_partial_adapter_push_continues_its_samples_on_the_new_version(
         assert on[1].token_ids[k:].tolist() != on[2].token_ids[k:].tolist()  # the versions do differ there
 
 
+def test_a_partial_adapter_push_to_a_worker_that_cannot_interrupt_lets_the_job_finish_and_says_so(
+        redis_client: redis.Redis, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    client = pipeline.Client(redis_client)
+    client.push_adapter("sql", build_adapter(tiny_model_dir, tmp_path / "v1", seed=1), base=tiny_model_dir)
+    v2 = build_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
+    batch = client.submit(adapter_lines([1500], "sql"), run="no-interrupt", output=f"file://{tmp_path}/out")
+    acks = run_with_push(redis_client, SimEngine(CONFIG), "partial", feed=False, push_now=lambda: client.push_adapter(
+        "sql", v2, base=tiny_model_dir, mode="partial").acks)  # one batch at a time: no interrupt
+    assert [(a["mode"], a["detail"]) for a in acks] == [
+        ("drain", "the sim engine cannot stop samples in flight: 1 job(s) finish on the version they pinned")]
+    assert batch.wait(timeout=10).counts["finished"] == 1
+    (row,) = batch.read().to_pylist()
+    assert (row["adapter_version"], row["adapter_version_segments"]) == (1, None)
+
+
 def test_a_worker_that_cannot_interrupt_drains_and_says_so(redis_client: redis.Redis, tmp_path: Path) -> None:
     client = pipeline.Client(redis_client)
     batch = client.submit(lines("a", [150, 150]), run="nofeed", output=f"file://{tmp_path}", batch_size=2)
