@@ -183,8 +183,8 @@ def _rows(conn: redis.Redis, run: str) -> list[dict[str, Any]]:
 
 
 def _moves(conn: redis.Redis) -> Counter[str]:
-    """The pool's moves of session homes so far, by reason (`keys.PoolKeys.lane_stats`)."""
-    stats = conn.hgetall(keys.pool(None).lane_stats)
+    """The pool's moves of session homes so far, by reason (`keys.PoolKeys.turn_stats`)."""
+    stats = conn.hgetall(keys.pool(None).turn_stats)
     return Counter({k.decode()[6:]: int(v) for k, v in stats.items() if k.startswith(b"moves:")})
 
 

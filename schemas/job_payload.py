@@ -58,7 +58,7 @@ def _concatenate(arrays: Sequence[np.ndarray]) -> np.ndarray:
 class TurnTag(BaseModel):
     """An agent turn (`pipeline serve`): one call of a session, answered from its rows.
 
-    A job of the interactive lane holds the turns that reached a server together, one request
+    A job of turns holds the turns that reached a server together, one request
     each (`turns` parallel to `requests`). Their rows are not a shard of the job's own: the worker
     logs each turn's rows in the run's turn log and answers its server under `turn_id`; a flusher
     writes many turns to one shard (`workers.jobs.turn_commits`).
@@ -121,7 +121,7 @@ class JobPayload(BaseModel):
     prompt_lengths: list[Annotated[StrictInt, Field(ge=1)]]
     # Each request line without its input_ids (those are in prompt_tokens), defaults omitted.
     requests: list[dict[str, Any]]
-    # Set on the jobs of agent turns (the interactive lane), one per request: where the rows go and
+    # Set on the jobs of agent turns (`pipeline serve`), one per request: where the rows go and
     # whom to answer.
     turns: list[TurnTag] | None = None
 

@@ -1,4 +1,4 @@
-"""`pipeline status`: per pool, its queue and interactive lane, open agent sessions, workers and their
+"""`pipeline status`: per pool, its queue and agent turns, open agent sessions, workers and their
 capability classes, jobs no live worker can serve, desired state, runs, shards, agent turns and failures."""
 
 from __future__ import annotations
@@ -76,15 +76,15 @@ def affinity(conn: redis.Redis, pool: str) -> dict[str, Any] | None:
     prompt tokens, and the share the engines found in their prefix caches (the prefill saved);
     moves of session homes by reason."""
     where = keys.pool(pool)
-    stats = {k.decode(): int(v) for k, v in conn.hgetall(where.lane_stats).items()}
+    stats = {k.decode(): int(v) for k, v in conn.hgetall(where.turn_stats).items()}
     if not stats:
         return None
-    now = int(time.time()) // keys.LANE_RATE_BUCKET_S
-    counts = conn.mget([where.lane_turns_in(now - 1 - i) for i in range(RATE_BUCKETS)])
+    now = int(time.time()) // keys.TURN_RATE_BUCKET_S
+    counts = conn.mget([where.turns_in(now - 1 - i) for i in range(RATE_BUCKETS)])
     homed = stats.get("homed_turns", 0)
     prompt = stats.get("prompt_tokens", 0)
     return {"turns": stats.get("turns", 0),
-            "turns_per_s": round(sum(int(c or 0) for c in counts) / (keys.LANE_RATE_BUCKET_S * RATE_BUCKETS), 1),
+            "turns_per_s": round(sum(int(c or 0) for c in counts) / (keys.TURN_RATE_BUCKET_S * RATE_BUCKETS), 1),
             "homed_turns": homed, "home_turns": stats.get("home_turns", 0),
             "home_share": round(stats.get("home_turns", 0) / homed, 4) if homed else None,
             "prompt_tokens": prompt, "cached_tokens": stats.get("cached_tokens", 0),
@@ -118,8 +118,8 @@ def routed_turns(conn: redis.Redis, pool: keys.PoolKeys) -> dict[str, int]:
 
 
 def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
-    """One pool: its desired state, queue, interactive lane (`lane`: agent-turn jobs queued in the shared
-    lane, and routed to workers' turn queues: waiting, and taken but not done), open agent
+    """One pool: its desired state, queue, agent turns (`turns`: jobs of turns queued in the shared lane,
+    and routed to workers' turn queues: waiting, and taken but not done), open agent
     sessions (`sessions`, see `open_sessions`), live workers and the capability classes they serve, jobs
     waiting for a capability no live worker has (`workers.jobs.admission`), runs and failed jobs."""
     where = keys.pool(pool)
@@ -140,9 +140,9 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
         "queue": {"name": queue.name, "queued": queue.count,
                   "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
                   "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
-        "lane": {"name": where.lane_queue_name,
-                 "queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count,
-                 **routed_turns(conn, where)},
+        "turns": {"lane": where.lane_queue_name,
+                  "lane_queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count,
+                  **routed_turns(conn, where)},
         "sessions": open_sessions(conn, where.name),
         "affinity": affinity(conn, where.name),
         "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
@@ -320,8 +320,8 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         + f" (generation {desired['generation']})",
         f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
         f"{q['failed']} failed",
-        f"lane {status['lane']['name']}: {status['lane']['queued']} queued agent-turn job(s); workers' turn queues: "
-        f"{status['lane']['routed']} waiting, {status['lane']['taken']} running",
+        f"agent turns: {status['turns']['lane_queued']} job(s) queued in the shared lane {status['turns']['lane']}; "
+        f"workers' turn queues: {status['turns']['routed']} waiting, {status['turns']['taken']} running",
     ]
     sessions = status["sessions"]
     if sessions["open"] or any(r.get("agent_turns") for r in status["runs"].values()):

@@ -13,7 +13,7 @@ from pipeline.core.command import EXIT_FAILED, Command
 
 class StatusCommand(Command):
     name = "status"
-    help = "per pool: queue and agent lane, open agent sessions, workers, weight versions, runs, failures"
+    help = "per pool: queue and agent turns, open agent sessions, workers, weight versions, runs, failures"
     connects = True
     pool_use = "reads"
 

@@ -1,4 +1,4 @@
-"""`pipeline serve`: the agent endpoint, OpenAI's API over the pool's interactive lane (`pipeline.serve`)."""
+"""`pipeline serve`: the agent endpoint, OpenAI's API over the pool's workers (`pipeline.serve`)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ home worker
 - can serve it (its capabilities, `pipeline.submit.placement`) and serves the pool's desired
   weights (during a rolling push, a worker still on the old version is passed over when one on
   the new version can take the turn), and is not failing (`unhealthy`, `failed`),
-- has room: its load (active sessions homed there, `pipeline.serve.lane`), this session
+- has room: its load (active sessions homed there, `pipeline.serve.dispatch`), this session
   included, stays within `load_factor` times the mean over the candidates, rounded up
   (consistent hashing with bounded loads, Mirrokni, Thorup and Zadeh 2018), or within `slack`
   sessions of the least-loaded candidate (so that a lightly loaded pool, where the rounded
@@ -27,7 +27,7 @@ system prompt that every session shares sends a whole dataset to one engine). Wh
 is counted (`new`, `gone`, `sick`, `cannot`, `weights`, `full`). A move costs one prefill of the
 episode on the new worker, once.
 
-`choose` is pure: the lane gives it the live workers and their loads.
+`choose` is pure: the server's router gives it the live workers and their loads.
 """
 
 from __future__ import annotations

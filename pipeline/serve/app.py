@@ -199,7 +199,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
     async def models(request: Request) -> Response:
         """The served model and the pool's LoRA adapters, each a `model` a call may name (vLLM's cards)."""
         base = turns.settings.model
-        adapters = await in_thread(turns.lane.router.adapter_versions)
+        adapters = await in_thread(turns.dispatch.router.adapter_versions)
         return JSONResponse({"object": "list", "data": [
             {"id": base, "object": "model", "created": 0, "owned_by": "rollout-pipeline"},
             *({"id": name, "object": "model", "created": 0, "owned_by": "rollout-pipeline", "parent": base,
@@ -210,7 +210,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
             await in_thread(ping_within, turns.conn)
         except redis.RedisError as exc:
             return JSONResponse({"status": "unhealthy", "redis": str(exc)}, status_code=503)
-        workers = await in_thread(turns.lane.live_workers)
+        workers = await in_thread(turns.dispatch.live_workers)
         return JSONResponse({"status": "ok", "pool": turns.settings.pool, "live_workers": len(workers)})
 
     async def metrics(request: Request) -> Response:

@@ -1,7 +1,7 @@
 """Where an agent turn goes: the pool's live workers and desired version (cached per server), each
 worker's load in active sessions, and the bounded-load choice (`pipeline.core.affinity.choose`).
 
-A worker's load is the number of active sessions homed there (`keys.PoolKeys.lane_load`: a session
+A worker's load is the number of active sessions homed there (`keys.PoolKeys.homed_sessions`: a session
 counts while it had a turn in the last `ACTIVE_S`, and leaves its old home's count when it moves),
 read at most every `LOADS_TTL_S` and counted locally in between. Sessions, not turns in flight,
 because a session keeps coming back: counting turns in flight, which come and go with each answer,
@@ -90,7 +90,7 @@ class Router:
         now = time.time()
         with self.conn.pipeline(transaction=False) as pipe:
             for worker in workers:
-                pipe.zcount(self.keys.lane_load(worker.worker_id), now, "+inf")
+                pipe.zcount(self.keys.homed_sessions(worker.worker_id), now, "+inf")
             counts = pipe.execute()
         with self._lock:
             loads = {w.worker_id: int(c) + self._unwritten[w.worker_id] for w, c in zip(workers, counts, strict=True)}

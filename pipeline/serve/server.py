@@ -25,7 +25,7 @@ from pipeline.core.errors import PipelineError
 from pipeline.core.stop_tokens import model_stop_ids
 from pipeline.core.warm_up import warm_up
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
-from pipeline.serve.lane import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
+from pipeline.serve.dispatch import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS
 from pipeline.serve.sessions import HISTORY_MODES, MAX_CALLS

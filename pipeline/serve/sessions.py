@@ -309,7 +309,7 @@ class Placed:
     cached_tokens: int
 
     def increments(self, home: str | None) -> dict[str, int]:
-        """The turn's part in the pool's affinity counts (`keys.PoolKeys.lane_stats`): turns; turns of a
+        """The turn's part in the pool's affinity counts (`keys.PoolKeys.turn_stats`): turns; turns of a
         session with a home, and those served there; prompt and cached tokens; moves by reason (a turn
         routed home that ran elsewhere moved because its worker died: `gone`)."""
         counts = {"turns": 1, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}

@@ -1,7 +1,7 @@
 """Turns that reach a server together travel together: a flusher thread enqueues the turns waiting
-when it comes round as one lane job (per run, output, worker class and target worker).
+when it comes round as one job of turns (per run, output, worker class and target worker).
 
-While the server's lane jobs in flight already keep the pool's live workers busy (two jobs each),
+While the server's jobs of turns in flight already keep the pool's live workers busy (two jobs each),
 new turns wait for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost
 is paid once for many turns; a turn reaching an idle pool is enqueued at once. A job goes to its
 chosen worker's turn queue (`pipeline.core.jobs.turn_queue`), or to the pool's shared lane (RQ) for any
@@ -31,7 +31,7 @@ TURN_JOB_TIMEOUT_S = 3600
 TURN_RETRIES = 1
 MAX_TURNS_PER_JOB = 64
 HOLD_S = 0.05  # the longest a turn waits for others to share its job while the workers are busy
-OUTSTANDING_S = 2.0  # a lane job this server enqueued counts as in flight for at most this long
+OUTSTANDING_S = 2.0  # a job of turns this server enqueued counts as in flight for at most this long
 
 
 @dataclass
@@ -51,7 +51,7 @@ class WaitingTurn:
 
 
 class TurnBatcher:
-    """Enqueues one server's turns of one pool as lane jobs, several turns a job under load."""
+    """Enqueues one server's turns of one pool as jobs, several turns a job under load."""
 
     def __init__(self, conn: redis.Redis, router: Router, shared_lane: Queue, *,
                  max_turns_per_job: int = MAX_TURNS_PER_JOB) -> None:
@@ -63,14 +63,14 @@ class TurnBatcher:
         self._waiting: list[WaitingTurn] = []
         self._ready = threading.Condition()
         self._flusher: threading.Thread | None = None
-        self._jobs: dict[str, tuple[int, float]] = {}  # this server's lane jobs: turns unanswered, enqueued at
+        self._jobs: dict[str, tuple[int, float]] = {}  # this server's jobs of turns: turns unanswered, enqueued at
         self._job_of_turn: dict[str, str] = {}
 
     def enqueue(self, waiting: WaitingTurn) -> None:
         """Hand the turn to the flusher and return once its job is enqueued; raise what the enqueue raised."""
         with self._ready:
             if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_loop, name="lane-flusher", daemon=True)
+                self._flusher = threading.Thread(target=self._flush_loop, name="turn-flusher", daemon=True)
                 self._flusher.start()
             self._waiting.append(waiting)
             self._ready.notify()
@@ -83,7 +83,7 @@ class TurnBatcher:
             with self._ready:
                 while not self._waiting:
                     self._ready.wait()
-                # Flow control: while this server's earlier lane jobs keep the pool's workers busy, turns
+                # Flow control: while this server's earlier jobs keep the pool's workers busy, turns
                 # wait here (at most HOLD_S) and go on together; an idle pool gets each turn at once.
                 held_until = time.monotonic() + HOLD_S
                 while (len(self._waiting) < self.max_turns_per_job and self._busy()
@@ -98,7 +98,7 @@ class TurnBatcher:
                     self._enqueue_job(group[start:start + self.max_turns_per_job])
 
     def _busy(self) -> bool:
-        """Whether this server's lane jobs in flight are enough to keep the pool's live workers busy
+        """Whether this server's jobs of turns in flight are enough to keep the pool's live workers busy
         (two per worker: one running, one taken next); jobs older than `OUTSTANDING_S` no longer count."""
         now = time.monotonic()
         recent = sum(1 for _, enqueued in self._jobs.values() if now - enqueued < OUTSTANDING_S)
@@ -120,7 +120,7 @@ class TurnBatcher:
     def _enqueue_job(self, turns: list[WaitingTurn]) -> None:
         try:
             first = turns[0]
-            job_id = f"lane-{uuid.uuid4().hex[:16]}"
+            job_id = f"turns-{uuid.uuid4().hex[:16]}"
             payload = JobPayload.pack([t.request for t in turns], run=first.run, job_id=job_id, batch_id=job_id,
                                       output=first.output, submitted_at_ms=int(time.time() * 1000),
                                       turns=[t.turn for t in turns])
@@ -141,10 +141,10 @@ class TurnBatcher:
                         job_id, job_args(payload), needs.as_dict(), description,
                         timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES))
                     active_until = time.time() + ACTIVE_S
-                    pipe.zadd(self.keys.lane_load(worker), {t.turn.session_id: active_until for t in turns})
+                    pipe.zadd(self.keys.homed_sessions(worker), {t.turn.session_id: active_until for t in turns})
                     for waiting in turns:
                         if waiting.home is not None and waiting.home != worker:
-                            pipe.zrem(self.keys.lane_load(waiting.home), waiting.turn.session_id)
+                            pipe.zrem(self.keys.homed_sessions(waiting.home), waiting.turn.session_id)
                 pipe.execute()
             with self._ready:
                 self._jobs[job_id] = (len(turns), time.monotonic())

@@ -1,4 +1,4 @@
-"""The turn counts (the pool's, `keys.PoolKeys.lane_stats`, turns per 10-second bucket, and each
+"""The turn counts (the pool's, `keys.PoolKeys.turn_stats`, turns per 10-second bucket, and each
 run's, `keys.run_turn_stats`), summed in the server and written in one round trip every `FLUSH_S`,
 not eight commands with every turn.
 
@@ -43,8 +43,8 @@ class TurnCounts:
         with self._lock:
             self._fields[(keys.run_turn_stats(run), "turns")] += 1
             for field, count in increments.items():
-                self._fields[(pool.lane_stats, field)] += count
-            self._buckets[pool.lane_turns_in(int(time.time()) // keys.LANE_RATE_BUCKET_S)] += 1
+                self._fields[(pool.turn_stats, field)] += count
+            self._buckets[pool.turns_in(int(time.time()) // keys.TURN_RATE_BUCKET_S)] += 1
             if self._thread is None and self.every_s > 0:
                 self._thread = threading.Thread(target=self._loop, name="turn-counts", daemon=True)
                 self._thread.start()

@@ -1,4 +1,4 @@
-"""A call to `pipeline serve` as a call of its session's tree: prompt ids, placement, the lane, the answer.
+"""A call to `pipeline serve` as a call of its session's tree: prompt ids, placement, dispatch, the answer.
 
 A session is a tree of calls (`pipeline.serve.sessions`), any number in flight at once. A call is
 placed under the earlier call it extends, and its prompt ids extend that call's ids verbatim:
@@ -49,7 +49,7 @@ from pipeline.core.suggest import did_you_mean, listing
 from pipeline.serve.answers import ParseRules, canonical_assistant, chat_answer, text_answer, turn_rows
 from pipeline.serve.api_error import APIError
 from pipeline.serve.conversation import Conversation, Conversations, digest
-from pipeline.serve.lane import Lane
+from pipeline.serve.dispatch import TurnDispatch
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
 from pipeline.serve.sessions import (
@@ -122,7 +122,7 @@ class CallIdentity:
 
 @dataclass(frozen=True)
 class InFlight:
-    """A call in the lane: what waiting for it and answering it need."""
+    """A call dispatched: what waiting for it and answering it need."""
 
     session: Session
     turn: int
@@ -152,7 +152,7 @@ class Prompt:
 
 
 class Turns:
-    """Serves turns of any session of one pool (sessions and the lane are in Redis)."""
+    """Serves turns of any session of one pool (sessions and their turns' queues are in Redis)."""
 
     def __init__(self, conn: redis.Redis, settings: TurnSettings, renderer: ChatRenderer | None) -> None:
         self.conn = conn
@@ -161,13 +161,13 @@ class Turns:
         self.counts = TurnCounts(conn)  # the pool's turn counts, written every half second
         self.sessions = SessionStore(conn, self.counts, max_calls=settings.max_session_calls)
         self.conversations = Conversations()
-        self.lane = Lane(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s, affinity=settings.affinity,
-                         load_factor=settings.load_factor)
+        self.dispatch = TurnDispatch(conn, settings.pool, turn_timeout_s=settings.turn_timeout_s,
+                                     affinity=settings.affinity, load_factor=settings.load_factor)
 
     def close(self) -> None:
         """Write the turn counts held here, stop taking answers."""
         self.counts.close()
-        self.lane.close()
+        self.dispatch.close()
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class Turns:
         adapter's is refused (404, did you mean), never served by the base weights."""
         if model is None or model == self.settings.model or not ADAPTER_NAME.match(model):
             return None
-        router = self.lane.router
+        router = self.dispatch.router
         known = router.adapter_versions()
         if model not in known:
             known = router.adapter_versions(fresh=True)  # pushed since the last read?
@@ -455,24 +455,24 @@ class Turns:
         })
         # Affinity follows the tree: the worker that served the parent holds its ids in its prefix cache.
         home = prompt.parent.record.served_by if prompt.parent is not None else session.home
-        route = self.lane.enqueue(request, run=session.run, output=session.output, home=home,
+        route = self.dispatch.enqueue(request, run=session.run, output=session.output, home=home,
                                   turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
                                                prefix_break=prompt.prefix_break,
                                                parent_turn=None if parent is None else parent[0],
                                                parent_sample=None if parent is None else parent[1],
-                                               stream=body.stream, reply_to=self.lane.inbox.server_id))
+                                               stream=body.stream, reply_to=self.dispatch.inbox.server_id))
         return InFlight(session, turn, pending, started, answer, assistant_of, live, conversation, route, home)
 
     async def wait_async(self, call: InFlight) -> pa.Table | dict[str, Any]:
         """The call's rows (or its answer, recorded meanwhile by another waiter), on the event loop:
         blocks no thread while the call is generated."""
         async with self._failed_turn_released(call):
-            return await self.lane.wait_async(call.turn_id, call.session.run, call.started, self._settled(call))
+            return await self.dispatch.wait_async(call.turn_id, call.session.run, call.started, self._settled(call))
 
     async def stream_async(self, call: InFlight) -> AsyncIterator[list[TokenDelta] | Answered]:
         """`wait_async` for a streamed call: batches of the call's tokens as they come, then the rows."""
         async with self._failed_turn_released(call):
-            async for item in self.lane.stream_async(call.turn_id, call.session.run, call.started,
+            async for item in self.dispatch.stream_async(call.turn_id, call.session.run, call.started,
                                                      self._settled(call)):
                 yield item
 

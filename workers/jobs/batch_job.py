@@ -70,7 +70,7 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
 
 def check_not_canceled(conn: redis.Redis | None, job: JobPayload) -> None:
     """`JobCanceledError` if the job was canceled (`pipeline.runs.cancel`). Agent turns (`pipeline
-    serve`) are not looked up: a cancel names a run's submitted jobs, never the server's lane jobs."""
+    serve`) are not looked up: a cancel names a run's submitted jobs, never a server's jobs of turns."""
     if job.turns is not None:
         return
     if conn is not None and conn.sismember(keys.canceled(job.run), job.job_id):

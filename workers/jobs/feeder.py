@@ -158,7 +158,7 @@ class Feeder:
         self, engine: ConcurrentEngine, *, connection: redis.Redis, worker_id: str,
         jobs_changed: Callable[[Work | None], None] = lambda _: None,
         max_jobs_in_flight: int = DEFAULT_MAX_JOBS_IN_FLIGHT, headroom: int | None = None,
-        checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S, lane_reserve: int | None = None,
+        checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S, turn_reserve: int | None = None,
     ) -> None:
         self.engine = engine
         self.connection = connection
@@ -169,8 +169,8 @@ class Feeder:
         # Sequences fed beyond the capacity, so a freed slot never waits for a Redis round trip.
         self.headroom = engine.capacity // 8 if headroom is None else headroom
         # Slots (and one job) batch jobs leave free while the pool serves agent turns (`has_room`).
-        self.lane_reserve = max(1, engine.capacity // 8) if lane_reserve is None else lane_reserve
-        self.lane_active: Callable[[], bool] = lambda: False
+        self.turn_reserve = max(1, engine.capacity // 8) if turn_reserve is None else turn_reserve
+        self.turns_active: Callable[[], bool] = lambda: False
         self._batch_job_samples = 0  # the last batch job's sequences: what the next one likely adds
         # Jobs whose batch resolved; None: stop; WAKE: a streamed turn was admitted (stream at once).
         self._done: queue_mod.Queue[FedJob | str | None] = queue_mod.Queue()
@@ -216,13 +216,13 @@ class Feeder:
     def has_room(self, batch: bool = False) -> bool:
         """Whether the engine can take another job: an agent turn's while its load is under capacity +
         headroom (on an engine that runs one batch at a time, while at most `PREFETCH_BATCHES - 1`
-        wait for the running one); a batch job's, while the pool serves agent turns (`lane_active`), only while it
-        leaves `lane_reserve` slots and one job free, so that a turn never waits behind a batch run
+        wait for the running one); a batch job's, while the pool serves agent turns (`turns_active`), only while it
+        leaves `turn_reserve` slots and one job free, so that a turn never waits behind a batch run
         for a slot (the engine's queue is first come, first served)."""
         jobs, limit = self.max_jobs_in_flight, self.engine.capacity + self.headroom
-        if batch and self.lane_active():  # the next batch job's sequences too must leave the reserve free
+        if batch and self.turns_active():  # the next batch job's sequences too must leave the reserve free
             jobs = max(1, jobs - 1)
-            limit = max(1, self.engine.capacity - self.lane_reserve - self._batch_job_samples + 1)
+            limit = max(1, self.engine.capacity - self.turn_reserve - self._batch_job_samples + 1)
         return len(self._entries) < jobs and self.engine.load() < limit and self._waiting() < PREFETCH_BATCHES
 
     def _waiting(self) -> int:

@@ -1,6 +1,6 @@
 """Committing agent turns (`pipeline serve`): rows logged once, answered at once, written many turns to a shard.
 
-A turn is one request of a job in the pool's interactive lane (a server puts the turns that
+A turn is one request of a job of turns (a server puts the turns that
 reach it together in one job). Its rows are not a shard of their own (a shard per turn would
 leave thousands of tiny files per run): `commit_turns` appends each turn's rows, as Arrow IPC,
 to the run's turn log (a Redis stream) and pushes them to the inbox of the server waiting for

@@ -1,6 +1,6 @@
 """A job's streamed turns: which tokens to publish next (`pipeline.core.jobs.turn_stream`).
 
-A lane job whose calls asked for `stream=True` gets a `TurnStreams` at admission. Every
+A job of turns whose calls asked for `stream=True` gets a `TurnStreams` at admission. Every
 `turn_stream.EVERY_S` the feeder's completion thread takes each such job's samples so far
 (`Progress.so_far` over the engine's `progress()` snapshot) and asks for the tokens not yet
 published, then sends those of all its jobs in one round trip. A job continued after a partial

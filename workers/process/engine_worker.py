@@ -66,7 +66,7 @@ DRAIN_POLL_S = 0.1  # how often a warm shutdown's wait for the jobs in flight lo
 
 
 LANE_CHECK_S = 5.0  # how often a worker looks whether its pool serves agent turns
-LANE_ACTIVE_BUCKETS = 7  # ... in the last this many buckets of `keys.LANE_RATE_BUCKET_S` (about a minute)
+TURNS_ACTIVE_BUCKETS = 7  # ... in the last this many buckets of `keys.TURN_RATE_BUCKET_S` (about a minute)
 
 
 def new_worker_id() -> str:
@@ -132,7 +132,7 @@ class EngineWorker(SimpleWorker):
             connection=conn, worker_id=worker_id, jobs_changed=self._jobs_changed,
             max_jobs_in_flight=max_jobs_in_flight, headroom=feed_headroom, checkpoint_every_s=checkpoint_every_s,
         )
-        self.feeder.lane_active = self._lane_active
+        self.feeder.turns_active = self._turns_active
         self.presence = Heartbeat(conn, worker_info(worker_id, self.pool.name, engine), interval_s=heartbeat_interval_s,
                                   jobs=self._rq_jobs, beat_job=self.maintain_heartbeats)
         self.info = self.presence.info
@@ -184,7 +184,7 @@ class EngineWorker(SimpleWorker):
     def _jobs_changed(self, started: Work | None) -> None:
         """A job entered (`started`) or left the feeder: busy with the oldest RQ job in flight, or
         resting. Turns of the worker's turn queue leave the registry's state alone (they come and go
-        many times a second; `pipeline status` counts them in its lane line)."""
+        many times a second; `pipeline status` counts them in its agent turns line)."""
         if started is not None:
             self.metrics.job_started(queue_wait_s(started))
             if isinstance(started, TurnWork):
@@ -254,14 +254,14 @@ class EngineWorker(SimpleWorker):
         except DequeueTimeout:
             return None
 
-    def _lane_active(self) -> bool:
+    def _turns_active(self) -> bool:
         """Whether the pool committed an agent turn in the last minute (read at most every 5 s)."""
         now = time.monotonic()
         if now - self._lane_checked_at > LANE_CHECK_S:
-            bucket = int(time.time()) // keys.LANE_RATE_BUCKET_S
+            bucket = int(time.time()) // keys.TURN_RATE_BUCKET_S
             with contextlib.suppress(redis.RedisError):  # Redis away: keep what was seen last
                 self._lane_seen = bool(self.connection.exists(
-                    *(self.pool.lane_turns_in(bucket - i) for i in range(LANE_ACTIVE_BUCKETS))))
+                    *(self.pool.turns_in(bucket - i) for i in range(TURNS_ACTIVE_BUCKETS))))
             self._lane_checked_at = now
         return self._lane_seen
 

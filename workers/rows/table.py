@@ -152,7 +152,7 @@ def build_table(
         "completion_logprobs": _list_array(logprobs, pa.float32()),
     }
     # The per-row columns in one conversion (a struct array's children): one call into Arrow, not
-    # one a column (about twice as fast for the one-turn jobs of agent lanes, the same for large jobs).
+    # one a column (about twice as fast for one-turn jobs of agent turns, the same for large jobs).
     converted = pa.array(per_row, type=_per_row_type(routed_type)).flatten()
     arrays.update(zip(_PER_ROW, converted, strict=True))
     if any_routed:

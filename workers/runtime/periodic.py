@@ -1,5 +1,5 @@
 """A daemon thread that calls a function every interval until stopped: a worker's upkeep threads
-(the turn flusher, the lane keeper) share it."""
+(the turn flusher, the turn-queue keeper) share it."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from pipeline.core.errors import PoolNameError
 from schemas.worker_info import DEFAULT_POOL
 
 PREFIX = "pipeline"
-LANE_RATE_BUCKET_S = 10  # agent turns are counted per bucket of this many seconds (`PoolKeys.lane_turns_in`)
+TURN_RATE_BUCKET_S = 10  # agent turns are counted per bucket of this many seconds (`PoolKeys.turns_in`)
 QUEUE_NAME = "rollouts"
 ENV_POOL = settings.POOL.name
 # Every pool ever named by a submit, a worker or a control change (status lists them).
@@ -49,7 +49,7 @@ class PoolKeys:
 
     @property
     def lane_queue_name(self) -> str:
-        """The pool's interactive lane: an RQ queue of agent turns (`pipeline serve`) that the pool's
+        """The pool's shared lane: an RQ queue of agent turns (`pipeline serve`) that the pool's
         workers take before its batch queue, so a turn never waits behind a long batch run."""
         return f"lane.{self.queue_name}"
 
@@ -68,19 +68,20 @@ class PoolKeys:
         """The set of workers with a turn queue: a dead one's is read by the live ones until it is empty."""
         return f"{self._base}:turn-queues"
 
-    def lane_load(self, worker_id: str) -> str:
-        """A sorted set of the turns routed to a worker and not yet answered (score: when to forget one)."""
-        return f"{self._base}:lane:load:{worker_id}"
+    def homed_sessions(self, worker_id: str) -> str:
+        """A sorted set of the sessions with a turn routed to a worker and not yet answered (member: the
+        session id; score: when to forget it): the worker's load (`pipeline.serve.routing`)."""
+        return f"{self._base}:homed-sessions:{worker_id}"
 
     @property
-    def lane_stats(self) -> str:
+    def turn_stats(self) -> str:
         """A hash of the pool's turn counts: turns, home_turns, cached and prompt tokens, moves by reason."""
-        return f"{self._base}:lane:stats"
+        return f"{self._base}:turn-stats"
 
-    def lane_turns_in(self, bucket: int) -> str:
-        """A counter of the pool's turns committed in one bucket of `LANE_RATE_BUCKET_S` seconds (the
+    def turns_in(self, bucket: int) -> str:
+        """A counter of the pool's turns committed in one bucket of `TURN_RATE_BUCKET_S` seconds (the
         bucket: epoch seconds // that), for turns per second in `pipeline status`."""
-        return f"{self._base}:lane:turns:{bucket}"
+        return f"{self._base}:turn-rate:{bucket}"
 
     @property
     def control_state(self) -> str:

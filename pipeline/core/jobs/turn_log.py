@@ -4,7 +4,7 @@ Workers append each turn's rows once (`COMMIT_SCRIPT`, run by `workers.jobs.turn
 as a stream entry of two fields, the turn id (`TURN`) and its rows as Arrow IPC (`ROWS`), index it
 by turn id (`keys.turn_log_jobs`) and push the rows to their server's inbox
 (`pipeline.core.jobs.replies`); they later flush the oldest entries to a shard. The server
-(`pipeline.serve.lane`) reads one turn back, the readers (`pipeline.read.lineage_rows`) a run's
+(`pipeline.serve.dispatch`) reads one turn back, the readers (`pipeline.read.lineage_rows`) a run's
 unflushed turns.
 """
 

@@ -159,5 +159,5 @@ return 1
 
 def forget_if_empty(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> bool:
     """Forget a dead worker's turn queue if it is empty (True if it was)."""
-    return bool(conn.eval(_FORGET, 3, pool.turn_queue(worker_id), pool.turn_queue_owners, pool.lane_load(worker_id),
-                          worker_id))
+    return bool(conn.eval(_FORGET, 3, pool.turn_queue(worker_id), pool.turn_queue_owners,
+                          pool.homed_sessions(worker_id), worker_id))

@@ -116,13 +116,14 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
 
     status = collect(redis_client, pool="default")
     pool = status["pools"]["default"]
-    assert pool["lane"] == {"name": "lane.rollouts", "queued": 2, "routed": 2, "taken": 1}
+    assert pool["turns"] == {"lane": "lane.rollouts", "lane_queued": 2, "routed": 2, "taken": 1}
     assert pool["sessions"] == {"open": 4, "read": 4, "capped": False, "expired": 0, "with_versions": 3,
                                 "no_turn_yet": 1, "weight_versions": [3, 5], "mixed_versions": 2}
     assert pool["runs"]["agents"]["agent_turns"] == {"turns": 6, "prefix_breaks": 1}
     assert pool["runs"]["batch-only"]["agent_turns"] is None
     text = format_status(status)
-    assert "lane lane.rollouts: 2 queued agent-turn job(s); workers' turn queues: 2 waiting, 1 running" in text
+    assert ("agent turns: 2 job(s) queued in the shared lane lane.rollouts; workers' turn queues: 2 waiting, "
+            "1 running") in text
     assert ("agent sessions: 4 open session(s) over weight versions 3..5 (2 with turns on more than one version, "
             "1 with no turn yet)") in text
     assert "agents: 0 shards, 0 rows, 0 completion tokens, weights [], 6 agent turns, 1 prefix breaks" in text
@@ -130,14 +131,14 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
 
     other = collect(redis_client, pool="p2")["pools"]["p2"]
     assert other["sessions"]["open"] == 1 and other["sessions"]["weight_versions"] is None
-    assert other["lane"] == {"name": "lane.rollouts.p2", "queued": 0, "routed": 0, "taken": 0}
+    assert other["turns"] == {"lane": "lane.rollouts.p2", "lane_queued": 0, "routed": 0, "taken": 0}
     assert "agent sessions: 1 open session(s) (1 with no turn yet)" in format_status({"pools": {"p2": other}})
 
     url = redis_client.connection_pool.connection_kwargs
     monkeypatch.setenv("PIPELINE_REDIS_URL", f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}")
     assert main(["status", "--pool", "default", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["pools"]["default"]
-    assert shown["sessions"]["weight_versions"] == [3, 5] and shown["lane"]["queued"] == 2
+    assert shown["sessions"]["weight_versions"] == [3, 5] and shown["turns"]["lane_queued"] == 2
     assert shown["runs"]["agents"]["agent_turns"] == {"turns": 6, "prefix_breaks": 1}
 
 

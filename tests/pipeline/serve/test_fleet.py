@@ -181,7 +181,7 @@ def test_a_turn_whose_worker_is_killed_runs_again_elsewhere_and_answers_once(
 
 
 def _lane_stats(conn: redis.Redis) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in conn.hgetall(keys.pool(None).lane_stats).items()}
+    return {k.decode(): int(v) for k, v in conn.hgetall(keys.pool(None).turn_stats).items()}
 
 
 def _pending_turn_id(conn: redis.Redis, session: str) -> str | None:

@@ -16,7 +16,7 @@ import redis
 from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import turn_queue
 from pipeline.serve.api_error import APIError
-from pipeline.serve.lane import Lane
+from pipeline.serve.dispatch import TurnDispatch
 from schemas.worker_info import WorkerInfo
 from tests.helpers.turn_jobs import push, turn_job
 
@@ -24,7 +24,7 @@ POOL = keys.pool(None)
 
 
 def _wait(conn: redis.Redis, turn_id: str, timeout_s: float) -> APIError:
-    lane = Lane(conn, POOL.name, turn_timeout_s=timeout_s)
+    lane = TurnDispatch(conn, POOL.name, turn_timeout_s=timeout_s)
     try:
         with pytest.raises(APIError) as raised:
             asyncio.run(lane.wait_async(turn_id, "r", time.monotonic(), settled=lambda: None))

@@ -12,7 +12,7 @@ POOL = keys.pool(None)
 
 
 def _stats(conn: redis.Redis) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in conn.hgetall(POOL.lane_stats).items()}
+    return {k.decode(): int(v) for k, v in conn.hgetall(POOL.turn_stats).items()}
 
 
 def test_counts_reach_redis_at_the_flush_all_together(redis_client: redis.Redis) -> None:
@@ -27,7 +27,7 @@ def test_counts_reach_redis_at_the_flush_all_together(redis_client: redis.Redis)
     assert _stats(redis_client) == {"turns": 3, "prompt_tokens": 160, "cached_tokens": 80, "homed_turns": 2,
                                     "home_turns": 1, "moves:full": 1}
     assert redis_client.hgetall(keys.run_turn_stats("r")) == {b"turns": b"2"}
-    buckets = [k for k in redis_client.scan_iter(f"{keys.PREFIX}:lane:turns:*")]
+    buckets = [k for k in redis_client.scan_iter(f"{keys.PREFIX}:turn-rate:*")]
     assert sum(int(redis_client.get(k)) for k in buckets) == 3 and all(redis_client.ttl(k) > 0 for k in buckets)
     counts.flush()  # nothing new: nothing written twice
     assert _stats(redis_client)["turns"] == 3

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.serve.lane import Lane
+from pipeline.serve.dispatch import TurnDispatch
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from tests.helpers.turn_jobs import SERVER, answers
@@ -48,7 +48,7 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     # The job finished; a waiter (the agent's retry) finds the rows in the shard the turn went to.
     redis_client.set(keys.turn_job(turn_id), "lane-1")
     redis_client.hset("rq:job:lane-1", "status", "finished")
-    lane = Lane(redis_client, "default", turn_timeout_s=10)
+    lane = TurnDispatch(redis_client, "default", turn_timeout_s=10)
     got = asyncio.run(lane.wait_async(turn_id, "agents", time.monotonic(), settled=lambda: None))
     assert got.column("completion_token_ids").to_pylist() == table.column("completion_token_ids").to_pylist()
     assert got.column("session_id").to_pylist() == ["s-1"] and got.column("turn").to_pylist() == [2]

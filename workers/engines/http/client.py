@@ -1,11 +1,11 @@
 """Async HTTP client for the HTTP engines (SGLang's `/generate`, vLLM's `/v1/completions`), with retries.
 
 - A request without a `routing_key` goes to the least-loaded URL (fewest in flight, round robin
-  among equals). Requests with the same `routing_key` (the agent lane sets the session id) go to
+  among equals). Requests with the same `routing_key` (agent turns set the session id) go to
   the same URL, so a session's turns find its prefix in that server's KV cache: rendezvous
   hashing of key and URL over the URLs that are up, with bounded load (a URL holding more than
   `pipeline.core.affinity.bound` of the mean, and more than `DEFAULT_SLACK` above the least
-  loaded, is passed over, as the lane does between workers). Behind one gateway URL the gateway
+  loaded, is passed over, as the server's router does between workers). Behind one gateway URL the gateway
   chooses the server: the `Wire` names the header that carries the key to it.
 - A URL that fails to connect is avoided for a short cool-down.
 - One pool of connections (`aiohttp_transport`, behind httpx's API); at most `max_in_flight`

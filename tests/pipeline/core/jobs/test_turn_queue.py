@@ -104,7 +104,7 @@ def test_a_dead_workers_entries_are_taken_over_once_and_its_empty_queue_forgotte
     for job_id in ("taken", "queued"):
         push(redis_client, "dead", turn_job(job_id, f"turn-of-{job_id}"))
     _read(redis_client, "dead")  # the dead worker had read one
-    redis_client.zadd(POOL.lane_load("dead"), {"s1": time.time() + 60})
+    redis_client.zadd(POOL.homed_sessions("dead"), {"s1": time.time() + 60})
     assert turn_queue.owners(redis_client, POOL, "alive") == ({"alive"}, ["dead"])
 
     live = {"alive", "also-alive"}
@@ -119,7 +119,7 @@ def test_a_dead_workers_entries_are_taken_over_once_and_its_empty_queue_forgotte
         turn_queue.done(redis_client, claimed)
     turn_queue.done(redis_client, _pending(redis_client, stream, "also-alive"))
     assert turn_queue.forget_if_empty(redis_client, POOL, "dead")
-    assert not redis_client.exists(stream, POOL.lane_load("dead"))
+    assert not redis_client.exists(stream, POOL.homed_sessions("dead"))
     assert redis_client.smembers(POOL.turn_queue_owners) == {b"alive"}
 
 

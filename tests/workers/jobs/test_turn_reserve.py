@@ -25,11 +25,11 @@ def _feeder(engine: Loaded) -> Feeder:
 def test_batch_jobs_leave_the_reserve_free_only_while_the_pool_serves_turns() -> None:
     engine = Loaded(SimConfig(capacity=64))
     feeder = _feeder(engine)
-    assert feeder.lane_reserve == 8 and feeder.headroom == 8
+    assert feeder.turn_reserve == 8 and feeder.headroom == 8
     feeder._batch_job_samples = 16  # the last batch job had 16 sequences
     engine.now = 50
     assert feeder.has_room(batch=True) and feeder.has_room()  # no agent turns: up to capacity + headroom
-    feeder.lane_active = lambda: True
+    feeder.turns_active = lambda: True
     assert not feeder.has_room(batch=True)  # 50 + 16 would reach into the 8 reserved slots
     assert feeder.has_room()  # a turn still fits
     engine.now = 40

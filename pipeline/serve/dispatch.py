@@ -1,17 +1,18 @@
-"""The interactive lane: agent turns as jobs in their pool's lane queue, and their answers.
-
-Workers take the lane queue (`keys.PoolKeys.lane_queue_name`) before their pool's batch queue,
-so a turn waits for a free slot in the engine, not behind a 10 000-request run. A lane job is
-the project's job function like any batch (same allow-list, admission, retries, hand-backs,
-engine road); its payload carries one `TurnTag` per request, so the worker logs each turn's
-rows and answers its server (`workers.jobs.turn_commits`) instead of writing a shard of one row.
+"""A server's turns on their way to the workers, and their answers back.
 
 Each turn goes to a worker chosen by the router (`routing`: its session's home while that is
 alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's turn queue
 (a Redis stream, `pipeline.core.jobs.turn_queue`: no RQ job); with no such worker it waits as an
-RQ job in the pool's shared lane for any. Turns reaching a server together share a job
-(`turn_batching`); workers answer them in the server's inbox (`inbox`); a server's waiter looks
-elsewhere between blocks (`turn_wait`). A failed job fails each of its turns (after one retry).
+RQ job in the pool's shared lane (`keys.PoolKeys.lane_queue_name`, the only thing called a lane),
+which the pool's workers take before their batch queue, so a turn never waits behind a
+10 000-request run. Either way a job of turns is the project's job function like any batch (same
+allow-list, admission, retries, hand-backs, engine road); its payload carries one `TurnTag` per
+request, so the worker logs each turn's rows and answers its server (`workers.jobs.turn_commits`)
+instead of writing a shard of one row.
+
+Turns reaching a server together share a job (`turn_batching`); workers answer them in the
+server's inbox (`inbox`); a server's waiter looks elsewhere between blocks (`turn_wait`). A failed
+job fails each of its turns (after one retry).
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
 
-__all__ = ["ASYNC_CONNECTIONS", "DEFAULT_TURN_TIMEOUT_S", "Lane"]
+__all__ = ["ASYNC_CONNECTIONS", "DEFAULT_TURN_TIMEOUT_S", "TurnDispatch"]
 
 
-class Lane:
-    """One pool's interactive lane, as a server uses it: routing (`routing.Router`), turns batched
-    into lane jobs (`turn_batching.TurnBatcher`), waiting for answers (`turn_wait.TurnWaiter`)."""
+class TurnDispatch:
+    """One pool's turns as a server dispatches them: routing (`routing.Router`), turns batched into
+    jobs (`turn_batching.TurnBatcher`), waiting for answers (`turn_wait.TurnWaiter`)."""
 
     def __init__(self, conn: redis.Redis, pool: str, *, turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S,
                  max_turns_per_job: int = MAX_TURNS_PER_JOB, affinity: bool = True,
