@@ -157,11 +157,9 @@ def _where(session_id: str) -> str:
     job_id = job_id or "?"
     found = [name.decode() for name in conn.scan_iter("*") if conn.type(name) == b"stream"
              and any(job_id.encode() in fields.get(b"job", b"") for _, fields in conn.xrange(name))]
-    job = {k.decode(): v.decode()[:80] for k, v in conn.hgetall(f"rq:job:{job_id}").items()
-           if k in (b"status", b"origin", b"worker_name")}
     live = [w.worker_id for w in registry.live_workers(conn)]
     queues = sorted(m.decode() for m in conn.smembers(keys.pool(None).turn_queue_owners))
-    return (f"job {job_id} (routed to {worker or 'the shared lane'}) {job} in streams {found}; live workers {live}; "
+    return (f"job {job_id} (routed to {worker or 'the shared lane'}) in streams {found}; live workers {live}; "
             f"turn queues {queues}")
 
 

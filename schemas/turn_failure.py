@@ -1,8 +1,7 @@
 """Why a turn failed for good, as its worker tells its server: a code and the reason in words.
 
 The code is what the server acts on (`pipeline.serve.turn_wait` maps it to an HTTP status, the one
-place that knows HTTP); the reason is for the caller to read. A job of the shared lane (an RQ job)
-records its failure as RQ does, as `ErrorClass: message`; `from_error_line` reads that line.
+place that knows HTTP); the reason is for the caller to read.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Literal
 FailureCode = Literal["unservable", "failed"]
 
 # The errors that mean no worker of the pool can serve the call (the call's fault, not the worker's):
-# `workers.errors.UnsupportedRequestError`, and the refusals of admission.
+# `workers.errors.UnsupportedRequestError`, the refusals of admission, a job not allowed.
 UNSERVABLE_ERRORS = frozenset({"UnsupportedRequestError", "UnservableJobError", "NotAllowedJobError"})
 
 _PREFIX = b'{"error"'  # an encoded failure (Arrow IPC, a turn's answer otherwise, never starts so)
@@ -30,13 +29,6 @@ class TurnFailure:
         """The failure an error of class `error_class` (its name) stands for."""
         code: FailureCode = "unservable" if error_class in UNSERVABLE_ERRORS else "failed"
         return cls(code, f"{error_class}: {message}")
-
-    @classmethod
-    def from_error_line(cls, line: str) -> TurnFailure:
-        """A failure recorded as `ErrorClass: message` (RQ's last line of a failed job's error)."""
-        error_class, sep, _ = line.partition(":")
-        code: FailureCode = "unservable" if sep and error_class.strip() in UNSERVABLE_ERRORS else "failed"
-        return cls(code, line)
 
     def encode(self) -> bytes:
         return json.dumps({"error": self.reason, "code": self.code}).encode()

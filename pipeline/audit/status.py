@@ -10,7 +10,6 @@ from collections import Counter
 from typing import Any
 
 import redis
-from rq.queue import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -103,18 +102,21 @@ def collect(conn: redis.Redis, run: str | None = None, pool: str | None = None) 
     return {"pools": {name: collect_pool(conn, name, run) for name in names}}
 
 
-def routed_turns(conn: redis.Redis, pool: keys.PoolKeys) -> dict[str, int]:
-    """Jobs of agent turns in the pool's workers' turn queues (`pipeline.core.jobs.turn_queue`):
-    waiting (`routed`) and taken by a worker (`taken`)."""
+def queued_turns(conn: redis.Redis, pool: keys.PoolKeys) -> dict[str, Any]:
+    """Jobs of agent turns (`pipeline.core.jobs.turn_queue`) in the pool's shared lane (`lane_queued`
+    waiting, `lane_taken` taken by a worker) and in its workers' turn queues (`routed` waiting,
+    `taken` taken by a worker)."""
     owners = sorted(m.decode() for m in conn.smembers(pool.turn_queue_owners))
+    streams = [pool.lane, *(pool.turn_queue(worker) for worker in owners)]
     with conn.pipeline(transaction=False) as pipe:
-        for worker in owners:
-            turn_queue.queued(pipe, pool, worker)
-            pipe.xpending(pool.turn_queue(worker), turn_queue.TURNS.group)
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, turn_queue.TURNS.group)
         counts = pipe.execute(raise_on_error=False)
     entries = [c if isinstance(c, int) else 0 for c in counts[0::2]]
     taken = [int(p["pending"]) if isinstance(p, dict) else 0 for p in counts[1::2]]  # a stream without its group
-    return {"routed": sum(entries) - sum(taken), "taken": sum(taken)}
+    return {"lane": pool.lane, "lane_queued": entries[0] - taken[0], "lane_taken": taken[0],
+            "routed": sum(entries[1:]) - sum(taken[1:]), "taken": sum(taken[1:])}
 
 
 def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[str, Any]:
@@ -140,9 +142,7 @@ def collect_pool(conn: redis.Redis, pool: str, run: str | None = None) -> dict[s
         "queue": {"name": queue.name, "queued": queue.count,
                   "retrying": queue.scheduled_job_registry.get_job_count(cleanup=False),
                   "started": started.get_job_count(cleanup=False), "failed": failed.get_job_count(cleanup=False)},
-        "turns": {"lane": where.lane_queue_name,
-                  "lane_queued": Queue(where.lane_queue_name, connection=conn, serializer=JSONSerializer).count,
-                  **routed_turns(conn, where)},
+        "turns": queued_turns(conn, where),
         "sessions": open_sessions(conn, where.name),
         "affinity": affinity(conn, where.name),
         "workers": [{**w.model_dump(), "heartbeat_age_s": max(0.0, round(now - w.heartbeat_at, 1))} for w in workers],
@@ -320,8 +320,9 @@ def format_pool(name: str, status: dict[str, Any]) -> str:
         + f" (generation {desired['generation']})",
         f"queue {q['name']}: {q['queued']} queued, {q['retrying']} waiting to retry, {q['started']} running, "
         f"{q['failed']} failed",
-        f"agent turns: {status['turns']['lane_queued']} job(s) queued in the shared lane {status['turns']['lane']}; "
-        f"workers' turn queues: {status['turns']['routed']} waiting, {status['turns']['taken']} running",
+        f"agent turns: {status['turns']['lane_queued']} job(s) waiting in the shared lane {status['turns']['lane']} "
+        f"({status['turns']['lane_taken']} running); workers' turn queues: {status['turns']['routed']} waiting, "
+        f"{status['turns']['taken']} running",
     ]
     sessions = status["sessions"]
     if sessions["open"] or any(r.get("agent_turns") for r in status["runs"].values()):

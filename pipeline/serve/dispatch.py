@@ -1,14 +1,14 @@
 """A server's turns on their way to the workers, and their answers back.
 
 Each turn goes to a worker chosen by the router (`routing`: its session's home while that is
-alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's turn queue
-(a Redis stream, `pipeline.core.jobs.turn_queue`: no RQ job); with no such worker it waits as an
-RQ job in the pool's shared lane (`keys.PoolKeys.lane_queue_name`, the only thing called a lane),
-which the pool's workers take before their batch queue, so a turn never waits behind a
-10 000-request run. Either way a job of turns is the project's job function like any batch (same
-allow-list, admission, retries, hand-backs, engine road); its payload carries one `TurnTag` per
-request, so the worker logs each turn's rows and answers its server (`workers.jobs.turn_commits`)
-instead of writing a shard of one row.
+alive, able and not overloaded, by `pipeline.core.affinity`) through that worker's turn queue; with
+no such worker it goes to the pool's shared lane (`keys.PoolKeys.lane`, the only thing called a
+lane), which every live worker of the pool reads beside its own turn queue, before its batch queue,
+so a turn never waits behind a 10 000-request run. Both are Redis streams of `schemas.turn_job.
+TurnJob` read through one consumer group (`pipeline.core.jobs.turn_queue`): no RQ job. A job of
+turns runs on the road of any batch (same allow-list, admission, retries, hand-backs, engine); its
+payload carries one `TurnTag` per request, so the worker logs each turn's rows and answers its
+server (`workers.jobs.turn_commits`) instead of writing a shard of one row.
 
 Turns reaching a server together share a job (`turn_batching`); workers answer them in the
 server's inbox (`inbox`); a server's waiter looks elsewhere between blocks (`turn_wait`). A failed
@@ -22,8 +22,6 @@ from typing import Any
 
 import pyarrow as pa
 import redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
 from pipeline.core.affinity import DEFAULT_LOAD_FACTOR, Route
 from pipeline.core.broker import keys
@@ -51,9 +49,8 @@ class TurnDispatch:
                  load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
         self.conn = conn
         self.keys = keys.pool(pool)
-        self.queue = Queue(self.keys.lane_queue_name, connection=conn, serializer=JSONSerializer)
         self.router = Router(conn, self.keys, affinity=affinity, load_factor=load_factor)
-        self.batcher = TurnBatcher(conn, self.router, self.queue, max_turns_per_job=max_turns_per_job)
+        self.batcher = TurnBatcher(conn, self.router, max_turns_per_job=max_turns_per_job)
         self.inbox = Inbox(conn)  # where workers answer this server's turns (`TurnTag.reply_to`)
         self.waiter = TurnWaiter(conn, self.router, self.inbox, self.batcher.answered, turn_timeout_s=turn_timeout_s)
 

@@ -2,10 +2,10 @@
 when it comes round as one job of turns (per run, output, worker class and target worker).
 
 While the server's jobs of turns in flight already keep the pool's live workers busy (two jobs each),
-new turns wait for one of those to be answered (at most `HOLD_S`), so under load RQ's per-job cost
+new turns wait for one of those to be answered (at most `HOLD_S`), so under load a job's cost
 is paid once for many turns; a turn reaching an idle pool is enqueued at once. A job goes to its
-chosen worker's turn queue (`pipeline.core.jobs.turn_queue`), or to the pool's shared lane (RQ) for any
-worker.
+chosen worker's turn queue (`pipeline.core.jobs.turn_queue`), or to the pool's shared lane for any
+worker (the same kind of stream, read by them all).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import redis
-from rq import Queue
 
-from pipeline.core.broker import keys
 from pipeline.core.jobs import turn_queue
-from pipeline.core.jobs.queue import job_args, job_data
+from pipeline.core.jobs.queue import job_args
 from pipeline.serve.routing import ACTIVE_S, Router
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
@@ -53,12 +51,10 @@ class WaitingTurn:
 class TurnBatcher:
     """Enqueues one server's turns of one pool as jobs, several turns a job under load."""
 
-    def __init__(self, conn: redis.Redis, router: Router, shared_lane: Queue, *,
-                 max_turns_per_job: int = MAX_TURNS_PER_JOB) -> None:
+    def __init__(self, conn: redis.Redis, router: Router, *, max_turns_per_job: int = MAX_TURNS_PER_JOB) -> None:
         self.conn = conn
         self.router = router
         self.keys = router.keys
-        self.shared_lane = shared_lane
         self.max_turns_per_job = max_turns_per_job
         self._waiting: list[WaitingTurn] = []
         self._ready = threading.Condition()
@@ -129,17 +125,11 @@ class TurnBatcher:
                 needs |= other.needs
             description = f"{len(turns)} agent turn(s) of run {first.run}"
             worker = first.worker
-            with self.conn.pipeline(transaction=worker is None) as pipe:
-                if worker is None:
-                    data = job_data(payload, timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES, needs=needs,
-                                    description=description)
-                    for waiting in turns:
-                        pipe.set(keys.turn_job(waiting.turn.turn_id), job_id, ex=TURN_JOB_TIMEOUT_S * 2)
-                    self.shared_lane.enqueue_many([data], pipeline=pipe)
-                else:
-                    turn_queue.push(pipe, self.keys, worker, turn_queue.new_job(
-                        job_id, job_args(payload), needs.as_dict(), description,
-                        timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES))
+            with self.conn.pipeline(transaction=False) as pipe:
+                turn_queue.push(pipe, self.keys, worker, turn_queue.new_job(
+                    job_id, job_args(payload), needs.as_dict(), description,
+                    timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES))
+                if worker is not None:
                     active_until = time.time() + ACTIVE_S
                     pipe.zadd(self.keys.homed_sessions(worker), {t.turn.session_id: active_until for t in turns})
                     for waiting in turns:

@@ -28,7 +28,6 @@ from pipeline.core.broker import control_channel, keys
 from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.errors import PipelineError
 from pipeline.core.jobs import turn_log, turn_queue, turn_stream
-from pipeline.core.jobs.status import failure_reason, read_status
 from pipeline.core.jobs.turn_stream import TokenDelta
 from pipeline.serve.api_error import APIError
 from pipeline.serve.inbox import Inbox
@@ -75,7 +74,7 @@ class TurnWaiter:
         self._read_threads: anyio.CapacityLimiter | None = None
 
     def job_of(self, turn_id: str) -> tuple[str | None, str | None]:
-        """The turn's job id, and the worker whose turn queue holds it (None: an RQ job of the shared lane)."""
+        """The turn's job id, and the worker whose turn queue holds it (None: the pool's shared lane)."""
         return turn_queue.parse_turn_job(self.conn.get(keys.turn_job(turn_id)))
 
     async def wait_async(self, turn_id: str, run: str, started: float,
@@ -161,29 +160,18 @@ class TurnWaiter:
         if answered is not None:
             return answered
         job_id, worker = self.job_of(turn_id)
-        if worker is not None:  # in a worker's turn queue (a dead one's is read by the live ones)
-            failure = turn_queue.turn_failure(self.conn, turn_id)
-            if failure is not None:
-                raise _failed(failure)
-            logged = self._logged(run, turn_id)  # answered, but the answer went to another server or a waiter gone
-            if logged is None and worker not in {w.worker_id for w in self.router.live_workers()}:
-                # Routed to a worker that died before the push (its queue already emptied and forgotten):
-                # known again, so that the live workers read it.
-                turn_queue.register(self.conn, self.keys, worker)
-            return logged
-        status = None if job_id is None else read_status(self.conn, job_id)
-        if status == b"finished":  # answered, but the answer went to another server or a waiter gone
-            logged = self._logged(run, turn_id)
-            if logged is not None:
-                return logged
-            raise APIError(500, "the turn finished but its rows were taken by a server that is gone and are "
-                                "in neither the turn log nor a shard it remembers; call again to generate it "
-                                "again", code="turn_failed")
-        if status in (b"failed", b"stopped", b"canceled") or status is None:
-            reason = failure_reason(self.conn, job_id) if status is not None and job_id else \
-                "its job is gone from Redis (a Redis failover or restart loses the latest writes); call again to run it"
-            raise _failed(TurnFailure.from_error_line(reason))
-        return None
+        if job_id is None:  # a failover or restart lost the job with its key: the call's retry runs it again
+            raise _failed(TurnFailure("failed", "its job is gone from Redis (a Redis failover or restart loses "
+                                                "the latest writes); call again to run it"))
+        failure = turn_queue.turn_failure(self.conn, turn_id)
+        if failure is not None:
+            raise _failed(failure)
+        logged = self._logged(run, turn_id)  # answered, but the answer went to another server or a waiter gone
+        if logged is None and worker is not None and worker not in {w.worker_id for w in self.router.live_workers()}:
+            # Routed to a worker that died before the push (its queue already emptied and forgotten):
+            # known again, so that the live workers read it.
+            turn_queue.register(self.conn, self.keys, worker)
+        return logged
 
     def _threads(self) -> anyio.CapacityLimiter:
         """Threads for stream reads on a Redis without an asyncio twin, as many as the sockets of one with it."""
@@ -213,19 +201,16 @@ class TurnWaiter:
         return rows if rows.num_rows else None
 
     def _late(self, turn_id: str) -> APIError:
-        job_id, worker = self.job_of(turn_id)
-        if worker is not None:
-            status = "queued"  # in its worker's turn queue, taken or not
-        else:
-            status = "" if job_id is None else (read_status(self.conn, job_id) or b"").decode()
+        job_id, _ = self.job_of(turn_id)
         try:
             paused = control_channel.read_state(self.conn, self.keys.name).paused
         except PipelineError:
             paused = False
-        if status in ("queued", "scheduled", "deferred", "") and (paused or not self.router.live_workers()):
+        if paused or not self.router.live_workers():
             why = f"pool {self.keys.name!r} is paused" if paused else f"no live worker serves pool {self.keys.name!r}"
             retry_after = max(1, int(self.turn_timeout_s // 4))
             return APIError(503, f"{why}; the turn is queued and runs once a worker takes it: call again to get its "
                                  "answer", code="no_worker", headers={"Retry-After": str(retry_after)})
+        status = "queued" if job_id is not None else "gone"
         return APIError(504, f"the turn did not finish within {self.turn_timeout_s:g} s (its job is "
-                             f"{status or 'gone'}); call again to wait for it", code="turn_timeout")
+                             f"{status}); call again to wait for it", code="turn_timeout")

@@ -1,4 +1,5 @@
-"""Jobs of a worker's turn queue (`pipeline.core.jobs.turn_queue`), as `pipeline serve` pushes them."""
+"""Jobs of a worker's turn queue or of the pool's shared lane (`pipeline.core.jobs.turn_queue`), as
+`pipeline serve` pushes them."""
 
 from __future__ import annotations
 
@@ -28,19 +29,19 @@ def answers(conn: redis.Redis, count: int = 1, timeout: float = 30) -> dict[str,
     return got
 
 
-def turn_job(job_id: str, *turn_ids: str, retries: int = 1) -> TurnJob:
-    """A job of one 3-token request per turn of run `r`, session `s-<turn id>`."""
+def turn_job(job_id: str, *turn_ids: str, retries: int = 1, needs: dict | None = None) -> TurnJob:
+    """A job of one 3-token request per turn of run `r`, session `s-<turn id>` (asking for `needs`)."""
     requests = [RolloutRequest.model_validate({"id": f"{t}:0", "input_ids": [1, 2, 3]}) for t in turn_ids]
     payload = JobPayload.pack(requests, run="r", job_id=job_id, batch_id=job_id, output="file:///tmp/out",
                               submitted_at_ms=0,
                               turns=[TurnTag(turn_id=t, session_id=f"s-{t}", turn=0, reply_to=SERVER)
                                      for t in turn_ids])
-    return turn_queue.new_job(job_id, job_args(payload), {}, f"{len(turn_ids)} agent turn(s) of run r",
+    return turn_queue.new_job(job_id, job_args(payload), needs or {}, f"{len(turn_ids)} agent turn(s) of run r",
                                 timeout_s=60, retries=retries)
 
 
-def push(conn: redis.Redis, worker: str, job: TurnJob, pool: str | None = None) -> None:
-    """Route `job` to `worker`'s turn queue."""
+def push(conn: redis.Redis, worker: str | None, job: TurnJob, pool: str | None = None) -> None:
+    """Route `job` to `worker`'s turn queue (None: the pool's shared lane)."""
     with conn.pipeline(transaction=False) as pipe:
         turn_queue.push(pipe, keys.pool(pool), worker, job)
         pipe.execute()

@@ -1,5 +1,6 @@
-"""Jobs run only where they can be served: the check a worker makes on each job it dequeues,
-before anything runs (the rules: `schemas.capabilities`).
+"""Jobs run only where they can be served: the check a worker makes on each job it takes, batch
+job or job of agent turns, before anything runs (the rules: `schemas.capabilities`); the one check
+of what a job needs on the worker's side.
 
 Submit stores what a job needs in its RQ meta (`needs`). A worker that lacks some of it, or
 that refused the job before (`refused_by`: an `UnsupportedRequestError` from its engine, a
@@ -10,6 +11,10 @@ When no live worker of the pool can serve the job, it waits at most
 first time a worker found it so, listed in the pool's `unservable` hash for `pipeline
 status`; then it fails with that reason, without retries.
 
+A job of agent turns (`pipeline.core.jobs.turn_queue`) that its reader cannot serve is moved to a
+live worker that can (`admit_turn`), or, with none, handed back to wait for one as long, then
+failed for its server with the code `unservable`.
+
 Chosen over capability sub-queues: one queue per pool keeps FIFO order, the queue counts,
 pause and RQ's registries as they are, and a mismatch costs one extra dequeue only when the
 pool is mixed and the wrong worker is first.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -31,6 +37,7 @@ from rq.worker import BaseWorker
 from pipeline.core import settings
 from pipeline.core.broker import keys, registry
 from schemas.capabilities import Needs, missing
+from schemas.turn_job import TurnJob
 from schemas.worker_info import Capabilities
 
 log = logging.getLogger(__name__)
@@ -49,10 +56,12 @@ def unservable_wait_s() -> float:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a worker does with a dequeued job: run it, hand it back, or fail it (nothing ran)."""
+    """What a worker does with a job it took: run it, hand it back, move it to `to` (a job of turns),
+    or fail it (nothing ran)."""
 
-    action: Literal["run", "hand_back", "fail"]
+    action: Literal["run", "hand_back", "move", "fail"]
     reason: str = ""
+    to: str | None = None
 
 
 def job_needs(job: Job) -> Needs | None:
@@ -86,8 +95,7 @@ def decide(conn: redis.Redis, job: Job, worker_id: str, capabilities: Capabiliti
             _clear_unservable(conn, job, pool)
         return Verdict("run")
     mine = f"lacks {', '.join(lacks)}" if lacks else "refused it before"
-    others = [w for w in registry.live_workers(conn, pool)
-              if w.worker_id != worker_id and w.worker_id not in refusers and can_serve(needs, w.capabilities)]
+    others = _able_others(conn, pool, worker_id, needs, refusers)
     if others:
         if UNSERVABLE_SINCE_META in job.meta:
             _clear_unservable(conn, job, pool)
@@ -103,6 +111,30 @@ def decide(conn: redis.Redis, job: Job, worker_id: str, capabilities: Capabiliti
     if now - since >= unservable_wait_s():
         return Verdict("fail", f"{reason}; waited {now - since:.0f} s for one (${ENV_UNSERVABLE_WAIT_S})")
     return Verdict("hand_back", reason)
+
+
+def admit_turn(conn: redis.Redis, job: TurnJob, worker_id: str, capabilities: Capabilities, pool: str) -> Verdict:
+    """Whether `worker_id` runs the job of turns it read: run it; move it to a live worker that can
+    serve it; hand it back while none can (a worker that can may be starting), for at most the
+    unservable wait from its enqueue; then fail it."""
+    needs = Needs.from_dict(job.needs)
+    lacks = missing(needs, capabilities)
+    if not lacks:
+        return Verdict("run")
+    others = _able_others(conn, pool, worker_id, needs, [])
+    if others:
+        return Verdict("move", f"worker {worker_id} lacks {', '.join(lacks)}", to=random.choice(others))
+    reason = f"job {job.job_id}: no live worker of pool {pool!r} can serve it (it needs {', '.join(lacks)})"
+    waited = time.time() - job.enqueued_at
+    if waited >= unservable_wait_s():
+        return Verdict("fail", f"{reason}; waited {waited:.0f} s for one (${ENV_UNSERVABLE_WAIT_S})")
+    return Verdict("hand_back", reason)
+
+
+def _able_others(conn: redis.Redis, pool: str, worker_id: str, needs: Needs | None, refusers: list[str]) -> list[str]:
+    """The pool's other live workers that can serve `needs` and did not refuse the job."""
+    return [w.worker_id for w in registry.live_workers(conn, pool)
+            if w.worker_id != worker_id and w.worker_id not in refusers and can_serve(needs, w.capabilities)]
 
 
 def _nobody(job: Job, pool: str, lacks: list[str], refusers: list[str]) -> str:

@@ -17,8 +17,8 @@ worker ran it to the end) is dropped rather than run again.
 
 Each sweep looks at the jobs of the pool's open batches (`pipeline.core.broker.keys.PoolKeys.open_batches`:
 every submit adds its batch; a sweep drops a batch once all its jobs have ended, committed, over
-two sweeps) and reads, in one transaction, every queue of the pool (the batch queue and the shared
-lane: a job may move between them), its intermediate queue and its registries. A job found
+two sweeps) and reads, in one transaction, the pool's RQ queue (its batch queue; agent turns are no
+RQ jobs), its intermediate queue and its registries. A job found
 orphaned twice, at least `grace_s` apart, is requeued at the front of its own queue (its origin)
 (status `queued`), in one Lua script that first checks again, atomically, that its status is
 still the one seen and that it is still in none of those places of any of the pool's queues. Live workers re-add their

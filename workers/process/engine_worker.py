@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.exceptions import DequeueTimeout, StopRequested
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, Retry
 from rq.serializers import JSONSerializer
@@ -74,10 +74,9 @@ def new_worker_id() -> str:
 
 
 def pool_queues(conn: redis.Redis, pool: keys.PoolKeys) -> list[Queue]:
-    """The RQ queues a worker of `pool` takes jobs from, in the order it looks at them: agent turns
-    (`pipeline serve`) of the pool's shared lane first, so a turn never waits behind a batch run.
-    The turns routed to this worker come through its turn queue (`workers.process.turn_reader`)."""
-    return [Queue(name, connection=conn, serializer=JSONSerializer) for name in (pool.lane_queue_name, pool.queue_name)]
+    """The RQ queue a worker of `pool` takes jobs from: the pool's batch queue. Agent turns come
+    through its turn queue and the pool's shared lane (`workers.process.turn_reader`)."""
+    return [Queue(pool.queue_name, connection=conn, serializer=JSONSerializer)]
 
 
 class EngineWorker(SimpleWorker):
@@ -144,7 +143,7 @@ class EngineWorker(SimpleWorker):
         )
         # The turns routed to this worker: read by a thread of their own, not through RQ.
         self.turn_reader = TurnReader(conn, self.pool, worker_id, self.feeder, self.turn_ends,
-                                      ready=self._ready_for_turns)
+                                      capabilities=self.info.capabilities, ready=self._ready_for_turns)
         if metrics_port is not None:
             self.metrics.serve(metrics_port, metrics_host)
 
@@ -229,30 +228,19 @@ class EngineWorker(SimpleWorker):
                 if rq_seam.stop_requested(self):  # asked while busy, just before this wait: stop now
                     raise StopRequested()
                 while not self.feeder.has_room(batch=True):
-                    # The batch share of the engine is full, its reserve for agent turns is not: take turns
-                    # only, looking again every second whether a batch job fits.
-                    turn = self._dequeue_turn(timeout=None if timeout is None else 1)
-                    if turn is not None:
-                        return turn
-                    if timeout is None:  # burst: no turn waiting; wait for the batch share
-                        self.feeder.wait_for_room(lambda: rq_seam.stop_requested(self), batch=True)
+                    # The batch share of the engine is full (its reserve for agent turns is the turn
+                    # reader's to fill): wait for it, with the worker's heartbeat every second.
+                    until = time.monotonic() + 1
+                    self.feeder.wait_for_room(
+                        lambda until=until: rq_seam.stop_requested(self) or time.monotonic() > until, batch=True)
                     if rq_seam.stop_requested(self):
                         raise StopRequested()
+                    self.heartbeat()
                 return super(EngineWorker, self).dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             finally:
                 self._waiting_for_job = False
 
         return self.intake.dequeue(rq_dequeue, burst=timeout is None, stopping=lambda: rq_seam.stop_requested(self))
-
-    def _dequeue_turn(self, timeout: int | None) -> tuple[Job, Queue] | None:
-        """A job from the pool's shared lane only, or None."""
-        self.heartbeat()
-        try:
-            return self.queue_class.dequeue_any(
-                self.queues[:1], timeout, connection=self.connection, job_class=self.job_class,
-                serializer=self.serializer, death_penalty_class=self.death_penalty_class)
-        except DequeueTimeout:
-            return None
 
     def _turns_active(self) -> bool:
         """Whether the pool committed an agent turn in the last minute (read at most every 5 s)."""

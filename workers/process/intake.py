@@ -92,13 +92,9 @@ class JobIntake:
                 return None
 
     def _work_queued(self) -> bool:
-        """Whether any RQ queue this worker takes from holds a job (the pool's shared lane, its batch queue)."""
-        names = (self.pool.lane_queue_name, self.pool.queue_name)
+        """Whether the pool's batch queue holds a job (agent turns come through the turn reader)."""
         try:
-            with self.conn.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.llen(f"{Queue.redis_queue_namespace_prefix}{name}")
-                return any(pipe.execute())
+            return bool(self.conn.llen(f"{Queue.redis_queue_namespace_prefix}{self.pool.queue_name}"))
         except redis.RedisError:
             return False
 

@@ -1,18 +1,21 @@
-"""The worker's side of its turn queue (`pipeline.core.jobs.turn_queue`): the turns routed to it,
-read by a thread of their own straight into the feeder as `workers.process.turn_work.TurnWork`.
+"""The worker's side of its turn queue and of the pool's shared lane (`pipeline.core.jobs.
+turn_queue`): the turns routed to it, and those routed to any worker, read by a thread of their own
+straight into the feeder as `workers.process.turn_work.TurnWork`.
 
-`TurnReader` reads its worker's stream as a consumer of the pool's workers' group (a blocking
-XREADGROUP) while the worker is ready for turns (not paused, serving the pool's weights, healthy,
-not stopping) and the engine has room for a turn. RQ's work loop goes on taking the pool's shared
-lane and its batch queue meanwhile. A pause that arrives while the read blocks is seen after it:
-the entry is handed back untouched.
+`TurnReader` reads its worker's stream and the pool's lane as a consumer of the pool's workers'
+group (one blocking XREADGROUP of both) while the worker is ready for turns (not paused, serving
+the pool's weights, healthy, not stopping) and the engine has room for a turn. RQ's work loop goes
+on taking the pool's batch queue meanwhile. A pause that arrives while the read blocks is seen after
+it: the entry is handed back untouched. Each job is admitted first (`workers.jobs.admission.
+admit_turn`, the worker's one check of what a job needs): one this worker cannot serve is moved to
+a live worker that can, or handed back to wait for one.
 
 Every `TAKE_OVER_S` the reader also takes what no live worker runs: the entries of dead workers'
 streams (those a dead worker held, at once, and those no worker had yet), and entries of its own
-stream left idle past `turn_queue.CLAIM_AFTER_S` (read by a reply that was lost on the way to this
-worker; one it handed back, at once); a dead worker's stream is forgotten once empty. A keeper
-thread keeps the entries it runs fresh every `turn_queue.KEEP_EVERY_S`, however long the reader
-blocks, and registers its queue again every `REGISTER_EVERY_S` (a queue forgotten while the
+stream and of the lane left idle past `turn_queue.CLAIM_AFTER_S` (their worker died, or a reply
+was lost on the way; one handed back, at once); a dead worker's stream is forgotten once empty. A
+keeper thread keeps the entries it runs fresh every `turn_queue.KEEP_EVERY_S`, however long the
+reader blocks, and registers its queue again every `REGISTER_EVERY_S` (a queue forgotten while the
 worker looked dead, in a partition, comes back).
 """
 
@@ -30,7 +33,10 @@ from pipeline.core.broker import keys
 from pipeline.core.broker.work_streams import Claimed
 from pipeline.core.jobs import turn_queue
 from pipeline.core.jobs.turn_queue import TURNS
+from schemas.turn_failure import TurnFailure
 from schemas.turn_job import TurnJob
+from schemas.worker_info import Capabilities
+from workers.jobs import admission
 from workers.jobs.feeder import Feeder
 from workers.process.turn_work import TurnEnds, TurnWork, failure_of
 from workers.runtime.periodic import Periodic
@@ -50,18 +56,20 @@ class TurnReader:
     `feeder` while `ready()`; a keeper thread keeping them fresh."""
 
     def __init__(self, conn: redis.Redis, pool: keys.PoolKeys, worker_id: str, feeder: Feeder, ends: TurnEnds, *,
-                 ready: Callable[[], bool], block_s: float = BLOCK_S, take_over_s: float = TAKE_OVER_S,
-                 claim_after_s: float = turn_queue.CLAIM_AFTER_S) -> None:
+                 capabilities: Capabilities, ready: Callable[[], bool], block_s: float = BLOCK_S,
+                 take_over_s: float = TAKE_OVER_S, claim_after_s: float = turn_queue.CLAIM_AFTER_S) -> None:
         self.conn = conn
         self.pool = pool
         self.worker_id = worker_id
         self.feeder = feeder
         self.ends = ends
+        self.capabilities = capabilities
         self.ready = ready
         self.block_s = block_s
         self.take_over_s = take_over_s
         self.claim_after_s = claim_after_s
         self.stream = pool.turn_queue(worker_id)
+        self._pending: list[Claimed[TurnJob]] = []  # read in one go, waiting for room in the feeder
         self._next_take_over = 0.0
         self._next_own_claim = 0.0
         self._next_register = 0.0
@@ -92,8 +100,8 @@ class TurnReader:
         self._keeper.stop()
 
     def held(self) -> list[Claimed[TurnJob]]:
-        """The entries this worker runs."""
-        return [work.claimed for work in self.feeder.works() if isinstance(work, TurnWork)]
+        """The entries this worker runs, or has read and will run once the engine has room."""
+        return [*(work.claimed for work in self.feeder.works() if isinstance(work, TurnWork)), *self._pending]
 
     def keep(self) -> None:
         """The entries it runs kept from a take-over; its queue registered again now and then."""
@@ -135,8 +143,9 @@ class TurnReader:
             self._reader.close()
 
     def _read(self, block_ms: int) -> list[Claimed[TurnJob]]:
+        """An entry of its own stream, of the pool's lane, or one of each (one read of both)."""
         try:
-            return TURNS.read_new(self._reader, [self.stream], self.worker_id, 1, block_ms)
+            return TURNS.read_one_each(self._reader, [self.stream, self.pool.lane], self.worker_id, block_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -146,18 +155,20 @@ class TurnReader:
     def take_over(self) -> list[Claimed[TurnJob]]:
         """What no live worker runs, now this worker's: the entries of dead workers' streams (those
         dead workers held, and those no worker had yet), and, every `claim_after_s`, entries of its
-        own stream left idle that long (handed back, or read by a reply that was lost); dead
-        workers' empty streams forgotten."""
+        own stream and of the pool's lane left idle that long (handed back, held by a worker that
+        died, or read by a reply that was lost); dead workers' empty streams forgotten."""
         live, dead = turn_queue.owners(self.conn, self.pool, self.worker_id)
         room = max(1, self.feeder.max_jobs_in_flight - self.feeder.in_flight)
         taken: list[Claimed[TurnJob]] = []
         if time.monotonic() >= self._next_own_claim:
             self._next_own_claim = time.monotonic() + self.claim_after_s
             held = {claimed.entry_id for claimed in self.held()}
-            # Entries of its own this worker runs already (its keeper was late) are not run twice.
-            taken += [claimed for claimed in TURNS.take_over(self.conn, self.stream, self.worker_id,
-                                                             int(self.claim_after_s * 1000), room)
-                      if claimed.entry_id not in held]
+            # Entries this worker runs already (its keeper was late) are not run twice.
+            for stream in (self.stream, self.pool.lane):
+                if len(taken) < room:
+                    taken += [claimed for claimed in TURNS.take_over(self.conn, stream, self.worker_id,
+                                                                     int(self.claim_after_s * 1000), room - len(taken))
+                              if claimed.entry_id not in held]
         for worker in dead:
             stream = self.pool.turn_queue(worker)
             try:
@@ -189,15 +200,41 @@ class TurnReader:
         return block if not read_timeout else max(0.001, min(block, read_timeout / 2))
 
     def _admit_all(self, entries: list[Claimed[TurnJob]], *, taken_over: bool) -> None:
-        for position, claimed in enumerate(entries):
-            if position:
-                self.feeder.wait_for_room(self._stop.is_set)
-            if self._stop.is_set() or not self.ready():  # paused (or stopping) while the read blocked
-                for unrun in entries[position:]:
-                    self.hand_back(unrun)
-                return
-            try:
+        self._pending = list(entries)
+        try:
+            for position, claimed in enumerate(entries):
+                if position:
+                    self.feeder.wait_for_room(self._stop.is_set)
+                if self._stop.is_set() or not self.ready():  # paused (or stopping) while the read blocked
+                    for unrun in entries[position:]:
+                        self.hand_back(unrun)
+                    return
+                self._admit(claimed, taken_over=taken_over)
+                self._pending = list(entries[position + 1:])
+        finally:
+            self._pending = []
+
+    def _admit(self, claimed: Claimed[TurnJob], *, taken_over: bool) -> None:
+        """Into the feeder, if this worker can serve it (`admission.admit_turn`); else moved to a worker
+        that can, handed back to wait for one, or failed."""
+        job = claimed.job
+        try:
+            verdict = admission.admit_turn(self.conn, job, self.worker_id, self.capabilities, self.pool.name)
+            if verdict.action == "move" and verdict.to is not None:
+                turn_queue.move(self.conn, self.pool, claimed, verdict.to)
+                log.info("worker %s: turn job %s moved to worker %s (%s)", self.worker_id, job.job_id, verdict.to,
+                         verdict.reason)
+            elif verdict.action == "hand_back":
+                turn_queue.hand_back(self.conn, self.worker_id, claimed)
+                log.warning("worker %s: turn job %s waits for a worker that can serve it: %s", self.worker_id,
+                            job.job_id, verdict.reason)
+            elif verdict.action == "fail":
+                turn_queue.fail(self.conn, claimed, TurnFailure("unservable", verdict.reason))
+                log.error("worker %s: turn job %s failed: %s", self.worker_id, job.job_id, verdict.reason)
+            else:
                 self.feeder.admit(TurnWork(claimed, self.ends, taken_over=taken_over))
-            except Exception as exc:  # before it was in flight: nothing else would end it
-                turn_queue.fail(self.conn, claimed, failure_of(exc))
-                log.exception("worker %s: turn job %s not admitted", self.worker_id, claimed.job.job_id)
+        except redis.RedisError:
+            raise  # the reader's loop tries again; the entry is taken back by a claim
+        except Exception as exc:  # before it was in flight: nothing else would end it
+            turn_queue.fail(self.conn, claimed, failure_of(exc))
+            log.exception("worker %s: turn job %s not admitted", self.worker_id, job.job_id)

@@ -48,10 +48,11 @@ class PoolKeys:
         return QUEUE_NAME if self.name == DEFAULT_POOL else f"{QUEUE_NAME}.{self.name}"
 
     @property
-    def lane_queue_name(self) -> str:
-        """The pool's shared lane: an RQ queue of agent turns (`pipeline serve`) that the pool's
-        workers take before its batch queue, so a turn never waits behind a long batch run."""
-        return f"lane.{self.queue_name}"
+    def lane(self) -> str:
+        """The pool's shared lane: a stream of the jobs of agent turns (`pipeline serve`) routed to no
+        worker in particular, read by every live worker of the pool through `TURN_GROUP` beside its own
+        turn queue (`pipeline.core.jobs.turn_queue`), so a turn never waits behind a batch run."""
+        return f"{self._base}:lane"
 
     @property
     def open_sessions(self) -> str:

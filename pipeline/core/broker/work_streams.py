@@ -156,6 +156,13 @@ class WorkStreams(Generic[J]):
             claimed = self._read_each(conn, streams, consumer, count)
         return claimed
 
+    def read_one_each(self, conn: redis.Redis, streams: list[str], consumer: str, block_ms: int) -> list[Claimed[J]]:
+        """At most one entry no consumer has had yet from each of `streams`, in one XREADGROUP that blocks
+        up to `block_ms` (never 0) for the first."""
+        answer = conn.xreadgroup(self.group, consumer, dict.fromkeys(streams, ">"), count=1, block=block_ms)
+        return [claimed for stream, entries in answer or []
+                for claimed in self._claimed(conn, stream.decode() if isinstance(stream, bytes) else stream, entries)]
+
     def _read_each(self, conn: redis.Redis, streams: list[str], consumer: str, count: int) -> list[Claimed[J]]:
         claimed: list[Claimed[J]] = []
         start = random.randrange(len(streams)) if streams else 0

@@ -160,9 +160,9 @@ def delete_pool(conn: redis.Redis, pool: str) -> DeletedPool:
             if not any(conn.sismember(other, run) for other in others)]
     for run in runs:
         _refuse_busy(conn, run, _job_ids(run_batches(conn, run)))
-    queues = [Queue(name, connection=conn, serializer=JSONSerializer)
-              for name in (where.queue_name, where.lane_queue_name)]
+    queues = [Queue(where.queue_name, connection=conn, serializer=JSONSerializer)]
     waiting = sum(queue.count + queue.started_job_registry.get_job_count(cleanup=False) for queue in queues)
+    waiting += conn.xlen(where.lane)  # jobs of agent turns no worker has finished
     if waiting:
         raise PipelineError(f"pool {where.name!r} has {waiting} job(s) queued or running; cancel their runs "
                             "first (`pipeline cancel --run NAME`); nothing was deleted")
@@ -175,7 +175,7 @@ def delete_pool(conn: redis.Redis, pool: str) -> DeletedPool:
         queue.delete(delete_jobs=True)
         conn.delete(*[r.key for r in registries])
     reset_control(conn, where.name)
-    conn.delete(where.workers, where.runs, where.open_batches, where.unservable, where.open_sessions)
+    conn.delete(where.workers, where.runs, where.open_batches, where.unservable, where.open_sessions, where.lane)
     if where.name != keys.DEFAULT_POOL:  # every other key under the pool's own prefix (the default's is shared)
         leftovers = list(conn.scan_iter(match=f"{keys.PREFIX}:pool:{where.name}:*", count=1000))
         if leftovers:

@@ -1,24 +1,28 @@
-"""Workers' turn queues: the jobs of agent turns routed to one worker, a Redis stream each, read
+"""Workers' turn queues and the pool's shared lane: the jobs of agent turns, a Redis stream each, read
 through the pool's workers' consumer group (`pipeline.core.broker.work_streams`, `TURNS`).
 
 `pipeline serve` routes a session's turn to its home worker (`pipeline.core.affinity`) by adding a
-`schemas.turn_job.TurnJob` to that worker's stream (`push`). The worker reads its stream as a
-consumer of the group, runs the job, and acknowledges the entry once its turns are logged and
-answered (`done`), queues it again with one retry fewer (`retry`), hands it back (`hand_back`: any
-worker takes it over at once) or fails its turns (`fail`: an error for each turn in its server's
-inbox, and a failure mark the server reads, `turn_failure`). A turn so costs an XADD, a read and an
-acknowledgement, instead of RQ's job lifecycle (hash, registries, executions, results: ~60
-commands a job).
+`schemas.turn_job.TurnJob` to that worker's stream (`push`); a turn routed to no worker in
+particular (no live worker can take it now, or `--no-affinity`) goes to the pool's shared lane
+(`keys.PoolKeys.lane`), which every live worker reads beside its own. A worker reads as a consumer
+of the group, admits what it can serve (a job it cannot serve is `move`d to a live worker that can,
+or waits for one, `workers.process.turn_reader`), runs the job, and acknowledges the entry once its
+turns are logged and answered (`done`), queues it again with one retry fewer (`retry`), hands it
+back (`hand_back`: any worker takes it over at once) or fails its turns (`fail`: an error for each
+turn in its server's inbox, and a failure mark the server reads, `turn_failure`). A turn so costs
+an XADD, a read and an acknowledgement, instead of RQ's job lifecycle (hash, registries,
+executions, results: ~60 commands a job).
 
 A worker keeps the entries it runs fresh (`keep`). Once a worker is gone from the registry (killed,
 its host away, or stopped), the live workers of the pool read its stream (`owners` says who is
 dead): the entries it held are taken over at once (`WorkStreams.take_over_from`), and the entries
 no worker had yet are read as from their own; the stream is forgotten once empty
-(`forget_if_empty`). A worker's own entries left idle past `CLAIM_AFTER_S` (handed back, or read
-by a reply that was lost) are taken over by the worker itself. Nothing is moved: each entry stays
-where the server put it, and the group's pending list says who runs it. An entry taken over while
-its worker still ran it (a worker that looked dead in a partition) runs twice and answers once:
-the turn log keeps the rows logged first (`workers.jobs.turn_commits`).
+(`forget_if_empty`). A worker's own entries left idle past `CLAIM_AFTER_S` (handed back, or read by
+a reply that was lost) are taken over by the worker itself, and the lane's by any live worker
+(those of a worker that died too). Nothing is moved on a failure: each entry stays where the server
+put it, and the group's pending list says who runs it. An entry taken over while
+its worker still ran it (a worker that looked dead in a partition) runs twice and answers once: the
+turn log keeps the rows logged first (`workers.jobs.turn_commits`).
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ def new_job(job_id: str, payload: dict[str, Any], needs: dict[str, Any], descrip
     return TurnJob(job_id, payload, needs, description, timeout_s, retries, time.time())
 
 
-def turn_job_value(job_id: str, worker: str) -> str:
-    """What `keys.turn_job` holds for a turn in `worker`'s turn queue."""
-    return f"{job_id}@{worker}"
+def turn_job_value(job_id: str, worker: str | None) -> str:
+    """What `keys.turn_job` holds for a turn in `worker`'s turn queue (None: the pool's shared lane)."""
+    return f"{job_id}@{worker or ''}"
 
 
 def parse_turn_job(value: bytes | None) -> tuple[str | None, str | None]:
-    """(job id, the worker whose turn queue holds it: None for a job of the pool's shared RQ lane)
+    """(job id, the worker whose turn queue holds it: None for a job of the pool's shared lane)
     from `keys.turn_job`."""
     if value is None:
         return None, None
@@ -60,8 +64,14 @@ def parse_turn_job(value: bytes | None) -> tuple[str | None, str | None]:
     return job_id, worker or None
 
 
-def push(pipe: Pipeline, pool: keys.PoolKeys, worker: str, job: TurnJob) -> None:
-    """Queue `job` on `worker`'s turn queue, then note where its turns are (in a pipeline).
+def stream_of(pool: keys.PoolKeys, worker: str | None) -> str:
+    """`worker`'s turn queue, or the pool's shared lane for None."""
+    return pool.lane if worker is None else pool.turn_queue(worker)
+
+
+def push(pipe: Pipeline, pool: keys.PoolKeys, worker: str | None, job: TurnJob) -> None:
+    """Queue `job` on `worker`'s turn queue (None: the pool's shared lane), then note where its turns
+    are (in a pipeline).
 
     The entry first: a failover (replication is asynchronous) or a restart from the append-only file
     loses a suffix of the writes, so a turn whose job key survives has its entry too, and a waiter
@@ -69,21 +79,31 @@ def push(pipe: Pipeline, pool: keys.PoolKeys, worker: str, job: TurnJob) -> None
     runs it again) instead of waiting for an entry that is gone."""
     # The worker created its stream's group when it started (`register`); a stream made anew by this
     # XADD (its worker died and was forgotten since it was chosen) gets one from the turn's waiter.
-    TURNS.add(pipe, pool.turn_queue(worker), job.encode())
+    TURNS.add(pipe, stream_of(pool, worker), job.encode())
     for turn_id in job.turn_ids:
         pipe.set(keys.turn_job(turn_id), turn_job_value(job.job_id, worker), ex=2 * job.timeout_s)
 
 
+def move(conn: redis.Redis, pool: keys.PoolKeys, claimed: Claimed[TurnJob], worker: str) -> None:
+    """Hand a job its reader cannot serve to `worker`, one that can: its entry leaves where it was and
+    joins `worker`'s turn queue, and its turns say so (one transaction: never in both, nor in none)."""
+    with conn.pipeline(transaction=True) as pipe:
+        TURNS.acknowledge(pipe, claimed)
+        push(pipe, pool, worker, claimed.job)
+        pipe.execute()
+
+
 def register(conn: redis.Redis, pool: keys.PoolKeys, worker_id: str) -> None:
     """`worker_id`'s turn queue exists from now on, with its group (so its entries are read by the
-    live workers once it is gone)."""
+    live workers once it is gone), and the pool's shared lane has its group too."""
     TURNS.ensure_group(conn, pool.turn_queue(worker_id))
+    TURNS.ensure_group(conn, pool.lane)
     conn.sadd(pool.turn_queue_owners, worker_id)
 
 
-def queued(conn: redis.Redis | Pipeline, pool: keys.PoolKeys, worker: str) -> Any:
-    """How many entries `worker`'s turn queue holds, waiting or running."""
-    return conn.xlen(pool.turn_queue(worker))
+def queued(conn: redis.Redis | Pipeline, pool: keys.PoolKeys, worker: str | None) -> Any:
+    """How many entries `worker`'s turn queue (None: the shared lane) holds, waiting or running."""
+    return conn.xlen(stream_of(pool, worker))
 
 
 def done(conn: redis.Redis, claimed: Claimed[TurnJob]) -> None:

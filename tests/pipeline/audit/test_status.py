@@ -107,8 +107,10 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
     _turn(store, ended, 0, (1, 1))  # an ended session's versions are not the open sessions'
     store.end(ended.session_id)
     store.create(run="other", pool="p2", output="file:///x")  # another pool's session
-    redis_client.rpush(f"rq:queue:{keys.pool(None).lane_queue_name}", "job-a", "job-b")  # two queued lane jobs
     turn_queue.register(redis_client, keys.pool(None), "w1")
+    for job_id in ("lane-a", "lane-b", "lane-c"):  # three in the shared lane, of which w1 took one
+        push(redis_client, None, turn_job(job_id, f"turn-{job_id}"))
+    TURNS.read_new(redis_client, [keys.pool(None).lane], "w1", 1, None)
     for job_id in ("own-1", "own-2", "own-3"):  # three routed to worker w1, which took one
         push(redis_client, "w1", turn_job(job_id, f"turn-{job_id}"))
     TURNS.read_new(redis_client, [keys.pool(None).turn_queue("w1")], "w1", 1, None)
@@ -116,14 +118,14 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
 
     status = collect(redis_client, pool="default")
     pool = status["pools"]["default"]
-    assert pool["turns"] == {"lane": "lane.rollouts", "lane_queued": 2, "routed": 2, "taken": 1}
+    assert pool["turns"] == {"lane": "pipeline:lane", "lane_queued": 2, "lane_taken": 1, "routed": 2, "taken": 1}
     assert pool["sessions"] == {"open": 4, "read": 4, "capped": False, "expired": 0, "with_versions": 3,
                                 "no_turn_yet": 1, "weight_versions": [3, 5], "mixed_versions": 2}
     assert pool["runs"]["agents"]["agent_turns"] == {"turns": 6, "prefix_breaks": 1}
     assert pool["runs"]["batch-only"]["agent_turns"] is None
     text = format_status(status)
-    assert ("agent turns: 2 job(s) queued in the shared lane lane.rollouts; workers' turn queues: 2 waiting, "
-            "1 running") in text
+    assert ("agent turns: 2 job(s) waiting in the shared lane pipeline:lane (1 running); workers' turn queues: "
+            "2 waiting, 1 running") in text
     assert ("agent sessions: 4 open session(s) over weight versions 3..5 (2 with turns on more than one version, "
             "1 with no turn yet)") in text
     assert "agents: 0 shards, 0 rows, 0 completion tokens, weights [], 6 agent turns, 1 prefix breaks" in text
@@ -131,7 +133,8 @@ def test_status_shows_the_lane_open_sessions_their_versions_and_each_runs_agent_
 
     other = collect(redis_client, pool="p2")["pools"]["p2"]
     assert other["sessions"]["open"] == 1 and other["sessions"]["weight_versions"] is None
-    assert other["turns"] == {"lane": "lane.rollouts.p2", "lane_queued": 0, "routed": 0, "taken": 0}
+    assert other["turns"] == {"lane": "pipeline:pool:p2:lane", "lane_queued": 0, "lane_taken": 0, "routed": 0,
+                              "taken": 0}
     assert "agent sessions: 1 open session(s) (1 with no turn yet)" in format_status({"pools": {"p2": other}})
 
     url = redis_client.connection_pool.connection_kwargs

@@ -20,12 +20,3 @@ def test_an_answer_that_is_a_failure_is_its_codes_status(error_class: str, statu
         _rows(TurnFailure.of(error_class, "why").encode())
     assert (raised.value.status, raised.value.code) == (status, "turn_failed")
     assert f"{error_class}: why" in str(raised.value)
-
-
-@pytest.mark.parametrize(("line", "code"), [
-    ("UnservableJobError: no worker of pool p serves top 5 logprobs", "unservable"),
-    ("WorkerError: the shard write failed", "failed"),
-    ("job record is gone from Redis", "failed"),
-])
-def test_a_shared_lane_jobs_error_line_is_coded_by_its_error_class(line: str, code: str) -> None:
-    assert TurnFailure.from_error_line(line) == TurnFailure(code, line)

@@ -172,25 +172,3 @@ def test_no_job_is_taken_for_abandoned_while_the_new_master_settles(redis_client
     eager = _maintenance(redis_client, grace_s=0)
     eager.clean()  # without a change seen (or once the grace is over): abandoned, retried
     assert _where(redis_client, job_id)[0] == "scheduled"
-
-
-def test_a_job_held_by_another_queue_of_the_pool_is_not_orphaned(redis_client: redis.Redis, tmp_path: Path) -> None:
-    """A worker takes jobs from the agent lanes and the batch queue: a batch job its worker runs is
-    in the batch queue's started registry, and an orphaned lane job goes back to its own lane."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    batch = _submit(redis_client, tmp_path, 2)
-    running, orphan = batch.job_ids
-    queue = rollout_queue(redis_client)
-    lane = Queue(POOL.lane_queue_name, connection=redis_client, serializer=JSONSerializer)
-    redis_client.lrem(queue.key, 0, running)
-    redis_client.hset(Job.key_for(running), "status", "started")
-    redis_client.zadd(queue.started_job_registry.key, {f"{running}:exec1": time.time() + 60})
-    _orphan_started(redis_client, orphan)
-    redis_client.hset(Job.key_for(orphan), "origin", lane.name)
-    sweeper = Reconciler(redis_client, [lane, queue], POOL.name, grace_s=0, interval_s=1)
-    assert sweeper.sweep() == []
-    assert sweeper.sweep() == [orphan]
-    assert _where(redis_client, running) == ("started", False)  # held by the batch queue: untouched
-    assert redis_client.lrange(lane.key, 0, -1) == [orphan.encode()]  # back in its own queue

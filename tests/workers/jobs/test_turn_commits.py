@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from pipeline.core.broker import keys
+from pipeline.core.jobs import turn_queue
 from pipeline.serve.dispatch import TurnDispatch
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
@@ -46,10 +47,9 @@ def test_a_lost_reply_is_read_back_from_the_shard_and_a_rerun_logs_nothing(
     redis_client.delete(keys.serve_inbox(SERVER))  # the answer went to a server that is gone
     assert flush_turns(redis_client, "agents", force=True) is not None  # then the log was flushed
     # The job finished; a waiter (the agent's retry) finds the rows in the shard the turn went to.
-    redis_client.set(keys.turn_job(turn_id), "lane-1")
-    redis_client.hset("rq:job:lane-1", "status", "finished")
-    lane = TurnDispatch(redis_client, "default", turn_timeout_s=10)
-    got = asyncio.run(lane.wait_async(turn_id, "agents", time.monotonic(), settled=lambda: None))
+    redis_client.set(keys.turn_job(turn_id), turn_queue.turn_job_value("turns-1", "w1"))
+    dispatch = TurnDispatch(redis_client, "default", turn_timeout_s=10)
+    got = asyncio.run(dispatch.wait_async(turn_id, "agents", time.monotonic(), settled=lambda: None))
     assert got.column("completion_token_ids").to_pylist() == table.column("completion_token_ids").to_pylist()
     assert got.column("session_id").to_pylist() == ["s-1"] and got.column("turn").to_pylist() == [2]
     # The job run again (its worker looked dead) logs nothing new: the turn has one row.

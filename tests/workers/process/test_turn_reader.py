@@ -1,5 +1,6 @@
-"""A worker's turn queue: turns routed to it are served with no RQ record, failures reach each turn's
-server (at once for a request it cannot serve, after one retry otherwise), a paused pool's worker
+"""A worker's turn queue and the pool's shared lane: turns are served with no RQ record, a lane turn a
+worker cannot serve moves to one that can, failures reach each turn's server (once no live worker
+can serve it, or after one retry), a paused pool's worker
 takes nothing from it until resumed, and what no live worker runs (a dead worker's entries, an
 entry whose read's reply was lost) is taken over (a real redis-server, the worker in this process)."""
 
@@ -16,18 +17,21 @@ import redis
 from rq.job import Job
 
 import pipeline
-from pipeline.core.broker import keys
+from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import turn_queue
 from pipeline.core.jobs.queue import job_args
 from pipeline.core.jobs.turn_queue import TURNS
+from schemas.capabilities import needs_of
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.shard import rows_from_ipc
 from schemas.turn_failure import TurnFailure
+from schemas.worker_info import Capabilities, WorkerInfo
 from tests.helpers.processes import wait_until
 from tests.helpers.turn_jobs import SERVER, answers, push, turn_job
 from tests.pipeline.core.jobs.test_turn_queue import alive
 from workers.engines.fake import FakeEngine
+from workers.jobs import admission
 from workers.process.worker import RolloutWorker
 
 POOL = keys.pool(None)
@@ -77,23 +81,65 @@ def test_a_turn_in_a_workers_turn_queue_is_answered_with_no_rq_record(redis_clie
     assert not redis_client.keys("rq:*lane-1*")
 
 
-def test_a_request_the_worker_cannot_serve_fails_its_turn_at_once_with_400(redis_client: redis.Redis) -> None:
+def _top5_job(job_id: str, turn_id: str) -> turn_queue.TurnJob:
+    """A job of one turn asking for top-5 logprobs, its needs as `pipeline serve` writes them."""
+    request = RolloutRequest.model_validate({"id": f"{turn_id}:0", "input_ids": [1, 2], "logprobs": 5})
+    payload = JobPayload.pack([request], run="r", job_id=job_id, batch_id=job_id, output="file:///tmp/out",
+                              submitted_at_ms=0,
+                              turns=[TurnTag(turn_id=turn_id, session_id=f"s-{turn_id}", turn=0, reply_to=SERVER)])
+    return turn_queue.new_job(job_id, job_args(payload), needs_of(request).as_dict(), "1 turn", timeout_s=60,
+                              retries=1)
+
+
+def test_a_turn_no_live_worker_can_serve_fails_with_unservable_once_the_wait_is_over(
+        redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission is the worker's one check of what a job needs: nothing runs, no retry is spent, and
+    the turn's server gets the reason with the code that `pipeline serve` answers 400 for."""
+    monkeypatch.setenv(admission.ENV_UNSERVABLE_WAIT_S, "0")
     worker = RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0), worker_id="w1", control_poll_s=0.1)
-    request = RolloutRequest.model_validate({"id": "s:0", "input_ids": [1, 2], "logprobs": 5})
-    payload = JobPayload.pack([request], run="r", job_id="lane-1", batch_id="lane-1", output="file:///tmp/out",
-                              submitted_at_ms=0, turns=[TurnTag(turn_id="t1", session_id="s", turn=0, reply_to=SERVER)])
 
     def driver() -> None:
-        push(redis_client, "w1", turn_queue.new_job("lane-1", job_args(payload), {}, "1 turn", timeout_s=60,
-                                                    retries=1))
+        push(redis_client, None, _top5_job("turns-1", "t1"))
         failure = TurnFailure.decode(_reply(redis_client, "t1"))
         assert failure is not None and failure.code == "unservable"
-        assert "Unsupported" in failure.reason and "logprobs" in failure.reason
+        assert "no live worker of pool 'default' can serve it (it needs top-5 logprobs)" in failure.reason
 
     _serve(redis_client, worker, driver)
     recorded = turn_queue.turn_failure(redis_client, "t1")
     assert recorded is not None and recorded.code == "unservable"
-    assert turn_queue.queued(redis_client, POOL, "w1") == 0  # not retried: every retry would be refused too
+    assert turn_queue.queued(redis_client, POOL, None) == 0  # not retried: every retry would be refused too
+
+
+def test_a_lane_turn_its_reader_cannot_serve_moves_to_a_live_worker_that_can(redis_client: redis.Redis) -> None:
+    """The pool's shared lane is read by every worker; one that lacks what a job needs hands it to a
+    live worker that has it (its turn queue), and the turn's job key follows it."""
+    now = time.time()
+    registry.publish(redis_client, WorkerInfo(worker_id="w2", host="h", pid=1, engine="sim", model="m",
+                                              started_at=now, heartbeat_at=now,
+                                              capabilities=Capabilities(max_top_logprobs=5)))
+    worker = RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0), worker_id="w1", control_poll_s=0.1)
+
+    def driver() -> None:
+        push(redis_client, None, _top5_job("turns-1", "t1"))
+        wait_until(lambda: turn_queue.queued(redis_client, POOL, "w2") == 1, 30, "the job moved to w2")
+        assert turn_queue.queued(redis_client, POOL, None) == 0
+        assert turn_queue.parse_turn_job(redis_client.get(keys.turn_job("t1"))) == ("turns-1", "w2")
+        assert redis_client.llen(keys.serve_inbox(SERVER)) == 0  # not failed, not run here
+
+    _serve(redis_client, worker, driver)
+
+
+def test_a_turn_in_the_pools_shared_lane_is_answered_by_a_worker_with_no_rq_record(redis_client: redis.Redis) -> None:
+    worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1", control_poll_s=0.1)
+
+    def driver() -> None:
+        push(redis_client, None, turn_job("turns-1", "t1"))
+        rows = rows_from_ipc(_reply(redis_client, "t1")).to_pylist()
+        assert [(r["session_id"], r["worker_id"]) for r in rows] == [("s-t1", "w1")]
+
+    _serve(redis_client, worker, driver)
+    assert turn_queue.queued(redis_client, POOL, None) == 0
+    assert not redis_client.keys("rq:*turns-1*")
 
 
 def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_client: redis.Redis) -> None:
@@ -158,6 +204,20 @@ def test_an_entry_read_as_the_reply_was_lost_is_taken_back_by_its_worker(redis_c
     reader.claim_after_s, reader._next_own_claim = 0, 0.0
     [back] = reader.take_over()
     assert back.job.job_id == "lane-1"
+
+
+def test_a_lane_entry_a_dead_worker_held_is_taken_over_by_a_live_one(redis_client: redis.Redis) -> None:
+    alive(redis_client, "w1")
+    worker = RolloutWorker(redis_client, FakeEngine(), worker_id="w1")
+    turn_queue.register(redis_client, POOL, "w1")
+    push(redis_client, None, turn_job("held", "t1"))
+    TURNS.read_new(redis_client, [POOL.lane], "dead", 1, None)  # read by a worker that died with it
+    reader = worker.turn_reader
+    reader.claim_after_s = 60
+    assert reader.take_over() == []  # its holder may be alive and running it
+    reader.claim_after_s, reader._next_own_claim = 0, 0.0
+    [taken] = reader.take_over()
+    assert (taken.stream, taken.job.job_id) == (POOL.lane, "held")
 
 
 def test_a_dead_workers_turns_are_taken_over_by_a_live_one(redis_client: redis.Redis) -> None:
