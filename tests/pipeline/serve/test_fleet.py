@@ -108,6 +108,33 @@ def test_a_sessions_turns_stay_home_and_find_their_prefix_cached(
     assert 'pipeline_sessions_open{pool="default"} 8' in scraped.text
 
 
+def test_without_affinity_every_turn_goes_through_the_shared_lane_and_no_rq_job(
+        serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen]) -> None:
+    """`pipeline serve --no-affinity`: each turn waits in the pool's shared lane (a stream every
+    worker reads) for whichever worker takes it; no session has a home, no RQ job is made."""
+    for _ in range(2):
+        sim_workers("--sim-step-ms", "1", "--sim-median-tokens", "20", "--sim-p99-tokens", "21")
+    _live(redis_client, 2)
+    stack = serve(tokenizer=None, affinity=False)
+    sessions = [stack.session() for _ in range(6)]
+    prompts = {s: list(range(1, 41)) for s in sessions}
+    for _turn_index in range(3):
+        for session in sessions:
+            answer = _turn(stack.url, session, prompts[session])
+            prompts[session] = prompts[session] + answer["choices"][0]["token_ids"] + TOOL_RESULT
+    served = _served_by(redis_client, stack.run)
+    assert sorted(served) == sorted((s, t) for s in sessions for t in range(3))
+    assert all(len(workers) == 1 for workers in served.values())  # one row a turn
+    pool = keys.pool(None)
+    assert redis_client.xlen(pool.lane) == 0  # every entry acknowledged and deleted
+    assert not any(redis_client.exists(pool.turn_queue(w)) and redis_client.xlen(pool.turn_queue(w))
+                   for w in {w for workers in served.values() for w in workers})
+    assert not list(redis_client.scan_iter("rq:job:turns-*")) and not list(redis_client.scan_iter("rq:queue:lane*"))
+    assert not any(redis_client.zcard(pool.homed_sessions(w.worker_id)) for w in registry.live_workers(redis_client))
+    assert status.collect_pool(redis_client, "default")["turns"] == {
+        "lane": pool.lane, "lane_queued": 0, "lane_taken": 0, "routed": 0, "taken": 0}
+
+
 def test_a_call_goes_to_the_worker_that_served_the_call_it_extends(
         serve: Any, redis_client: redis.Redis, sim_workers: Callable[..., subprocess.Popen]) -> None:
     """Affinity follows the tree: a sub-agent's call served on another worker makes that worker the
