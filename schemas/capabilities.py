@@ -193,6 +193,20 @@ def missing(needs: Needs, capabilities: Capabilities) -> list[str]:
     return lacks
 
 
+def hints(lacks: list[str], needs: Needs) -> list[str]:
+    """How to start a worker that meets each need in `lacks` (from `missing`), where there is a way."""
+    found = [SAMPLING_HINTS[lack] for lack in lacks if lack in SAMPLING_HINTS]
+    if f"top-{needs.top_logprobs} logprobs" in lacks:
+        found.insert(0, f"start a worker with --max-top-logprobs {needs.top_logprobs}")
+    return found
+
+
+def explain(lacks: list[str], needs: Needs) -> str:
+    """`lacks` in words, with `hints` in parentheses."""
+    found = hints(lacks, needs)
+    return ", ".join(lacks) + (f" ({'; '.join(found)})" if found else "")
+
+
 def describe(capabilities: Capabilities) -> str:
     """A capability class in words, for status: what a worker of that class serves."""
     parts = [f"top-{capabilities.max_top_logprobs} logprobs" if capabilities.max_top_logprobs else "no top-k logprobs"]

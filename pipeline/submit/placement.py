@@ -49,7 +49,8 @@ class Placement:
         self.pool = pool
         self.counts = Counter(w.capabilities for w in workers)
         self.classes: list[Capabilities] = list(self.counts)
-        # Token ids are checked only when some worker knows its vocabulary.
+        # Token ids are checked here only when some worker knows its vocabulary; a job's needs carry
+        # its largest token id whatever the workers, for the worker's admission to check.
         self.token_ids = any(c.vocab_size is not None for c in self.classes)
         self.problems: list[str] = []
         # Per request shape (its sampling parameters object, kept alive here so that its id stays
@@ -61,11 +62,11 @@ class Placement:
         a problem names the request by its id (and `row`, its row in a table, when given).
 
         The rules run once per request shape (`ParsedRequest`s of one `sampling_params` shape share
-        its parameters object); per request only the largest token id is checked, when a worker
-        knows its vocabulary."""
+        its parameters object); per request only the largest token id is read (and checked, when a
+        worker knows its vocabulary)."""
         needs, key = self._shape(request)
+        needs = needs.with_token_ids(request.max_token_id())
         if self.token_ids:
-            needs = needs.with_token_ids(request.max_token_id())
             key = tuple(i for i in key if in_vocabulary(needs.max_token_id, self.classes[i]))
         if self.classes and not key and len(self.problems) < MAX_PROBLEMS:
             where = "" if row is None else f" (row {row})"
@@ -78,15 +79,12 @@ class Placement:
 
         A block whose requests all ask alike (a file's usual case: one sampling shape) is placed
         once when every class that serves the shape knows its largest token id: per request, only
-        what it asks is read (and its largest token id, when a worker knows its vocabulary)."""
+        what it asks and its largest token id are read."""
         asks = list(map(_ASKS, requests))
         if asks and asks.count(asks[0]) == len(asks):
             needs, key = self._shape(requests[0])
-            if self.token_ids:
-                needs = needs.with_token_ids(max(map(_MAX_TOKEN_ID, requests)))
-                whole = all(in_vocabulary(needs.max_token_id, self.classes[i]) for i in key)
-            else:
-                whole = True
+            needs = needs.with_token_ids(max(map(_MAX_TOKEN_ID, requests)))
+            whole = not self.token_ids or all(in_vocabulary(needs.max_token_id, self.classes[i]) for i in key)
             if whole and (key or not self.classes):
                 return [(key, needs, list(requests))]
         groups: dict[Hashable, list[R]] = {}
@@ -99,8 +97,8 @@ class Placement:
 
     def job_needs(self, needs: Needs, requests: Iterable[Asks]) -> Needs:
         """`needs` (of a group some of whose requests make a job) with the largest token id of the
-        job's `requests`, when a worker knows its vocabulary: exactly what the job needs."""
-        return needs.with_token_ids(max(map(_MAX_TOKEN_ID, requests))) if self.token_ids else needs
+        job's `requests`: exactly what the job needs."""
+        return needs.with_token_ids(max(map(_MAX_TOKEN_ID, requests)))
 
     def _shape(self, request: Asks) -> tuple[Needs, Hashable]:
         """The needs without token ids and the job key of the request's shape, worked out once."""

@@ -1,10 +1,11 @@
 """Whether an engine can serve a request: the capability rules (`schemas.capabilities`) applied to
-one request, with a hint saying how to start a worker that can. The worker checks every request of
-a job before it runs; an engine that may be called without the worker checks too."""
+one request, with a hint saying how to start a worker that can. A worker checks what each job needs
+once, when it admits it (`workers.jobs.admission`); an engine whose `generate` is also called without
+a worker (vLLM's, whose answers would otherwise be silently inexact) checks each request itself."""
 
 from __future__ import annotations
 
-from schemas.capabilities import SAMPLING_HINTS, missing, needs_of
+from schemas.capabilities import explain, missing, needs_of
 from schemas.request import RolloutRequest
 from schemas.worker_info import Capabilities
 from workers.errors import UnsupportedRequestError
@@ -13,11 +14,7 @@ from workers.errors import UnsupportedRequestError
 def check_request_supported(request: RolloutRequest, capabilities: Capabilities) -> None:
     """Refuse what the worker cannot serve (the rules: `schemas.capabilities`), instead of silently
     dropping a field."""
-    lacks = missing(needs_of(request), capabilities)
+    needs = needs_of(request)
+    lacks = missing(needs, capabilities)
     if lacks:
-        hints = [SAMPLING_HINTS[lack] for lack in lacks if lack in SAMPLING_HINTS]
-        if request.logprobs and f"top-{request.logprobs} logprobs" in lacks:
-            hints.insert(0, f"this worker allows at most {capabilities.max_top_logprobs}; start it with "
-                            f"--max-top-logprobs {request.logprobs}")
-        hint = f" ({'; '.join(hints)})" if hints else ""
-        raise UnsupportedRequestError(f"request {request.id!r}: this worker cannot serve {', '.join(lacks)}{hint}")
+        raise UnsupportedRequestError(f"request {request.id!r}: this engine cannot serve {explain(lacks, needs)}")

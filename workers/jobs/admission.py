@@ -36,9 +36,10 @@ from rq.worker import BaseWorker
 
 from pipeline.core import settings
 from pipeline.core.broker import keys, registry
-from schemas.capabilities import Needs, missing
+from schemas.capabilities import Needs, explain, missing
 from schemas.turn_job import TurnJob
 from schemas.worker_info import Capabilities
+from workers.jobs.allowed_job import is_job_function, not_allowed
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,12 @@ class Verdict:
 
 
 def job_needs(job: Job) -> Needs | None:
-    """What the job needs of its worker (None: submitted by a release that did not say)."""
-    value = job.meta.get(NEEDS_META)
-    if value is None:
-        return None
+    """What the job needs of its worker (`pipeline submit` writes it with every job), or None when
+    its meta holds no readable needs: such a job is failed, never run unchecked."""
     try:
-        return Needs.from_dict(value)
-    except ValueError as exc:
-        log.warning("job %s: unreadable needs in its meta (%s); the worker's own check decides", job.id, exc)
+        return Needs.from_dict(job.meta[NEEDS_META])
+    except (KeyError, ValueError) as exc:
+        log.warning("job %s: no readable needs in its meta (%s)", job.id, exc)
         return None
 
 
@@ -81,15 +80,20 @@ def refused_by(job: Job) -> list[str]:
     return [w for w in value if isinstance(w, str)] if isinstance(value, list) else []
 
 
-def can_serve(needs: Needs | None, capabilities: Capabilities) -> bool:
-    return needs is None or not missing(needs, capabilities)
+def can_serve(needs: Needs, capabilities: Capabilities) -> bool:
+    return not missing(needs, capabilities)
 
 
 def decide(conn: redis.Redis, job: Job, worker_id: str, capabilities: Capabilities, pool: str) -> Verdict:
     """Whether `worker_id` (with `capabilities`, in `pool`) runs the dequeued `job`."""
+    if not is_job_function(job.func_name):
+        return Verdict("fail", not_allowed(job))
     needs = job_needs(job)
+    if needs is None:
+        return Verdict("fail", f"job {job.id} says nothing of what it needs of a worker (its meta has no "
+                               f"{NEEDS_META!r}): it was not enqueued by `pipeline submit`; submit its requests again")
     refusers = refused_by(job)
-    lacks = missing(needs, capabilities) if needs is not None else []
+    lacks = missing(needs, capabilities)
     if not lacks and worker_id not in refusers:
         if UNSERVABLE_SINCE_META in job.meta:
             _clear_unservable(conn, job, pool)
@@ -100,7 +104,7 @@ def decide(conn: redis.Redis, job: Job, worker_id: str, capabilities: Capabiliti
         if UNSERVABLE_SINCE_META in job.meta:
             _clear_unservable(conn, job, pool)
         return Verdict("hand_back", f"worker {worker_id} {mine}; {len(others)} other live worker(s) can serve it")
-    reason = _nobody(job, pool, lacks, refusers)
+    reason = _nobody(job, pool, lacks, needs, refusers)
     since = job.meta.get(UNSERVABLE_SINCE_META)
     now = time.time()
     if not isinstance(since, int | float):
@@ -124,23 +128,23 @@ def admit_turn(conn: redis.Redis, job: TurnJob, worker_id: str, capabilities: Ca
     others = _able_others(conn, pool, worker_id, needs, [])
     if others:
         return Verdict("move", f"worker {worker_id} lacks {', '.join(lacks)}", to=random.choice(others))
-    reason = f"job {job.job_id}: no live worker of pool {pool!r} can serve it (it needs {', '.join(lacks)})"
+    reason = f"job {job.job_id}: no live worker of pool {pool!r} can serve it: it needs {explain(lacks, needs)}"
     waited = time.time() - job.enqueued_at
     if waited >= unservable_wait_s():
         return Verdict("fail", f"{reason}; waited {waited:.0f} s for one (${ENV_UNSERVABLE_WAIT_S})")
     return Verdict("hand_back", reason)
 
 
-def _able_others(conn: redis.Redis, pool: str, worker_id: str, needs: Needs | None, refusers: list[str]) -> list[str]:
+def _able_others(conn: redis.Redis, pool: str, worker_id: str, needs: Needs, refusers: list[str]) -> list[str]:
     """The pool's other live workers that can serve `needs` and did not refuse the job."""
     return [w.worker_id for w in registry.live_workers(conn, pool)
             if w.worker_id != worker_id and w.worker_id not in refusers and can_serve(needs, w.capabilities)]
 
 
-def _nobody(job: Job, pool: str, lacks: list[str], refusers: list[str]) -> str:
+def _nobody(job: Job, pool: str, lacks: list[str], needs: Needs, refusers: list[str]) -> str:
     reason = f"job {job.id}: no live worker of pool {pool!r} can serve it"
     if lacks:
-        reason += f" (it needs {', '.join(lacks)})"
+        reason += f": it needs {explain(lacks, needs)}"
     if refusers:
         reason += f"; refused by {', '.join(refusers)}"
         if job.meta.get(REFUSAL_META):

@@ -23,16 +23,19 @@ def is_job_function(func_name: str | None) -> bool:
     return func_name == JOB_FUNCTION
 
 
+def not_allowed(job: Job) -> str:
+    """Why a job that names another function than the project's is refused."""
+    return (f"job {job.id} names {job.func_name!r}, which is not a rollout pipeline job function "
+            f"(allowed: {JOB_FUNCTION!r}); refused, nothing ran")
+
+
 class RolloutJob(Job):
     """An RQ job that only ever imports and calls allow-listed functions."""
 
     @property
     def func(self) -> Any:
         if not is_job_function(self.func_name):
-            raise NotAllowedJobError(
-                f"job {self.id} names {self.func_name!r}, which is not a rollout pipeline job "
-                f"function (allowed: {JOB_FUNCTION!r}); refused, nothing ran"
-            )
+            raise NotAllowedJobError(not_allowed(self))
         payload = self.args[0] if self.args else None
         output = payload.get("output") if isinstance(payload, dict) else None
         if isinstance(output, str):

@@ -18,7 +18,6 @@ from pipeline.core.broker import commit_log, keys
 from schemas.job_payload import JobPayload
 from schemas.request import RolloutRequest
 from workers.engines.base import Engine, SampleOutput
-from workers.engines.request_support import check_request_supported
 from workers.errors import JobCanceledError, WorkerError
 from workers.jobs import context
 from workers.jobs.adapters import pin_adapters
@@ -60,10 +59,7 @@ def prepare_batch(payload: dict[str, Any], conn: redis.Redis | None = None) -> P
                 "(expired or deleted); submit the requests again"
             )
     requests = job.unpack(prompt_bytes)
-    engine = ctx.engine
-    capabilities = engine.description.served
-    for request in requests:
-        check_request_supported(request, capabilities)
+    engine = ctx.engine  # what the requests need of it was checked when the job was admitted (`admission`)
     requests = pin_adapters(requests, engine, conn, ctx.pool)
     return PreparedBatch(job, requests, engine, ctx.worker_id, engine.weight_version, datetime.now(UTC))
 

@@ -96,5 +96,8 @@ def test_a_jobs_meta_carries_only_the_needs_that_differ_from_the_defaults(
     )))
     submit_file(redis_client, path, output="memory://x")
     metas = {job.args[0]["requests"][0]["id"]: job.meta["needs"] for job in rollout_queue(redis_client).get_jobs()}
-    assert metas == {"plain": {}, "top2": {"top_logprobs": 2, "tempered_logprobs": True}}
-    assert Needs.from_dict(metas["top2"]) == Needs(top_logprobs=2, tempered_logprobs=True)
+    # The largest token id always: the worker's admission checks it against its vocabulary (no worker
+    # was live to check it at submit).
+    assert metas == {"plain": {"max_token_id": 2}, "top2": {"top_logprobs": 2, "max_token_id": 3,
+                                                            "tempered_logprobs": True}}
+    assert Needs.from_dict(metas["top2"]) == Needs(top_logprobs=2, max_token_id=3, tempered_logprobs=True)

@@ -88,11 +88,13 @@ def test_pool_on_the_command_line_and_from_the_environment(pipeline_env: dict[st
     assert os.path.isdir(tmp_path / "shards" / "in-a") and os.path.isdir(tmp_path / "shards" / "in-b")
 
 
-def test_a_job_and_state_left_by_a_single_pool_release_are_served_by_the_default_pool(
+def test_state_left_by_a_single_pool_release_is_the_default_pools_and_a_job_without_needs_is_refused(
     redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    """Upgrade: the previous release's queue (`rollouts`, jobs without `needs` in their meta) and
-    desired state (`pipeline:control:state`) are the default pool's, served as they stand."""
+    """Upgrade: the previous release's desired state (`pipeline:control:state`) is the default pool's.
+    A job in its queue that does not say what it needs of a worker (`needs` in its meta, which
+    admission checks, the worker's one check) is failed with the reason, nothing run or written:
+    never run unchecked."""
     redis_client.set("pipeline:control:state", DesiredState(generation=4, weight_version=2,
                                                             weight_path="/ckpt/v2").model_dump_json())
     payload = JobPayload.pack([RolloutRequest.model_validate(REQUEST)], run="old", job_id="old-00000",
@@ -101,6 +103,8 @@ def test_a_job_and_state_left_by_a_single_pool_release_are_served_by_the_default
         JOB_FUNCTION, args=(payload.model_dump(mode="json"),), job_id="old-00000", meta={"run": "old"})
     engine = FakeEngine()
     worker = burst_worker(redis_client, engine, pool=None, control_poll_s=0.2)
-    assert worker.pool.name == "default" and engine.updates == [("/ckpt/v2", 2)] and engine.calls == [["a"]]
-    assert Job.fetch("old-00000", connection=redis_client, serializer=JSONSerializer).get_status() == "finished"
-    assert (tmp_path / "old" / "old-00000.parquet").exists()
+    assert worker.pool.name == "default" and engine.updates == [("/ckpt/v2", 2)] and engine.calls == []
+    job = Job.fetch("old-00000", connection=redis_client, serializer=JSONSerializer)
+    assert job.get_status() == "failed"
+    assert "says nothing of what it needs of a worker" in job.latest_result().exc_string
+    assert not (tmp_path / "old").exists()

@@ -102,7 +102,8 @@ def test_a_turn_no_live_worker_can_serve_fails_with_unservable_once_the_wait_is_
         push(redis_client, None, _top5_job("turns-1", "t1"))
         failure = TurnFailure.decode(_reply(redis_client, "t1"))
         assert failure is not None and failure.code == "unservable"
-        assert "no live worker of pool 'default' can serve it (it needs top-5 logprobs)" in failure.reason
+        assert "no live worker of pool 'default' can serve it: it needs top-5 logprobs (start a worker with " \
+               "--max-top-logprobs 5)" in failure.reason
 
     _serve(redis_client, worker, driver)
     recorded = turn_queue.turn_failure(redis_client, "t1")

@@ -164,9 +164,9 @@ def test_token_id_beyond_vocabulary_is_rejected_when_known() -> None:
         parse_lines(lines, path="f.jsonl", vocab_size=64)
 
 
-def test_top_k_is_gated_by_the_worker() -> None:
+def test_top_k_is_gated_by_the_engines_capabilities() -> None:
     request = RolloutRequest(id="a", input_ids=[1], logprobs=4)
-    with pytest.raises(UnsupportedRequestError, match="at most 0"):
+    with pytest.raises(UnsupportedRequestError, match=r"top-4 logprobs \(start a worker with --max-top-logprobs 4\)"):
         check_request_supported(request, Capabilities(max_top_logprobs=0))
     check_request_supported(request, Capabilities(max_top_logprobs=4))
     with pytest.raises(UnsupportedRequestError, match="cannot serve stop strings"):
