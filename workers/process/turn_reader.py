@@ -192,11 +192,16 @@ class TurnReader:
         self._next_own_claim = 0.0
 
     def _block_s(self) -> float:
-        """How long a read blocks: until the next take-over, and half the connection's read timeout at
-        most (RQ sets one on the worker's pool: 11 s with a 1 s maintenance interval), so that a reply
-        read late by a busy worker process is no TimeoutError."""
+        """How long a read blocks: until the next take-over, and half the read timeout of the connection
+        it reads on at most, so that a reply read late by a busy worker process is no TimeoutError.
+
+        The reading connection's own timeout, not its pool's: RQ raises the pool's (to 11 s with a 1 s
+        maintenance interval, 20 s by default) after some connections were made with the client's, and
+        the reader may hold one of those (a 5 s timeout under a 4.999 s block failed now and then)."""
         block = min(self.block_s, max(0.001, self._next_take_over - time.monotonic()))
-        read_timeout = self.conn.connection_pool.connection_kwargs.get("socket_timeout")
+        connection = self._reader.connection
+        read_timeout = connection.socket_timeout if connection is not None else \
+            self.conn.connection_pool.connection_kwargs.get("socket_timeout")
         return block if not read_timeout else max(0.001, min(block, read_timeout / 2))
 
     def _admit_all(self, entries: list[Claimed[TurnJob]], *, taken_over: bool) -> None:

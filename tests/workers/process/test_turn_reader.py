@@ -192,6 +192,21 @@ def test_a_quiet_queue_blocks_within_the_connections_read_timeout(redis_url: str
     assert reader._block_s() == pytest.approx(read_timeout / 2)
 
 
+def test_a_read_blocks_within_its_own_connections_timeout_not_its_pools(redis_url: str) -> None:
+    """A client made with a 5 s read timeout whose pool already holds a connection: RQ raises the pool's
+    timeout for connections made later, but the reader may read on the earlier one. Its reads block
+    for half of that connection's timeout (they blocked up to 5 s there and failed now and then)."""
+    conn = redis.Redis.from_url(redis_url, socket_timeout=5)
+    conn.ping()  # a connection with the 5 s timeout, back in the pool for the reader to take
+    worker = RolloutWorker(conn, FakeEngine(), worker_id="w1")
+    reader = worker.turn_reader
+    assert conn.connection_pool.connection_kwargs["socket_timeout"] > 5  # RQ raised the pool's
+    assert reader._reader.connection.socket_timeout == 5
+    reader.take_over_s = reader.block_s = 60.0
+    reader._next_take_over = time.monotonic() + 60
+    assert reader._block_s() == pytest.approx(2.5)
+
+
 def test_an_entry_read_as_the_reply_was_lost_is_taken_back_by_its_worker(redis_client: redis.Redis) -> None:
     """A read whose reply never came (a read timeout, a dropped connection) after Redis handed the
     entry to the worker: it is pending, held by no job; the worker takes it over once it is idle."""
