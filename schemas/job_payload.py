@@ -159,6 +159,11 @@ class JobPayload(BaseModel):
                       requests=job_fields)
         return payload, flat.astype(dtype).tobytes()
 
+    def as_json(self) -> dict[str, Any]:
+        """The payload as a job carries it (the job function's one argument, a turn job's `payload`):
+        its request dicts, plain JSON already from validated lines, are not walked again."""
+        return {**self.model_dump(mode="json", exclude={"requests"}), "requests": self.requests}
+
     def unpack(self, prompt_bytes: bytes | None = None) -> list[RolloutRequest]:
         """The requests, re-validated: a worker trusts nothing it reads from Redis.
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import redis
 
 from pipeline.core.jobs import turn_queue
-from pipeline.core.jobs.queue import job_args
 from pipeline.serve.routing import ACTIVE_S, Router
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
@@ -127,7 +126,7 @@ class TurnBatcher:
             worker = first.worker
             with self.conn.pipeline(transaction=False) as pipe:
                 turn_queue.push(pipe, self.keys, worker, turn_queue.new_job(
-                    job_id, job_args(payload), needs.as_dict(), description,
+                    job_id, payload.as_json(), needs.as_dict(), description,
                     timeout_s=TURN_JOB_TIMEOUT_S, retries=TURN_RETRIES))
                 if worker is not None:
                     active_until = time.time() + ACTIVE_S

@@ -9,7 +9,6 @@ import redis
 
 from pipeline.core.broker import keys
 from pipeline.core.jobs import replies, turn_queue
-from pipeline.core.jobs.queue import job_args
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
 from schemas.turn_job import TurnJob
@@ -36,7 +35,7 @@ def turn_job(job_id: str, *turn_ids: str, retries: int = 1, needs: dict | None =
                               submitted_at_ms=0,
                               turns=[TurnTag(turn_id=t, session_id=f"s-{t}", turn=0, reply_to=SERVER)
                                      for t in turn_ids])
-    return turn_queue.new_job(job_id, job_args(payload), needs or {}, f"{len(turn_ids)} agent turn(s) of run r",
+    return turn_queue.new_job(job_id, payload.as_json(), needs or {}, f"{len(turn_ids)} agent turn(s) of run r",
                                 timeout_s=60, retries=retries)
 
 

@@ -36,18 +36,12 @@ def retry_intervals(retries: int) -> list[int]:
     return [min(RETRY_BACKOFF_CAP_S, RETRY_BACKOFF_S * 2**i) for i in range(retries)]
 
 
-def job_args(payload: JobPayload) -> dict[str, Any]:
-    """The job function's one argument: the payload as JSON (its request dicts, plain JSON already
-    from validated lines, not walked again)."""
-    return {**payload.model_dump(mode="json", exclude={"requests"}), "requests": payload.requests}
-
-
 def job_data(payload: JobPayload, *, timeout_s: int, retries: int, needs: Needs, description: str,
              meta: dict[str, Any] | None = None) -> Any:
     """RQ's data for one job of the project's job function (`Queue.enqueue_many` takes a list of them)."""
     return Queue.prepare_data(
         JOB_FUNCTION,
-        args=(job_args(payload),),
+        args=(payload.as_json(),),
         job_id=payload.job_id,
         timeout=timeout_s,
         result_ttl=RESULT_TTL_S,

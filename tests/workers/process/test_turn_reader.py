@@ -19,7 +19,6 @@ from rq.job import Job
 import pipeline
 from pipeline.core.broker import keys, registry
 from pipeline.core.jobs import turn_queue
-from pipeline.core.jobs.queue import job_args
 from pipeline.core.jobs.turn_queue import TURNS
 from schemas.capabilities import needs_of
 from schemas.job_payload import JobPayload, TurnTag
@@ -87,7 +86,7 @@ def _top5_job(job_id: str, turn_id: str) -> turn_queue.TurnJob:
     payload = JobPayload.pack([request], run="r", job_id=job_id, batch_id=job_id, output="file:///tmp/out",
                               submitted_at_ms=0,
                               turns=[TurnTag(turn_id=turn_id, session_id=f"s-{turn_id}", turn=0, reply_to=SERVER)])
-    return turn_queue.new_job(job_id, job_args(payload), needs_of(request).as_dict(), "1 turn", timeout_s=60,
+    return turn_queue.new_job(job_id, payload.as_json(), needs_of(request).as_dict(), "1 turn", timeout_s=60,
                               retries=1)
 
 
@@ -152,7 +151,7 @@ def test_a_failing_turn_is_retried_once_then_its_server_gets_the_error(redis_cli
                                         turns=[TurnTag(turn_id="t1", session_id="s", turn=0, reply_to=SERVER)])
 
     def driver() -> None:
-        push(redis_client, "w1", turn_queue.new_job("lane-1", job_args(payload), {}, "1 turn", timeout_s=60,
+        push(redis_client, "w1", turn_queue.new_job("lane-1", payload.as_json(), {}, "1 turn", timeout_s=60,
                                                     retries=1))
         failure = TurnFailure.decode(_reply(redis_client, "t1"))
         assert failure is not None and failure.code == "failed" and "gone from Redis" in failure.reason
