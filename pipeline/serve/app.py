@@ -161,7 +161,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
                     for event in live.take(item):
                         yield event
                     item = await anext(items)
-                for event in live.finish(await in_thread(turns.finish, call, item)):
+                for event in live.finish(await turns.finish(call, item)):
                     yield event
             except APIError as exc:
                 yield error_event(exc)
@@ -175,14 +175,13 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
 
     def openai_route(model: type[ChatCompletionBody] | type[CompletionBody],
                      start: Callable[..., Any]) -> Callable[[Request], Awaitable[Response]]:
-        """`/v1/chat/completions` or `/v1/completions`: validate, start the turn in a thread, wait for
-        its rows on the loop (its tokens too, when streamed), answer in a thread."""
+        """`/v1/chat/completions` or `/v1/completions`: validate, start the turn, wait for its rows (its
+        tokens too, when streamed), answer: all on the loop."""
         async def endpoint(request: Request) -> Response:
             body = model.model_validate(await read_json(request, max_body_bytes))
             session_id, create = session_of(request)
-            call = await in_thread(partial(start, body, session_id, create=create,
-                                           idempotency_key=request.headers.get("idempotency-key"),
-                                           retry_count=request.headers.get("x-stainless-retry-count")))
+            call = await start(body, session_id, create=create, idempotency_key=request.headers.get("idempotency-key"),
+                               retry_count=request.headers.get("x-stainless-retry-count"))
             if isinstance(call, dict):  # answered before (a client's retry): the same answer
                 if body.stream:
                     return StreamingResponse(iter(answered_events(call, body.include_usage)),
@@ -190,7 +189,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
                 return JSONResponse(call)
             if body.stream:
                 return await streamed(call)
-            return JSONResponse(await in_thread(turns.finish, call, await turns.wait_async(call)))
+            return JSONResponse(await turns.finish(call, await turns.wait_async(call)))
         return endpoint
 
     chat = openai_route(ChatCompletionBody, turns.chat)

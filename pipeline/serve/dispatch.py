@@ -61,10 +61,12 @@ class TurnDispatch:
     def live_workers(self) -> list[WorkerInfo]:
         return self.router.live_workers()
 
-    def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag,
-                home: str | None = None) -> Route:
+    async def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag,
+                      home: str | None = None) -> Route:
         """Enqueue the turn (with whatever other turns wait with it) on the worker the router chooses;
-        400 when no live worker of the pool could serve what it asks."""
+        400 when no live worker of the pool could serve what it asks. On the server's loop: the
+        router's reads are fresh (`Router.fresh`), the enqueue is the flusher's."""
+        await self.router.fresh()
         workers = self.router.live_workers()
         placement = Placement(workers, self.keys.name)
         needs, group = placement.place(request, request.id)
@@ -73,8 +75,8 @@ class TurnDispatch:
         except CapabilityError as exc:
             raise APIError(400, str(exc).replace("nothing was enqueued:\n  ", ""), code="unservable") from None
         route = self.router.route(turn.session_id, home, workers, placement, group, adapter=request.adapter)
-        self.batcher.enqueue(WaitingTurn(request, turn, run, output, needs, (run, output, group, route.worker),
-                                      route.worker, home))
+        await self.batcher.enqueue(WaitingTurn(request, turn, run, output, needs, (run, output, group, route.worker),
+                                               route.worker, home))
         return route
 
     def stream_async(self, turn_id: str, run: str, started: float,

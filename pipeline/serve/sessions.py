@@ -26,6 +26,7 @@ needs and claims it, `_RECORD`, `_RELEASE`), so concurrent calls and servers nev
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import re
@@ -35,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import numpy as np
 import redis
 
@@ -413,7 +415,9 @@ def _not_found(session_id: str) -> APIError:
 
 
 class SessionStore:
-    """Sessions of one Redis (sync client; the server calls it from worker threads)."""
+    """Sessions of one Redis. A call's three scripts (`open`, `parent_by_tokens`, `record`) have `_async`
+    twins that a server awaits on its event loop through an asyncio client (`bind_async`; without one,
+    a Redis reached through Sentinel or TLS, they run the sync client in a thread); the rest is sync."""
 
     def __init__(self, conn: redis.Redis, counts: TurnCounts | None = None, *, max_calls: int = MAX_CALLS) -> None:
         self.conn = conn
@@ -424,6 +428,14 @@ class SessionStore:
         self._first = conn.register_script(_FIRST)
         self._record = conn.register_script(_RECORD)
         self._release = conn.register_script(_RELEASE)
+        self._async: dict[str, Any] | None = None  # the call's scripts on an asyncio client (`bind_async`)
+
+    def bind_async(self, aconn: Any) -> None:
+        """Run the call's scripts on `aconn` (a `redis.asyncio.Redis` to the same Redis) in the `_async`
+        methods, once; None leaves them in threads."""
+        if self._async is None and aconn is not None:
+            self._async = {"open": aconn.register_script(_OPEN), "first": aconn.register_script(_FIRST),
+                           "record": aconn.register_script(_RECORD)}
 
     def create(self, *, run: str, pool: str, output: str, metadata: dict[str, Any] | None = None,
                session_id: str | None = None, ephemeral: bool = False, adapter: str | None = None,
@@ -489,9 +501,26 @@ class SessionStore:
         `claim` (`Opened.turn`), unless a call of `same` stands for it. 409 if the session has ended (its
         episode canceled: `pipeline.core.jobs.episodes.cancel_run`) or belongs to another pool than
         `pool`; 413 past its limit of calls."""
+        where, args = self._open_call(session_id, same, claim, pool, reply_keys, longest_end)
+        return self._opened(session_id, self._open(keys=where, args=args), pool, longest_end)
+
+    async def open_async(self, session_id: str, *, same: str | None, claim: Pending, pool: str,
+                         reply_keys: Sequence[str] = (), longest_end: int = -1) -> Opened:
+        """`open`, awaited."""
+        if self._async is None:
+            return await anyio.to_thread.run_sync(functools.partial(
+                self.open, session_id, same=same, claim=claim, pool=pool, reply_keys=reply_keys,
+                longest_end=longest_end))
+        where, args = self._open_call(session_id, same, claim, pool, reply_keys, longest_end)
+        return self._opened(session_id, await self._async["open"](keys=where, args=args), pool, longest_end)
+
+    def _open_call(self, session_id: str, same: str | None, claim: Pending, pool: str, reply_keys: Sequence[str],
+                   longest_end: int) -> tuple[list[str], list[Any]]:
         where = [keys.session(session_id), keys.session_calls(session_id), keys.session_ends(session_id)]
-        reply = self._open(keys=where, args=["" if same is None else f"d:{same}", longest_end, claim.to_json(),
-                                             f"d:{claim.request_digest}", self.max_calls, pool, *reply_keys])
+        return where, ["" if same is None else f"d:{same}", longest_end, claim.to_json(), f"d:{claim.request_digest}",
+                       self.max_calls, pool, *reply_keys]
+
+    def _opened(self, session_id: str, reply: list[Any], pool: str, longest_end: int) -> Opened:
         if not reply[0]:
             raise _not_found(session_id)
         session_hash, same_turn, same_record, same_pending, hit, hit_record, ends, claimed = reply
@@ -519,7 +548,21 @@ class SessionStore:
         lengths = [n for n in ends if 0 < n < len(ids)]
         if not lengths:
             return None
-        hit, record = self._first(keys=[keys.session_calls(session_id)], args=token_keys(ids, lengths))
+        return self._extended(ids, *self._first(keys=[keys.session_calls(session_id)], args=token_keys(ids, lengths)))
+
+    async def parent_by_tokens_async(self, session_id: str, ids: Sequence[int],
+                                     ends: Sequence[int] | None) -> Parent | None:
+        """`parent_by_tokens`, awaited."""
+        if self._async is None or ends is None:
+            return await anyio.to_thread.run_sync(self.parent_by_tokens, session_id, ids, ends)
+        lengths = [n for n in ends if 0 < n < len(ids)]
+        if not lengths:
+            return None
+        found = await self._async["first"](keys=[keys.session_calls(session_id)], args=token_keys(ids, lengths))
+        return self._extended(ids, *found)
+
+    @staticmethod
+    def _extended(ids: Sequence[int], hit: bytes | None, record: bytes | None) -> Parent | None:
         parent = _parent(hit, record)
         # A digest is no proof: the ids themselves must match (a collision must not graft a call).
         if parent is not None and list(ids[: len(parent.ids)]) != parent.ids:
@@ -547,15 +590,30 @@ class SessionStore:
         next batch). `session` is the session as read when the call began (its expiry is taken from it);
         `home` the worker the call was routed to as the holder of its prefix (its parent's, else the session's);
         `prefix_break`: the call is a root started after the session's first call (counted)."""
+        where, args = self._record_call(session, record, versions, placed, conversation, prefix_break)
+        if self._record(keys=where, args=args):
+            self.counts.add(keys.pool(session.pool), session.run, placed.increments(home))
+
+    async def record_async(self, session: Session, record: TurnRecord, versions: tuple[int, int], placed: Placed,
+                           conversation: Conversation | None, home: str | None, *, prefix_break: bool) -> None:
+        """`record`, awaited."""
+        if self._async is None:
+            await anyio.to_thread.run_sync(functools.partial(self.record, session, record, versions, placed,
+                                                             conversation, home, prefix_break=prefix_break))
+            return
+        where, args = self._record_call(session, record, versions, placed, conversation, prefix_break)
+        if await self._async["record"](keys=where, args=args):
+            self.counts.add(keys.pool(session.pool), session.run, placed.increments(home))
+
+    @staticmethod
+    def _record_call(session: Session, record: TurnRecord, versions: tuple[int, int], placed: Placed,
+                     conversation: Conversation | None, prefix_break: bool) -> tuple[list[str], list[Any]]:
         now_ms = int(time.time() * 1000)
         ttl_set = now_ms if now_ms - session.ttl_set_ms >= TTL_REFRESH_S * 1000 else 0
         sid = session.session_id
-        recorded = self._record(
-            keys=[keys.session(sid), keys.session_calls(sid), keys.session_ends(sid), keys.run_turn_stats(session.run)],
-            args=[record.turn, record.to_json(), placed.served_by, versions[0], versions[1], SESSION_TTL_S,
-                  int(prefix_break), ttl_set, *record.index(conversation)])
-        if recorded:
-            self.counts.add(keys.pool(session.pool), session.run, placed.increments(home))
+        where = [keys.session(sid), keys.session_calls(sid), keys.session_ends(sid), keys.run_turn_stats(session.run)]
+        return where, [record.turn, record.to_json(), placed.served_by, versions[0], versions[1], SESSION_TTL_S,
+                       int(prefix_break), ttl_set, *record.index(conversation)]
 
     def reward(self, session_id: str, body: Any) -> Session:
         """Record `{"reward": x}`, `{"rewards": {name: x}}` (numbers) and/or `{"lineage_rewards": {call id: x}}`

@@ -10,10 +10,12 @@ worker (the same kind of stream, read by them all).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
 from collections.abc import Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import redis
@@ -43,8 +45,7 @@ class WaitingTurn:
     group: Hashable
     worker: str | None
     home: str | None
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
+    enqueued: Future[None] = field(default_factory=Future)  # done once its job is enqueued (or failed to be)
 
 
 class TurnBatcher:
@@ -61,17 +62,16 @@ class TurnBatcher:
         self._jobs: dict[str, tuple[int, float]] = {}  # this server's jobs of turns: turns unanswered, enqueued at
         self._job_of_turn: dict[str, str] = {}
 
-    def enqueue(self, waiting: WaitingTurn) -> None:
-        """Hand the turn to the flusher and return once its job is enqueued; raise what the enqueue raised."""
+    async def enqueue(self, waiting: WaitingTurn) -> None:
+        """Hand the turn to the flusher and return once its job is enqueued (awaited on the server's
+        loop, no thread held); raise what the enqueue raised."""
         with self._ready:
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name="turn-flusher", daemon=True)
                 self._flusher.start()
             self._waiting.append(waiting)
             self._ready.notify()
-        waiting.done.wait()
-        if waiting.error is not None:
-            raise waiting.error
+        await asyncio.wrap_future(waiting.enqueued)
 
     def _flush_loop(self) -> None:
         while True:
@@ -140,10 +140,10 @@ class TurnBatcher:
                 for waiting in turns:
                     self._job_of_turn[waiting.turn.turn_id] = job_id
         except BaseException as exc:
-            for waiting in turns:
-                waiting.error = exc
-        finally:
-            for waiting in turns:  # written now (or never, if the enqueue failed)
+            for waiting in turns:  # written never
                 self.router.written(waiting.worker, waiting.home)
-            for waiting in turns:
-                waiting.done.set()
+                waiting.enqueued.set_exception(exc)
+        else:
+            for waiting in turns:  # written now
+                self.router.written(waiting.worker, waiting.home)
+                waiting.enqueued.set_result(None)

@@ -108,7 +108,7 @@ class TurnWaiter:
         not consumed; the rows come from the inbox (pushed before the stream's end entry), with the
         same checks as `wait_async` whenever a block passes without an entry. Where this Redis has no
         asyncio twin (Sentinel, TLS), each read blocks a thread instead."""
-        aconn = self._async_conn()
+        aconn = self.async_conn()
 
         async def xread(*args: Any, **kwargs: Any) -> Any:
             if aconn is not None:
@@ -179,7 +179,9 @@ class TurnWaiter:
             self._read_threads = anyio.CapacityLimiter(ASYNC_CONNECTIONS)
         return self._read_threads
 
-    def _async_conn(self) -> redis.asyncio.Redis | None:
+    def async_conn(self) -> redis.asyncio.Redis | None:
+        """An asyncio client to this server's Redis, made once, in the server's loop; None where Redis is
+        reached through Sentinel or TLS (`asyncio_twin`)."""
         if self._aconn is False:
             self._aconn = asyncio_twin(self.conn, max_connections=ASYNC_CONNECTIONS)
         return self._aconn or None

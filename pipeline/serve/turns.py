@@ -21,9 +21,9 @@ A retry is answered once: a call whose body equals the latest such call of its s
 in flight, gets that call's answer (or waits for it) instead of generating again. A client that says
 whether a call is a retry is taken at its word: the openai SDK's `x-stainless-retry-count` (0: a new
 call, even if identical to an earlier one; more: a retry) and an `Idempotency-Key` (the same key is the
-same call). A call is served in three steps: `chat`/`completion` (session, prompt, claim, enqueue; a
-thread), `wait_async` (the rows, on the event loop), `finish` (the answer, recorded in the session; a
-thread).
+same call). A call is served in three steps, each on the server's event loop (its Redis scripts
+awaited on an asyncio client; no thread on the way of a turn): `chat`/`completion` (session, prompt,
+claim, enqueue), `wait_async` (the rows), `finish` (the answer, recorded in the session).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import difflib
 import functools
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from pipeline.serve.conversation import Conversation, Conversations, digest
 from pipeline.serve.dispatch import TurnDispatch
 from pipeline.serve.live import LiveTurn, TextRules
 from pipeline.serve.protocol import DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody
+from pipeline.serve.routing import REREAD_S
 from pipeline.serve.sessions import (
     MAX_CALLS,
     Choice,
@@ -171,29 +172,34 @@ class Turns:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def _open(self, session_id: str | None, create: bool, identity: CallIdentity, pending: Pending,
-              reply_keys: Sequence[str], longest_end: int) -> Opened:
+    async def _open(self, session_id: str | None, create: bool, identity: CallIdentity, pending: Pending,
+                    reply_keys: Sequence[str], longest_end: int) -> Opened:
         """The named session with what the call needs of it, the call claimed (`SessionStore.open`: 404 if
         unknown unless `create`, 409 if ended or another pool's), or a new session of one call."""
-        def open_session(sid: str) -> Opened:
-            return self.sessions.open(sid, same=identity.digest if identity.retry else None, claim=pending,
-                                      pool=self.settings.pool, reply_keys=reply_keys, longest_end=longest_end)
+        self.sessions.bind_async(self.dispatch.waiter.async_conn())
+
+        async def open_session(sid: str) -> Opened:
+            return await self.sessions.open_async(sid, same=identity.digest if identity.retry else None,
+                                                  claim=pending, pool=self.settings.pool, reply_keys=reply_keys,
+                                                  longest_end=longest_end)
 
         if session_id is None:
-            created = self.sessions.create(run=self.settings.run, pool=self.settings.pool,
-                                           output=self.settings.output, ephemeral=True)
-            return open_session(created.session_id)
+            created = await anyio.to_thread.run_sync(functools.partial(
+                self.sessions.create, run=self.settings.run, pool=self.settings.pool, output=self.settings.output,
+                ephemeral=True))
+            return await open_session(created.session_id)
         try:
-            return open_session(session_id)
+            return await open_session(session_id)
         except APIError as exc:
             if exc.status != 404 or not create:
                 raise
-        self.sessions.get_or_create(session_id, run=self.settings.run, pool=self.settings.pool,
-                                    output=self.settings.output)
-        return open_session(session_id)
+        await anyio.to_thread.run_sync(functools.partial(
+            self.sessions.get_or_create, session_id, run=self.settings.run, pool=self.settings.pool,
+            output=self.settings.output))
+        return await open_session(session_id)
 
-    @contextlib.contextmanager
-    def _ended_if_refused(self, session: Session) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def _ended_if_refused(self, session: Session) -> AsyncIterator[None]:
         """A session of one call (no session named) that the call never turns into a turn (refused: too
         long, invalid) is ended at once, not left open."""
         try:
@@ -201,7 +207,7 @@ class Turns:
         except BaseException:
             if session.ephemeral:
                 with contextlib.suppress(Exception):
-                    self.sessions.end(session.session_id)
+                    await anyio.to_thread.run_sync(self.sessions.end, session.session_id)
             raise
 
     def _release_failed(self, call: InFlight) -> None:
@@ -255,7 +261,7 @@ class Turns:
     def _head(self, answer_id: str, kind: str, model: str) -> dict[str, Any]:
         return {"id": answer_id, "object": kind, "created": int(time.time()), "model": model}
 
-    def named_adapter(self, model: str | None) -> str | None:
+    async def named_adapter(self, model: str | None) -> str | None:
         """The pool's LoRA adapter a call's `model` names (vLLM's convention), or None: the call runs on
         its session's adapter, else the base weights. The served model's name names none, nor does a
         name that is no adapter's (a harness's fixed model name); a name a letter or two from an
@@ -263,9 +269,11 @@ class Turns:
         if model is None or model == self.settings.model or not ADAPTER_NAME.match(model):
             return None
         router = self.dispatch.router
+        await router.fresh()
         known = router.adapter_versions()
-        if model not in known:
-            known = router.adapter_versions(fresh=True)  # pushed since the last read?
+        if model not in known:  # pushed since the last read?
+            await router.fresh(adapters_within_s=REREAD_S)
+            known = router.adapter_versions(fresh=True)
         if model in known:
             return model
         if known and difflib.get_close_matches(model, list(known), n=1, cutoff=TYPO_CUTOFF):
@@ -291,13 +299,13 @@ class Turns:
 
     # -- chat ---------------------------------------------------------------------------------
 
-    def chat(self, body: ChatCompletionBody, session_id: str | None, *, create: bool = False,
-             idempotency_key: str | None = None, retry_count: str | None = None) -> dict[str, Any] | InFlight:
+    async def chat(self, body: ChatCompletionBody, session_id: str | None, *, create: bool = False,
+                   idempotency_key: str | None = None, retry_count: str | None = None) -> dict[str, Any] | InFlight:
         """Start a chat call of `session_id` (None: a session of one call; `create`: open it if unknown):
         its answer when the call was answered before (a client's retry), else the call in flight
         (`wait`/`wait_async` for its rows, then `finish`). `idempotency_key` and `retry_count`: the
         client's headers that say which call this is (`CallIdentity.of`)."""
-        adapter = self.named_adapter(body.model)  # as vLLM checks a call's model first
+        adapter = await self.named_adapter(body.model)  # as vLLM checks a call's model first
         self._tokenizer()
         model = adapter or self.settings.model
         messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
@@ -319,14 +327,14 @@ class Turns:
 
         pending = Pending.new(identity.digest, conversation.whole(), len(messages))
 
-        def open_call() -> Opened:
+        def open_call() -> Awaitable[Opened]:
             # A verbatim parent is looked up in the same read; under a `template` server so are the ends
             # its rendered ids are looked up at (a `template` session of a `verbatim` server reads them after).
             template = self.settings.history == "template"
             return self._open(session_id, create, identity, pending, reply_keys,
                               MAX_PROMPT_TOKENS if template else -1)
 
-        def prompt(opened: Opened) -> Prompt:
+        def prompt(opened: Opened) -> Awaitable[Prompt]:
             return self._chat_prompt(body, opened)
 
         def live(turn_id: str) -> LiveTurn:
@@ -340,8 +348,8 @@ class Turns:
                                token_text=self.token_text, logprobs=body.logprobs,
                                text_of=functools.partial(self._text_of, skip_special_tokens=not keep_specials))
 
-        return self._call(body, open_call, prompt, pending, answer, conversation, adapter,
-                          assistant_of=lambda choice: choice["message"], live=live)
+        return await self._call(body, open_call, prompt, pending, answer, conversation, adapter,
+                                assistant_of=lambda choice: choice["message"], live=live)
 
     def _chat_request(self, body: ChatCompletionBody) -> ChatRequest:
         """The body as the renderer's request. Its messages, tools and tool choice are the body's own
@@ -356,7 +364,7 @@ class Turns:
             data["chat_template_kwargs"] = body.chat_template_kwargs
         return ChatRequest.model_validate(data)
 
-    def _chat_prompt(self, body: ChatCompletionBody, opened: Opened) -> Prompt:
+    async def _chat_prompt(self, body: ChatCompletionBody, opened: Opened) -> Prompt:
         assert self.renderer is not None
         request = self._chat_request(body)
         session, parent = opened.session, opened.parent
@@ -372,17 +380,18 @@ class Turns:
             raise APIError(400, exc.message, param=exc.field, code="render_error") from None
         ids = list(rendered.input_ids)
         if self.history_of(session) == "template":
-            parent = self.sessions.parent_by_tokens(session.session_id, ids, opened.ends)
+            parent = await self.sessions.parent_by_tokens_async(session.session_id, ids, opened.ends)
             if parent is not None:
                 return Prompt(ids, rendered.prompt_text, parent, False)
         return Prompt(ids, rendered.prompt_text, None, session.turns > 0)
 
     # -- text / token ids ---------------------------------------------------------------------
 
-    def completion(self, body: CompletionBody, session_id: str | None, *, create: bool = False,
-                   idempotency_key: str | None = None, retry_count: str | None = None) -> dict[str, Any] | InFlight:
+    async def completion(self, body: CompletionBody, session_id: str | None, *, create: bool = False,
+                         idempotency_key: str | None = None,
+                         retry_count: str | None = None) -> dict[str, Any] | InFlight:
         """Start a token-level call (`/v1/completions`); see `chat`."""
-        adapter = self.named_adapter(body.model)
+        adapter = await self.named_adapter(body.model)
         model = adapter or self.settings.model
         if isinstance(body.prompt, str):
             ids = list(self._tokenizer()(body.prompt)["input_ids"])
@@ -395,11 +404,11 @@ class Turns:
 
         pending = Pending.new(identity.digest, "", 0)
 
-        def open_call() -> Opened:
+        def open_call() -> Awaitable[Opened]:
             return self._open(session_id, create, identity, pending, (), len(ids) - 1)
 
-        def prompt(opened: Opened) -> Prompt:
-            parent = self.sessions.parent_by_tokens(opened.session.session_id, ids, opened.ends)
+        async def prompt(opened: Opened) -> Prompt:
+            parent = await self.sessions.parent_by_tokens_async(opened.session.session_id, ids, opened.ends)
             return Prompt(ids, text, parent, parent is None and opened.session.turns > 0)
 
         def answer(rows: list[dict[str, Any]], call: InFlight) -> dict[str, Any]:
@@ -412,33 +421,34 @@ class Turns:
             return LiveTurn(chat=False, n=body.n, text=self._text_rules(body, skip), include_usage=body.include_usage,
                             head=self._head(f"cmpl-{turn_id}", "text_completion", model))
 
-        return self._call(body, open_call, prompt, pending, answer, None, adapter,
+        return await self._call(body, open_call, prompt, pending, answer, None, adapter,
                           assistant_of=lambda choice: {"role": "assistant", "content": choice["text"]}, live=live)
 
     # -- the call -----------------------------------------------------------------------------
 
-    def _call(self, body: ChatCompletionBody | CompletionBody, open_call: Callable[[], Opened],
-              prompt_of: Callable[[Opened], Prompt], pending: Pending,
-              answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]], conversation: Conversation | None,
-              adapter: str | None, *, assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
-              live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
+    async def _call(self, body: ChatCompletionBody | CompletionBody, open_call: Callable[[], Awaitable[Opened]],
+                    prompt_of: Callable[[Opened], Awaitable[Prompt]], pending: Pending,
+                    answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]],
+                    conversation: Conversation | None, adapter: str | None, *,
+                    assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
+                    live: Callable[[str], LiveTurn]) -> dict[str, Any] | InFlight:
         started = time.monotonic()
-        opened = open_call()
+        opened = await open_call()
         session = opened.session
-        with self._ended_if_refused(session):
+        async with self._ended_if_refused(session):
             if opened.turn is None:  # a retry: the call it repeats, answered or in flight
                 turn, record, original = opened.same  # type: ignore[misc]
                 if record is not None:
                     return record.response
                 return InFlight(session, turn, original, started, answer, assistant_of, live, conversation)
             try:
-                return self._start(session, opened.turn, pending, body, prompt_of(opened), conversation, started,
-                                   adapter or session.adapter, answer, assistant_of, live)
+                return await self._start(session, opened.turn, pending, body, await prompt_of(opened), conversation,
+                                         started, adapter or session.adapter, answer, assistant_of, live)
             except BaseException:
-                self.sessions.release(session.session_id, opened.turn, pending)
+                await anyio.to_thread.run_sync(self.sessions.release, session.session_id, opened.turn, pending)
                 raise
 
-    def _start(self, session: Session, turn: int, pending: Pending, body: ChatCompletionBody | CompletionBody,
+    async def _start(self, session: Session, turn: int, pending: Pending, body: ChatCompletionBody | CompletionBody,
                prompt: Prompt, conversation: Conversation | None, started: float, adapter: str | None,
                answer: Callable[[list[dict[str, Any]], InFlight], dict[str, Any]],
                assistant_of: Callable[[dict[str, Any]], dict[str, Any]],
@@ -455,8 +465,8 @@ class Turns:
         })
         # Affinity follows the tree: the worker that served the parent holds its ids in its prefix cache.
         home = prompt.parent.record.served_by if prompt.parent is not None else session.home
-        route = self.dispatch.enqueue(request, run=session.run, output=session.output, home=home,
-                                  turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
+        route = await self.dispatch.enqueue(request, run=session.run, output=session.output, home=home,
+                                            turn=TurnTag(turn_id=turn_id, session_id=session.session_id, turn=turn,
                                                prefix_break=prompt.prefix_break,
                                                parent_turn=None if parent is None else parent[0],
                                                parent_sample=None if parent is None else parent[1],
@@ -486,20 +496,20 @@ class Turns:
                 await anyio.to_thread.run_sync(self._release_failed, call)
             raise
 
-    def finish(self, call: InFlight, got: pa.Table | dict[str, Any]) -> dict[str, Any]:
+    async def finish(self, call: InFlight, got: pa.Table | dict[str, Any]) -> dict[str, Any]:
         """The answer of a call from its rows, recorded in its session."""
         if isinstance(got, dict):
             return got
         rows = turn_rows(got)
         response = call.answer(rows, call)
-        self._record(call, rows, response)
+        await self._record(call, rows, response)
         return response
 
     def _settled(self, call: InFlight) -> Callable[[], dict[str, Any] | None]:
         """The answer of this call if another waiter recorded it meanwhile."""
         return functools.partial(self.sessions.answer_of, call.session.session_id, call.turn)
 
-    def _record(self, call: InFlight, rows: list[dict[str, Any]], response: dict[str, Any]) -> None:
+    async def _record(self, call: InFlight, rows: list[dict[str, Any]], response: dict[str, Any]) -> None:
         session, pending, assistant_of = call.session, call.pending, call.assistant_of
         # Where the call sits in the tree, as its rows carry it (`TurnTag`): any server can record it.
         parent = None if rows[0]["parent_turn"] is None else (rows[0]["parent_turn"], rows[0]["parent_sample"])
@@ -515,7 +525,7 @@ class Turns:
                         moved=None if call.route is None else call.route.moved,
                         prompt_tokens=sum(r["prompt_tokens"] for r in rows),
                         cached_tokens=sum(r["cached_tokens"] for r in rows))
-        self.sessions.record(session, record, (min(versions), max(versions)), placed, call.conversation, call.home,
-                             prefix_break=rows[0]["prefix_break"])
+        await self.sessions.record_async(session, record, (min(versions), max(versions)), placed, call.conversation,
+                                         call.home, prefix_break=rows[0]["prefix_break"])
         if session.ephemeral:
-            self.sessions.end(session.session_id)
+            await anyio.to_thread.run_sync(self.sessions.end, session.session_id)

@@ -118,10 +118,25 @@ class ReconnectRetry(Retry):
     redis-py deep-copies the retry into every connection of a pool; the copies share one give-up
     time, so stopping the client's retry stops every connection's, pub/sub ones included."""
 
+    ERRORS = (redis.ConnectionError, redis.TimeoutError, socket.timeout, ResponseError)
+
     def __init__(self, backoff: Any, retries: int) -> None:
-        super().__init__(backoff, retries, supported_errors=(redis.ConnectionError, redis.TimeoutError,
-                                                             socket.timeout, ResponseError))
+        super().__init__(backoff, retries, supported_errors=self.ERRORS)
         self._give_up = _GiveUp()
+
+    def retryable(self, error: Exception) -> bool:
+        """Whether `error` is retried now: Redis unavailable (`is_unavailable`), until told to stop. A bare
+        socket timeout (redis-py's default retries it) is Python's TimeoutError: not named by
+        `is_unavailable`, whose callers see every other kind of error too."""
+        return (is_unavailable(error) or isinstance(error, socket.timeout)) and time.monotonic() < self._give_up.at
+
+    def for_asyncio(self) -> Any:
+        """The same retry for an asyncio client (`asyncio_twin`): same errors, backoff, retries and
+        give-up time."""
+        import redis.asyncio.retry
+
+        return redis.asyncio.retry.Retry(copy.deepcopy(self._backoff), self.get_retries(),
+                                         supported_errors=self.ERRORS, is_retryable=self.retryable)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReconnectRetry:
         clone = copy.copy(self)
@@ -134,13 +149,7 @@ class ReconnectRetry(Retry):
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
         def retryable(error: Exception) -> bool:
-            # A bare socket timeout (redis-py's default retries it) is Python's TimeoutError: not named
-            # by `is_unavailable`, whose callers see every other kind of error too.
-            if not (is_unavailable(error) or isinstance(error, socket.timeout)):
-                return False
-            if time.monotonic() >= self._give_up.at:
-                return False
-            return is_retryable(error) if is_retryable is not None else True
+            return self.retryable(error) and (is_retryable(error) if is_retryable is not None else True)
 
         return super().call_with_retry(do, fail, retryable, with_failure_count)
 
@@ -315,6 +324,9 @@ def asyncio_twin(conn: redis.Redis, *, max_connections: int | None = None) -> An
     kwargs = pool.connection_kwargs
     common = {"db": kwargs.get("db", 0), "username": kwargs.get("username"), "password": kwargs.get("password"),
               "max_connections": max_connections}
+    retry = conn.get_retry()
+    if isinstance(retry, ReconnectRetry):  # rides out what the sync client rides out (a restart, NOREPLICAS)
+        common["retry"] = retry.for_asyncio()
     if pool.connection_class is redis.UnixDomainSocketConnection:
         return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
     if pool.connection_class is redis.Connection:
