@@ -50,7 +50,8 @@ class TurnDispatch:
         self.conn = conn
         self.keys = keys.pool(pool)
         self.router = Router(conn, self.keys, affinity=affinity, load_factor=load_factor)
-        self.batcher = TurnBatcher(conn, self.router, max_turns_per_job=max_turns_per_job)
+        self.batcher = TurnBatcher(conn, self.router, async_conn=lambda: self.waiter.async_conn(),
+                                   max_turns_per_job=max_turns_per_job)
         self.inbox = Inbox(conn)  # where workers answer this server's turns (`TurnTag.reply_to`)
         self.waiter = TurnWaiter(conn, self.router, self.inbox, self.batcher.answered, turn_timeout_s=turn_timeout_s)
 

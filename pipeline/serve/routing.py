@@ -12,6 +12,7 @@ answers happened to lag (measured: 18 % of turns moved).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -33,6 +34,8 @@ WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
 REREAD_S = 0.25  # the pool's adapters are read again at most this often for a name not among them
 LOADS_TTL_S = 0.05  # workers' loads are read at most this often per server (counted locally between)
 ACTIVE_S = 120.0  # a session without a turn for this long no longer counts in its home's load
+# While a refresh runs in the background, reads this young still serve: a turn never waits for one.
+STALE_SERVES_S = 10.0
 
 
 class Router:
@@ -51,34 +54,59 @@ class Router:
         # Sessions this server placed (+1) or moved away (-1) whose load entries are not yet written.
         self._unwritten: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._refreshing: asyncio.Task[None] | None = None  # a refresh under way in a thread (`fresh`)
+
+    def _serves(self, read_at: float, ttl_s: float) -> bool:
+        """Whether a read made at `read_at` still serves: within its `ttl_s`, or within `STALE_SERVES_S`
+        while a refresh is under way."""
+        age = time.monotonic() - read_at
+        return age <= ttl_s or (self._refreshing is not None and read_at > 0 and age <= STALE_SERVES_S)
 
     async def fresh(self, *, adapters_within_s: float = WORKERS_TTL_S) -> None:
-        """Return once every cached read is fresh (the adapters within `adapters_within_s`), reading
-        what is not in a thread: the server's loop never waits on Redis for them."""
-        now = time.monotonic()
+        """Make the cached reads serve a turn on the server's loop, which never waits on Redis for them:
+        the stale ones are read again in a thread, awaited only when some are older than
+        `STALE_SERVES_S` (a server's first turn, or its first after a quiet spell) or the adapters older
+        than `adapters_within_s` (a name no adapter had: looked up again); else the turn goes on with
+        them while they are read."""
         with self._lock:
-            stale = (now - self._workers[0] > WORKERS_TTL_S or now - self._desired[0] > WORKERS_TTL_S
-                     or now - self._adapters[0] > adapters_within_s or now - self._loads[0] > LOADS_TTL_S)
-        if stale:
+            read_ats = [self._workers[0], self._desired[0], self._adapters[0], self._loads[0]]
+        ttls = [WORKERS_TTL_S, WORKERS_TTL_S, WORKERS_TTL_S, LOADS_TTL_S]
+        now = time.monotonic()
+        if all(now - read_at <= ttl for read_at, ttl in zip(read_ats, ttls, strict=True)) \
+                and now - read_ats[2] <= adapters_within_s:
+            return
+        if self._refreshing is None:
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh(adapters_within_s))
+        looked_up = adapters_within_s < WORKERS_TTL_S and now - read_ats[2] > adapters_within_s
+        if looked_up or any(read_at == 0 or now - read_at > STALE_SERVES_S for read_at in read_ats):
+            await asyncio.shield(self._refreshing)
+
+    async def _refresh(self, adapters_within_s: float) -> None:
+        try:
             await anyio.to_thread.run_sync(partial(self._read_all, adapters_within_s))
+        finally:
+            self._refreshing = None
 
     def _read_all(self, adapters_within_s: float) -> None:
-        self.desired_version()
-        self.adapter_versions(fresh=adapters_within_s < WORKERS_TTL_S)
-        self.loads(self.live_workers())
+        """Read again what is stale (in a thread)."""
+        now = time.monotonic()
+        self.desired_version(force=now - self._desired[0] > WORKERS_TTL_S)
+        self.adapter_versions(force=now - self._adapters[0] > min(adapters_within_s, WORKERS_TTL_S))
+        workers = self.live_workers(force=now - self._workers[0] > WORKERS_TTL_S)
+        self.loads(workers, force=now - self._loads[0] > LOADS_TTL_S)
 
-    def live_workers(self) -> list[WorkerInfo]:
+    def live_workers(self, *, force: bool = False) -> list[WorkerInfo]:
         with self._lock:
             read_at, workers = self._workers
-            if time.monotonic() - read_at > WORKERS_TTL_S:
+            if force or not self._serves(read_at, WORKERS_TTL_S):
                 workers = registry.live_workers(self.conn, self.keys.name)
                 self._workers = (time.monotonic(), workers)
             return workers
 
-    def desired_version(self) -> int | None:
+    def desired_version(self, *, force: bool = False) -> int | None:
         with self._lock:
             read_at, version = self._desired
-            if time.monotonic() - read_at > WORKERS_TTL_S:
+            if force or not self._serves(read_at, WORKERS_TTL_S):
                 try:
                     version = control_channel.read_state(self.conn, self.keys.name).weight_version
                 except PipelineError:
@@ -86,24 +114,24 @@ class Router:
                 self._desired = (time.monotonic(), version)
             return version
 
-    def adapter_versions(self, *, fresh: bool = False) -> dict[str, int]:
+    def adapter_versions(self, *, fresh: bool = False, force: bool = False) -> dict[str, int]:
         """The pool's adapters' current versions (read at most every `WORKERS_TTL_S` per server; with
         `fresh`, every `REREAD_S`: a name no adapter had a moment ago is looked up again, but a client
         naming no adapter on every call costs at most a read each `REREAD_S`)."""
         with self._lock:
             read_at, versions = self._adapters
-            if time.monotonic() - read_at > (REREAD_S if fresh else WORKERS_TTL_S):
+            if force or not self._serves(read_at, REREAD_S if fresh else WORKERS_TTL_S):
                 records = adapters.records(self.conn, self.keys.name)
                 versions = {name: record.version for name, record in records.items()}
                 self._adapters = (time.monotonic(), versions)
             return versions
 
-    def loads(self, workers: list[WorkerInfo]) -> dict[str, int]:
+    def loads(self, workers: list[WorkerInfo], *, force: bool = False) -> dict[str, int]:
         """Active sessions homed at each live worker (read at most every `LOADS_TTL_S`; the sessions
         this server places or moves in between are counted as it does)."""
         with self._lock:
             read_at, loads = self._loads
-            if time.monotonic() - read_at <= LOADS_TTL_S and set(loads) == {w.worker_id for w in workers}:
+            if not force and self._serves(read_at, LOADS_TTL_S) and set(loads) == {w.worker_id for w in workers}:
                 return loads
         now = time.time()
         with self.conn.pipeline(transaction=False) as pipe:
