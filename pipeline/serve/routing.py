@@ -13,6 +13,7 @@ answers happened to lag (measured: 18 % of turns moved).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import Counter
@@ -30,12 +31,20 @@ from pipeline.submit.placement import Placement
 from schemas.adapters import pinned
 from schemas.worker_info import WorkerInfo
 
+log = logging.getLogger(__name__)
+
 WORKERS_TTL_S = 1.0  # live workers are read at most this often per server
 REREAD_S = 0.25  # the pool's adapters are read again at most this often for a name not among them
 LOADS_TTL_S = 0.05  # workers' loads are read at most this often per server (counted locally between)
 ACTIVE_S = 120.0  # a session without a turn for this long no longer counts in its home's load
 # While a refresh runs in the background, reads this young still serve: a turn never waits for one.
 STALE_SERVES_S = 10.0
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A refresh that failed: said in the log (a turn that awaited it got the error too)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("reading the pool's workers, weights and loads failed: %s", task.exception())
 
 
 class Router:
@@ -77,6 +86,7 @@ class Router:
             return
         if self._refreshing is None:
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh(adapters_within_s))
+            self._refreshing.add_done_callback(_log_failure)
         looked_up = adapters_within_s < WORKERS_TTL_S and now - read_ats[2] > adapters_within_s
         if looked_up or any(read_at == 0 or now - read_at > STALE_SERVES_S for read_at in read_ats):
             await asyncio.shield(self._refreshing)
@@ -94,6 +104,10 @@ class Router:
         self.adapter_versions(force=now - self._adapters[0] > min(adapters_within_s, WORKERS_TTL_S))
         workers = self.live_workers(force=now - self._workers[0] > WORKERS_TTL_S)
         self.loads(workers, force=now - self._loads[0] > LOADS_TTL_S)
+
+    def known_workers(self) -> list[WorkerInfo]:
+        """The live workers as last read, without reading (for the server's loop)."""
+        return self._workers[1]
 
     def live_workers(self, *, force: bool = False) -> list[WorkerInfo]:
         with self._lock:

@@ -70,7 +70,7 @@ class TurnBatcher:
 
     async def enqueue(self, waiting: WaitingTurn) -> None:
         """Hand the turn to the flusher and return once its job is enqueued; raise what the enqueue raised."""
-        if self._flusher is None or self._flusher.done():
+        if self._flusher is None or self._flusher.done() or self._flusher.get_loop() is not asyncio.get_running_loop():
             self._wake = asyncio.Event()
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(self._wake))
         waiting.enqueued = asyncio.get_running_loop().create_future()
@@ -108,7 +108,7 @@ class TurnBatcher:
         (two per worker: one running, one taken next); jobs older than `OUTSTANDING_S` no longer count."""
         now = time.monotonic()
         recent = sum(1 for _, enqueued in self._jobs.values() if now - enqueued < OUTSTANDING_S)
-        return recent >= 2 * max(1, len(self.router.live_workers()))
+        return recent >= 2 * max(1, len(self.router.known_workers()))
 
     def answered(self, turn_id: str) -> None:
         """A turn this server enqueued is answered (or given up): its job counts down (on the loop)."""
