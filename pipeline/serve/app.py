@@ -10,10 +10,10 @@ header names a session too, opened at its first call):
 
 Bodies are read up to `max_body_bytes` (413 beyond), must be UTF-8 JSON objects (400 for
 invalid UTF-8, malformed or too deeply nested JSON, naming what is wrong), and are validated
-strictly (400 naming the field). A call's short steps (rendering, sync Redis) run in worker
-threads under a limiter; its wait for the turn's rows runs on the event loop (an asyncio Redis
-client), so thousands of calls can wait at once without a thread each. With `api_key` set every route but
-`/health` wants `Authorization: Bearer <key>`.
+strictly (400 naming the field). A call runs on the event loop from start to answer (its Redis
+scripts awaited on an asyncio client, `pipeline.serve.turns`), so thousands of calls can wait at
+once without a thread each; the other routes' short steps (sync Redis) run in worker threads
+under a limiter. With `api_key` set every route but `/health` wants `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pipeline.serve.validation import from_validation
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64
-THREADS = 256  # threads for the short steps of calls (rendering, Redis); calls wait on the loop
+THREADS = 256  # threads for the short steps of the other routes, and a call's rare ones (sync Redis)
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
