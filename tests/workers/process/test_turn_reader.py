@@ -6,6 +6,7 @@ entry whose read's reply was lost) is taken over (a real redis-server, the worke
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -108,6 +109,27 @@ def test_a_turn_no_live_worker_can_serve_fails_with_unservable_once_the_wait_is_
     recorded = turn_queue.turn_failure(redis_client, "t1")
     assert recorded is not None and recorded.code == "unservable"
     assert turn_queue.queued(redis_client, POOL, None) == 0  # not retried: every retry would be refused too
+
+
+def test_a_turn_no_live_worker_can_serve_waits_for_one_then_fails(
+        redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Within the wait, the job is handed back (a worker that can may be starting) and looked at again
+    at each claim of the lane; past it, it fails."""
+    monkeypatch.setenv(admission.ENV_UNSERVABLE_WAIT_S, "1")
+    worker = RolloutWorker(redis_client, FakeEngine(max_top_logprobs=0), worker_id="w1", control_poll_s=0.1)
+    reader = worker.turn_reader
+    reader.claim_after_s = reader.take_over_s = 0.2
+
+    def driver() -> None:
+        push(redis_client, None, _top5_job("turns-1", "t1"))
+        failure = TurnFailure.decode(_reply(redis_client, "t1"))
+        assert failure is not None and failure.code == "unservable"
+        waited = int(failure.reason.split("waited ")[1].split(" s")[0])
+        assert waited >= 1
+
+    with caplog.at_level(logging.WARNING, logger="workers.process.turn_reader"):
+        _serve(redis_client, worker, driver)
+    assert "turn job turns-1 waits for a worker that can serve it" in caplog.text
 
 
 def test_a_lane_turn_its_reader_cannot_serve_moves_to_a_live_worker_that_can(redis_client: redis.Redis) -> None:
