@@ -18,6 +18,7 @@ under a limiter. With `api_key` set every route but `/health` wants `Authorizati
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -161,7 +162,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
                     for event in live.take(item):
                         yield event
                     item = await anext(items)
-                for event in live.finish(await turns.finish(call, item)):
+                for event in live.finish(await asyncio.shield(turns.finish(call, item))):
                     yield event
             except APIError as exc:
                 yield error_event(exc)
@@ -180,8 +181,11 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
         async def endpoint(request: Request) -> Response:
             body = model.model_validate(await read_json(request, max_body_bytes))
             session_id, create = session_of(request)
-            call = await start(body, session_id, create=create, idempotency_key=request.headers.get("idempotency-key"),
-                               retry_count=request.headers.get("x-stainless-retry-count"))
+            # Shielded, as a thread was: a call whose client goes away while it starts is still claimed,
+            # enqueued and answered (a retry of it then finds it), never left claimed and not enqueued.
+            call = await asyncio.shield(start(body, session_id, create=create,
+                                              idempotency_key=request.headers.get("idempotency-key"),
+                                              retry_count=request.headers.get("x-stainless-retry-count")))
             if isinstance(call, dict):  # answered before (a client's retry): the same answer
                 if body.stream:
                     return StreamingResponse(iter(answered_events(call, body.include_usage)),
@@ -189,7 +193,7 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
                 return JSONResponse(call)
             if body.stream:
                 return await streamed(call)
-            return JSONResponse(await turns.finish(call, await turns.wait_async(call)))
+            return JSONResponse(await asyncio.shield(turns.finish(call, await turns.wait_async(call))))
         return endpoint
 
     chat = openai_route(ChatCompletionBody, turns.chat)
