@@ -238,6 +238,11 @@ SERVE_URL = _define("PIPELINE_SERVE_URL", str, "http://127.0.0.1:8000",
                     "the `pipeline serve` an agent worker opens its episodes' sessions on (`--serve`)")
 SERVE_API_KEY = _define("PIPELINE_SERVE_API_KEY", str, None,
                         "the API key an agent worker sends to `pipeline serve` (`serve --api-key`)")
+RENDER_AUDIT_EVERY = _define("PIPELINE_RENDER_AUDIT_EVERY", int, 32,
+                             "a verbatim session's turn renders a window of its history; each template's first "
+                             "4 windows and every Nth after are checked against the whole history (a mismatch "
+                             "renders that template's turns whole from then on); 1 checks every turn, 0 renders "
+                             "every turn whole")
 MODEL_CACHE = _define("PIPELINE_MODEL_CACHE", str, None,
                       "where the demo model is converted once; unset: $XDG_CACHE_HOME/rollout-pipeline/models")
 XDG_CACHE_HOME = _define("XDG_CACHE_HOME", str, None,
@@ -322,6 +327,10 @@ def model_cache() -> Path:
 
 def serve_url() -> str:
     return SERVE_URL.text() or SERVE_URL.default
+
+
+def render_audit_every() -> int:
+    return RENDER_AUDIT_EVERY.number()
 
 
 def serve_api_key() -> str | None:

@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipeline.core.errors import REQUESTS, LineError, PipelineError, RenderError, RequestFileError
+from pipeline.submit.extension_window import ExtensionWindow
 from schemas.chat import SHARED_FIELDS, ChatMessage, ChatRequest, NamedToolChoice, TextPart, is_chat_line
 
 # Stands for an earlier reply's content in `ChatRenderer.render_after_reply`.
@@ -231,7 +232,7 @@ def _template_tools(request: ChatRequest) -> list[dict[str, Any]] | None:
 class ChatRenderer:
     """Renders chat and prompt request lines with one tokenizer (a path or a loaded tokenizer)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, window: ExtensionWindow | None = None) -> None:
         if isinstance(tokenizer, str | Path):
             from transformers import AutoTokenizer
 
@@ -246,6 +247,7 @@ class ChatRenderer:
         except Exception:
             self.auto_adds_specials = True
         self.round_trip_lossy = self._probe_round_trip()
+        self.window = window or ExtensionWindow()
 
     # SGLang's `_probe_prompt_text_round_trip`.
     def _probe_round_trip(self) -> bool:
@@ -301,16 +303,18 @@ class ChatRenderer:
             except Exception as exc:
                 raise RenderError("messages", f"the chat template failed: {exc}") from None
 
-    def template_messages(self, request: ChatRequest, messages: Sequence[ChatMessage] | None = None
+    def template_messages(self, messages: Sequence[ChatMessage], positions: Sequence[int] | None = None
                           ) -> list[dict[str, Any]]:
-        """The message dicts as the template receives them, before the final-assistant rule."""
-        source = request.messages if messages is None else messages
-        return [_for_template(_message_dict(m, i), self.content_format) for i, m in enumerate(source or [])]
+        """The message dicts as the template receives them, before the final-assistant rule (`positions`:
+        each message's index in the request, for errors; default 0, 1, ...)."""
+        return [_for_template(_message_dict(m, i), self.content_format)
+                for i, m in zip(positions or range(len(messages)), messages, strict=True)]
 
     def _render_messages(self, request: ChatRequest, messages: Sequence[ChatMessage], *,
-                         ids: bool = True) -> tuple[str, list[int] | None, str]:
+                         ids: bool = True, positions: Sequence[int] | None = None
+                         ) -> tuple[str, list[int] | None, str]:
         """(template text, its ids (None unless `ids`), the continued assistant prefix or "")."""
-        prepared = self.template_messages(request, messages)
+        prepared = self.template_messages(messages, positions)
         prepared, prefix = _split_final_assistant(prepared, request.continue_final_message)
         kwargs = dict(request.chat_template_kwargs or {})
         text, token_ids = self._render_text_and_ids(prepared, _template_tools(request), kwargs, ids=ids)
@@ -392,11 +396,34 @@ class ChatRenderer:
         the extension: the template's glue, the new messages and the generation prompt. Only that
         is tokenized, so the sampled ids are never re-tokenized, whatever the template does with
         tool calls or reasoning in earlier replies.
+
+        The template sees a window of the history (`ExtensionWindow`), so a turn's render is
+        O(its new messages), not O(the session); the window is checked against the whole history
+        as the window's audit says.
         """
         assert request.messages is not None
-        messages = list(request.messages)
-        marked = [*messages[:boundary], ChatMessage(role="assistant", content=_REPLY_MARK), *messages[boundary + 1:]]
-        text, _, prefix = self._render_messages(request, marked, ids=False)
+        messages = request.messages
+        positions = self.window.positions(request, messages, boundary)
+        if positions is None:
+            return self._extension(request, range(len(messages)), boundary, completion_text)
+        try:
+            extension = self._extension(request, positions, boundary, completion_text)
+        except RenderError:  # a template that refuses the window's shape: the whole history decides
+            return self._extension(request, range(len(messages)), boundary, completion_text)
+        if self.window.audit_due(request):
+            whole = self._extension(request, range(len(messages)), boundary, completion_text)
+            if whole != extension:
+                self.window.refuse(request, extension.prompt_text, whole.prompt_text)
+                return whole
+        return extension
+
+    def _extension(self, request: ChatRequest, positions: Sequence[int], boundary: int,
+                   completion_text: str) -> Rendered:
+        """`render_after_reply` over the messages at `positions` (the whole history, or a window)."""
+        assert request.messages is not None
+        shown = [ChatMessage(role="assistant", content=_REPLY_MARK) if k == boundary else request.messages[k]
+                 for k in positions]
+        text, _, prefix = self._render_messages(request, shown, ids=False, positions=positions)
         at = text.find(_REPLY_MARK)
         if at < 0 or text.find(_REPLY_MARK, at + 1) >= 0:
             raise RenderError(f"messages[{boundary}]", "the chat template does not render the earlier reply's "
