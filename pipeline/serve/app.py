@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -53,18 +52,19 @@ MAX_JSON_DEPTH = 64
 THREADS = 256  # threads for the short steps of the other routes, and a call's rare ones (sync Redis)
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
-_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
+_STEP = np.zeros(256, dtype=np.int32)  # a byte's change of the nesting depth
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 
 
 def json_depth(raw: bytes) -> int:
     """Nesting depth of valid JSON text, a scalar counting as a level (`1` is 1, `[1]` 2): the
     brackets outside strings, counted on the bytes at C speed (a walk of the parsed value cost a
-    long conversation's call more than its new messages did)."""
-    structure = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
-    steps = np.isin(structure, _OPENERS).astype(np.int32) - np.isin(structure, _CLOSERS)
-    return int(np.cumsum(steps).max(initial=0)) + 1
+    long conversation's call more than its new messages did). Escaped backslashes, then escaped
+    quotes, are dropped (left to right, as JSON reads escapes), so every quote left delimits a
+    string and the text between strings is every other piece between quotes."""
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structure = np.frombuffer(b"".join(unescaped.split(b'"')[::2]), dtype=np.uint8)
+    return int(np.cumsum(_STEP[structure]).max(initial=0)) + 1
 
 
 async def read_json(request: Request, max_bytes: int, *, empty: Any = None) -> Any:
@@ -174,13 +174,14 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def openai_route(model: type[ChatCompletionBody] | type[CompletionBody],
+    def openai_route(validate: Callable[[str | None, Any], ChatCompletionBody | CompletionBody],
                      start: Callable[..., Any]) -> Callable[[Request], Awaitable[Response]]:
         """`/v1/chat/completions` or `/v1/completions`: validate, start the turn, wait for its rows (its
         tokens too, when streamed), answer: all on the loop."""
         async def endpoint(request: Request) -> Response:
-            body = model.model_validate(await read_json(request, max_body_bytes))
+            data = await read_json(request, max_body_bytes)
             session_id, create = session_of(request)
+            body = validate(session_id, data)
             # Shielded, as a thread was: a call whose client goes away while it starts is still claimed,
             # enqueued and answered (a retry of it then finds it), never left claimed and not enqueued.
             call = await asyncio.shield(start(body, session_id, create=create,
@@ -196,8 +197,8 @@ def create_app(turns: Turns, *, api_key: str | None = None, max_body_bytes: int 
             return JSONResponse(await asyncio.shield(turns.finish(call, await turns.wait_async(call))))
         return endpoint
 
-    chat = openai_route(ChatCompletionBody, turns.chat)
-    completions = openai_route(CompletionBody, turns.completion)
+    chat = openai_route(turns.conversations.validated, turns.chat)
+    completions = openai_route(lambda session_id, data: CompletionBody.model_validate(data), turns.completion)
 
     async def models(request: Request) -> Response:
         """The served model and the pool's LoRA adapters, each a `model` a call may name (vLLM's cards)."""

@@ -1,6 +1,6 @@
 """A chat conversation's digests, which place a call in its session's tree of calls (`pipeline.serve.
 sessions`: the reply keys of the index), and the conversations a server saw last, so that a call
-digests only the messages its session's previous call did not have.
+validates, dumps and digests only the messages its session's previous call did not have.
 
 The digest of the first `n + 1` messages chains the digest of the first `n` with message `n`'s, so
 a conversation that extends one seen before reuses its digests: `Conversations.of` compares the
@@ -8,6 +8,10 @@ earlier messages with the new call's (a C-level comparison of the parsed dicts) 
 the rest (O(new messages), the JSON encoding and hashing being the per-message cost). A cache only:
 a server that never saw the session (another server's, or evicted) digests the whole conversation,
 to the same digests.
+
+The same holds for validation (`Conversations.validated`): the messages a call shares with its
+session's previous call, as parsed from the JSON, are that call's validated (frozen) models, so a
+message is validated and dumped once per server, however many calls carry it.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from pipeline.serve.protocol import ChatCompletionBody
+from schemas.chat import ChatMessage
 
 CACHED_SESSIONS = 1024  # conversations a server keeps (each holds its messages, as parsed)
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -32,12 +39,26 @@ def _chain(head: str, message_digest: str) -> str:
     return hashlib.sha256(f"{head}:{message_digest}".encode()).hexdigest()[:32]
 
 
+def _dump(message: ChatMessage) -> dict[str, Any]:
+    return message.model_dump(mode="json", exclude_none=True)
+
+
+def _shared(a: list[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share (equal, compared in C for the common case: `a` extends `b`)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
 class Conversation:
     """Digests of a conversation's beginnings, each message encoded once; with `earlier` (a
     conversation these messages may extend), only the messages after it are."""
 
-    def __init__(self, messages: list[dict[str, Any]], earlier: Conversation | None = None) -> None:
+    def __init__(self, messages: list[dict[str, Any]], earlier: Conversation | None = None, *,
+                 models: Sequence[ChatMessage] = ()) -> None:
         self.messages = messages
+        self.models = models  # the validated messages `messages` are the dumps of (when known)
         self._heads = [""]
         self._replies: dict[int, str] = {}  # message index -> reply key of that assistant message
         if earlier is not None and len(earlier.messages) <= len(messages) \
@@ -79,18 +100,39 @@ class Conversations:
     def __init__(self, size: int = CACHED_SESSIONS) -> None:
         self.size = size
         self._latest: OrderedDict[str, Conversation] = OrderedDict()
+        # session -> its latest call's messages, as parsed and as validated
+        self._bodies: OrderedDict[str, tuple[list[Any], Sequence[ChatMessage]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def of(self, session_id: str | None, messages: list[dict[str, Any]]) -> Conversation:
-        """The digests of `messages`, a call of `session_id` (None: a session of one call)."""
+    def _remember(self, cache: OrderedDict[str, Any], session_id: str, value: Any) -> None:
+        with self._lock:
+            cache[session_id] = value
+            cache.move_to_end(session_id)
+            while len(cache) > self.size:
+                cache.popitem(last=False)
+
+    def validated(self, session_id: str | None, data: Any) -> ChatCompletionBody:
+        """A chat call's body (JSON, parsed) validated; the messages it shares with its session's latest
+        call are that call's models, not validated again."""
+        raw = data.get("messages") if isinstance(data, dict) else None
+        if session_id is None or not isinstance(raw, list):
+            return ChatCompletionBody.model_validate(data)
+        with self._lock:
+            seen = self._bodies.get(session_id)
+        n = _shared(raw, seen[0]) if seen is not None else 0
+        body = ChatCompletionBody.model_validate({**data, "messages": [*seen[1][:n], *raw[n:]]} if n else data)
+        self._remember(self._bodies, session_id, (raw, body.messages))
+        return body
+
+    def of(self, session_id: str | None, models: Sequence[ChatMessage]) -> Conversation:
+        """The digests of a call's messages (`models`), a call of `session_id` (None: a session of one
+        call); the messages the session's latest call had are not dumped again."""
         if session_id is None:
-            return Conversation(messages)
+            return Conversation([_dump(m) for m in models], models=models)
         with self._lock:
             earlier = self._latest.get(session_id)
-        conversation = Conversation(messages, earlier)
-        with self._lock:
-            self._latest[session_id] = conversation
-            self._latest.move_to_end(session_id)
-            while len(self._latest) > self.size:
-                self._latest.popitem(last=False)
+        known, dumps = (earlier.models, earlier.messages) if earlier is not None else ((), [])
+        messages = [dumps[i] if i < len(known) and m is known[i] else _dump(m) for i, m in enumerate(models)]
+        conversation = Conversation(messages, earlier, models=models)
+        self._remember(self._latest, session_id, conversation)
         return conversation

@@ -308,8 +308,7 @@ class Turns:
         adapter = await self.named_adapter(body.model)  # as vLLM checks a call's model first
         self._tokenizer()
         model = adapter or self.settings.model
-        messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
-        conversation = self.conversations.of(session_id, messages)  # digests of the new messages only
+        conversation = self.conversations.of(session_id, body.messages)  # the new messages dumped and digested
         # The call's digest (a client's retry is the same call): the conversation's and the rest's.
         body_digest = digest({"messages": conversation.whole(), **body.model_dump(
             mode="json", exclude={"stream", "stream_options", "messages"}, exclude_none=True)})
@@ -325,7 +324,7 @@ class Turns:
         # The replies a parent may have sent: each assistant message followed by more, the latest first.
         reply_keys = conversation.earlier_replies(canonical_assistant)
 
-        pending = Pending.new(identity.digest, conversation.whole(), len(messages))
+        pending = Pending.new(identity.digest, conversation.whole(), len(body.messages))
 
         def open_call() -> Awaitable[Opened]:
             # A verbatim parent is looked up in the same read; under a `template` server so are the ends

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 from typing import Any
 
 import httpx
@@ -161,3 +163,34 @@ def test_an_unknown_path_or_method_answers_in_openais_error_shape(serve: Any) ->
 def test_json_depth_counts_brackets_outside_strings() -> None:
     assert [json_depth(text) for text in (b"1", b"[1]", b'{"a": {"b": []}}', b'{"a": "[[{{\\"]]"}')] == [1, 2, 4, 2]
     assert json_depth(b'{"m": ' + b"[" * 70 + b"]" * 70 + b"}") == 72
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=1)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=1)
+    return 1
+
+
+def test_json_depth_is_the_parsed_values_depth_whatever_the_strings_hold() -> None:
+    """Strings of brackets, quotes and backslashes in every escaped form, in keys and values, both
+    ASCII-escaped and not: the depth counted on the bytes is the depth of the parsed value."""
+    rng = random.Random(0)
+    pieces = ["\\", '"', "[", "]", "{", "}", "a", " ", "\\\\", '\\"', "é", "\n"]
+
+    def text() -> str:
+        return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+
+    def value(level: int) -> Any:
+        roll = rng.random()
+        if level > 6 or roll < 0.3:
+            return text() if rng.random() < 0.7 else rng.randint(0, 9)
+        if roll < 0.65:
+            return [value(level + 1) for _ in range(rng.randint(0, 3))]
+        return {text(): value(level + 1) for _ in range(rng.randint(0, 3))}
+
+    for _ in range(3000):
+        parsed = value(0)
+        raw = json.dumps(parsed, ensure_ascii=rng.random() < 0.5).encode()
+        assert json_depth(raw) == _depth(parsed), raw
