@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from pipeline.serve.protocol import ChatCompletionBody
 from schemas.chat import ChatMessage
 
@@ -49,6 +51,19 @@ def _shared(a: list[Any], b: Sequence[Any]) -> int:
     if a[:n] == b[:n]:
         return n
     return next(i for i in range(n) if a[i] != b[i])
+
+
+def _validated_after(data: dict[str, Any], known: Sequence[ChatMessage], rest: list[Any]) -> ChatCompletionBody:
+    """`data` validated, its messages being `known` (validated before) followed by `rest`. Only `rest`
+    is validated: pydantic would take the known models as they are but run their Python validators
+    again. A body refused is validated whole again, so that its errors are located as the client
+    sent it."""
+    try:
+        # The last known message stands in for the messages when none is new (a list may not be empty).
+        tail = ChatCompletionBody.model_validate({**data, "messages": rest or [known[-1]]})
+    except ValidationError:
+        return ChatCompletionBody.model_validate(data)
+    return tail.model_copy(update={"messages": [*known, *tail.messages] if rest else list(known)})
 
 
 class Conversation:
@@ -120,7 +135,7 @@ class Conversations:
         with self._lock:
             seen = self._bodies.get(session_id)
         n = _shared(raw, seen[0]) if seen is not None else 0
-        body = ChatCompletionBody.model_validate({**data, "messages": [*seen[1][:n], *raw[n:]]} if n else data)
+        body = _validated_after(data, seen[1][:n], raw[n:]) if n else ChatCompletionBody.model_validate(data)
         self._remember(self._bodies, session_id, (raw, body.messages))
         return body
 

@@ -107,7 +107,7 @@ end
 return {session, same, same_record, same_pending, parent, parent_record, ends, claimed}
 """
 
-# KEYS: the session's calls. ARGV: `t:` fields, longest first. The first hit's value and its call's record.
+# KEYS: the session's calls. ARGV: `t:` (or `m:`) fields, longest first. The first hit's value and its call's record.
 _FIRST = """
 for i = 1, #ARGV do
   local hit = redis.call('HGET', KEYS[1], ARGV[i])
@@ -568,6 +568,14 @@ class SessionStore:
         if parent is not None and list(ids[: len(parent.ids)]) != parent.ids:
             return None
         return parent
+
+    async def parent_by_replies_async(self, session_id: str, reply_keys: Sequence[str]) -> Parent | None:
+        """The committed call that the first of `reply_keys` (a chat call's, latest first) found names: a
+        parent further back than the ones `open` looked for."""
+        if self._async is None:
+            return await anyio.to_thread.run_sync(lambda: _parent(*self._first(
+                keys=[keys.session_calls(session_id)], args=list(reply_keys))))
+        return _parent(*await self._async["first"](keys=[keys.session_calls(session_id)], args=list(reply_keys)))
 
     def release(self, session_id: str, turn: int, pending: Pending) -> None:
         """Drop a call in flight that will not be recorded (its job failed or could not be enqueued)."""

@@ -176,6 +176,35 @@ def test_a_compacting_loop_is_two_lineages(redis_client: redis.Redis, serve: Any
     assert session["turns"] == 5 and session["calls_in_flight"] == 0
 
 
+def test_a_reply_followed_by_more_assistant_messages_than_the_first_read_looks_at_is_still_the_parent(
+        redis_client: redis.Redis, serve: Any, tools_tokenizer: Any) -> None:
+    """A harness that puts assistant messages of its own after a reply (worked examples, a replayed
+    transcript): the call still extends the reply it follows, found past the latest replies the call's
+    first read looks for (`NEAREST_REPLIES`)."""
+    from openai import OpenAI
+
+    from pipeline.serve.turns import NEAREST_REPLIES
+
+    script = Script(tools_tokenizer, {0: "First.", 1: "Second."})
+    stack = serve()
+    sid = stack.session()
+
+    def agent() -> None:
+        client = OpenAI(base_url=f"{stack.url}/sessions/{sid}/v1", api_key="x", max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+        reply = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+        messages.append({"role": "assistant", "content": reply})
+        for k in range(NEAREST_REPLIES + 1):
+            messages += [{"role": "user", "content": f"Example {k}?"}, {"role": "assistant", "content": f"Ans {k}."}]
+        messages.append({"role": "user", "content": "Now you."})
+        client.chat.completions.create(model="m", messages=messages)
+        client.close()
+
+    run_agent(redis_client, script.engine(), agent)
+    assert _calls(redis_client, stack.run, sid)[1]["parent_turn"] == 0
+    assert [item["turns"] for item in exact_lineages(redis_client, stack.run, sid, script)] == [[0, 1]]
+
+
 _STRIPPING_TEMPLATE = """\
 {%- set last = namespace(user=-1) -%}
 {%- for m in messages -%}{%- if m.role == 'user' -%}{%- set last.user = loop.index0 -%}{%- endif -%}{%- endfor -%}
