@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import Any
@@ -61,6 +62,8 @@ from workers.process.turn_reader import TurnReader
 from workers.process.turn_work import TurnEnds, TurnWork
 
 log = logging.getLogger(__name__)
+
+EXIT_NOW_S = 5.0  # what a second signal with nothing in flight leaves the worker to leave with
 RQ_HEARTBEAT_S = 30  # RQ's own worker key (it lives 8 minutes), refreshed no more often than this
 DRAIN_POLL_S = 0.1  # how often a warm shutdown's wait for the jobs in flight looks for a second signal
 
@@ -318,22 +321,35 @@ class EngineWorker(SimpleWorker):
         try:
             return super().work(*args, **kwargs)
         finally:
-            self.turn_reader.stop()
-            flusher.stop(flush=True)
-            try:
-                self._drain_feeder()
-            except BaseException:  # an exit raised in the wait: abort them rather than leave them running
-                self.feeder.abort_all()
-                self.feeder.drain(timeout=10)
-                raise
-            finally:
-                self.turn_reader.close()
-                self.feeder.stop()
-                if self._serial is not None:
-                    self._serial.close()
-            self.control.listener.stop()
-            try:
-                self.presence.stop()  # out of the registry: its turn queue is read by the live workers now
-            except redis.RedisError as exc:  # Redis gone at shutdown: the entry expires with its TTL
-                log.warning("worker %s: leaving the registry skipped, Redis unreachable (%s)", self.worker_id, exc)
+            if self.shutdown.exiting:
+                # A second signal with nothing in flight exits now: leaving gets EXIT_NOW_S in all, not a
+                # wait for each thread (with Redis gone, threads stuck in it made that minutes). What it
+                # does not finish is taken over: turn entries by the live workers, the registry entry by
+                # its TTL, logged turns by another worker's flusher.
+                leaving = threading.Thread(target=self._leave, args=(flusher,), name="leaving", daemon=True)
+                leaving.start()
+                leaving.join(timeout=EXIT_NOW_S)
+            else:
+                self._leave(flusher)
             context.uninstall()
+
+    def _leave(self, flusher: TurnFlusher) -> None:
+        """Stop reading, flush the logged turns, wait for the jobs in flight, leave the registry."""
+        self.turn_reader.stop()
+        flusher.stop(flush=True)
+        try:
+            self._drain_feeder()
+        except BaseException:  # an exit raised in the wait: abort them rather than leave them running
+            self.feeder.abort_all()
+            self.feeder.drain(timeout=10)
+            raise
+        finally:
+            self.turn_reader.close()
+            self.feeder.stop()
+            if self._serial is not None:
+                self._serial.close()
+        self.control.listener.stop()
+        try:
+            self.presence.stop()  # out of the registry: its turn queue is read by the live workers now
+        except redis.RedisError as exc:  # Redis gone at shutdown: the entry expires with its TTL
+            log.warning("worker %s: leaving the registry skipped, Redis unreachable (%s)", self.worker_id, exc)
