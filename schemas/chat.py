@@ -17,6 +17,7 @@ a line is validated again as a `RolloutRequest` once rendered.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -199,14 +200,16 @@ class ChatRequest(_ChatRequestBase):  # type: ignore[misc, valid-type]
                 raise ValueError(f"{', '.join(chat_only) or 'continue_final_message'} needs messages, not prompt")
         return self
 
+    @functools.cached_property
+    def hosted_tools(self) -> list[Tool]:
+        """The tools hosted on system/developer/root messages, in order (one walk of the messages a request)."""
+        return [tool for message in self.messages or [] if message.role in TOOL_HOST_ROLES and message.tools
+                for tool in message.tools]
+
     @property
     def effective_tools(self) -> list[Tool]:
         """Request tools plus those hosted on system/developer/root messages (SGLang's `_effective_tools`)."""
-        tools = list(self.tools or [])
-        for message in self.messages or []:
-            if message.role in TOOL_HOST_ROLES and message.tools:
-                tools.extend(message.tools)
-        return tools
+        return [*(self.tools or []), *self.hosted_tools]
 
     @property
     def resolved_tool_choice(self) -> str | NamedToolChoice:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,6 +54,15 @@ def _shared(a: list[Any], b: Sequence[Any]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
+def _identical(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share as the same objects (the models `validated` reused),
+    found at C speed for the common case: `a` extends `b`."""
+    n = min(len(a), len(b))
+    if all(map(operator.is_, a[:n], b[:n])):
+        return n
+    return next(i for i in range(n) if a[i] is not b[i])
+
+
 def _validated_after(data: dict[str, Any], known: Sequence[ChatMessage], rest: list[Any]) -> ChatCompletionBody:
     """`data` validated, its messages being `known` (validated before) followed by `rest`. Only `rest`
     is validated: pydantic would take the known models as they are but run their Python validators
@@ -76,12 +86,17 @@ class Conversation:
         self.models = models  # the validated messages `messages` are the dumps of (when known)
         self._heads = [""]
         self._replies: dict[int, str] = {}  # message index -> reply key of that assistant message
+        self._assistants: list[int] = []  # the indices of the assistant messages
         if earlier is not None and len(earlier.messages) <= len(messages) \
                 and messages[:len(earlier.messages)] == earlier.messages:
             self._heads = list(earlier._heads)
             self._replies = dict(earlier._replies)
-        for message in messages[len(self._heads) - 1:]:
+            self._assistants = list(earlier._assistants)
+        for i in range(len(self._heads) - 1, len(messages)):
+            message = messages[i]
             self._heads.append(_chain(self._heads[-1], digest(message)))
+            if message.get("role") == "assistant":
+                self._assistants.append(i)
 
     def first(self, n: int) -> str:
         return self._heads[n]
@@ -98,8 +113,8 @@ class Conversation:
         """The reply keys of the replies a parent may have sent: each assistant message followed by
         more (`canonical` reduces it to what identifies a reply), the latest first."""
         keys = []
-        for j in range(len(self.messages) - 2, -1, -1):
-            if self.messages[j].get("role") != "assistant":
+        for j in reversed(self._assistants):
+            if j == len(self.messages) - 1:  # the last message: nothing follows it
                 continue
             key = self._replies.get(j)
             if key is None:
@@ -136,7 +151,10 @@ class Conversations:
             seen = self._bodies.get(session_id)
         n = _shared(raw, seen[0]) if seen is not None else 0
         body = _validated_after(data, seen[1][:n], raw[n:]) if n else ChatCompletionBody.model_validate(data)
-        self._remember(self._bodies, session_id, (raw, body.messages))
+        # The shared messages are kept as first parsed: this call's copies of them die young, so that a
+        # call leaves only its new messages to the garbage collector's older generations (keeping each
+        # call's whole parse made a full collection's cost grow with the conversations' length).
+        self._remember(self._bodies, session_id, (seen[0][:n] + raw[n:] if n else raw, body.messages))
         return body
 
     def of(self, session_id: str | None, models: Sequence[ChatMessage]) -> Conversation:
@@ -147,7 +165,8 @@ class Conversations:
         with self._lock:
             earlier = self._latest.get(session_id)
         known, dumps = (earlier.models, earlier.messages) if earlier is not None else ((), [])
-        messages = [dumps[i] if i < len(known) and m is known[i] else _dump(m) for i, m in enumerate(models)]
+        n = _identical(models, known)
+        messages = [*dumps[:n], *(_dump(m) for m in models[n:])]
         conversation = Conversation(messages, earlier, models=models)
         self._remember(self._latest, session_id, conversation)
         return conversation

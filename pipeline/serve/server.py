@@ -23,7 +23,7 @@ from pipeline.core.broker import keys
 from pipeline.core.broker.connection import connect_redis
 from pipeline.core.errors import PipelineError
 from pipeline.core.stop_tokens import model_stop_ids
-from pipeline.core.warm_up import warm_up
+from pipeline.core.warm_up import freeze_start_up, warm_up
 from pipeline.serve.app import DEFAULT_MAX_BODY_BYTES, THREADS, create_app
 from pipeline.serve.dispatch import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S
 from pipeline.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -144,7 +144,8 @@ class Server:
         return f"http://{host}:{port}"
 
     def run(self) -> None:
-        """Serve until interrupted."""
+        """Serve until interrupted (the process's own server: `pipeline serve`)."""
+        freeze_start_up()
         try:
             self.uvicorn.run()
         finally:

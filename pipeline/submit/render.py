@@ -193,8 +193,7 @@ def _validate(request: ChatRequest) -> None:
             raise RenderError("tool_choice", "Tools cannot be empty if tool choice is set to a specific tool.")
         if not any(tool.function.name == choice.function.name for tool in tools):
             raise RenderError("tool_choice.function.name", f"Tool '{choice.function.name}' not found in tools list.")
-    has_message_tools = any(m.role in ("root", "system", "developer") and m.tools for m in request.messages)
-    if has_message_tools:
+    if request.hosted_tools:
         names = [tool.function.name for tool in tools]
         if len(names) != len(set(names)):
             raise RenderError("tools", "Tool names must be unique across request and message tools.")
