@@ -44,17 +44,25 @@ def _call_id(turn_id: str, choice: int, index: int) -> str:
     return "call_" + hashlib.sha256(f"{turn_id}:{choice}:{index}".encode()).hexdigest()[:24]
 
 
-# What answers and session records read of a turn's rows; the rest of a row is the shard's.
-ANSWER_COLUMNS = ("sample_index", "rollout_id", "worker_id", "prompt_token_ids", "prompt_text", "prompt_tokens",
+# What answers and session records read of a turn's rows; the rest of a row is the shard's. The prompt
+# ids come beside them, as an array (`turn_rows`).
+ANSWER_COLUMNS = ("sample_index", "rollout_id", "worker_id", "prompt_text", "prompt_tokens",
                   "cached_tokens", "completion_token_ids", "completion_logprobs", "completion_top_logprobs",
                   "completion_text", "completion_tokens", "finish_reason", "stop_reason_text", "stop_reason_token",
                   "weight_version", "weight_version_segments", "prefix_break", "parent_turn", "parent_sample")
 
 
 def turn_rows(table: pa.Table) -> list[dict[str, Any]]:
-    """A turn's rows as dicts of `ANSWER_COLUMNS`, by sample index (pyarrow makes Python objects
-    column by column: the columns nobody reads here cost as much as the long prompt)."""
-    return sorted(table.select(ANSWER_COLUMNS).to_pylist(), key=lambda r: r["sample_index"])
+    """A turn's rows as dicts of `ANSWER_COLUMNS` and their `prompt_token_ids` (an int32 array each, a
+    view of the table's: a long prompt's ids never become Python ints), by sample index (pyarrow
+    makes Python objects column by column: the columns nobody reads here cost as much as the long
+    prompt)."""
+    rows = table.select(ANSWER_COLUMNS).to_pylist()
+    prompts = table.column("prompt_token_ids").combine_chunks()
+    ids, offsets = prompts.values.to_numpy(), prompts.offsets.to_numpy()
+    for row, start, end in zip(rows, offsets[:-1], offsets[1:], strict=True):
+        row["prompt_token_ids"] = ids[start:end]
+    return sorted(rows, key=lambda r: r["sample_index"])
 
 
 def usage(rows: list[dict[str, Any]]) -> dict[str, Any]:

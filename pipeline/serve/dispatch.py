@@ -33,6 +33,7 @@ from pipeline.serve.routing import Router
 from pipeline.serve.turn_batching import MAX_TURNS_PER_JOB, TurnBatcher, WaitingTurn
 from pipeline.serve.turn_wait import ASYNC_CONNECTIONS, DEFAULT_TURN_TIMEOUT_S, Answered, TurnWaiter
 from pipeline.submit.placement import Placement
+from pipeline.submit.request_file import ParsedRequest
 from schemas.job_payload import TurnTag
 from schemas.request import RolloutRequest
 from schemas.worker_info import WorkerInfo
@@ -62,7 +63,7 @@ class TurnDispatch:
     def live_workers(self) -> list[WorkerInfo]:
         return self.router.live_workers()
 
-    async def enqueue(self, request: RolloutRequest, *, run: str, output: str, turn: TurnTag,
+    async def enqueue(self, request: RolloutRequest | ParsedRequest, *, run: str, output: str, turn: TurnTag,
                       home: str | None = None) -> Route:
         """Enqueue the turn (with whatever other turns wait with it) on the worker the router chooses;
         400 when no live worker of the pool could serve what it asks. On the server's loop: the

@@ -192,8 +192,13 @@ def pack_ids(ids: Any) -> str:
     return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
 
 
-def unpack_ids(packed: str) -> list[int]:
-    return np.frombuffer(base64.b64decode(packed), dtype="<i4").tolist()
+def unpack_ids(packed: str) -> np.ndarray:
+    """The ids `pack_ids` packed, as a (read-only) int32 array: no Python int per id."""
+    return np.frombuffer(base64.b64decode(packed), dtype="<i4")
+
+
+def _joined(prompt_ids: np.ndarray, completion_ids: Sequence[int]) -> np.ndarray:
+    return np.concatenate([prompt_ids, np.asarray(completion_ids, dtype="<i4")])
 
 
 def token_key(ids: Sequence[int]) -> str:
@@ -225,7 +230,7 @@ class Choice:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Choice:
-        return cls(unpack_ids(data["ids"]), data["text"], data["assistant"])
+        return cls(unpack_ids(data["ids"]).tolist(), data["text"], data["assistant"])
 
 
 @dataclass
@@ -237,12 +242,15 @@ class TurnRecord:
     request_digest: str
     conversation: str  # `Conversation.whole()` of its messages ('' for a token-level call)
     n_messages: int
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray  # int32: a long prompt's ids are never a Python list on the server
     prompt_text: str | None
     choices: list[Choice]
     response: dict[str, Any]
     parent: tuple[int, int] | None = None  # the call and sample this one extends
     served_by: str | None = None  # the worker that served it: its prefix cache holds the call's ids
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype="<i4")
 
     def to_json(self) -> str:
         return json.dumps({
@@ -269,7 +277,7 @@ class TurnRecord:
             where = f"{self.turn}:{sample}"
             if conversation is not None:
                 triples += [conversation.reply_key(self.n_messages, choice.assistant), where, ""]
-            ids = self.prompt_ids + choice.completion_ids
+            ids = _joined(self.prompt_ids, choice.completion_ids)
             triples += [token_key(ids), where, str(len(ids))]
         return triples
 
@@ -382,9 +390,10 @@ class Parent:
     def choice(self) -> Choice:
         return self.record.choices[self.sample]
 
-    @property
-    def ids(self) -> list[int]:
-        return self.record.prompt_ids + self.choice.completion_ids
+    @functools.cached_property
+    def ids(self) -> np.ndarray:
+        """The prompt and completion ids of the choice (int32)."""
+        return _joined(self.record.prompt_ids, self.choice.completion_ids)
 
 
 @dataclass(frozen=True)
@@ -565,7 +574,7 @@ class SessionStore:
     def _extended(ids: Sequence[int], hit: bytes | None, record: bytes | None) -> Parent | None:
         parent = _parent(hit, record)
         # A digest is no proof: the ids themselves must match (a collision must not graft a call).
-        if parent is not None and list(ids[: len(parent.ids)]) != parent.ids:
+        if parent is not None and not np.array_equal(np.asarray(ids[: len(parent.ids)]), parent.ids):
             return None
         return parent
 

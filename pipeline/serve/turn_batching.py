@@ -25,6 +25,7 @@ import redis
 
 from pipeline.core.jobs import turn_queue
 from pipeline.serve.routing import ACTIVE_S, Router
+from pipeline.submit.request_file import ParsedRequest
 from schemas.capabilities import Needs
 from schemas.job_payload import JobPayload, TurnTag
 from schemas.request import RolloutRequest
@@ -41,7 +42,7 @@ OUTSTANDING_S = 2.0  # a job of turns this server enqueued counts as in flight f
 class WaitingTurn:
     """A turn handed to the flusher, and what became of it."""
 
-    request: RolloutRequest
+    request: RolloutRequest | ParsedRequest  # the server's own: ids as an array (`ParsedRequest.of_array`)
     turn: TurnTag
     run: str
     output: str

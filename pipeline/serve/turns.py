@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 import pyarrow as pa
 import redis
 
@@ -68,10 +69,11 @@ from pipeline.serve.sessions import (
 from pipeline.serve.turn_counts import TurnCounts
 from pipeline.serve.turn_wait import Answered
 from pipeline.submit.render import ChatRenderer
+from pipeline.submit.request_file import ParsedRequest
 from schemas.adapters import ADAPTER_NAME_PATTERN
 from schemas.chat import ChatRequest
 from schemas.job_payload import TurnTag
-from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
+from schemas.request import MAX_PROMPT_TOKENS
 
 ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
 # A chat call's parent is looked for among its latest replies in the read that starts it (almost always the
@@ -151,7 +153,7 @@ class Prompt:
     """A call's prompt: ids for the queue, text for the row, the call it extends, whether it broke
     the session's prefix."""
 
-    ids: list[int]
+    ids: np.ndarray  # int32
     text: str | None
     parent: Parent | None
     prefix_break: bool
@@ -376,13 +378,13 @@ class Turns:
             if self.history_of(session) == "verbatim" and parent is not None:
                 extension = self.renderer.render_after_reply(request, parent.record.n_messages,
                                                              parent.choice.completion_text)
-                return Prompt(parent.ids + extension.input_ids,
+                return Prompt(np.concatenate([parent.ids, np.asarray(extension.input_ids, dtype="<i4")]),
                               (parent.record.prompt_text or "") + parent.choice.completion_text
                               + extension.prompt_text, parent, False)
             rendered = self.renderer.render(request)
         except RenderError as exc:
             raise APIError(400, exc.message, param=exc.field, code="render_error") from None
-        ids = list(rendered.input_ids)
+        ids = np.asarray(rendered.input_ids, dtype="<i4")
         if self.history_of(session) == "template":
             parent = await self.sessions.parent_by_tokens_async(session.session_id, ids, opened.ends)
             if parent is not None:
@@ -398,10 +400,10 @@ class Turns:
         adapter = await self.named_adapter(body.model)
         model = adapter or self.settings.model
         if isinstance(body.prompt, str):
-            ids = list(self._tokenizer()(body.prompt)["input_ids"])
+            ids = np.asarray(self._tokenizer()(body.prompt)["input_ids"], dtype="<i4")
             text: str | None = body.prompt
         else:
-            ids, text = list(body.prompt), None
+            ids, text = np.asarray(body.prompt, dtype="<i4"), None
         identity = CallIdentity.of(digest(body.model_dump(mode="json", exclude={"stream", "stream_options"},
                                                           exclude_none=True)),
                                    idempotency_key=idempotency_key, retry_count=retry_count)
@@ -460,13 +462,13 @@ class Turns:
         sampling = body.sampling(self._budget(prompt, body.budget()))
         parent = None if prompt.parent is None else (prompt.parent.turn, prompt.parent.sample)
         turn_id = pending.turn_id(session.session_id, turn)
-        request = RolloutRequest.model_validate({
-            "id": f"{session.session_id}:{turn}", "input_ids": prompt.ids,
+        request = ParsedRequest.of_array({
+            "id": f"{session.session_id}:{turn}",
             "sampling_params": sampling.model_dump(exclude_defaults=True), "logprobs": body.logprobs_k,
             "metadata": session.metadata, **({"prompt_text": prompt.text} if prompt.text is not None else {}),
             "routing_key": session.session_id,  # the worker's server holding the session's prefix
             "adapter": adapter,
-        })
+        }, prompt.ids)
         # Affinity follows the tree: the worker that served the parent holds its ids in its prefix cache.
         home = prompt.parent.record.served_by if prompt.parent is not None else session.home
         route = await self.dispatch.enqueue(request, run=session.run, output=session.output, home=home,

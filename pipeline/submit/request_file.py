@@ -191,6 +191,24 @@ class ParsedRequest:
                    request.model_dump(exclude={"input_ids"}, exclude_defaults=True), request.logprobs,
                    request.return_routed_experts, SamplingShape(request.sampling_params), None, request)
 
+    @classmethod
+    def of_array(cls, fields: dict[str, Any], prompt_ids: np.ndarray) -> ParsedRequest:
+        """The request of `fields` (a line without `input_ids`) whose prompt ids are `prompt_ids`,
+        checked as the model checks them but as an array: no Python int per id (`pipeline serve`'s
+        turn, whose ids are a long conversation's). Ids the model would refuse are validated by it,
+        for its own error."""
+        if 0 < prompt_ids.size <= request_schema.MAX_PROMPT_TOKENS and int(prompt_ids.min()) >= 0 \
+                and int(prompt_ids.max()) <= request_schema.MAX_TOKEN_ID:
+            request = RolloutRequest.model_validate({**fields, "input_ids": [0]})
+        else:
+            request = RolloutRequest.model_validate({**fields, "input_ids": prompt_ids.tolist()})
+        return cls(request.id, prompt_ids, request.model_dump(exclude={"input_ids"}, exclude_defaults=True),
+                   request.logprobs, request.return_routed_experts, SamplingShape(request.sampling_params), None)
+
+    @property
+    def adapter(self) -> str | None:
+        return self.job_fields.get("adapter")
+
     @property
     def sampling_params(self) -> SamplingParams:
         params = self._shape.params

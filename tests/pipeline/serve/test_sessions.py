@@ -76,7 +76,7 @@ def test_a_call_is_placed_under_the_longest_call_it_extends(redis_client: redis.
     longer = [*history, {"role": "assistant", "content": "c"}, {"role": "user", "content": "on"}]
     opened = _lookup(store, "s-tree", longer)
     assert opened.parent is not None and (opened.parent.turn, opened.parent.sample) == (second, 0)
-    assert opened.parent.ids == [1, 2, 4, 5, 6]
+    assert opened.parent.ids.tolist() == [1, 2, 4, 5, 6]
     # The sample sent back decides: the first call's sample 0 ("a") is another branch.
     branch = [USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "other"}]
     opened = _lookup(store, "s-tree", branch)
