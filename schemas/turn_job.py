@@ -8,9 +8,10 @@ how many runs of it began before (an earlier run may have left a checkpoint).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any
+
+import orjson
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,13 @@ class TurnJob:
     attempts: int = 0  # runs begun before (retried): a checkpoint may hold their tokens
 
     def encode(self) -> bytes:
-        # The fields as they are (`asdict` would deep-copy the payload first, on the server's hot path).
-        return json.dumps(vars(self), separators=(",", ":")).encode()
+        # The fields as they are (`asdict` would deep-copy the payload first, on the server's hot path);
+        # orjson: a long conversation's prompt (its ids packed, its text) is most of the entry.
+        return orjson.dumps(vars(self))
 
     @classmethod
     def decode(cls, raw: bytes | str) -> TurnJob:
-        return cls(**json.loads(raw))
+        return cls(**orjson.loads(raw))
 
     @property
     def turn_ids(self) -> list[str]:

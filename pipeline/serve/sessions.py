@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import orjson
 import redis
 
 from pipeline.core import adapters
@@ -252,18 +253,19 @@ class TurnRecord:
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype="<i4")
 
-    def to_json(self) -> str:
-        return json.dumps({
+    def to_json(self) -> bytes:
+        # orjson: a long conversation's prompt (its ids packed, its text) is most of a record.
+        return orjson.dumps({
             "turn": self.turn, "turn_id": self.turn_id, "request_digest": self.request_digest,
             "conversation": self.conversation, "n_messages": self.n_messages,
             "prompt_ids": pack_ids(self.prompt_ids), "prompt_text": self.prompt_text,
             "choices": [c.to_json() for c in self.choices], "response": self.response,
             "parent": None if self.parent is None else list(self.parent), "served_by": self.served_by,
-        }, separators=(",", ":"))
+        })
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> TurnRecord:
-        data = json.loads(raw)
+        data = orjson.loads(raw)
         return cls(data["turn"], data["turn_id"], data["request_digest"], data["conversation"], data["n_messages"],
                    unpack_ids(data["prompt_ids"]), data["prompt_text"],
                    [Choice.from_json(c) for c in data["choices"]], data["response"],
