@@ -12,7 +12,9 @@ template). The CPU each process used during a phase (each thread's scheduler cou
 divided by the phase's turns, is that turn number's CPU per turn. The baseline is the session's
 2nd turn, in the same run: the figure is the last turns' over the early ones (each end the median
 of four phases, turns 2-5 and 61-64, against one phase's noise), for the server and for the
-worker, median of `--repeats` runs with min and max. The sim's engine, not a model: a real engine's
+worker, median of `--repeats` runs with min and max. Beside it, each process's CPU per turn over
+the whole run (the mean of every phase), which counts the garbage collector's full collections
+that the medians leave out. The sim's engine, not a model: a real engine's
 prefill grows with the prompt; this is the pipeline's own work.
 """
 
@@ -95,6 +97,7 @@ def main() -> None:
             wait_for_serve(url, 1)
             asyncio.run(_phases(url, 4, 3, args.mode, pids))  # warm-up: imports, templates, connections
             ratios: dict[str, list[float]] = {name: [] for name in pids}
+            means: dict[str, list[float]] = {name: [] for name in pids}
             firsts: dict[str, list[float]] = {name: [] for name in pids}
             lasts: dict[str, list[float]] = {name: [] for name in pids}
             for repeat in range(args.repeats):
@@ -104,6 +107,7 @@ def main() -> None:
                 second, last = ({name: statistics.median(p[name] for p in window) for name in pids}
                                 for window in (phases[1:1 + WINDOW], phases[-WINDOW:]))
                 for name in pids:
+                    means[name].append(statistics.mean(p[name] for p in phases))
                     firsts[name].append(second[name])
                     lasts[name].append(last[name])
                     ratios[name].append(last[name] / second[name])
@@ -116,6 +120,12 @@ def main() -> None:
                       f"2-{1 + WINDOW} {statistics.median(firsts[name]):.2f} ms, turns {late} "
                       f"{statistics.median(lasts[name]):.2f} ms; late / early {_spread(ratios[name])}"
                       + (" (goal for the server: at most 1.2x)" if name == "server" else ""))
+            # The ends are medians of phases: a full collection lands in one phase of several, so they
+            # leave it out. The mean over every phase of a run counts it.
+            for name in pids:
+                print(f"{name} CPU per turn over all {args.turns} turns, every phase counted (collections "
+                      f"included), median of {args.repeats}: {statistics.median(means[name]):.2f} ms "
+                      f"(min {min(means[name]):.2f}, max {max(means[name]):.2f})")
         finally:
             stop_processes(procs)
 
