@@ -41,6 +41,16 @@ def test_malformed_bodies_are_400s_naming_what_is_wrong(serve: Any) -> None:
     assert error["param"].startswith("messages.0")
 
 
+def test_json_that_only_the_standard_library_parses_is_judged_by_its_fields(serve: Any) -> None:
+    """The body is parsed by orjson, which refuses NaN and integers past 64 bits; Python's parser takes
+    both, so such a body is refused where its value is wrong, as before, not as invalid JSON."""
+    url = serve().url + "/v1/chat/completions"
+    for value in (b"1" + b"0" * 25, b"NaN"):
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + value + b"}"
+        error = _error(httpx.post(url, content=body, headers={"content-type": "application/json"}), 400)
+        assert error["param"] == "temperature" and error["code"] != "invalid_json", error
+
+
 def test_huge_bodies_are_refused_and_the_server_serves_on(redis_client: redis.Redis, serve: Any,
                                                           tools_tokenizer: Any) -> None:
     stack = serve(max_body_bytes=64 * 1024)

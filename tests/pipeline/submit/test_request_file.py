@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from pydantic import ValidationError
 
 import pipeline
-from pipeline.submit.request_file import parse_lines
+from pipeline.submit.request_file import ParsedRequest, parse_lines
+from schemas.job_payload import JobPayload
+from schemas.request import MAX_PROMPT_TOKENS, RolloutRequest
 
 ID = {"id": "q", "input_ids": [1, 2]}
 
@@ -58,3 +62,25 @@ def test_the_python_api_names_entries_by_index(redis_client: object) -> None:
     assert text.startswith("requests: 2 invalid entries; nothing was enqueued.")
     assert "  requests[1]: input_ids: required field is missing" in text
     assert "  requests[2]: bogus: unknown field" in text
+
+
+HEADER = {"run": "r", "job_id": "j", "batch_id": "j", "output": "file:///tmp/x", "submitted_at_ms": 1}
+FIELDS = {"id": "s:1", "sampling_params": {"max_new_tokens": 8, "temperature": 0.5}, "logprobs": 2,
+          "metadata": {"k": 1}, "prompt_text": "text", "routing_key": "s", "adapter": "sql"}
+
+
+def test_a_request_checked_as_an_array_makes_the_job_the_model_makes() -> None:
+    """`pipeline serve`'s turn: the ids stay an array, and the job is the one a validated model gives."""
+    ids = np.arange(5, 2005, dtype="<i4")
+    by_array = ParsedRequest.of_array(FIELDS, ids)
+    by_model = RolloutRequest.model_validate({**FIELDS, "input_ids": ids.tolist()})
+    assert JobPayload.pack([by_array], **HEADER) == JobPayload.pack([by_model], **HEADER)
+    assert JobPayload.pack([by_array], **HEADER).unpack() == [by_model]
+    assert (by_array.adapter, by_array.max_token_id()) == ("sql", 2004)
+
+
+@pytest.mark.parametrize("ids", [[], [3, -1], [1] * (MAX_PROMPT_TOKENS + 1)], ids=["empty", "negative", "too long"])
+def test_ids_the_model_refuses_are_refused_with_its_own_error(ids: list[int]) -> None:
+    with pytest.raises(ValidationError) as error:
+        ParsedRequest.of_array(FIELDS, np.asarray(ids, dtype="<i4"))
+    assert error.value.errors()[0]["loc"][0] == "input_ids"
