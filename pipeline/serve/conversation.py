@@ -46,21 +46,13 @@ def _dump(message: ChatMessage) -> dict[str, Any]:
     return message.model_dump(mode="json", exclude_none=True)
 
 
-def _shared(a: list[Any], b: Sequence[Any]) -> int:
-    """How many leading items `a` and `b` share (equal, compared in C for the common case: `a` extends `b`)."""
+def _shared(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.eq) -> int:
+    """How many leading items `a` and `b` share (`same`: equal, or `operator.is_` for the same objects),
+    compared at C speed for the common case: `a` extends `b`."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if all(map(same, a[:n], b[:n])):
         return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
-def _identical(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items `a` and `b` share as the same objects (the models `validated` reused),
-    found at C speed for the common case: `a` extends `b`."""
-    n = min(len(a), len(b))
-    if all(map(operator.is_, a[:n], b[:n])):
-        return n
-    return next(i for i in range(n) if a[i] is not b[i])
+    return next(i for i in range(n) if not same(a[i], b[i]))
 
 
 def _validated_after(data: dict[str, Any], known: Sequence[ChatMessage], rest: list[Any]) -> ChatCompletionBody:
@@ -165,7 +157,7 @@ class Conversations:
         with self._lock:
             earlier = self._latest.get(session_id)
         known, dumps = (earlier.models, earlier.messages) if earlier is not None else ((), [])
-        n = _identical(models, known)
+        n = _shared(models, known, operator.is_)  # the models `validated` reused
         messages = [*dumps[:n], *(_dump(m) for m in models[n:])]
         conversation = Conversation(messages, earlier, models=models)
         self._remember(self._latest, session_id, conversation)

@@ -187,9 +187,14 @@ class ParsedRequest:
 
     @classmethod
     def from_request(cls, request: RolloutRequest) -> ParsedRequest:
-        return cls(request.id, np.asarray(request.input_ids, dtype=np.int64),
-                   request.model_dump(exclude={"input_ids"}, exclude_defaults=True), request.logprobs,
-                   request.return_routed_experts, SamplingShape(request.sampling_params), None, request)
+        return cls._of(request, np.asarray(request.input_ids, dtype=np.int64), request)
+
+    @classmethod
+    def _of(cls, request: RolloutRequest, prompt_ids: np.ndarray, whole: RolloutRequest | None) -> ParsedRequest:
+        """`request`'s fields with `prompt_ids` (`whole`: the model with those ids, when there is one)."""
+        return cls(request.id, prompt_ids, request.model_dump(exclude={"input_ids"}, exclude_defaults=True),
+                   request.logprobs, request.return_routed_experts, SamplingShape(request.sampling_params), None,
+                   whole)
 
     @classmethod
     def of_array(cls, fields: dict[str, Any], prompt_ids: np.ndarray) -> ParsedRequest:
@@ -202,8 +207,7 @@ class ParsedRequest:
             request = RolloutRequest.model_validate({**fields, "input_ids": [0]})
         else:
             request = RolloutRequest.model_validate({**fields, "input_ids": prompt_ids.tolist()})
-        return cls(request.id, prompt_ids, request.model_dump(exclude={"input_ids"}, exclude_defaults=True),
-                   request.logprobs, request.return_routed_experts, SamplingShape(request.sampling_params), None)
+        return cls._of(request, prompt_ids, None)
 
     @property
     def adapter(self) -> str | None:
