@@ -70,39 +70,45 @@ HISTORY_MODES = ("verbatim", "template")
 _OPEN = """
 local session = redis.call('HGETALL', KEYS[1])
 if #session == 0 then return {session} end
+local field = {}
+for i = 1, #session, 2 do field[session[i]] = session[i + 1] end
 local same, same_record, same_pending = false, false, false
 if ARGV[1] ~= '' then
   same = redis.call('HGET', KEYS[2], ARGV[1])
   if same then
-    same_record = redis.call('HGET', KEYS[2], 'r:' .. same)
-    same_pending = redis.call('HGET', KEYS[2], 'p:' .. same)
+    local held = redis.call('HMGET', KEYS[2], 'r:' .. same, 'p:' .. same)
+    same_record, same_pending = held[1], held[2]
   end
 end
 local parent, parent_record = false, false
-for i = 7, #ARGV do
-  local hit = redis.call('HGET', KEYS[2], ARGV[i])
-  if hit then
-    parent = hit
-    parent_record = redis.call('HGET', KEYS[2], 'r:' .. string.match(hit, '^(%d+):'))
-    break
+if #ARGV >= 7 then
+  local hits = redis.call('HMGET', KEYS[2], unpack(ARGV, 7))
+  for i = 1, #hits do
+    if hits[i] then
+      parent = hits[i]
+      parent_record = redis.call('HGET', KEYS[2], 'r:' .. string.match(parent, '^(%d+):'))
+      break
+    end
   end
 end
 local ends = {}
 if tonumber(ARGV[2]) >= 0 then ends = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[2]) end
 local claimed = false
 if ARGV[3] ~= '' and not (same_record or same_pending) then
-  if redis.call('HGET', KEYS[1], 'state') ~= 'open' then
+  if field['state'] ~= 'open' then
     claimed = -1
-  elseif redis.call('HGET', KEYS[1], 'pool') ~= ARGV[6] then
+  elseif field['pool'] ~= ARGV[6] then
     claimed = -4
-  elseif tonumber(redis.call('HGET', KEYS[1], 'calls') or '0') >= tonumber(ARGV[5]) then
+  elseif tonumber(field['calls'] or '0') >= tonumber(ARGV[5]) then
     claimed = -3
   else
     claimed = redis.call('HINCRBY', KEYS[1], 'calls', 1) - 1
     redis.call('HINCRBY', KEYS[1], 'in_flight', 1)
     redis.call('HSET', KEYS[2], 'p:' .. claimed, ARGV[3], ARGV[4], claimed)
-    local ttl = redis.call('TTL', KEYS[1])
-    if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
+    if claimed == 0 then  -- later calls find the calls' expiry set, and each record moves it with the session's
+      local ttl = redis.call('TTL', KEYS[1])
+      if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
+    end
   end
 end
 return {session, same, same_record, same_pending, parent, parent_record, ends, claimed}
@@ -129,23 +135,34 @@ if redis.call('HEXISTS', KEYS[2], 'r:' .. turn) == 1 then return 0 end
 redis.call('HSET', KEYS[2], 'r:' .. turn, ARGV[2])
 if redis.call('HDEL', KEYS[2], 'p:' .. turn) == 1 then redis.call('HINCRBY', KEYS[1], 'in_flight', -1) end
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
-local low, high = redis.call('HGET', KEYS[1], 'min_version'), redis.call('HGET', KEYS[1], 'max_version')
-if not low or tonumber(ARGV[4]) < tonumber(low) then redis.call('HSET', KEYS[1], 'min_version', ARGV[4]) end
-if not high or tonumber(ARGV[5]) > tonumber(high) then redis.call('HSET', KEYS[1], 'max_version', ARGV[5]) end
-redis.call('HSET', KEYS[1], 'home', ARGV[3])
-for i = 9, #ARGV, 3 do
-  local held = redis.call('HGET', KEYS[2], ARGV[i])
-  if not held or tonumber(string.match(held, '^(%d+):')) > tonumber(turn) then
-    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+local session = {'home', ARGV[3]}
+local range = redis.call('HMGET', KEYS[1], 'min_version', 'max_version')
+if not range[1] or tonumber(ARGV[4]) < tonumber(range[1]) then table.insert(session, 'min_version'); table.insert(session, ARGV[4]) end
+if not range[2] or tonumber(ARGV[5]) > tonumber(range[2]) then table.insert(session, 'max_version'); table.insert(session, ARGV[5]) end
+if ARGV[8] ~= '0' then table.insert(session, 'ttl_set_ms'); table.insert(session, ARGV[8]) end
+redis.call('HSET', KEYS[1], unpack(session))
+if #ARGV >= 9 then
+  local fields = {}
+  for i = 9, #ARGV, 3 do table.insert(fields, ARGV[i]) end
+  local held = redis.call('HMGET', KEYS[2], unpack(fields))
+  local index, ends = {}, {}
+  for i = 9, #ARGV, 3 do
+    local was = held[(i - 6) / 3]
+    if not was or tonumber(string.match(was, '^(%d+):')) > tonumber(turn) then
+      table.insert(index, ARGV[i]); table.insert(index, ARGV[i + 1])
+    end
+    if ARGV[i + 2] ~= '' then table.insert(ends, ARGV[i + 2]); table.insert(ends, ARGV[i + 2]) end
   end
-  if ARGV[i + 2] ~= '' then redis.call('ZADD', KEYS[3], ARGV[i + 2], ARGV[i + 2]) end
+  if #index > 0 then redis.call('HSET', KEYS[2], unpack(index)) end
+  if #ends > 0 then redis.call('ZADD', KEYS[3], unpack(ends)) end
 end
+local ttl = ARGV[6]
 if ARGV[8] ~= '0' then
-  redis.call('HSET', KEYS[1], 'ttl_set_ms', ARGV[8])
-  redis.call('EXPIRE', KEYS[1], ARGV[6])
+  redis.call('EXPIRE', KEYS[1], ttl)
+else
+  ttl = redis.call('TTL', KEYS[1])
 end
-local ttl = redis.call('TTL', KEYS[1])
-if ttl > 0 then
+if tonumber(ttl) > 0 then
   redis.call('EXPIRE', KEYS[2], ttl)
   redis.call('EXPIRE', KEYS[3], ttl)
 end

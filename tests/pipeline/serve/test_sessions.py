@@ -162,6 +162,22 @@ def test_a_call_pushes_the_expiry_back_once_it_was_set_a_day_ago(redis_client: r
     assert int(redis_client.hget(key, "ttl_set_ms")) > day_ago_ms
 
 
+def test_a_sessions_calls_and_ends_expire_with_it_from_its_first_claim(redis_client: redis.Redis) -> None:
+    """The first claim gives the calls their expiry (a server that dies before recording leaves none
+    forever); a record gives the ends theirs and moves both with the session's."""
+    store = SessionStore(redis_client)
+    store.create(run="r", pool="default", output="file:///x", session_id="s-exp")
+    redis_client.expire(keys.session("s-exp"), 1000)
+    _open(store, "s-exp", Pending("abcdef", "d0", "", 1))  # claimed, never recorded
+    assert 0 < redis_client.ttl(keys.session_calls("s-exp")) <= 1000
+    redis_client.expire(keys.session("s-exp"), 2000)  # as a record a day later pushes it back
+    _commit(store, "s-exp", [USER], [1], [([2], "x")], digest="d1")
+    for key in (keys.session_calls("s-exp"), keys.session_ends("s-exp")):
+        assert 1000 < redis_client.ttl(key) <= 2000
+    _open(store, "s-exp", Pending("abcdef", "d2", "", 1))  # a later claim leaves them as the record set them
+    assert 1000 < redis_client.ttl(keys.session_calls("s-exp")) <= 2000
+
+
 def test_a_later_reward_keeps_the_rewards_it_does_not_name(redis_client: redis.Redis) -> None:
     """A harness posts a sub-agent's lineage reward mid-episode; the agent worker then ends the session
     with the episode's reward: both stay, and a second lineage reward joins the first."""
