@@ -135,11 +135,12 @@ if redis.call('HEXISTS', KEYS[2], 'r:' .. turn) == 1 then return 0 end
 redis.call('HSET', KEYS[2], 'r:' .. turn, ARGV[2])
 if redis.call('HDEL', KEYS[2], 'p:' .. turn) == 1 then redis.call('HINCRBY', KEYS[1], 'in_flight', -1) end
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
+local function put(list, a, b) list[#list + 1] = a; list[#list + 1] = b end
 local session = {'home', ARGV[3]}
 local range = redis.call('HMGET', KEYS[1], 'min_version', 'max_version')
-if not range[1] or tonumber(ARGV[4]) < tonumber(range[1]) then table.insert(session, 'min_version'); table.insert(session, ARGV[4]) end
-if not range[2] or tonumber(ARGV[5]) > tonumber(range[2]) then table.insert(session, 'max_version'); table.insert(session, ARGV[5]) end
-if ARGV[8] ~= '0' then table.insert(session, 'ttl_set_ms'); table.insert(session, ARGV[8]) end
+if not range[1] or tonumber(ARGV[4]) < tonumber(range[1]) then put(session, 'min_version', ARGV[4]) end
+if not range[2] or tonumber(ARGV[5]) > tonumber(range[2]) then put(session, 'max_version', ARGV[5]) end
+if ARGV[8] ~= '0' then put(session, 'ttl_set_ms', ARGV[8]) end
 redis.call('HSET', KEYS[1], unpack(session))
 if #ARGV >= 9 then
   local fields = {}
@@ -148,10 +149,8 @@ if #ARGV >= 9 then
   local index, ends = {}, {}
   for i = 9, #ARGV, 3 do
     local was = held[(i - 6) / 3]
-    if not was or tonumber(string.match(was, '^(%d+):')) > tonumber(turn) then
-      table.insert(index, ARGV[i]); table.insert(index, ARGV[i + 1])
-    end
-    if ARGV[i + 2] ~= '' then table.insert(ends, ARGV[i + 2]); table.insert(ends, ARGV[i + 2]) end
+    if not was or tonumber(string.match(was, '^(%d+):')) > tonumber(turn) then put(index, ARGV[i], ARGV[i + 1]) end
+    if ARGV[i + 2] ~= '' then put(ends, ARGV[i + 2], ARGV[i + 2]) end
   end
   if #index > 0 then redis.call('HSET', KEYS[2], unpack(index)) end
   if #ends > 0 then redis.call('ZADD', KEYS[3], unpack(ends)) end
