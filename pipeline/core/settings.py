@@ -240,7 +240,9 @@ SERVE_API_KEY = _define("PIPELINE_SERVE_API_KEY", str, None,
                         "the API key an agent worker sends to `pipeline serve` (`serve --api-key`)")
 RENDER_AUDIT_EVERY = _define("PIPELINE_RENDER_AUDIT_EVERY", int, 32,
                              "a verbatim session's turn renders a window of its history; each template's first "
-                             "4 windows and every Nth after are checked against the whole history (a mismatch "
+                             "4 windows, then one whenever its windows since the last check rendered N-1 times "
+                             "the messages of the history checked (every Nth turn for short histories, at most "
+                             "1/(N-1) of the windows' work), are checked against the whole history (a mismatch "
                              "renders that template's turns whole from then on); 1 checks every turn, 0 renders "
                              "every turn whole")
 MODEL_CACHE = _define("PIPELINE_MODEL_CACHE", str, None,

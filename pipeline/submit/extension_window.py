@@ -19,10 +19,14 @@ before it). So the template sees a window:
 - the reply and everything after it.
 
 A window is an assumption about a template, so it is checked: each template setting's (tools, tool
-choice, template kwargs) first `FIRST_AUDITS` windows and every `audit_every`-th after are
-rendered whole too. A mismatch logs a warning and that setting's turns render the whole history
-from then on, the audited turn included. `$PIPELINE_RENDER_AUDIT_EVERY`: 1 audits every turn,
-0 turns windows off.
+choice, template kwargs) first `FIRST_AUDITS` windows are rendered whole too, and after them a
+window whenever the setting's windows since its last audit have rendered `audit_every - 1` times as
+many messages as the history the audit renders: every `audit_every`-th window while windows are as
+long as their histories, rarer as sessions grow, so the audits cost at most 1/(`audit_every` - 1) of
+what the windows cost and a turn stays O(its new messages) (an audit every 32nd window would render
+a 1 000-message history every 32nd turn). A mismatch logs a warning and that setting's turns render
+the whole history from then on, the audited turn included. `$PIPELINE_RENDER_AUDIT_EVERY`: 1 audits
+every turn, 0 turns windows off.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class ExtensionWindow:
     def __init__(self, audit_every: int | None = None) -> None:
         self.audit_every = settings.render_audit_every() if audit_every is None else audit_every
         self._lock = threading.Lock()
-        self._windows: dict[str, int] = {}  # template setting -> windows rendered
+        # template setting -> windows rendered, messages they rendered since its last audit
+        self._windows: dict[str, tuple[int, int]] = {}
         self._refused: dict[str, str] = {}  # template setting -> why its turns render whole
 
     @staticmethod
@@ -78,13 +83,15 @@ class ExtensionWindow:
             return None
         return window_positions(messages, boundary)
 
-    def audit_due(self, request: ChatRequest) -> bool:
-        """Count a window of this setting; True when it is to be checked against the whole history."""
+    def audit_due(self, request: ChatRequest, window: int, history: int) -> bool:
+        """Count a window of `window` messages of this setting over a history of `history`; True when it
+        is to be checked against the whole history (the module's docstring says when)."""
         setting = self._setting(request)
         with self._lock:
-            count = self._windows.get(setting, 0)
-            self._windows[setting] = count + 1
-        return count < FIRST_AUDITS or (count - FIRST_AUDITS) % self.audit_every == self.audit_every - 1
+            count, since = self._windows.get(setting, (0, 0))
+            due = count < FIRST_AUDITS or since >= (self.audit_every - 1) * history
+            self._windows[setting] = (count + 1, 0 if due else since + window)
+        return due
 
     def refuse(self, request: ChatRequest, windowed: str, whole: str) -> None:
         """The template rendered `windowed` over the window and `whole` over the whole history: this

@@ -409,7 +409,7 @@ class ChatRenderer:
             extension = self._extension(request, positions, boundary, completion_text)
         except RenderError:  # a template that refuses the window's shape: the whole history decides
             return self._extension(request, range(len(messages)), boundary, completion_text)
-        if self.window.audit_due(request):
+        if self.window.audit_due(request, len(positions), len(messages)):
             whole = self._extension(request, range(len(messages)), boundary, completion_text)
             if whole != extension:
                 self.window.refuse(request, extension.prompt_text, whole.prompt_text)

@@ -155,13 +155,24 @@ def test_after_its_first_audits_a_window_is_all_the_template_sees(tmp_path: Path
     assert seen == [4]  # the system prompt, the query before the reply, the reply, the new message
 
 
-def test_windows_are_audited_first_and_then_every_nth() -> None:
+def test_windows_are_audited_first_and_then_every_nth_while_they_are_their_whole_histories() -> None:
     window = ExtensionWindow(audit_every=3)
     request = ChatRequest.model_validate({"id": "t", "messages": [{"role": "user", "content": "x"}]})
     other = ChatRequest.model_validate({"id": "t", "messages": [{"role": "user", "content": "x"}], "tools": _TOOLS})
-    due = [window.audit_due(request) for _ in range(FIRST_AUDITS + 6)]
+    due = [window.audit_due(request, 4, 4) for _ in range(FIRST_AUDITS + 6)]
     assert due == [True] * FIRST_AUDITS + [False, False, True] * 2
-    assert window.audit_due(other)  # each template setting is audited from its first window
+    assert window.audit_due(other, 4, 4)  # each template setting is audited from its first window
+
+
+def test_audits_grow_rarer_as_histories_grow_so_they_cost_a_share_of_the_windows() -> None:
+    """A window of 4 messages over a history of 40: the audit renders 10 windows' worth, so it comes once
+    the windows since the last one rendered (audit_every - 1) x 40 messages: every 21st window, not 3rd."""
+    window = ExtensionWindow(audit_every=3)
+    request = ChatRequest.model_validate({"id": "t", "messages": [{"role": "user", "content": "x"}]})
+    due = [window.audit_due(request, 4, 40) for _ in range(FIRST_AUDITS + 42)]
+    assert due == [True] * FIRST_AUDITS + ([False] * 20 + [True]) * 2
+    every = ExtensionWindow(audit_every=1)  # 1: every turn, however long the history
+    assert all(every.audit_due(request, 4, 4000) for _ in range(FIRST_AUDITS + 3))
 
 
 def test_a_window_leaves_out_an_even_number_of_messages_and_keeps_the_query() -> None:
