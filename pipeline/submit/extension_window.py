@@ -73,27 +73,27 @@ class ExtensionWindow:
         self._refused: dict[str, str] = {}  # template setting -> why its turns render whole
 
     @staticmethod
-    def _setting(request: ChatRequest) -> str:
+    def setting(request: ChatRequest) -> str:
+        """The request's template setting (what the windows' audits are kept by): taken once a turn."""
         return request.model_dump_json(include={"tools", "tool_choice", "chat_template_kwargs",
                                                 "continue_final_message"})
 
-    def positions(self, request: ChatRequest, messages: Sequence[ChatMessage], boundary: int) -> list[int] | None:
-        """The window for this turn, or None: render the whole history."""
-        if self.audit_every <= 0 or self._setting(request) in self._refused:
+    def positions(self, setting: str, messages: Sequence[ChatMessage], boundary: int) -> list[int] | None:
+        """The window for this turn of template setting `setting`, or None: render the whole history."""
+        if self.audit_every <= 0 or setting in self._refused:
             return None
         return window_positions(messages, boundary)
 
-    def audit_due(self, request: ChatRequest, window: int, history: int) -> bool:
-        """Count a window of `window` messages of this setting over a history of `history`; True when it
+    def audit_due(self, setting: str, window: int, history: int) -> bool:
+        """Count a window of `window` messages of `setting` over a history of `history`; True when it
         is to be checked against the whole history (the module's docstring says when)."""
-        setting = self._setting(request)
         with self._lock:
             count, since = self._windows.get(setting, (0, 0))
             due = count < FIRST_AUDITS or since >= (self.audit_every - 1) * history
             self._windows[setting] = (count + 1, 0 if due else since + window)
         return due
 
-    def refuse(self, request: ChatRequest, windowed: str, whole: str) -> None:
+    def refuse(self, setting: str, windowed: str, whole: str) -> None:
         """The template rendered `windowed` over the window and `whole` over the whole history: this
         setting's turns render whole from now on."""
         at = next((i for i, (a, b) in enumerate(zip(windowed, whole, strict=False)) if a != b),
@@ -101,11 +101,11 @@ class ExtensionWindow:
         why = (f"at character {at} of what follows the reply, the window gives {windowed[at:at + 40]!r} and "
                f"the whole history {whole[at:at + 40]!r}")
         with self._lock:
-            self._refused[self._setting(request)] = why
+            self._refused[setting] = why
         log.warning("the chat template renders what follows a reply differently when it sees only a window of "
                     "the history (%s); turns with these tools and template settings render the whole history "
                     "from now on (O(the session) a turn)", why)
 
     def refused(self, request: ChatRequest) -> str | None:
         """Why this setting's turns render the whole history, or None."""
-        return self._refused.get(self._setting(request))
+        return self._refused.get(self.setting(request))

@@ -402,17 +402,18 @@ class ChatRenderer:
         """
         assert request.messages is not None
         messages = request.messages
-        positions = self.window.positions(request, messages, boundary)
+        setting = self.window.setting(request)
+        positions = self.window.positions(setting, messages, boundary)
         if positions is None:
             return self._extension(request, range(len(messages)), boundary, completion_text)
         try:
             extension = self._extension(request, positions, boundary, completion_text)
         except RenderError:  # a template that refuses the window's shape: the whole history decides
             return self._extension(request, range(len(messages)), boundary, completion_text)
-        if self.window.audit_due(request, len(positions), len(messages)):
+        if self.window.audit_due(setting, len(positions), len(messages)):
             whole = self._extension(request, range(len(messages)), boundary, completion_text)
             if whole != extension:
-                self.window.refuse(request, extension.prompt_text, whole.prompt_text)
+                self.window.refuse(setting, extension.prompt_text, whole.prompt_text)
                 return whole
         return extension
 

@@ -159,9 +159,9 @@ def test_windows_are_audited_first_and_then_every_nth_while_they_are_their_whole
     window = ExtensionWindow(audit_every=3)
     request = ChatRequest.model_validate({"id": "t", "messages": [{"role": "user", "content": "x"}]})
     other = ChatRequest.model_validate({"id": "t", "messages": [{"role": "user", "content": "x"}], "tools": _TOOLS})
-    due = [window.audit_due(request, 4, 4) for _ in range(FIRST_AUDITS + 6)]
+    due = [window.audit_due(ExtensionWindow.setting(request), 4, 4) for _ in range(FIRST_AUDITS + 6)]
     assert due == [True] * FIRST_AUDITS + [False, False, True] * 2
-    assert window.audit_due(other, 4, 4)  # each template setting is audited from its first window
+    assert window.audit_due(ExtensionWindow.setting(other), 4, 4)  # each setting audited from its first window
 
 
 def test_audits_grow_rarer_as_histories_grow_so_they_cost_a_share_of_the_windows() -> None:
@@ -169,10 +169,10 @@ def test_audits_grow_rarer_as_histories_grow_so_they_cost_a_share_of_the_windows
     the windows since the last one rendered (audit_every - 1) x 40 messages: every 21st window, not 3rd."""
     window = ExtensionWindow(audit_every=3)
     request = ChatRequest.model_validate({"id": "t", "messages": [{"role": "user", "content": "x"}]})
-    due = [window.audit_due(request, 4, 40) for _ in range(FIRST_AUDITS + 42)]
+    due = [window.audit_due(ExtensionWindow.setting(request), 4, 40) for _ in range(FIRST_AUDITS + 42)]
     assert due == [True] * FIRST_AUDITS + ([False] * 20 + [True]) * 2
     every = ExtensionWindow(audit_every=1)  # 1: every turn, however long the history
-    assert all(every.audit_due(request, 4, 4000) for _ in range(FIRST_AUDITS + 3))
+    assert all(every.audit_due(ExtensionWindow.setting(request), 4, 4000) for _ in range(FIRST_AUDITS + 3))
 
 
 def test_a_window_leaves_out_an_even_number_of_messages_and_keeps_the_query() -> None:
