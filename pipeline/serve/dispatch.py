@@ -53,8 +53,7 @@ class TurnDispatch:
         self.router = Router(conn, self.keys, affinity=affinity, load_factor=load_factor)
         self.batcher = TurnBatcher(conn, self.router, async_conn=lambda: self.waiter.async_conn(),
                                    max_turns_per_job=max_turns_per_job)
-        # where workers answer this server's turns (`TurnTag.reply_to`), taken on the server's loop
-        self.inbox = Inbox(conn, async_conn=lambda: self.waiter.async_conn())
+        self.inbox = Inbox(conn)  # where workers answer this server's turns (`TurnTag.reply_to`)
         self.waiter = TurnWaiter(conn, self.router, self.inbox, self.batcher.answered, turn_timeout_s=turn_timeout_s)
 
     def close(self) -> None:

@@ -3,14 +3,12 @@ waiters, whenever they ask (real redis-server)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
 import redis
 
 from pipeline.core.broker import keys
-from pipeline.core.broker.connection import asyncio_twin
 from pipeline.core.jobs import replies
 from pipeline.serve.inbox import Inbox
 
@@ -72,28 +70,3 @@ def test_an_answer_reaches_its_waiter_without_waiting_on_another_round_trip(redi
     finally:
         far.arrives.set()
         inbox.close()
-
-
-def test_a_server_with_an_asyncio_client_takes_its_answers_on_its_loop(redis_client: redis.Redis) -> None:
-    """The answers reach their waiters on the server's loop: no thread takes them, an early answer still
-    waits for its waiter, and a waiter that gave up leaves the answer to the next."""
-
-    async def serve() -> None:
-        aconn = asyncio_twin(redis_client)
-        inbox = Inbox(redis_client, async_conn=lambda: aconn)
-        try:
-            a, gone = inbox.expect("s1-00003-aaa"), inbox.expect("s2-00003-bbb")
-            assert isinstance(a, asyncio.Future)
-            inbox.forget("s2-00003-bbb", gone)
-            _push(redis_client, inbox.server_id, ("s1-00003-aaa", b"rows of a"), ("s2-00003-bbb", b"rows of b"),
-                  ("s3-00003-ccc", b"rows of c"))
-            assert await asyncio.wait_for(a, 10) == b"rows of a"
-            assert not any(t.name.startswith("inbox-") for t in threading.enumerate())
-            assert await asyncio.wait_for(inbox.expect("s3-00003-ccc"), 10) == b"rows of c"
-            assert await asyncio.wait_for(inbox.expect("s2-00003-bbb"), 10) == b"rows of b"
-            assert not gone.done()
-        finally:
-            inbox.close()
-            await aconn.aclose()
-
-    asyncio.run(serve())
